@@ -1,0 +1,62 @@
+"""Engine configuration: one validated dataclass; every knob has a default that works on a laptop CPU."""
+
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_CPU_KV_BYTES = 512 * 2**20
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | Path
+    dtype: str = "auto"  # auto: the checkpoint's dtype
+    device: str = "auto"  # auto: cuda when available, else cpu
+    page_size: int = 16
+    num_pages: int | None = None  # explicit pool size; overrides the memory budget
+    kv_cache_memory_bytes: int | None = None  # byte budget for KV (CPU default 512 MiB)
+    gpu_memory_utilization: float = 0.90  # fraction of GPU memory the engine may use in total
+    max_num_batched_tokens: int = 2048  # token budget of one step (the prefill chunk bound)
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    method: str = "dense"
+    method_config: dict[str, Any] = field(default_factory=dict)
+    attention_backend: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.device != "auto":
+            try:
+                torch.device(self.device)
+            except RuntimeError as exc:
+                raise ConfigError(f"device {self.device!r} is not a torch device") from exc
+        positive = ["page_size", "max_num_batched_tokens", "max_num_seqs"]
+        positive += [n for n in ("num_pages", "kv_cache_memory_bytes", "max_model_len") if getattr(self, n) is not None]
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.method_config, dict):
+            raise ConfigError(f"method_config must be a dict, got {type(self.method_config).__name__}")
+
+    @classmethod
+    def from_kwargs(cls, model: str | Path, **kwargs: Any) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known - {'model'})}")
+        return cls(model=model, **kwargs)
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

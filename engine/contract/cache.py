@@ -1,0 +1,86 @@
+"""The cache-manager side of the lifecycle contract.
+
+A method owns its KV representation through a ``CacheManager``. The scheduler asks it for memory (pages come
+from the one shared ``PagePool`` so admission sees real memory); the runner asks it where new tokens go and
+which view a step's attention reads.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.contract.view import PagedView
+    from engine.request import Request
+
+
+@dataclass(slots=True, frozen=True)
+class CacheSpec:
+    """What one token's KV looks like for this model (a property of the model's attention layers)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+    page_size: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+
+class CacheManager(ABC):
+    """Per-request KV bookkeeping plus the storage behind it.
+
+    Lengths are physical (slots held); a request's logical length is ``Request.num_computed_tokens``.
+    """
+
+    spec: CacheSpec
+
+    # --- scheduler side -------------------------------------------------------------------------
+    @abstractmethod
+    def match_prefix(self, req: Request) -> int:
+        """Attach cached pages for the longest reusable prefix; returns tokens reused (0 if none)."""
+
+    @abstractmethod
+    def allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Reserve room for ``num_new_tokens`` more tokens; False (nothing changed) if the pool is short."""
+
+    @abstractmethod
+    def free(self, req: Request) -> None:
+        """Give back everything the request holds (its full pages stay matchable in the prefix index)."""
+
+    @abstractmethod
+    def commit(self, req: Request) -> None:
+        """Called after a step computed tokens for ``req``: publish newly full pages for prefix reuse."""
+
+    @abstractmethod
+    def num_pages_held(self, req: Request) -> int: ...
+
+    @abstractmethod
+    def physical_len(self, req: Request, layer: int = 0) -> int: ...
+
+    # --- runner side ----------------------------------------------------------------------------
+    @abstractmethod
+    def slot_mapping(self, reqs: list[Request], num_new_tokens: list[int]) -> torch.Tensor:
+        """[T] int64 physical slots (page * page_size + offset) where the step's new tokens are written."""
+
+    @abstractmethod
+    def build_view(self, reqs: list[Request], num_new_tokens: list[int]) -> PagedView:
+        """The full resident view of this step's requests, new tokens included (shared by all layers)."""
+
+    @abstractmethod
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of one layer, each [num_pages, page_size, num_kv_heads, head_dim]."""

@@ -1,0 +1,115 @@
+"""The method side of the lifecycle contract.
+
+A ``SparseMethod`` decides which tokens a request keeps (eviction), which ones attention reads (selection)
+and how they are stored (quantization, low rank). Every hook has a no-op default, so the base class *is* the
+dense method: it keeps everything and reads everything. Subclasses live in ``policies/`` and register by name
+(see ``engine.registry``); the engine calls the hooks and never names a method.
+
+Order within one step::
+
+    begin_step(batch)
+      for each layer:  before_attention -> [cache.write] -> select -> [backend] -> after_attention -> end_layer
+    end_step(batch)          # after sampling: batch.finished_prompt tells which requests just ended prefill
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from engine.contract.cache import CacheManager, CacheSpec
+from engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from engine.contract.view import PagedView
+    from engine.forward_batch import ForwardBatch
+    from engine.page_pool import PagePool
+    from engine.request import Request
+
+
+class Family(str, enum.Enum):
+    DENSE = "dense"
+    EVICTION = "eviction"
+    SELECTION = "selection"
+    QUANTIZATION = "quantization"
+    LOWRANK = "lowrank"
+
+
+@dataclass(slots=True, frozen=True)
+class MethodNeeds:
+    """What a method asks the runner to hand it beyond q/k/v and the view."""
+
+    attention_scores: bool = False
+    queries: bool = False
+    raw_keys: bool = False
+
+
+@dataclass(slots=True, frozen=True)
+class NoConfig:
+    pass
+
+
+class SparseMethod:
+    name: ClassVar[str] = "dense"
+    family: ClassVar[Family] = Family.DENSE
+    Config: ClassVar[type] = NoConfig
+    needs: ClassVar[MethodNeeds] = MethodNeeds()
+
+    def __init__(self, config: Any = None):
+        self.config = config if config is not None else self.Config()
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | None) -> SparseMethod:
+        """Build from user-supplied knobs; unknown knobs and bad values raise ConfigError."""
+        options = dict(options or {})
+        known = {f.name for f in fields(cls.Config)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ConfigError(
+                f"method {cls.name!r} has no option(s) {unknown}; known options: {sorted(known) or 'none'}"
+            )
+        try:
+            config = cls.Config(**options)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"method {cls.name!r}: {exc}") from exc
+        return cls(config)
+
+    # --- representation -------------------------------------------------------------------------
+    def make_cache(self, spec: CacheSpec, pool: PagePool, enable_prefix_caching: bool) -> CacheManager:
+        from engine.paged_cache import PagedCacheManager
+
+        return PagedCacheManager(spec, pool, enable_prefix_caching=enable_prefix_caching)
+
+    # --- hooks (no-op defaults = dense) ---------------------------------------------------------
+    def begin_step(self, batch: ForwardBatch) -> None:
+        pass
+
+    def before_attention(self, layer: int, batch: ForwardBatch) -> None:
+        pass
+
+    def select(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> PagedView:
+        return batch.view
+
+    def after_attention(
+        self, layer: int, batch: ForwardBatch, out: torch.Tensor, scores: torch.Tensor | None
+    ) -> None:
+        pass
+
+    def end_layer(self, layer: int, batch: ForwardBatch, hidden: torch.Tensor) -> None:
+        pass
+
+    def end_step(self, batch: ForwardBatch) -> None:
+        pass
+
+    # --- cross-request state (Chain Cache, fork, offload) ---------------------------------------
+    def export_state(self, req: Request) -> Any:
+        return None
+
+    def import_state(self, req: Request, state: Any) -> None:
+        pass
+
+    def release(self, req: Request) -> None:
+        """The request is gone (finished, aborted or preempted): drop per-request method state."""

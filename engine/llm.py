@@ -1,0 +1,58 @@
+"""LLM: offline batch generation on top of LLMEngine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM(model_dir, **engine_options).generate(prompts, params)``.
+
+    >>> llm = LLM(default_model_dir(), max_num_batched_tokens=256)   # doctest: +SKIP
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].text  # doctest: +SKIP
+    """
+
+    def __init__(self, model: str | Path, **options: Any):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model, **options))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, per_prompt):
+                ids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        final: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, desc="generate") as bar:
+            while len(final) < len(ids):
+                if not self.engine.has_unfinished():
+                    raise RuntimeError("engine went idle with requests unfinished")  # an engine bug
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                        bar.update(1)
+        return [final[rid] for rid in ids]

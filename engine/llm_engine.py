@@ -1,0 +1,210 @@
+"""LLMEngine: the step-level API the server drives (add a request, run one step, collect outputs, abort).
+
+One step is ``schedule -> prepare -> execute -> update -> end_step -> append samples``; see
+docs/architecture.md for who owns what.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.attention_backend import make_backend
+from engine.config import DEFAULT_CPU_KV_BYTES, DTYPES, EngineConfig
+from engine.contract.cache import CacheSpec
+from engine.detokenizer import IncrementalDetokenizer
+from engine.errors import CheckpointError, InvalidRequestError, InvalidSamplingParamsError, OutOfPagesError
+from engine.loader import load_model
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.page_pool import PagePool
+from engine.registry import create_method
+from engine.request import FinishReason, Request
+from engine.sampler import make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(model_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as exc:  # transformers raises many types for a bad tokenizer dir
+        raise CheckpointError(f"cannot load the tokenizer from {model_dir}: {exc}") from exc
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = config.resolved_device()
+        dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
+        self.model, self.model_config = load_model(config.model, dtype=dtype, device=self.device)
+        self.tokenizer = load_tokenizer(config.model)
+        mc = self.model_config
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.method = create_method(config.method, config.method_config)
+        spec = CacheSpec(
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            dtype=next(self.model.parameters()).dtype,
+            device=self.device,
+            page_size=config.page_size,
+        )
+        self.pool = PagePool(self._num_pages(spec))
+        self.cache = self.method.make_cache(spec, self.pool, config.enable_prefix_caching)
+        self.backend = make_backend(config.attention_backend, self.device)
+        self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)
+        self._requests: dict[str, Request] = {}
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._ids = itertools.count()
+        log.info("engine ready: %s, %d pages of %d tokens, method %s", mc.architecture, self.pool.num_pages,
+                 config.page_size, self.method.name)
+
+    def _num_pages(self, spec: CacheSpec) -> int:
+        if self.config.num_pages is not None:
+            return self.config.num_pages
+        budget = self.config.kv_cache_memory_bytes
+        if budget is None and self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = int(total * self.config.gpu_memory_utilization) - (total - free)
+        budget = budget if budget is not None else DEFAULT_CPU_KV_BYTES
+        num_pages = budget // spec.bytes_per_page
+        if num_pages < 1:
+            raise OutOfPagesError(f"KV budget of {budget} bytes holds no page of {spec.bytes_per_page} bytes")
+        return num_pages
+
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):
+            raise InvalidSamplingParamsError(f"params must be SamplingParams, got {type(params).__name__}")
+        token_ids = self._prompt_token_ids(prompt)
+        request_id = str(next(self._ids)) if request_id is None else request_id
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        final_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        pages = -(-final_len // self.config.page_size)
+        if pages > self.pool.num_pages:
+            raise InvalidRequestError(
+                f"request needs {pages} KV pages ({final_len} tokens) but the pool has {self.pool.num_pages}"
+            )
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            max_model_len=self.max_model_len,
+            eos_token_ids=frozenset(self.model_config.eos_token_ids),
+            generator=make_generator(params.seed, self.device),
+        )
+        self._requests[request_id] = req
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, len(token_ids))
+        self.scheduler.add(req)
+        return request_id
+
+    def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt) if prompt else []
+        elif isinstance(prompt, (list, tuple)):
+            token_ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"prompt token id {bad!r} is not an int in [0, {vocab})")
+        else:
+            raise InvalidRequestError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len} "
+                "(at least one token must be left to generate)"
+            )
+        return token_ids
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, FinishReason.ABORT)
+        out = self._output(req, [], "")
+        self._forget(req)
+        return out
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- one step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        batch = self.runner.prepare(plan)
+        sampled = self.runner.execute(batch)
+        self.scheduler.update(plan)
+        self.method.end_step(batch)
+        if sampled is None:
+            return []
+        outputs = []
+        for req, token_id, logprob in zip(batch.sample_requests, sampled.token_ids, sampled.logprobs):
+            outputs.append(self._append_token(req, token_id, logprob))
+        return outputs
+
+    def _append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestOutput:
+        req.append_output(token_id, logprob)
+        detok = self._detokenizers[req.request_id]
+        before = len(detok.text)
+        delta = detok.update(req.token_ids)
+        stop_reason: str | int | None = None
+        if req.stop_by_token(token_id):
+            stop_reason = token_id
+        elif (stop := detok.truncate_at_stop(req.params.stop, len(delta), req.params.include_stop_str_in_output)):
+            stop_reason = stop
+        if stop_reason is not None:
+            self._finish(req, FinishReason.STOP)
+        elif req.reached_length_limit():
+            self._finish(req, FinishReason.LENGTH)
+        out = self._output(req, [token_id], detok.text[before:], stop_reason)
+        if req.is_finished:
+            self._forget(req)
+        return out
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        self.scheduler.finish(req, reason)
+        self.method.release(req)
+
+    def _forget(self, req: Request) -> None:
+        del self._requests[req.request_id]
+        del self._detokenizers[req.request_id]
+
+    def _output(self, req: Request, new_ids: list[int], new_text: str, stop_reason=None) -> RequestOutput:
+        text = self._detokenizers[req.request_id].text
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=req.output_token_ids,
+            text=text,
+            finished=req.is_finished,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            num_cached_tokens=max(req.num_cached_tokens, 0),
+            new_token_ids=new_ids,
+            new_text=new_text,
+            logprobs=list(req.output_logprobs) if req.params.logprobs else None,
+            stop_reason=stop_reason,
+        )
+
+    # --- cache ----------------------------------------------------------------------------------
+    def clear_prefix_cache(self) -> None:
+        self.cache.clear_prefix_cache()

@@ -1,0 +1,37 @@
+"""What model code may assume about the engine, and what the engine assumes about model code.
+
+Model code never sees pages, requests or methods. Each decoder layer hands its projected, rotated
+q/k/v to ``LayerRunner.attention`` and calls ``LayerRunner.end_layer`` when the layer is done; the engine's
+runner implements both on top of the lifecycle contract.
+"""
+
+from typing import Iterable, Protocol
+
+import torch
+
+
+class LayerRunner(Protocol):
+    def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim], RoPE (and q/k norm) applied.
+
+        T is the number of tokens in the step (all requests flattened). Returns [T, num_heads, head_dim].
+        """
+        ...
+
+    def end_layer(self, layer_idx: int, hidden: torch.Tensor) -> None:
+        """Called after layer ``layer_idx`` with its output hidden states [T, hidden_size]."""
+        ...
+
+
+class CausalLM(Protocol):
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, runner: LayerRunner) -> torch.Tensor:
+        """input_ids, positions: [T] int64 (positions are logical). Returns final-normed hidden [T, hidden]."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden_size] -> logits [N, vocab_size] float32."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consume (HF checkpoint name, tensor) pairs; raise CheckpointError on missing/unknown/misshaped."""
+        ...

@@ -1,0 +1,20 @@
+"""What the engine hands back to callers."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """State of one request after a step. ``new_token_ids``/``new_text`` are this step's delta."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    num_cached_tokens: int
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    logprobs: list[float] | None = None
+    stop_reason: str | int | None = None

@@ -1,0 +1,81 @@
+"""A request as the scheduler and runner see it.
+
+``num_computed_tokens`` is the request's *logical* length: how many of its tokens have had their KV
+computed. Physical lengths (slots actually held) belong to the cache manager.
+"""
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_model_len: int
+    eos_token_ids: frozenset[int] = frozenset()
+    token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def append_output(self, token_id: int, logprob: float | None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
+
+    def stop_by_token(self, token_id: int) -> bool:
+        if token_id in self.params.stop_token_ids:
+            return True
+        return not self.params.ignore_eos and token_id in self.eos_token_ids
+
+    def reached_length_limit(self) -> bool:
+        return self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_model_len

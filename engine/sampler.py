@@ -1,0 +1,108 @@
+"""Batched token sampling: greedy, temperature, top-k, top-p, min-p."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class SampleOutput:
+    token_ids: list[int]
+    logprobs: list[float | None]
+
+
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
+    """A generator seeded with ``seed`` on ``device``, or None (use the global RNG)."""
+    if seed is None:
+        return None
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def _filter_mask(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor | None:
+    """Boolean [n, V] mask of tokens kept by top-k, then top-p, then min-p; None if nothing is filtered."""
+    n, vocab = x.shape
+    ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+    if all(k == vocab for k in ks) and all(p.top_p >= 1.0 and p.min_p <= 0.0 for p in params):
+        return None
+    dev = x.device
+    k = torch.tensor(ks, device=dev)
+    top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=x.dtype)
+    min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=x.dtype)
+
+    sorted_x, order = torch.sort(x, dim=-1, descending=True, stable=True)
+    keep = torch.arange(vocab, device=dev)[None, :] < k[:, None]
+    probs = torch.softmax(sorted_x.masked_fill(~keep, float("-inf")), dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep &= (mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0)
+    keep &= probs >= min_p[:, None] * probs[:, :1]
+    keep[:, 0] = True
+    return torch.empty_like(keep).scatter_(1, order, keep)
+
+
+class Sampler:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> SampleOutput:
+        n = logits.shape[0]
+        assert logits.dim() == 2 and len(params) == n and len(generators) == n
+        logits = logits.float()
+        greedy = [p.is_greedy for p in params]
+
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+            g_rows = [i for i in range(n) if greedy[i]]
+            s_rows = [i for i in range(n) if not greedy[i]]
+            if g_rows:
+                gi = torch.tensor(g_rows, device=logits.device)
+                tokens[gi] = logits[gi].argmax(dim=-1)
+            si = torch.tensor(s_rows, device=logits.device)
+            tokens[si] = self._sample_random(
+                logits[si], [params[i] for i in s_rows], [generators[i] for i in s_rows]
+            )
+
+        token_list = tokens.tolist()
+        lp_rows = [i for i in range(n) if params[i].logprobs]
+        logprobs: list[float | None] = [None] * n
+        if lp_rows:
+            li = torch.tensor(lp_rows, device=logits.device)
+            lp = torch.log_softmax(logits[li], dim=-1).gather(1, tokens[li, None]).squeeze(1)
+            for i, v in zip(lp_rows, lp.tolist()):
+                logprobs[i] = v
+        return SampleOutput(token_ids=token_list, logprobs=logprobs)
+
+    @staticmethod
+    def _sample_random(
+        logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        temps = torch.tensor([p.temperature for p in params], device=logits.device, dtype=logits.dtype)
+        x = logits / temps[:, None]
+        keep = _filter_mask(x, params)
+        if keep is not None:
+            x = x.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(x, dim=-1)
+
+        # Exponential race: argmax(p / E) with E ~ Exp(1) is a draw from p.
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            if len(unseeded) == len(generators):
+                noise.exponential_()
+            else:
+                ui = torch.tensor(unseeded, device=probs.device)
+                noise[ui] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_()
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+        return (probs / noise).argmax(dim=-1)

@@ -1,0 +1,80 @@
+"""Per-request sampling parameters, validated on construction."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from engine.errors import InvalidSamplingParamsError
+
+_GREEDY_EPS = 1e-5
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def bad(name: str, why: str) -> InvalidSamplingParamsError:
+            return InvalidSamplingParamsError(f"{name} {why}, got {getattr(self, name)!r}")
+
+        for name in ("temperature", "top_p", "min_p"):
+            if not _is_real(getattr(self, name)):
+                raise bad(name, "must be a number")
+            setattr(self, name, float(getattr(self, name)))
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            raise bad("temperature", "must be a finite number >= 0")
+        if not (0.0 < self.top_p <= 1.0):
+            raise bad("top_p", "must be in (0, 1]")
+        if not (0.0 <= self.min_p <= 1.0):
+            raise bad("min_p", "must be in [0, 1]")
+
+        for name in ("top_k", "max_tokens"):
+            if not _is_int(getattr(self, name)):
+                raise bad(name, "must be an int")
+        if self.top_k < -1:
+            raise bad("top_k", "must be -1 or 0 (off) or a positive int")
+        if self.max_tokens < 1:
+            raise bad("max_tokens", "must be >= 1")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "must be an int or None")
+
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise bad("stop_token_ids", "must be a list of ints")
+        if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", "must contain only non-negative ints")
+        self.stop_token_ids = list(self.stop_token_ids)
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)):
+            raise bad("stop", "must be a str or a list of str")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise bad("stop", "must contain only non-empty strings")
+        self.stop = list(self.stop)
+
+        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "must be a bool")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < _GREEDY_EPS

@@ -1,0 +1,107 @@
+"""Token-budget continuous batching.
+
+No prefill or decode phases: each step, every running request's computed-token count catches up with its
+token count, as far as the step's token budget allows, so one step can mix decode tokens and prefill chunks.
+Running requests are served first, in admission order; when pages run out the most recently admitted one is
+preempted (its pages freed, it is recomputed later from its tokens). Waiting requests are admitted while the
+budget, ``max_num_seqs`` and the pool allow, after reusing whatever prefix the cache manager can match.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.contract.cache import CacheManager
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class StepPlan:
+    requests: list[Request] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, cache: CacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+        self.cache = cache
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert n > 0
+            while not self.cache.allocate(req, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                plan.requests.append(req)
+                plan.num_new_tokens.append(n)
+                budget -= n
+                i += 1
+        if plan.preempted:
+            return plan  # memory is short: do not admit anyone this step
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            cached = self.cache.match_prefix(req)
+            n = min(req.num_tokens - cached, budget)
+            if not self.cache.allocate(req, n):
+                self.cache.free(req)
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            plan.requests.append(req)
+            plan.num_new_tokens.append(n)
+            budget -= n
+        return plan
+
+    def _preempt(self, req: Request) -> None:
+        self.cache.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def update(self, plan: StepPlan) -> None:
+        """Advance computed counts for what the step ran; publish full pages."""
+        for req, n in zip(plan.requests, plan.num_new_tokens):
+            req.num_computed_tokens += n
+            self.cache.commit(req)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        self.cache.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
