@@ -9,6 +9,7 @@ import torch
 from engine.errors import ConfigError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOAD_FORMATS = ("safetensors", "dummy")
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
 
 
@@ -16,6 +17,7 @@ DEFAULT_CPU_KV_BYTES = 512 * 2**20
 class EngineConfig:
     model: str | Path
     dtype: str = "auto"  # auto: the checkpoint's dtype
+    load_format: str = "safetensors"  # "dummy": seeded random weights (benchmarks of named shapes)
     device: str = "auto"  # auto: cuda when available, else cpu
     page_size: int = 16
     num_pages: int | None = None  # explicit pool size; overrides the memory budget
@@ -32,6 +34,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.device != "auto":
             try:
                 torch.device(self.device)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,6 +32,18 @@ from engine.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class StepTiming:
+    """Wall time of the last step's phases, in seconds (execute includes the device work it waits on)."""
+
+    num_requests: int
+    num_tokens: int
+    schedule_s: float
+    prepare_s: float
+    execute_s: float
+    update_s: float
+
+
 def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
@@ -44,7 +58,9 @@ class LLMEngine:
         self.config = config
         self.device = config.resolved_device()
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
-        self.model, self.model_config = load_model(config.model, dtype=dtype, device=self.device)
+        self.model, self.model_config = load_model(
+            config.model, dtype=dtype, device=self.device, load_format=config.load_format
+        )
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
@@ -65,6 +81,7 @@ class LLMEngine:
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
+        self.last_step: StepTiming | None = None
         log.info("engine ready: %s, %d pages of %d tokens, method %s", mc.architecture, self.pool.num_pages,
                  config.page_size, self.method.name)
 
@@ -148,18 +165,23 @@ class LLMEngine:
 
     # --- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        t1 = time.perf_counter()
         batch = self.runner.prepare(plan)
+        t2 = time.perf_counter()
         sampled = self.runner.execute(batch)
+        t3 = time.perf_counter()
         self.scheduler.update(plan)
         self.method.end_step(batch)
-        if sampled is None:
-            return []
         outputs = []
-        for req, token_id, logprob in zip(batch.sample_requests, sampled.token_ids, sampled.logprobs):
-            outputs.append(self._append_token(req, token_id, logprob))
+        if sampled is not None:
+            for req, token_id, logprob in zip(batch.sample_requests, sampled.token_ids, sampled.logprobs):
+                outputs.append(self._append_token(req, token_id, logprob))
+        self.last_step = StepTiming(len(plan.requests), plan.num_tokens, t1 - t0, t2 - t1, t3 - t2,
+                                    time.perf_counter() - t3)
         return outputs
 
     def _append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestOutput:

@@ -1,0 +1,172 @@
+"""The pre-norm decoder shared by Llama / Qwen2 / Qwen3 / Qwen3-MoE, switched by ModelConfig flags.
+
+Module names mirror HF's (``model.layers.{i}.self_attn...``) except for the packed projections
+(``qkv_proj``, ``gate_up_proj``), which ``packed_modules_mapping`` maps checkpoint names onto.
+"""
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from engine.errors import CheckpointError
+from engine.model_config import ModelConfig
+from engine.models.interface import LayerRunner
+from engine.models.layers import (
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    default_weight_loader,
+    silu_and_mul,
+)
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, runner: LayerRunner
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        out = runner.attention(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, runner: LayerRunner
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, runner)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: ModelConfig, mlps: list[nn.Module]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, mlp) for i, mlp in enumerate(mlps))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, runner: LayerRunner) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, positions, self.rotary_emb, runner)
+            runner.end_layer(layer.layer_idx, hidden)
+        return self.norm(hidden)
+
+
+class DecoderForCausalLM(nn.Module):
+    """CausalLM over DecoderModel; subclasses choose the per-layer MLP and extra checkpoint name rules."""
+
+    packed_modules_mapping: dict[str, tuple[str, int]] = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config, [self.make_mlp(config, i) for i in range(config.num_layers)])
+        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return DenseMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, runner: LayerRunner) -> torch.Tensor:
+        """input_ids, positions: [T] int64 -> final-normed hidden [T, hidden_size] in the model dtype."""
+        return self.model(input_ids, positions, runner)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] -> logits [N, vocab_size] float32."""
+        return self.lm_head(hidden).float()
+
+    def checkpoint_target(self, name: str) -> tuple[str, Any]:
+        """HF checkpoint tensor name -> (our parameter name, shard id or None for the whole parameter)."""
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.packed_modules_mapping:
+                packed, shard_id = self.packed_modules_mapping[part]
+                return ".".join([*parts[:i], packed, *parts[i + 1 :]]), shard_id
+        return name, None
+
+    def checkpoint_name(self, param_name: str, shard_id: Any) -> str:
+        """Inverse of checkpoint_target, for error messages."""
+        parts = param_name.split(".")
+        for original, (packed, packed_shard) in self.packed_modules_mapping.items():
+            if packed_shard == shard_id and packed in parts:
+                return ".".join(original if p == packed else p for p in parts)
+        return param_name if shard_id is None else f"{param_name}[shard {shard_id}]"
+
+    def is_ignored_checkpoint_tensor(self, name: str) -> bool:
+        return name.endswith(_IGNORED_SUFFIXES) or (self.config.tie_word_embeddings and name == "lm_head.weight")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (HF name, tensor) pairs into the parameters; CheckpointError on unknown/misshaped/missing."""
+        params = dict(self.named_parameters())
+        pending = {name: set(getattr(p, "shard_ids", (None,))) for name, p in params.items()}
+        for name, tensor in weights:
+            if self.is_ignored_checkpoint_tensor(name):
+                continue
+            target, shard_id = self.checkpoint_target(name)
+            param = params.get(target)
+            if param is None:
+                raise CheckpointError(f"unexpected tensor {name!r} in checkpoint")
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                loader(param, tensor, shard_id)
+            except CheckpointError as e:
+                raise CheckpointError(f"tensor {name!r}: {e}") from None
+            if shard_id is None:
+                pending[target].clear()
+            else:
+                pending[target].discard(shard_id)
+        missing = [self.checkpoint_name(n, s) for n, shards in pending.items() for s in sorted(shards, key=str)]
+        if missing:
+            shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+            raise CheckpointError(f"checkpoint lacks {len(missing)} tensor(s): {shown}")

@@ -1,0 +1,94 @@
+"""Sparse MoE block (Qwen2-MoE / Qwen3-MoE): fp32 softmax router, top-k, stacked SwiGLU experts.
+
+Reference torch implementation: tokens are grouped by expert and each expert that got tokens runs once.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import CheckpointError
+from engine.model_config import ModelConfig
+from engine.models.decoder import DenseMLP
+from engine.models.layers import Linear, copy_into, new_parameter, silu_and_mul
+
+
+class StackedExperts(nn.Module):
+    """gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], the transformers-5 layout.
+
+    Shard ids: gate_up_proj takes (expert, 0 = gate | 1 = up), down_proj takes expert; None = all experts.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.gate_up_proj = new_parameter(num_experts, 2 * intermediate_size, hidden_size)
+        self.down_proj = new_parameter(num_experts, hidden_size, intermediate_size)
+        self.gate_up_proj.weight_loader = self.load_gate_up
+        self.gate_up_proj.shard_ids = tuple((e, half) for e in range(num_experts) for half in (0, 1))
+        self.down_proj.weight_loader = self.load_down
+        self.down_proj.shard_ids = tuple(range(num_experts))
+
+    def _check_expert(self, expert: int) -> None:
+        if not 0 <= expert < self.num_experts:
+            raise CheckpointError(f"expert {expert} out of range [0, {self.num_experts})")
+
+    def load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None) -> None:
+        if shard_id is None:
+            copy_into(param.data, loaded)
+            return
+        expert, half = shard_id
+        self._check_expert(expert)
+        copy_into(param.data[expert].narrow(0, half * self.intermediate_size, self.intermediate_size), loaded)
+
+    def load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
+        if shard_id is not None:
+            self._check_expert(shard_id)
+        copy_into(param.data if shard_id is None else param.data[shard_id], loaded)
+
+    def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; topk_ids [T, K] int64; topk_weights [T, K] in x.dtype -> [T, H]."""
+        top_k = topk_ids.shape[1]
+        slots_by_expert = topk_ids.flatten().argsort(stable=True)
+        tokens_by_expert = slots_by_expert // top_k
+        weights_by_expert = topk_weights.flatten()[slots_by_expert]
+        counts = torch.bincount(topk_ids.flatten(), minlength=self.num_experts).tolist()
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = tokens_by_expert[start : start + count]
+            h = silu_and_mul(F.linear(x[tokens], self.gate_up_proj[expert]))
+            h = F.linear(h, self.down_proj[expert]) * weights_by_expert[start : start + count, None]
+            out.index_add_(0, tokens, h)
+            start += count
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.gate = Linear(config.hidden_size, config.num_experts)
+        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_expert = None
+        if config.shared_expert_intermediate_size > 0:
+            self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(config.hidden_size, 1)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] in x.dtype), as HF's TopKRouter."""
+        router_logits = self.gate(x)
+        probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        return topk_ids, topk_weights.to(router_logits.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = self.route(x)
+        out = self.experts(x, topk_ids, topk_weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,28 @@
+"""Architecture name (config.json ``architectures[0]``) -> model class, imported on first use."""
+
+import importlib
+
+from engine.errors import UnsupportedArchitectureError
+
+_MODEL_CLASS_PATHS: dict[str, str] = {
+    "LlamaForCausalLM": "engine.models.llama",
+    "Qwen2ForCausalLM": "engine.models.qwen2",
+    "Qwen3ForCausalLM": "engine.models.qwen3",
+    "Qwen3MoeForCausalLM": "engine.models.qwen3_moe",
+    "Qwen2MoeForCausalLM": "engine.models.qwen2_moe",
+}
+
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODEL_CLASS_PATHS)
+
+
+def check_supported(architecture: str) -> None:
+    if architecture not in _MODEL_CLASS_PATHS:
+        raise UnsupportedArchitectureError(
+            f"architecture {architecture!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
+def get_model_class(architecture: str) -> type:
+    check_supported(architecture)
+    module = importlib.import_module(_MODEL_CLASS_PATHS[architecture])
+    return getattr(module, architecture)
