@@ -71,6 +71,7 @@ class Scheduler:
             n = min(req.num_tokens - cached, budget)
             if not self.cache.allocate(req, n):
                 self.cache.free(req)
+                assert self.running or plan.requests, "an idle pool cannot admit a request that add() accepted"
                 break
             self.waiting.popleft()
             req.num_computed_tokens = cached

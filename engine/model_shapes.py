@@ -1,0 +1,160 @@
+"""Config dicts of real model shapes, for benchmarks with random weights.
+
+Each dict is shaped like the config.json that transformers 5.17 writes (``rope_parameters`` holding
+``rope_theta``, ``num_local_experts`` for MoE, ``dtype``), so it can be consumed like one.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from engine.errors import ConfigError
+
+_QWEN_SPECIAL_IDS = {"bos_token_id": 151643, "eos_token_id": 151645}
+
+LLAMA_3_1_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 131072,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-05,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    },
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+    "dtype": "bfloat16",
+}
+
+QWEN3_4B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 151936,
+    "hidden_size": 2560,
+    "intermediate_size": 9728,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 36,
+    "tie_word_embeddings": True,
+    **_QWEN_SPECIAL_IDS,
+    "dtype": "bfloat16",
+}
+
+QWEN3_30B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 40960,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_local_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "router_aux_loss_coef": 0.001,
+    "tie_word_embeddings": False,
+    **_QWEN_SPECIAL_IDS,
+    "dtype": "bfloat16",
+}
+
+QWEN2_5_7B: dict[str, Any] = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "vocab_size": 152064,
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 28,
+    "num_key_value_heads": 4,
+    "hidden_act": "silu",
+    "max_position_embeddings": 32768,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 28,
+    "tie_word_embeddings": False,
+    **_QWEN_SPECIAL_IDS,
+    "dtype": "bfloat16",
+}
+
+TINY: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "vocab_size": 512,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "max_window_layers": 4,
+    "tie_word_embeddings": False,
+    "bos_token_id": 507,
+    "eos_token_id": 509,
+    "dtype": "bfloat16",
+}
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.1-8b": LLAMA_3_1_8B,
+    "qwen3-4b": QWEN3_4B,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "qwen2.5-7b": QWEN2_5_7B,
+    "tiny": TINY,
+}
+
+
+def get_shape(name: str) -> dict[str, Any]:
+    """A fresh copy of the named config dict; raises ConfigError for an unknown name."""
+    if name not in SHAPES:
+        raise ConfigError(f"unknown model shape {name!r}; known: {', '.join(sorted(SHAPES))}")
+    return copy.deepcopy(SHAPES[name])

@@ -1,0 +1,32 @@
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """One small random checkpoint per supported architecture, written by the project's factory."""
+    from engine.tiny_checkpoint import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tiny")
+    common = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
+                  vocab_size=512, max_position_embeddings=1024, initializer_range=0.1)
+    return {
+        "llama": make_tiny_checkpoint(root / "llama", "llama", seed=1, **common,
+                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
+        "qwen2": make_tiny_checkpoint(root / "qwen2", "qwen2", seed=2, **common, tie_word_embeddings=True),
+        "qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3", seed=3, **common, head_dim=32, max_shard_size="100KB"),
+        "qwen3_moe": make_tiny_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=4, **common, num_experts=4,
+                                          num_experts_per_tok=2, moe_intermediate_size=32),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_llms(tiny_dirs):
+    """A roomy engine on the tiny Qwen3 checkpoint (no chunking, no memory pressure) and its directory."""
+    from engine import LLM
+
+    model_dir = tiny_dirs["qwen3"]
+    return LLM(model_dir, dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=4096), model_dir
