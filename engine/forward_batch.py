@@ -17,7 +17,8 @@ from engine.scheduler import StepPlan
 class ForwardBatch:
     """``requests[i]`` contributes ``num_new_tokens[i]`` tokens, rows ``view.query_start_loc[i]:[i+1]``.
 
-    input_ids, positions (logical, for RoPE), slot_mapping (physical, for KV writes): [T] int64.
+    input_ids, positions (logical, for RoPE): [T] int64. slot_mapping (physical, for KV writes): [T] int64,
+    or [num_layers, T] when layers differ in physical length.
     logits_indices: [N] rows whose logits are sampled, one per request in ``sample_requests``.
     finished_prompt: requests whose prompt's last token is computed in this step.
     scratch: per-step space for a method's own data (e.g. an observation layer's selection).
@@ -33,7 +34,11 @@ class ForwardBatch:
     sample_requests: list[Request]
     finished_prompt: list[Request]
     cache: CacheManager
+    layer_views: list[PagedView] | None = None
     scratch: dict[str, Any] = field(default_factory=dict)
+
+    def view_for(self, layer: int) -> PagedView:
+        return self.view if self.layer_views is None else self.layer_views[layer]
 
     @property
     def num_tokens(self) -> int:
@@ -67,6 +72,7 @@ def build_forward_batch(plan: StepPlan, cache: CacheManager, device: torch.devic
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         slot_mapping=cache.slot_mapping(plan.requests, plan.num_new_tokens),
         view=cache.build_view(plan.requests, plan.num_new_tokens),
+        layer_views=cache.build_layer_views(plan.requests, plan.num_new_tokens),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         sample_requests=sample_requests,
         finished_prompt=finished_prompt,

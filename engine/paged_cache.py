@@ -1,8 +1,14 @@
-"""The default cache manager: dense paged KV with prefix reuse.
+"""The default cache manager: paged KV with prefix reuse and compaction.
 
 Storage is one tensor ``[num_layers, 2, num_pages, page_size, num_kv_heads, head_dim]``; a page id names the
 same slot range in every layer. Each request holds a page table; slot ``s`` of a request lives in page
-``pages[s // page_size]`` at offset ``s % page_size``. Physical length equals logical length here.
+``pages[s // page_size]`` at offset ``s % page_size``.
+
+Until an eviction method compacts a request, slot ``s`` holds logical position ``s`` in every layer and head.
+``compact`` gathers the slots a method keeps (per layer and KV head) to the front of the request's pages and
+returns the pages it no longer needs to the pool; from then on each layer has its own physical length and
+each (layer, head) slot its own logical position (``positions_of``). Compacted pages are never published to
+the prefix index, and a page another request shares is replaced rather than overwritten.
 """
 
 from __future__ import annotations
@@ -26,7 +32,20 @@ def cdiv(a: int, b: int) -> int:
 class PageTable:
     pages: list[int] = field(default_factory=list)
     keys: list[PageKey] = field(default_factory=list)  # keys of the leading full, published pages
-    num_slots: int = 0  # slots written (== the request's computed tokens for the dense manager)
+    num_slots: int = 0  # slots in use in the longest layer
+    layer_lens: list[int] | None = None  # per-layer slots in use, once compacted
+    kept_positions: list[torch.Tensor] | None = None  # per layer [Hkv, n]: logical position of each kept slot
+    compacted_at: int = 0  # logical length at the last compaction; later slots are appended tokens
+
+    @property
+    def is_compacted(self) -> bool:
+        return self.layer_lens is not None
+
+    def is_uniform(self) -> bool:
+        return self.layer_lens is None or min(self.layer_lens) == max(self.layer_lens)
+
+    def layer_len(self, layer: int) -> int:
+        return self.num_slots if self.layer_lens is None else self.layer_lens[layer]
 
 
 class PagedCacheManager(CacheManager):
@@ -91,10 +110,12 @@ class PagedCacheManager(CacheManager):
         for page in reversed(t.pages):  # tail pages become the first to be reused
             self.pool.decref(page)
 
-    def commit(self, req: Request) -> None:
+    def commit(self, req: Request, num_new_tokens: int) -> None:
         t = self.table(req)
-        t.num_slots = req.num_computed_tokens
-        if self.prefix_index is None:
+        t.num_slots += num_new_tokens
+        if t.layer_lens is not None:
+            t.layer_lens = [n + num_new_tokens for n in t.layer_lens]
+        if self.prefix_index is None or t.is_compacted:
             return
         ps = self.page_size
         num_full = t.num_slots // ps
@@ -113,30 +134,94 @@ class PagedCacheManager(CacheManager):
 
     def physical_len(self, req: Request, layer: int = 0) -> int:
         t = self._tables.get(req.request_id)
-        return t.num_slots if t else 0
+        return t.layer_len(layer) if t else 0
+
+    def positions_of(self, req: Request, layer: int) -> torch.Tensor:
+        """[num_kv_heads, physical_len] int64: the logical position held by each slot of each KV head."""
+        t = self._tables[req.request_id]
+        device, heads = self.spec.device, self.spec.num_kv_heads
+        if t.kept_positions is None:
+            return torch.arange(t.num_slots, device=device).expand(heads, -1)
+        kept = t.kept_positions[layer]
+        appended = torch.arange(t.compacted_at, t.compacted_at + t.layer_len(layer) - kept.shape[1], device=device)
+        return torch.cat([kept, appended.expand(heads, -1)], dim=1)
+
+    def compact(self, req: Request, keep: list[torch.Tensor]) -> bool:
+        """Keep, per layer, the slots ``keep[layer]`` ([num_kv_heads, n_layer] int64 slot indices, each row in
+        increasing order); free the pages no longer needed. False (nothing changed) if a shared page cannot be
+        replaced for lack of free pages."""
+        t = self._tables[req.request_id]
+        assert len(keep) == self.spec.num_layers
+        ps, heads = self.page_size, self.spec.num_kv_heads
+        new_lens = [k.shape[1] for k in keep]
+        need = cdiv(max(new_lens), ps)
+        assert need <= len(t.pages)
+        tail, head = t.pages[need:], t.pages[:need]
+        shared = sum(1 for p in head if self.pool.ref_counts[p] > 1)
+        if shared > self.pool.num_free + sum(1 for p in tail if self.pool.ref_counts[p] == 1):
+            return False
+        old_slots = self._slots(t.pages, 0, t.num_slots)
+        head_idx = torch.arange(heads, device=self.spec.device)[None, :]
+        positions = [self.positions_of(req, layer).gather(1, k) for layer, k in enumerate(keep)]
+        kept = [(self.kv[layer, 0].flatten(0, 1)[old_slots[k.T], head_idx],
+                 self.kv[layer, 1].flatten(0, 1)[old_slots[k.T], head_idx]) for layer, k in enumerate(keep)]
+        for page in reversed(tail):
+            self.pool.decref(page)
+        for i, page in enumerate(head):
+            if self.pool.ref_counts[page] > 1:
+                head[i] = self.pool.allocate(1)[0]
+                self.pool.decref(page)
+            elif self.prefix_index is not None:
+                self.prefix_index.forget(page)
+        new_slots = self._slots(head, 0, max(new_lens))
+        for layer, (k, v) in enumerate(kept):
+            n = k.shape[0]
+            self.kv[layer, 0].flatten(0, 1)[new_slots[:n]] = k
+            self.kv[layer, 1].flatten(0, 1)[new_slots[:n]] = v
+        t.pages, t.keys = head, []
+        t.layer_lens, t.num_slots = new_lens, max(new_lens)
+        t.kept_positions, t.compacted_at = positions, req.num_computed_tokens
+        return True
 
     def clear_prefix_cache(self) -> None:
         if self.prefix_index is not None:
             self.prefix_index.clear()
 
     # --- runner side ----------------------------------------------------------------------------
-    def slot_mapping(self, reqs: list[Request], num_new_tokens: list[int]) -> torch.Tensor:
+    def _slot_list(self, pages: list[int], start: int, n: int, out: list[int]) -> None:
         ps = self.page_size
-        slots: list[int] = []
-        for req, n in zip(reqs, num_new_tokens):
-            t = self._tables[req.request_id]
-            pos, end = t.num_slots, t.num_slots + n
-            while pos < end:
-                page, off = divmod(pos, ps)
-                take = min(ps - off, end - pos)
-                base = t.pages[page] * ps + off
-                slots.extend(range(base, base + take))
-                pos += take
-        return torch.tensor(slots, dtype=torch.int64, device=self.spec.device)
+        pos, end = start, start + n
+        while pos < end:
+            page, off = divmod(pos, ps)
+            take = min(ps - off, end - pos)
+            base = pages[page] * ps + off
+            out.extend(range(base, base + take))
+            pos += take
 
-    def build_view(self, reqs: list[Request], num_new_tokens: list[int]) -> PagedView:
+    def _slots(self, pages: list[int], start: int, n: int) -> torch.Tensor:
+        out: list[int] = []
+        self._slot_list(pages, start, n, out)
+        return torch.tensor(out, dtype=torch.int64, device=self.spec.device)
+
+    def slot_mapping(self, reqs: list[Request], num_new_tokens: list[int]) -> torch.Tensor:
+        """[T] when every request has one length across layers, else [num_layers, T]."""
         tables = [self._tables[r.request_id] for r in reqs]
-        kv_lens = [t.num_slots + n for t, n in zip(tables, num_new_tokens)]
+        if all(t.is_uniform() for t in tables):
+            slots: list[int] = []
+            for t, n in zip(tables, num_new_tokens):
+                self._slot_list(t.pages, t.layer_len(0), n, slots)
+            return torch.tensor(slots, dtype=torch.int64, device=self.spec.device)
+        rows = []
+        for layer in range(self.spec.num_layers):
+            slots = []
+            for t, n in zip(tables, num_new_tokens):
+                self._slot_list(t.pages, t.layer_len(layer), n, slots)
+            rows.append(slots)
+        return torch.tensor(rows, dtype=torch.int64, device=self.spec.device)
+
+    def build_view(self, reqs: list[Request], num_new_tokens: list[int], layer: int = 0) -> PagedView:
+        tables = [self._tables[r.request_id] for r in reqs]
+        kv_lens = [t.layer_len(layer) + n for t, n in zip(tables, num_new_tokens)]
         width = max((len(t.pages) for t in tables), default=0)
         rows = [t.pages + [0] * (width - len(t.pages)) for t in tables]
         starts = [0]
@@ -152,7 +237,15 @@ class PagedCacheManager(CacheManager):
             query_lens_cpu=list(num_new_tokens),
         )
 
+    def build_layer_views(self, reqs: list[Request], num_new_tokens: list[int]) -> list[PagedView] | None:
+        """One view per layer when some request's layers differ in length; None when ``build_view`` serves all."""
+        if all(self._tables[r.request_id].is_uniform() for r in reqs):
+            return None
+        return [self.build_view(reqs, num_new_tokens, layer) for layer in range(self.spec.num_layers)]
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if slot_mapping.dim() == 2:
+            slot_mapping = slot_mapping[layer]
         kv = self.kv[layer]
         flat_shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
         kv[0].view(flat_shape).index_copy_(0, slot_mapping, k.to(kv.dtype))

@@ -96,7 +96,7 @@ class Scheduler:
         """Advance computed counts for what the step ran; publish full pages."""
         for req, n in zip(plan.requests, plan.num_new_tokens):
             req.num_computed_tokens += n
-            self.cache.commit(req)
+            self.cache.commit(req, n)
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:

@@ -60,8 +60,8 @@ class CacheManager(ABC):
         """Give back everything the request holds (its full pages stay matchable in the prefix index)."""
 
     @abstractmethod
-    def commit(self, req: Request) -> None:
-        """Called after a step computed tokens for ``req``: publish newly full pages for prefix reuse."""
+    def commit(self, req: Request, num_new_tokens: int) -> None:
+        """Called after a step computed ``num_new_tokens`` for ``req``: advance lengths, publish full pages."""
 
     @abstractmethod
     def num_pages_held(self, req: Request) -> int: ...
@@ -77,6 +77,10 @@ class CacheManager(ABC):
     @abstractmethod
     def build_view(self, reqs: list[Request], num_new_tokens: list[int]) -> PagedView:
         """The full resident view of this step's requests, new tokens included (shared by all layers)."""
+
+    def build_layer_views(self, reqs: list[Request], num_new_tokens: list[int]) -> list[PagedView] | None:
+        """Per-layer views when layers differ in physical length; None when ``build_view`` serves every layer."""
+        return None
 
     @abstractmethod
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...

@@ -91,7 +91,7 @@ class SparseMethod:
         pass
 
     def select(self, layer: int, q: torch.Tensor, batch: ForwardBatch) -> PagedView:
-        return batch.view
+        return batch.view_for(layer)
 
     def after_attention(
         self, layer: int, batch: ForwardBatch, out: torch.Tensor, scores: torch.Tensor | None

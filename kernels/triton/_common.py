@@ -1,0 +1,81 @@
+"""Helpers shared by the Triton kernels: interpreter detection, dot precision, device facts.
+
+Under ``TRITON_INTERPRET=1`` kernels run on the CPU through numpy, which mishandles bf16 arithmetic and
+bf16 ``tl.dot``; kernels therefore do all elementwise math in fp32 and take an ``UPCAST`` constexpr that
+feeds ``tl.dot`` fp32 operands when interpreting bf16. On a GPU the dots run on native fp16/bf16
+operands (fp32 accumulation), and fp32 inputs use IEEE fp32 dots (no tf32) so fp32 models stay exact.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+
+def _fix_interpreter_scalar_index() -> None:
+    """Let interpreted kernels use loaded scalars as loop bounds (``range(start, end, BLOCK)``).
+
+    Triton 3.6's interpreter holds every scalar as a shape-[1] numpy array and converts it with
+    ``int(array)``, which NumPy >= 2.4 rejects. Wrap its tensor patch so ``__index__`` goes through
+    ``.item()``. Only touches the CPU interpreter; compiled GPU kernels are unaffected.
+    """
+    try:
+        from triton.runtime import interpreter
+    except ImportError:  # pragma: no cover
+        return
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_agentrt_wrapped", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._agentrt_wrapped = True
+    interpreter._patch_lang_tensor = patched
+
+
+_fix_interpreter_scalar_index()
+
+
+def next_pow2(n: int) -> int:
+    return triton.next_power_of_2(max(1, int(n)))
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def is_interpreted(kernel) -> bool:
+    """True when ``kernel`` (a ``@triton.jit`` function) runs in the CPU interpreter."""
+    try:
+        from triton.runtime.interpreter import InterpretedFunction
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(kernel, InterpretedFunction)
+
+
+def dot_args(kernel, dtype: torch.dtype) -> tuple[bool, str]:
+    """(UPCAST, input precision) constexprs for a kernel whose tl.dot operands have ``dtype``."""
+    upcast = is_interpreted(kernel) and dtype == torch.bfloat16
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    return upcast, precision
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (132 on an H100/H200 SXM when not on a GPU)."""
+    if device.type == "cuda":
+        return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    return 132
+
+
+def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")

@@ -1,0 +1,40 @@
+"""A dense, unpaged reference: our model code (checked against HF in test_models_vs_hf) with attention
+computed over the full [T, T] matrix under an explicit per-(layer, kv head) visibility mask."""
+
+from collections.abc import Callable
+
+import torch
+
+# visible(layer, T) -> bool [num_kv_heads, T, T]: may query i attend to key j (causality included)
+Visibility = Callable[[int, int], torch.Tensor]
+
+
+class MaskedDenseRunner:
+    def __init__(self, visible: Visibility):
+        self.visible = visible
+
+    def attention(self, layer, q, k, v):
+        T, hq, d = q.shape
+        group = hq // k.shape[1]
+        mask = self.visible(layer, T).repeat_interleave(group, dim=0)  # [Hq, T, T]
+        logits = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(group, 1)) * d**-0.5
+        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+        return torch.einsum("hqk,khd->qhd", probs, v.float().repeat_interleave(group, 1)).to(q.dtype)
+
+    def end_layer(self, layer, hidden):
+        pass
+
+
+def causal(num_kv_heads: int, T: int) -> torch.Tensor:
+    return torch.ones(T, T, dtype=torch.bool).tril().expand(num_kv_heads, T, T)
+
+
+@torch.no_grad()
+def greedy_with_mask(model, prompt: list[int], max_new: int, visible: Visibility) -> list[int]:
+    """Greedy decode recomputing the whole sequence each token under ``visible``."""
+    ids = list(prompt)
+    for _ in range(max_new):
+        x = torch.tensor(ids)
+        hidden = model(x, torch.arange(len(ids)), MaskedDenseRunner(visible))
+        ids.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
+    return ids[len(prompt):]
