@@ -1,16 +1,19 @@
 """Attention backends: who computes attention over a view, on which device.
 
-A backend declares the view types it reads; ``check_supports`` fails at configuration time, never mid-step.
+A backend declares the view types it reads and whether it returns scores; ``make_backend`` checks them
+against the method at configuration time, never mid-step.
 ``auto`` picks the fastest backend available on the device and logs which.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import ClassVar
 
 import torch
 
-from engine.contract.view import PagedView
+from engine.contract.view import PagedView, SelectedSlotsView, backend_can_read
+from engine.contract.method import SparseMethod
 from engine.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -18,37 +21,78 @@ log = logging.getLogger(__name__)
 BACKEND_NAMES = ("auto", "torch", "triton", "flashinfer")
 
 
-class TorchReferenceBackend:
-    name = "torch"
-    accepted_views: tuple[type, ...] = (PagedView,)
+class AttentionBackend:
+    """Computes attention for one layer over a view. Subclasses set what they can read and do."""
+
+    name: ClassVar[str] = "base"
+    accepted_views: ClassVar[tuple[type, ...]] = (PagedView,)
+    supports_scores: ClassVar[bool] = False  # can return per-request probabilities for methods that need them
+    cuda_graph_safe: ClassVar[bool] = False  # forward does no host work, so decode steps may replay graphs
 
     def forward(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        view: PagedView,
-        scale: float,
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: PagedView, scale: float,
         return_scores: bool = False,
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-        from kernels.torch_ref import paged_attention
+        raise NotImplementedError
 
+    def unsupported(self, method: SparseMethod) -> list[str]:
+        """Why this backend cannot serve ``method`` (empty when it can)."""
+        reasons = [f"the {self.name} backend cannot read {t.__name__}" for t in method.view_types
+                   if not backend_can_read(t, self.accepted_views)]
+        if method.needs.attention_scores and not self.supports_scores:
+            reasons.append(f"the {self.name} backend does not return the attention scores {method.name} needs")
+        return reasons
+
+
+class TorchReferenceBackend(AttentionBackend):
+    name = "torch"
+    accepted_views = (PagedView, SelectedSlotsView)
+    supports_scores = True
+
+    def forward(self, q, k_cache, v_cache, view, scale, return_scores=False):
+        from kernels.torch_ref import paged_attention, selected_slots_attention
+
+        if isinstance(view, SelectedSlotsView):
+            return selected_slots_attention(
+                q, k_cache, v_cache, view.slot_indptr, view.slot_indices, scale,
+                query_lens=view.query_lens_cpu, slot_counts=view.kv_lens_cpu, causal=view.causal,
+                return_scores=return_scores,
+            )
         return paged_attention(
             q, k_cache, v_cache, view.block_tables, view.kv_lens_cpu, view.query_lens_cpu,
             scale, causal=view.causal, return_scores=return_scores,
         )
 
-    def check_supports(self, view_types: tuple[type, ...]) -> list[str]:
-        return [f"{self.name} backend cannot read {t.__name__}" for t in view_types
-                if not issubclass(t, self.accepted_views)]
+
+def _construct(name: str, device: torch.device) -> AttentionBackend:
+    if name == "torch":
+        return TorchReferenceBackend()
+    if device.type != "cuda":
+        raise ConfigError(f"attention_backend {name!r} needs a CUDA device; the engine runs on {device}")
+    from engine import gpu_backends
+
+    if name == "triton":
+        return gpu_backends.TritonBackend()
+    try:
+        return gpu_backends.FlashInferBackend(device)
+    except ImportError as exc:
+        raise ConfigError(f"attention_backend 'flashinfer' needs flashinfer-python installed: {exc}") from exc
 
 
-def make_backend(name: str, device: torch.device) -> TorchReferenceBackend:
+def make_backend(name: str, device: torch.device, method: SparseMethod) -> AttentionBackend:
+    """The backend by name; ``auto`` takes the Triton kernels on a GPU when they serve ``method``, else torch."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
-    if name in ("triton", "flashinfer"):
-        raise ConfigError(f"attention_backend {name!r} is not built into this version; use 'torch' or 'auto'")
-    backend = TorchReferenceBackend()
-    if name == "auto":
-        log.info("attention backend: %s (auto on %s)", backend.name, device)
+    if name != "auto":
+        backend = _construct(name, device)
+        reasons = backend.unsupported(method)
+        if reasons:
+            raise ConfigError(f"method {method.name!r} cannot run on attention_backend {name!r}: {'; '.join(reasons)}")
+        return backend
+    backend = _construct("triton", device) if device.type == "cuda" else TorchReferenceBackend()
+    reasons = backend.unsupported(method)
+    if reasons:
+        log.info("attention backend auto: not %s (%s)", backend.name, "; ".join(reasons))
+        backend = TorchReferenceBackend()
+    log.info("attention backend: %s (auto on %s)", backend.name, device)
     return backend

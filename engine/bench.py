@@ -70,6 +70,53 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
     }
 
 
+def add_roofline(r: dict, engine: LLMEngine, copy_bw: float, matmul: float) -> None:
+    """Decode: weights + KV read per step vs the copy bandwidth. Prefill: model FLOPs vs the matmul rate."""
+    from engine.roofline import weight_bytes
+
+    mc = engine.model_config
+    kv_per_token = engine.cache.spec.bytes_per_token
+    avg_ctx = r["context"] + r["decode_tokens"] / 2
+    w_bytes = weight_bytes(engine.model)
+    step_bytes = w_bytes + r["batch"] * avg_ctx * kv_per_token
+    roofline_tok_s = r["batch"] / (step_bytes / copy_bw)
+    params = w_bytes / engine.cache.spec.dtype.itemsize
+    if mc.num_experts:
+        r["note"] = "MoE: weight bytes count every expert; the routed-expert count is not yet measured"
+    attn_flops = 4 * mc.num_layers * mc.num_heads * mc.head_dim * r["context"] ** 2 / 2
+    prefill_flops = r["batch"] * (2 * params * r["context"] + attn_flops)
+    r.update(weight_gb=w_bytes / 1e9, bytes_per_step_gb=step_bytes / 1e9, copy_tb_s=copy_bw / 1e12,
+             roofline_tok_s=roofline_tok_s, roofline_fraction=r["decode_tok_s"] / roofline_tok_s,
+             achieved_tb_s=r["decode_tok_s"] / r["batch"] * step_bytes / 1e12,
+             prefill_tflop_s=prefill_flops / (r["batch"] * r["context"] / r["prefill_tok_s"]) / 1e12,
+             matmul_tflop_s=matmul / 1e12)
+
+
+def hf_decode(model_dir: Path, batch: int, context: int, decode_tokens: int, device: torch.device) -> dict:
+    """HF transformers generate (sdpa) on the same shape with its own random init, same batch and context."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, config.vocab_size, (batch, context), device=device)
+
+    def timed(n: int) -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    with torch.no_grad():
+        timed(2)
+        t1, tn = timed(1), timed(decode_tokens)
+    del model
+    torch.cuda.empty_cache()
+    return {"hf_decode_tok_s": batch * (decode_tokens - 1) / (tn - t1)}
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny")
@@ -82,30 +129,60 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--hf", action="store_true", help="also time HF transformers generate (GPU) in the same run")
+    ap.add_argument("--cases", help="batch@context pairs, e.g. 1@4096,8@4096,4@32768 (overrides --batch/--context)")
+    ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
-    batches = [int(b) for b in args.batch.split(",")]
+    if args.cases:
+        cases = [tuple(int(x) for x in c.split("@")) for c in args.cases.split(",")]
+    else:
+        cases = [(int(b), args.context) for b in args.batch.split(",")]
+    batches = [b for b, _ in cases]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or write_shape_dir(args.shape, Path(tmp))
-        tokens_per_req = args.context + args.decode_tokens
+        tokens_per_req = max(c for _, c in cases) + args.decode_tokens
         config = EngineConfig(
             model=model_dir, dtype=args.dtype, device=args.device, load_format="safetensors" if args.model else "dummy",
             max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
             max_model_len=max(tokens_per_req + 1, 64), enable_prefix_caching=False,
-            num_pages=max(batches) * (-(-tokens_per_req // 16) + 1), attention_backend=args.attention_backend,
+            num_pages=max(b * (-(-(c + args.decode_tokens) // 16) + 1) for b, c in cases),
+            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         )
         engine = LLMEngine(config)
+        on_gpu = engine.device.type == "cuda"
+        if on_gpu:
+            from engine.roofline import copy_bandwidth, matmul_rate
+
+            copy_bw, matmul = copy_bandwidth(engine.device), matmul_rate(engine.device)
         results = []
-        for b in batches:
-            r = run_one(engine, b, args.context, args.decode_tokens, args.seed)
+        for b, ctx in cases:
+            r = run_one(engine, b, ctx, args.decode_tokens, args.seed)
             r.update(shape=args.model or args.shape, device=str(engine.device), dtype=str(engine.cache.spec.dtype),
-                     backend=engine.backend.name)
-            print(json.dumps(r))
+                     backend=engine.backend.name, cuda_graphs=engine.runner.graphs is not None)
+            if on_gpu:
+                add_roofline(r, engine, copy_bw, matmul)
+            print(json.dumps(r), flush=True)
             results.append(r)
+        if args.hf and on_gpu:
+            del engine
+            torch.cuda.empty_cache()
+            for r in results:
+                r.update(hf_decode(Path(model_dir), r["batch"], r["context"], args.decode_tokens, torch.device("cuda")))
+                r["speedup_vs_hf"] = r["decode_tok_s"] / r["hf_decode_tok_s"]
+                print(json.dumps(r), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
     print(f"\n{'batch':>5} {'context':>7} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8} {'sched+prep ms':>14}")
     for r in results:
         sp = r["sched_prep_ms_per_decode_step"]
+        extra = ""
+        if "roofline_fraction" in r:
+            extra = f"  roofline {r['roofline_fraction']:.2f} ({r['achieved_tb_s']:.2f} TB/s)  prefill {r['prefill_tflop_s']:.0f} TFLOP/s"
+        if "speedup_vs_hf" in r:
+            extra += f"  HF {r['hf_decode_tok_s']:.1f} tok/s ({r['speedup_vs_hf']:.1f}x)"
         print(f"{r['batch']:>5} {r['context']:>7} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
-              f"{r['decode_step_ms']:>8.2f} {sp if sp is None else round(sp, 3):>14}")
+              f"{r['decode_step_ms']:>8.2f} {sp if sp is None else round(sp, 3):>14}{extra}")
     return results
 
 

@@ -30,6 +30,8 @@ class EngineConfig:
     method: str = "dense"
     method_config: dict[str, Any] = field(default_factory=dict)
     attention_backend: str = "auto"
+    enforce_eager: bool = False  # GPU: never use decode CUDA graphs
+    cuda_graph_max_batch: int | None = None  # largest captured decode batch (default: max_num_seqs)
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -42,7 +44,7 @@ class EngineConfig:
             except RuntimeError as exc:
                 raise ConfigError(f"device {self.device!r} is not a torch device") from exc
         positive = ["page_size", "max_num_batched_tokens", "max_num_seqs"]
-        positive += [n for n in ("num_pages", "kv_cache_memory_bytes", "max_model_len") if getattr(self, n) is not None]
+        positive += [n for n in ("num_pages", "kv_cache_memory_bytes", "max_model_len", "cuda_graph_max_batch") if getattr(self, n) is not None]
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:

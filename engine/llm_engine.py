@@ -75,15 +75,35 @@ class LLMEngine:
         )
         self.pool = PagePool(self._num_pages(spec))
         self.cache = self.method.make_cache(spec, self.pool, config.enable_prefix_caching)
-        self.backend = make_backend(config.attention_backend, self.device)
+        self.backend = make_backend(config.attention_backend, self.device, self.method)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)
+        self._maybe_capture_graphs()
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.last_step: StepTiming | None = None
         log.info("engine ready: %s, %d pages of %d tokens, method %s", mc.architecture, self.pool.num_pages,
                  config.page_size, self.method.name)
+
+    def _maybe_capture_graphs(self) -> None:
+        reasons = []
+        if self.device.type != "cuda":
+            reasons.append("not on a GPU")
+        if self.config.enforce_eager:
+            reasons.append("enforce_eager")
+        if not self.backend.cuda_graph_safe:
+            reasons.append(f"backend {self.backend.name} is not graph-safe")
+        if not self.method.cuda_graph_safe:
+            reasons.append(f"method {self.method.name} does host work per layer")
+        if not getattr(self.model, "cuda_graph_safe", True):
+            reasons.append(f"{self.model_config.architecture} forward syncs with the host")
+        if reasons:
+            log.info("decode CUDA graphs off: %s", "; ".join(reasons))
+            return
+        max_batch = self.config.cuda_graph_max_batch or self.config.max_num_seqs
+        max_pages = -(-self.max_model_len // self.config.page_size)
+        self.runner.capture_decode_graphs(max_batch, max_pages)
 
     def _num_pages(self, spec: CacheSpec) -> int:
         if self.config.num_pages is not None:

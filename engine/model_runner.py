@@ -12,6 +12,7 @@ import torch
 from engine.attention_backend import TorchReferenceBackend
 from engine.contract.cache import CacheManager
 from engine.contract.method import SparseMethod
+from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch, build_forward_batch
 from engine.sampler import SampleOutput, Sampler
 from engine.scheduler import StepPlan
@@ -34,7 +35,17 @@ class ModelRunner:
         self.scale = scale
         self.device = device
         self.sampler = Sampler()
+        self.graphs: DecodeGraphs | None = None
         self._batch: ForwardBatch | None = None
+
+    def capture_decode_graphs(self, max_batch: int, max_pages: int, show_progress: bool = True) -> None:
+        self.graphs = DecodeGraphs(self, max_batch, max_pages, self.cache.scratch_page, self.cache.spec.page_size)
+        self.graphs.capture(show_progress)
+
+    def _can_replay(self, batch: ForwardBatch) -> bool:
+        g = self.graphs
+        return (g is not None and batch.layer_views is None and batch.view.is_pure_decode
+                and batch.num_tokens <= g.max_batch and batch.view.block_tables.shape[1] <= g.block_tables.shape[1])
 
     # --- LayerRunner ----------------------------------------------------------------------------
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -62,10 +73,13 @@ class ModelRunner:
         self._batch = batch
         try:
             self.method.begin_step(batch)
-            hidden = self.model(batch.input_ids, batch.positions, self)
-            if not batch.sample_requests:
-                return None
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            if self._can_replay(batch):
+                logits = self.graphs.run(batch)
+            else:
+                hidden = self.model(batch.input_ids, batch.positions, self)
+                if not batch.sample_requests:
+                    return None
+                logits = self.model.compute_logits(hidden[batch.logits_indices])
             reqs = batch.sample_requests
             return self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         finally:

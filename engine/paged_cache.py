@@ -56,8 +56,9 @@ class PagedCacheManager(CacheManager):
         self.prefix_index = PrefixIndex() if enable_prefix_caching else None
         if self.prefix_index is not None:
             pool.on_reuse = self.prefix_index.forget
+        self.scratch_page = pool.num_pages  # never handed out: CUDA-graph padding rows write and read here
         self.kv = torch.zeros(
-            (spec.num_layers, 2, pool.num_pages, spec.page_size, spec.num_kv_heads, spec.head_dim),
+            (spec.num_layers, 2, pool.num_pages + 1, spec.page_size, spec.num_kv_heads, spec.head_dim),
             dtype=spec.dtype,
             device=spec.device,
         )

@@ -2,7 +2,7 @@
 
 from engine.contract.cache import CacheManager, CacheSpec
 from engine.contract.method import Family, MethodNeeds, NoConfig, SparseMethod
-from engine.contract.view import PagedView, SelectedPagesView
+from engine.contract.view import PagedView, SelectedPagesView, SelectedSlotsView, backend_can_read
 
 __all__ = [
     "CacheManager",
@@ -12,5 +12,7 @@ __all__ = [
     "NoConfig",
     "PagedView",
     "SelectedPagesView",
+    "SelectedSlotsView",
     "SparseMethod",
+    "backend_can_read",
 ]

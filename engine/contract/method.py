@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from engine.contract.cache import CacheManager, CacheSpec
+from engine.contract.view import PagedView
 from engine.errors import ConfigError
 
 if TYPE_CHECKING:
-    from engine.contract.view import PagedView
     from engine.forward_batch import ForwardBatch
     from engine.page_pool import PagePool
     from engine.request import Request
@@ -53,10 +53,14 @@ class NoConfig:
 
 
 class SparseMethod:
+    """Subclasses that override a per-layer hook with host-side work must set ``cuda_graph_safe = False``."""
+
     name: ClassVar[str] = "dense"
     family: ClassVar[Family] = Family.DENSE
     Config: ClassVar[type] = NoConfig
     needs: ClassVar[MethodNeeds] = MethodNeeds()
+    view_types: ClassVar[tuple[type, ...]] = (PagedView,)  # every view type select() may return
+    cuda_graph_safe: ClassVar[bool] = True  # per-layer hooks do no host work, so decode steps may replay graphs
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.Config()

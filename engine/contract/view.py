@@ -7,7 +7,8 @@ Queries of all requests are flattened into one [T, Hq, D] tensor; request ``i`` 
 "query j sees slots < kv_len - query_len + j + 1".
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -30,6 +31,10 @@ class PagedView:
     query_lens_cpu: list[int]
     causal: bool = True
 
+    # A backend that reads the parent view type reads this one correctly (see ``backend_can_read``). False for
+    # views whose ``block_tables``/``kv_lens`` alone do not describe what attention reads.
+    parent_readable: ClassVar[bool] = True
+
     @property
     def num_requests(self) -> int:
         return len(self.kv_lens_cpu)
@@ -50,3 +55,36 @@ class SelectedPagesView(PagedView):
     ``block_tables``/``kv_lens`` here name the selected pages and the number of selected slots; the last
     page of each request is always included so the new tokens stay visible.
     """
+
+
+@dataclass(slots=True)
+class SelectedSlotsView(PagedView):
+    """Token-granularity selection: attention reads exactly the listed slots of each request.
+
+    slot_indptr: [B + 1] int64 CSR offsets into ``slot_indices``.
+    slot_indices: [nnz] int64 flat physical slots (``page * page_size + offset``) of request ``i`` at
+    ``slot_indptr[i]:slot_indptr[i + 1]``, in increasing logical order, so the request's new tokens are its
+    last ``query_len`` entries and causal masking runs over list order: query ``j`` sees the first
+    ``n_i - query_len + j + 1`` listed slots.
+
+    ``kv_lens``/``kv_lens_cpu`` hold the number of listed slots per request (``n_i``); ``block_tables`` still
+    names the request's resident pages (what the slots point into). A backend must accept this view type
+    explicitly: reading it as a plain ``PagedView`` would attend to the wrong slots.
+    """
+
+    slot_indptr: torch.Tensor = field(kw_only=True)
+    slot_indices: torch.Tensor = field(kw_only=True)
+
+    parent_readable: ClassVar[bool] = False
+
+
+def backend_can_read(view_type: type, accepted: tuple[type, ...]) -> bool:
+    """Whether a backend accepting ``accepted`` view types reads ``view_type``: it must subclass an accepted
+    type, and every class on the way down from that type must be readable as its parent."""
+    for base in accepted:
+        if not issubclass(view_type, base):
+            continue
+        chain = [c for c in view_type.__mro__ if isinstance(c, type) and issubclass(c, base) and c is not base]
+        if all(c.__dict__.get("parent_readable", True) for c in chain):
+            return True
+    return False

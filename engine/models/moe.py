@@ -47,7 +47,15 @@ class StackedExperts(nn.Module):
         copy_into(param.data if shard_id is None else param.data[shard_id], loaded)
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; topk_ids [T, K] int64; topk_weights [T, K] in x.dtype -> [T, H]."""
+        """x [T, H]; topk_ids [T, K] int64; topk_weights [T, K] in x.dtype -> [T, H].
+
+        On a GPU the fused Triton kernel runs (no host sync, CUDA-graph capturable); elsewhere a torch loop
+        over the experts that received tokens.
+        """
+        if x.is_cuda:
+            from kernels.triton import fused_moe
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         top_k = topk_ids.shape[1]
         slots_by_expert = topk_ids.flatten().argsort(stable=True)
         tokens_by_expert = slots_by_expert // top_k

@@ -1,0 +1,178 @@
+"""GPU micro-benchmark: paged decode / prefill attention, Triton vs flashinfer vs the copy roofline, one run.
+
+    python benchmarks/attention_kernels.py [--quick] [--json out.json]
+
+Measures in the same process: device-to-device copy bandwidth (bytes read + written), the bf16 matmul rate,
+Triton paged decode (ours) and flashinfer's BatchDecodeWithPagedKVCacheWrapper with and without tensor cores
+on the BENCH-ANCHORS shapes (32 q / 8 kv heads, d128, page 16, bf16, shuffled pages), and causal prefill of
+one long sequence (Triton paged prefill vs flashinfer paged prefill). Each kernel is checked against a
+reference before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+import triton
+
+from kernels.triton import paged_decode_attention, paged_prefill_attention
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DTYPE = torch.bfloat16
+
+
+def bench(fn, reps: int = 50) -> float:
+    """Median seconds per call (triton.testing.do_bench: warm-up, L2 flush, CUDA events)."""
+    return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median") * 1e-3
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    t = bench(lambda: y.copy_(x))
+    return 2 * x.numel() / t
+
+
+def matmul_rate() -> float:
+    n = 8192
+    a = torch.randn(n, n, dtype=DTYPE, device="cuda")
+    b = torch.randn(n, n, dtype=DTYPE, device="cuda")
+    t = bench(lambda: a @ b, reps=30)
+    return 2 * n**3 / t
+
+
+def make_paged(batch: int, ctx: int, gen: torch.Generator):
+    pages_per = math.ceil(ctx / PAGE)
+    num_pages = batch * pages_per + 1
+    k = torch.randn(num_pages, PAGE, HKV, D, dtype=DTYPE, device="cuda", generator=gen)
+    v = torch.randn(num_pages, PAGE, HKV, D, dtype=DTYPE, device="cuda", generator=gen)
+    perm = torch.randperm(num_pages - 1, device="cuda", generator=gen)[: batch * pages_per] + 1
+    block_tables = perm.view(batch, pages_per).to(torch.int32)
+    kv_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return k, v, block_tables, kv_lens
+
+
+def dense_reference_decode(q, k, v, block_tables, kv_lens, scale):
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(kv_lens[b])
+        pages = block_tables[b, : math.ceil(n / PAGE)].long()
+        kb = k[pages].flatten(0, 1)[:n].float().repeat_interleave(HQ // HKV, 1)
+        vb = v[pages].flatten(0, 1)[:n].float().repeat_interleave(HQ // HKV, 1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), kb) * scale, -1)
+        outs.append(torch.einsum("hn,nhd->hd", p, vb))
+    return torch.stack(outs).to(q.dtype)
+
+
+def flashinfer_decode(k, v, block_tables, kv_lens, use_tensor_cores: bool):
+    import flashinfer
+
+    batch, pages_per = block_tables.shape
+    workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=use_tensor_cores)
+    indptr = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * pages_per
+    last = (kv_lens - 1) % PAGE + 1
+    wrapper.plan(indptr, block_tables.flatten(), last, HQ, HKV, D, PAGE, q_data_type=DTYPE, kv_data_type=DTYPE)
+    return lambda q: wrapper.run(q, (k, v))
+
+
+def decode_case(batch: int, ctx: int, with_flashinfer: bool, gen) -> dict:
+    k, v, bt, lens = make_paged(batch, ctx, gen)
+    q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda", generator=gen)
+    scale = D**-0.5
+    kv_bytes = 2 * batch * ctx * HKV * D * DTYPE.itemsize
+    ref = dense_reference_decode(q[:2], k, v, bt[:2], lens[:2], scale)
+    ours = paged_decode_attention(q, k, v, bt, lens, scale)
+    err = ((ours[:2].float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    row = {"kernel": "decode", "batch": batch, "context": ctx, "rel_err_vs_ref": err}
+    t = bench(lambda: paged_decode_attention(q, k, v, bt, lens, scale))
+    row.update(triton_ms=t * 1e3, triton_tb_s=kv_bytes / t / 1e12)
+    if with_flashinfer:
+        for tc in (False, True):
+            run = flashinfer_decode(k, v, bt, lens, tc)
+            fi_err = ((run(q).float() - ours.float()).abs().max() / ours.float().abs().max()).item()
+            t = bench(lambda: run(q))
+            key = "flashinfer_tc" if tc else "flashinfer"
+            row.update({f"{key}_ms": t * 1e3, f"{key}_tb_s": kv_bytes / t / 1e12, f"{key}_rel_diff": fi_err})
+    del k, v
+    torch.cuda.empty_cache()
+    return row
+
+
+def prefill_case(ctx: int, with_flashinfer: bool, gen) -> dict:
+    k, v, bt, lens = make_paged(1, ctx, gen)
+    q = torch.randn(ctx, HQ, D, dtype=DTYPE, device="cuda", generator=gen)
+    qsl = torch.tensor([0, ctx], dtype=torch.int32, device="cuda")
+    scale = D**-0.5
+    flops = 4 * HQ * D * ctx * ctx / 2  # causal: half of QK^T and PV
+    ours = paged_prefill_attention(q, k, v, bt, lens, qsl, scale, causal=True, max_query_len=ctx)
+    t = bench(lambda: paged_prefill_attention(q, k, v, bt, lens, qsl, scale, causal=True, max_query_len=ctx), reps=20)
+    row = {"kernel": "prefill", "batch": 1, "context": ctx, "triton_ms": t * 1e3, "triton_tflop_s": flops / t / 1e12}
+    # spot-check the last 64 queries against a dense computation
+    tail = 64
+    kk = k[bt[0].long()].flatten(0, 1)[:ctx].float().repeat_interleave(HQ // HKV, 1)
+    vv = v[bt[0].long()].flatten(0, 1)[:ctx].float().repeat_interleave(HQ // HKV, 1)
+    logits = torch.einsum("qhd,khd->hqk", q[-tail:].float(), kk) * scale
+    mask = torch.arange(ctx, device="cuda")[None, :] <= torch.arange(ctx - tail, ctx, device="cuda")[:, None]
+    ref = torch.einsum("hqk,khd->qhd", torch.softmax(logits.masked_fill(~mask, float("-inf")), -1), vv)
+    row["rel_err_vs_ref"] = ((ours[-tail:].float() - ref).abs().max() / ref.abs().max()).item()
+    if with_flashinfer:
+        import flashinfer
+
+        workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device="cuda")
+        w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        pages = bt.shape[1]
+        w.plan(qsl, torch.tensor([0, pages], dtype=torch.int32, device="cuda"), bt.flatten(),
+               (lens - 1) % PAGE + 1, HQ, HKV, D, PAGE, causal=True, q_data_type=DTYPE, kv_data_type=DTYPE)
+        fi = w.run(q, (k, v))
+        row["flashinfer_rel_diff"] = ((fi.float() - ours.float()).abs().max() / ours.float().abs().max()).item()
+        t = bench(lambda: w.run(q, (k, v)), reps=20)
+        row.update(flashinfer_ms=t * 1e3, flashinfer_tflop_s=flops / t / 1e12)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    with_fi = not args.no_flashinfer
+    if with_fi:
+        try:
+            import flashinfer  # noqa: F401
+        except Exception as exc:  # noqa: BLE001
+            print(f"flashinfer unavailable: {exc}")
+            with_fi = False
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "copy_tb_s": copy_bandwidth() / 1e12, "bf16_matmul_tflop_s": matmul_rate() / 1e12, "rows": []}
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    shapes = [(8, 32768)] if args.quick else [(8, 32768), (1, 131072), (64, 4096), (32, 8192), (1, 4096)]
+    for batch, ctx in shapes:
+        row = decode_case(batch, ctx, with_fi, gen)
+        print(json.dumps(row), flush=True)
+        result["rows"].append(row)
+    for ctx in ([8192] if args.quick else [8192, 32768]):
+        row = prefill_case(ctx, with_fi, gen)
+        print(json.dumps(row), flush=True)
+        result["rows"].append(row)
+    print(f"\ncopy {result['copy_tb_s']:.2f} TB/s, bf16 matmul {result['bf16_matmul_tflop_s']:.0f} TFLOP/s")
+    for r in result["rows"]:
+        if r["kernel"] == "decode":
+            fi = f"  flashinfer {r.get('flashinfer_tb_s', 0):.2f}  flashinfer-tc {r.get('flashinfer_tc_tb_s', 0):.2f}"
+            print(f"decode bs{r['batch']:<3} ctx {r['context']:>6}: triton {r['triton_ms']:.3f} ms "
+                  f"{r['triton_tb_s']:.2f} TB/s{fi}  (rel err {r['rel_err_vs_ref']:.1e})")
+        else:
+            print(f"prefill ctx {r['context']:>6}: triton {r['triton_tflop_s']:.0f} TFLOP/s  "
+                  f"flashinfer {r.get('flashinfer_tflop_s', 0):.0f} TFLOP/s  (rel err {r['rel_err_vs_ref']:.1e})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Decode CUDA graphs over bucketed batch sizes.
+
+A pure-decode step of B requests replays the graph of the smallest bucket >= B. The graph was captured
+over static buffers (token ids, positions, slot mapping, block tables, kv lengths); padding rows write
+their KV into the cache's scratch page and read one slot of it. Python does not run during replay, so
+only methods whose hooks do no per-step host work (``SparseMethod.cuda_graph_safe``) use graphs.
+"""
+
+from __future__ import annotations
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.contract.view import PagedView
+from engine.forward_batch import ForwardBatch
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+class DecodeGraphs:
+    def __init__(self, runner, max_batch: int, max_pages: int, scratch_page: int, page_size: int):
+        self.runner = runner
+        self.buckets = [b for b in DEFAULT_BUCKETS if b < max_batch] + [max_batch]
+        self.max_batch = max_batch
+        self.scratch_page = scratch_page
+        self.scratch_slot = scratch_page * page_size
+        self.page_size = page_size
+        dev = runner.device
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=dev)
+        self.slot_mapping = torch.full((max_batch,), self.scratch_slot, dtype=torch.int64, device=dev)
+        self.block_tables = torch.full((max_batch, max_pages), scratch_page, dtype=torch.int32, device=dev)
+        self.kv_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        return next((b for b in self.buckets if b >= batch_size), None)
+
+    def _static_batch(self, b: int, template: ForwardBatch | None = None) -> ForwardBatch:
+        view = PagedView(block_tables=self.block_tables[:b], kv_lens=self.kv_lens[:b],
+                         query_start_loc=self.query_start_loc[: b + 1], page_size=self.page_size,
+                         kv_lens_cpu=[1] * b, query_lens_cpu=[1] * b)
+        return ForwardBatch(
+            requests=template.requests if template else [], num_new_tokens=[1] * b,
+            input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
+            view=view, logits_indices=self.query_start_loc[:b].long(),
+            sample_requests=template.sample_requests if template else [], finished_prompt=[],
+            cache=self.runner.cache,
+        )
+
+    def _forward(self, b: int) -> torch.Tensor:
+        runner = self.runner
+        hidden = runner.model(self.input_ids[:b], self.positions[:b], runner)
+        return runner.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def capture(self, show_progress: bool = True) -> None:
+        pool = None
+        for b in tqdm(sorted(self.buckets, reverse=True), desc="capturing decode CUDA graphs",
+                      disable=not show_progress):
+            self.runner._batch = self._static_batch(b)
+            for _ in range(2):
+                self._forward(b)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[b] = self._forward(b)
+            pool = graph.pool()
+            self.graphs[b] = graph
+        self.runner._batch = None
+        torch.cuda.synchronize()
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Replay the decode step of ``batch``; returns logits [B, vocab] (a view into a static buffer)."""
+        n = batch.num_tokens
+        b = self.bucket_for(n)
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        width = batch.view.block_tables.shape[1]
+        self.block_tables[:n, :width].copy_(batch.view.block_tables)
+        self.kv_lens[:n].copy_(batch.view.kv_lens)
+        if b > n:
+            self.input_ids[n:b].zero_()
+            self.positions[n:b].zero_()
+            self.slot_mapping[n:b].fill_(self.scratch_slot)
+            self.block_tables[n:b, 0].fill_(self.scratch_page)
+            self.kv_lens[n:b].fill_(1)
+        self.graphs[b].replay()
+        return self.logits[b][:n]

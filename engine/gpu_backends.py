@@ -1,0 +1,77 @@
+"""GPU attention backends: Triton kernels (ours) and flashinfer (optional, imported lazily).
+
+Both read the same paged layout as the torch reference (``k_cache``/``v_cache`` [num_pages, page_size,
+Hkv, D]) and the same views. Pure-decode steps take the split-context decode kernel; anything with a
+query longer than one token takes the paged prefill/extend kernel, which handles mixed steps too.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention_backend import AttentionBackend
+from engine.contract.view import PagedView
+
+
+class TritonBackend(AttentionBackend):
+    name = "triton"
+    cuda_graph_safe = True
+
+    def __init__(self) -> None:
+        from kernels.triton import paged_decode_attention, paged_prefill_attention
+
+        self._decode = paged_decode_attention
+        self._prefill = paged_prefill_attention
+
+    def forward(self, q, k_cache, v_cache, view: PagedView, scale: float, return_scores: bool = False):
+        assert not return_scores, "methods that need scores run on the torch backend (checked at configuration)"
+        if view.is_pure_decode:
+            return self._decode(q, k_cache, v_cache, view.block_tables, view.kv_lens, scale), None
+        return self._prefill(q, k_cache, v_cache, view.block_tables, view.kv_lens, view.query_start_loc, scale,
+                             causal=view.causal, max_query_len=view.max_query_len), None
+
+
+
+class FlashInferBackend(AttentionBackend):
+    """flashinfer's paged decode (tensor cores, the faster GQA configuration) and paged prefill wrappers.
+
+    ``plan`` runs once per view (once per step when every layer reads the same view) and ``run`` per layer.
+    """
+
+    name = "flashinfer"  # cuda_graph_safe stays False: it plans on the host every step
+    WORKSPACE_BYTES = 256 * 2**20
+
+    def __init__(self, device: torch.device) -> None:
+        import flashinfer
+
+        workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._planned_view: PagedView | None = None  # held, so its id cannot be reused by a later view
+
+    def _plan(self, q, k_cache, view: PagedView, scale: float) -> bool:
+        decode = view.is_pure_decode
+        if self._planned_view is view:
+            return decode
+        page_size = k_cache.shape[1]
+        pages_per = [-(-n // page_size) for n in view.kv_lens_cpu]
+        indices = torch.cat([view.block_tables[i, :n] for i, n in enumerate(pages_per)])
+        indptr = torch.tensor([0] + list(torch.tensor(pages_per).cumsum(0).tolist()), dtype=torch.int32,
+                              device=q.device)
+        last = torch.tensor([(n - 1) % page_size + 1 for n in view.kv_lens_cpu], dtype=torch.int32, device=q.device)
+        hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
+        if decode:
+            self._decode.plan(indptr, indices, last, hq, hkv, d, page_size, sm_scale=scale,
+                              q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        else:
+            self._prefill.plan(view.query_start_loc, indptr, indices, last, hq, hkv, d, page_size,
+                               causal=view.causal, sm_scale=scale, q_data_type=q.dtype, kv_data_type=k_cache.dtype)
+        self._planned_view = view
+        return decode
+
+    def forward(self, q, k_cache, v_cache, view: PagedView, scale: float, return_scores: bool = False):
+        assert not return_scores, "methods that need scores run on the torch backend (checked at configuration)"
+        decode = self._plan(q, k_cache, view, scale)
+        wrapper = self._decode if decode else self._prefill
+        return wrapper.run(q, (k_cache, v_cache)), None
+

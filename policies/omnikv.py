@@ -1,0 +1,153 @@
+"""OmniKV (Hao et al. 2025, "OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs").
+
+Storage is untouched; a few *observation* layers choose which tokens the following layers read.
+
+At a decode step (one new token that is not part of the prompt), per request:
+
+* layers before the first observation layer run dense (the derived ``dense_layers``);
+* an observation layer runs full attention, and from the current query and the layer's cached keys it
+  computes the attention probabilities ``softmax(q_h . k / sqrt(D))`` over every resident slot, per query
+  head ``h``, and sums them over all query heads into one score per slot (the view is per request, so one
+  token set serves every head); the request's newest token plus the top ``token_budget - 1`` of its other
+  slots are chosen and kept in ``batch.scratch`` for this step;
+* every layer after an observation layer, up to the next one, attends only to the chosen slots through a
+  ``SelectedSlotsView`` (slots in increasing logical order, the new token last).
+
+A request with ``<= token_budget`` tokens (new token included) reads everything, and prefill chunks run
+dense. Selection assumes every layer holds the same slots (the default paged cache, no compaction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.contract import Family, PagedView, SelectedSlotsView, SparseMethod
+from engine.errors import ConfigError
+from engine.registry import register_method
+
+SCRATCH_KEY = "omnikv"
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class OmniKVConfig:
+    observation_layers: tuple[int, ...] = (1,)  # layers that run full attention and choose the tokens
+    token_budget: int = 1024  # tokens the layers after an observation layer read per request
+
+    def __post_init__(self) -> None:
+        layers = self.observation_layers
+        if not isinstance(layers, (tuple, list)) or not layers:
+            raise ValueError(f"observation_layers must be a non-empty sequence of layer indices, got {layers!r}")
+        for layer in layers:
+            _check_int("each observation layer", layer, 0)
+        if any(a >= b for a, b in zip(layers, layers[1:])):
+            raise ValueError(f"observation_layers must be strictly increasing, got {layers!r}")
+        object.__setattr__(self, "observation_layers", tuple(layers))
+        _check_int("token_budget", self.token_budget, 1)
+
+    @property
+    def dense_layers(self) -> int:
+        """Layers before the first observation layer: they run dense."""
+        return self.observation_layers[0]
+
+
+def _is_decode(req, query_len: int) -> bool:
+    return query_len == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+
+
+def _request_slots(block_tables: torch.Tensor, row: int | torch.Tensor, positions: torch.Tensor,
+                   page_size: int) -> torch.Tensor:
+    """Flat physical slots of logical ``positions`` of request(s) ``row``."""
+    return block_tables[row, positions // page_size].long() * page_size + positions % page_size
+
+
+@register_method
+class OmniKV(SparseMethod):
+    name = "omnikv"
+    family = Family.SELECTION
+    Config = OmniKVConfig
+    view_types = (PagedView, SelectedSlotsView)
+    cuda_graph_safe = False  # select() builds its view on the host every step
+
+    def make_cache(self, spec, pool, enable_prefix_caching):
+        last = self.config.observation_layers[-1]
+        if last >= spec.num_layers:
+            raise ConfigError(
+                f"method 'omnikv': observation layer {last} does not exist (the model has {spec.num_layers} layers)"
+            )
+        return super().make_cache(spec, pool, enable_prefix_caching)
+
+    def select(self, layer: int, q: torch.Tensor, batch):
+        view = batch.view_for(layer)
+        if layer < self.config.dense_layers:
+            return view
+        if layer in self.config.observation_layers:
+            batch.scratch[SCRATCH_KEY] = self._choose(layer, q, batch, view)
+            return view
+        chosen = batch.scratch.get(SCRATCH_KEY)
+        return view if chosen is None else chosen
+
+    def _choose(self, layer: int, q: torch.Tensor, batch, view) -> SelectedSlotsView | None:
+        budget, ps = self.config.token_budget, view.page_size
+        rows: list[int] = []
+        query_rows: list[int] = []
+        start = 0
+        for i, (req, n, length) in enumerate(zip(batch.requests, view.query_lens_cpu, view.kv_lens_cpu)):
+            if _is_decode(req, n) and length > budget:
+                rows.append(i)
+                query_rows.append(start)
+            start += n
+        if not rows:
+            return None
+        device = q.device
+        lengths = [view.kv_lens_cpu[i] for i in rows]
+        width = max(lengths)
+        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
+        lens_t = torch.tensor(lengths, device=device)
+        positions = torch.arange(width, device=device)
+        slots = _request_slots(view.block_tables, rows_t[:, None], positions[None, :], ps)  # [s, width]
+        valid = positions[None, :] < lens_t[:, None]
+        slots = torch.where(valid, slots, 0)
+        k_cache, _ = batch.cache.layer_kv(layer)
+        keys = k_cache.flatten(0, 1)[slots].float()  # [s, width, Hkv, D]
+        qs = q[torch.tensor(query_rows, dtype=torch.long, device=device)].float()  # [s, Hq, D]
+        group = qs.shape[1] // keys.shape[2]
+        logits = torch.einsum("shd,swhd->shw", qs, keys.repeat_interleave(group, dim=2)) * qs.shape[-1] ** -0.5
+        probs = torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+        scores = probs.sum(dim=1)  # [s, width]: attention mass over all query heads
+        newest = lens_t - 1
+        scores = scores.masked_fill(positions[None, :] >= newest[:, None], float("-inf"))
+        top = scores.topk(budget - 1, dim=1).indices.sort(dim=1).values
+        chosen = torch.cat([top, newest[:, None]], dim=1)  # [s, budget] logical positions, newest last
+        chosen_slots = slots.gather(1, chosen)
+
+        pieces: list[torch.Tensor] = []
+        counts: list[int] = []
+        selected = dict(zip(rows, chosen_slots))
+        for i, length in enumerate(view.kv_lens_cpu):
+            if i in selected:
+                pieces.append(selected[i])
+                counts.append(budget)
+            else:
+                pieces.append(_request_slots(view.block_tables, i, torch.arange(length, device=device), ps))
+                counts.append(length)
+        indptr = [0]
+        for c in counts:
+            indptr.append(indptr[-1] + c)
+        return SelectedSlotsView(
+            block_tables=view.block_tables,
+            kv_lens=torch.tensor(counts, dtype=view.kv_lens.dtype, device=device),
+            query_start_loc=view.query_start_loc,
+            page_size=ps,
+            kv_lens_cpu=counts,
+            query_lens_cpu=view.query_lens_cpu,
+            causal=view.causal,
+            slot_indptr=torch.tensor(indptr, dtype=torch.long, device=device),
+            slot_indices=torch.cat(pieces),
+        )

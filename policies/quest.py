@@ -1,0 +1,188 @@
+"""Quest (Tang et al. 2024, "Quest: Query-Aware Sparsity for Efficient Long-Context LLM Inference").
+
+Storage is untouched; at decode each layer reads only the pages most likely to matter for the current query.
+
+Metadata: for every page and every (layer, KV head) the elementwise min and max of its keys, kept in tensors
+``[num_selected_layers, num_pages, Hkv, D]`` indexed by *physical page id* (so pages shared through the
+prefix cache carry their metadata with them). It is maintained incrementally: in ``select`` (after the
+step's KV write) the bounds of every page touched by the step's tokens are recomputed from that page's
+written slots. The tensors are allocated on first use and cost ``1 / page_size`` of the KV memory, outside
+the page pool's budget.
+
+Selection, per request and layer, at a decode step (one new token that is not part of the prompt):
+
+* per query head ``h`` (reading KV head ``h // group``) the page score is Quest's upper bound
+  ``U_h(page) = sum_d max(q_d * min_d, q_d * max_d)``;
+* the view is per request, not per head, so the heads are aggregated into one score per page:
+  ``aggregate="max"`` (default) takes ``max_h U_h(page)``, an upper bound on the largest logit any head can
+  have in the page; ``aggregate="sum"`` takes ``sum_h U_h(page)``;
+* the ``token_budget // page_size`` pages read are the request's last (possibly partial) page plus the
+  top-scoring ``token_budget // page_size - 1`` of its other pages.
+
+A request reads everything when it has ``<= token_budget`` tokens (new token included) or no more pages
+than the budget allows; the first ``dense_layers`` layers and every prefill chunk run dense. The returned
+``SelectedPagesView`` lists the selected pages in increasing logical order, the last page last, with
+``kv_lens`` = the number of selected slots, so the backend's causal / last-page semantics hold unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.contract import Family, PagedView, SelectedPagesView, SparseMethod
+from engine.errors import ConfigError
+from engine.registry import register_method
+from kernels.torch_ref.quest import AGGREGATES, page_key_bounds, quest_page_scores
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+@dataclass(slots=True, frozen=True)
+class QuestConfig:
+    token_budget: int = 1024  # tokens read per request and layer at decode (token_budget // page_size pages)
+    dense_layers: int = 2  # the first layers run dense
+    aggregate: str = "max"  # how query heads combine into one page score: "max" or "sum"
+
+    def __post_init__(self) -> None:
+        _check_int("token_budget", self.token_budget, 1)
+        _check_int("dense_layers", self.dense_layers, 0)
+        if self.aggregate not in AGGREGATES:
+            raise ValueError(f"aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """What every layer of one step shares: the pages the step touched and the decode rows to select for."""
+
+    view: object
+    touched_pages: torch.Tensor  # [n] physical page ids written this step
+    touched_valid: torch.Tensor  # [n] written slots of each touched page (after this step's write)
+    rows: list[int]  # requests that select
+    rows_t: torch.Tensor
+    query_rows: torch.Tensor  # [len(rows)] the decode query of each selecting request
+    num_pages: list[int]  # resident pages of each selecting request
+    selected_lens: list[int]  # selected slots of each selecting request
+
+
+def _is_decode(req, query_len: int) -> bool:
+    return query_len == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+
+
+@register_method
+class Quest(SparseMethod):
+    name = "quest"
+    family = Family.SELECTION
+    Config = QuestConfig
+    view_types = (PagedView, SelectedPagesView)
+    cuda_graph_safe = False  # select() builds its view on the host every step
+
+    def __init__(self, config: QuestConfig | None = None):
+        super().__init__(config)
+        self._kmin: torch.Tensor | None = None  # [num_layers - dense_layers, num_pages, Hkv, D]
+        self._kmax: torch.Tensor | None = None
+
+    def make_cache(self, spec, pool, enable_prefix_caching):
+        if self.config.token_budget < spec.page_size:
+            raise ConfigError(
+                f"method 'quest': token_budget ({self.config.token_budget}) must hold at least one page "
+                f"(page_size {spec.page_size})"
+            )
+        return super().make_cache(spec, pool, enable_prefix_caching)
+
+    # --- metadata -------------------------------------------------------------------------------
+    def _bounds(self, batch, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_layers = max(batch.cache.spec.num_layers - self.config.dense_layers, 0)
+        shape = (num_layers, *k_cache.shape[:1], *k_cache.shape[2:])
+        if self._kmin is None or self._kmin.shape != shape or self._kmin.device != k_cache.device:
+            self._kmin = torch.zeros(shape, dtype=k_cache.dtype, device=k_cache.device)
+            self._kmax = torch.zeros(shape, dtype=k_cache.dtype, device=k_cache.device)
+        return self._kmin, self._kmax
+
+    def _plan(self, batch, view) -> _StepPlan:
+        plan = batch.scratch.get("quest")
+        if plan is not None and plan.view is view:
+            return plan
+        ps, budget = view.page_size, self.config.token_budget
+        max_selected = budget // ps
+        t_rows: list[int] = []
+        t_cols: list[int] = []
+        t_valid: list[int] = []
+        rows: list[int] = []
+        query_rows: list[int] = []
+        num_pages: list[int] = []
+        selected_lens: list[int] = []
+        start = 0
+        for i, (req, n, length) in enumerate(zip(batch.requests, view.query_lens_cpu, view.kv_lens_cpu)):
+            for page in range((length - n) // ps, (length - 1) // ps + 1):
+                t_rows.append(i)
+                t_cols.append(page)
+                t_valid.append(min(ps, length - page * ps))
+            pages = -(-length // ps)
+            if _is_decode(req, n) and length > budget and pages > max_selected:
+                rows.append(i)
+                query_rows.append(start)
+                num_pages.append(pages)
+                selected_lens.append((max_selected - 1) * ps + length - (pages - 1) * ps)
+            start += n
+        device = view.block_tables.device
+        touched = view.block_tables[torch.tensor(t_rows, device=device), torch.tensor(t_cols, device=device)]
+        plan = _StepPlan(
+            view=view,
+            touched_pages=touched.long(),
+            touched_valid=torch.tensor(t_valid, device=device),
+            rows=rows,
+            rows_t=torch.tensor(rows, dtype=torch.long, device=device),
+            query_rows=torch.tensor(query_rows, dtype=torch.long, device=device),
+            num_pages=num_pages,
+            selected_lens=selected_lens,
+        )
+        batch.scratch["quest"] = plan
+        return plan
+
+    # --- hooks ----------------------------------------------------------------------------------
+    def select(self, layer: int, q: torch.Tensor, batch):
+        view = batch.view_for(layer)
+        if layer < self.config.dense_layers:
+            return view
+        k_cache, _ = batch.cache.layer_kv(layer)
+        kmin_all, kmax_all = self._bounds(batch, k_cache)
+        kmin_l, kmax_l = kmin_all[layer - self.config.dense_layers], kmax_all[layer - self.config.dense_layers]
+        plan = self._plan(batch, view)
+        if plan.touched_pages.numel():
+            lo, hi = page_key_bounds(k_cache, plan.touched_pages, plan.touched_valid)
+            kmin_l[plan.touched_pages] = lo
+            kmax_l[plan.touched_pages] = hi
+        if not plan.rows:
+            return view
+
+        ps = view.page_size
+        max_selected = self.config.token_budget // ps
+        width = max(plan.num_pages)
+        device = view.block_tables.device
+        pages = view.block_tables[plan.rows_t, :width].long()  # [s, width] resident pages, logical order
+        scores = quest_page_scores(q[plan.query_rows], kmin_l[pages], kmax_l[pages], self.config.aggregate)
+        last = torch.tensor(plan.num_pages, device=device) - 1  # [s] logical index of each last page
+        candidate = torch.arange(width, device=device)[None, :] < last[:, None]  # every page but the last
+        scores = scores.masked_fill(~candidate, float("-inf"))
+        top = scores.topk(max_selected - 1, dim=1).indices.sort(dim=1).values
+        chosen = torch.cat([top, last[:, None]], dim=1)  # [s, max_selected], increasing, last page last
+        block_tables = view.block_tables.clone()
+        block_tables[plan.rows_t] = 0
+        block_tables[plan.rows_t, :max_selected] = pages.gather(1, chosen).to(block_tables.dtype)
+        kv_lens_cpu = list(view.kv_lens_cpu)
+        for i, n in zip(plan.rows, plan.selected_lens):
+            kv_lens_cpu[i] = n
+        return SelectedPagesView(
+            block_tables=block_tables,
+            kv_lens=torch.tensor(kv_lens_cpu, dtype=view.kv_lens.dtype, device=device),
+            query_start_loc=view.query_start_loc,
+            page_size=ps,
+            kv_lens_cpu=kv_lens_cpu,
+            query_lens_cpu=view.query_lens_cpu,
+            causal=view.causal,
+        )
