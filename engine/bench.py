@@ -59,6 +59,16 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
     sync()
     t2 = time.perf_counter()
     decoded = batch * (decode_tokens - 1)
+    graphs = engine.runner.graphs
+    replay_ms = None
+    if graphs is not None and batch in graphs.graphs:  # GPU time of one decode step, host work excluded
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            graphs.graphs[batch].replay()
+        end.record()
+        torch.cuda.synchronize()
+        replay_ms = start.elapsed_time(end) / 20
     return {
         "batch": batch,
         "context": context,
@@ -67,6 +77,7 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
         "decode_tok_s": decoded / (t2 - t1) if decoded else 0.0,
         "decode_step_ms": 1e3 * (t2 - t1) / max(steps, 1),
         "sched_prep_ms_per_decode_step": 1e3 * statistics.median(overheads) if overheads else None,
+        "graph_replay_ms": replay_ms,
     }
 
 
@@ -155,6 +166,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             from engine.roofline import copy_bandwidth, matmul_rate
 
             copy_bw, matmul = copy_bandwidth(engine.device), matmul_rate(engine.device)
+        for ctx in sorted({c for _, c in cases}):  # compile kernels for these shapes before timing
+            run_one(engine, 1, ctx, 4, args.seed)
         results = []
         for b, ctx in cases:
             r = run_one(engine, b, ctx, args.decode_tokens, args.seed)

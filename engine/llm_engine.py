@@ -76,7 +76,8 @@ class LLMEngine:
         self.pool = PagePool(self._num_pages(spec))
         self.cache = self.method.make_cache(spec, self.pool, config.enable_prefix_caching)
         self.backend = make_backend(config.attention_backend, self.device, self.method)
-        self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
+                                   on_preempt=self.method.release)
         self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)
         self._maybe_capture_graphs()
         self._requests: dict[str, Request] = {}
@@ -115,7 +116,11 @@ class LLMEngine:
         budget = budget if budget is not None else DEFAULT_CPU_KV_BYTES
         num_pages = budget // spec.bytes_per_page
         if num_pages < 1:
-            raise OutOfPagesError(f"KV budget of {budget} bytes holds no page of {spec.bytes_per_page} bytes")
+            raise OutOfPagesError(
+                f"KV budget of {budget} bytes holds no page of {spec.bytes_per_page} bytes; on a GPU the budget is "
+                "gpu_memory_utilization x total memory minus what is already in use (other engines included): "
+                "lower it or set kv_cache_memory_bytes / num_pages"
+            )
         return num_pages
 
     # --- requests -------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
+        self.wants_layer_output = type(method).end_layer is not SparseMethod.end_layer
         self._batch: ForwardBatch | None = None
 
     def capture_decode_graphs(self, max_batch: int, max_pages: int, show_progress: bool = True) -> None:
@@ -45,6 +46,7 @@ class ModelRunner:
     def _can_replay(self, batch: ForwardBatch) -> bool:
         g = self.graphs
         return (g is not None and batch.layer_views is None and batch.view.is_pure_decode
+                and not batch.finished_prompt
                 and batch.num_tokens <= g.max_batch and batch.view.block_tables.shape[1] <= g.block_tables.shape[1])
 
     # --- LayerRunner ----------------------------------------------------------------------------

@@ -248,6 +248,11 @@ class PagedCacheManager(CacheManager):
         if slot_mapping.dim() == 2:
             slot_mapping = slot_mapping[layer]
         kv = self.kv[layer]
+        if kv.is_cuda:
+            from kernels.triton import store_kv
+
+            store_kv(k, v, kv[0], kv[1], slot_mapping)
+            return
         flat_shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
         kv[0].view(flat_shape).index_copy_(0, slot_mapping, k.to(kv.dtype))
         kv[1].view(flat_shape).index_copy_(0, slot_mapping, v.to(kv.dtype))

@@ -8,6 +8,7 @@ budget, ``max_num_seqs`` and the pool allow, after reusing whatever prefix the c
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.contract.cache import CacheManager
@@ -30,8 +31,12 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, cache: CacheManager, max_num_batched_tokens: int, max_num_seqs: int):
+    def __init__(
+        self, cache: CacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+        on_preempt: Callable[[Request], None] | None = None,
+    ):
         self.cache = cache
+        self.on_preempt = on_preempt
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -86,6 +91,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req)
+        if self.on_preempt is not None:
+            self.on_preempt(req)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING

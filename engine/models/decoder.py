@@ -72,10 +72,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, runner: LayerRunner
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), positions, rotary, runner)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        rotary: RotaryEmbedding, runner: LayerRunner,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (mlp output, residual): the layer's output is their sum, left to the next norm to add."""
+        if residual is None:
+            normed, residual = self.input_layernorm(hidden), hidden
+        else:
+            normed, residual = self.input_layernorm(hidden, residual)
+        attn = self.self_attn(normed, positions, rotary, runner)
+        normed, residual = self.post_attention_layernorm(attn, residual)
+        return self.mlp(normed), residual
 
 
 class DecoderModel(nn.Module):
@@ -89,11 +96,13 @@ class DecoderModel(nn.Module):
         )
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, runner: LayerRunner) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
+        wants_output = getattr(runner, "wants_layer_output", True)
         for layer in self.layers:
-            hidden = layer(hidden, positions, self.rotary_emb, runner)
-            runner.end_layer(layer.layer_idx, hidden)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, positions, self.rotary_emb, runner)
+            if wants_output:
+                runner.end_layer(layer.layer_idx, hidden + residual)
+        return self.norm(hidden, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):

@@ -19,7 +19,10 @@ class LayerRunner(Protocol):
         ...
 
     def end_layer(self, layer_idx: int, hidden: torch.Tensor) -> None:
-        """Called after layer ``layer_idx`` with its output hidden states [T, hidden_size]."""
+        """Called after layer ``layer_idx`` with its output hidden states [T, hidden_size].
+
+        A runner with ``wants_layer_output = False`` is not called, and the model need not form the sum.
+        """
         ...
 
 

@@ -78,13 +78,30 @@ class RMSNorm(nn.Module):
         self.weight = new_parameter(size)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or with ``residual``: (norm(x + residual), x + residual). One fused kernel on a GPU."""
+        if x.is_cuda:
+            from kernels.triton import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        from kernels.triton import silu_and_mul as fused
+
+        return fused(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -178,7 +195,14 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated q, k (same shapes and dtype)."""
+        """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated q, k (same shapes and dtype).
+
+        On a GPU one Triton kernel rotates q and k in place.
+        """
+        if q.is_cuda:
+            from kernels.triton import apply_rotary
+
+            return apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].unsqueeze(1)
         sin = self.sin_cache[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
