@@ -35,10 +35,14 @@ class AttentionBackend:
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         raise NotImplementedError
 
-    def unsupported(self, method: SparseMethod) -> list[str]:
-        """Why this backend cannot serve ``method`` (empty when it can)."""
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+
+    def unsupported(self, method: SparseMethod, dtype: torch.dtype | None = None) -> list[str]:
+        """Why this backend cannot serve ``method`` on a KV cache of ``dtype`` (empty when it can)."""
         reasons = [f"the {self.name} backend cannot read {t.__name__}" for t in method.view_types
                    if not backend_can_read(t, self.accepted_views)]
+        if dtype is not None and dtype not in self.dtypes:
+            reasons.append(f"the {self.name} backend does not run {dtype} (it runs {list(self.dtypes)})")
         if method.needs.attention_scores and not self.supports_scores:
             reasons.append(f"the {self.name} backend does not return the attention scores {method.name} needs")
         return reasons
@@ -79,18 +83,20 @@ def _construct(name: str, device: torch.device) -> AttentionBackend:
         raise ConfigError(f"attention_backend 'flashinfer' needs flashinfer-python installed: {exc}") from exc
 
 
-def make_backend(name: str, device: torch.device, method: SparseMethod) -> AttentionBackend:
+def make_backend(
+    name: str, device: torch.device, method: SparseMethod, dtype: torch.dtype | None = None
+) -> AttentionBackend:
     """The backend by name; ``auto`` takes the Triton kernels on a GPU when they serve ``method``, else torch."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name != "auto":
         backend = _construct(name, device)
-        reasons = backend.unsupported(method)
+        reasons = backend.unsupported(method, dtype)
         if reasons:
             raise ConfigError(f"method {method.name!r} cannot run on attention_backend {name!r}: {'; '.join(reasons)}")
         return backend
     backend = _construct("triton", device) if device.type == "cuda" else TorchReferenceBackend()
-    reasons = backend.unsupported(method)
+    reasons = backend.unsupported(method, dtype)
     if reasons:
         log.info("attention backend auto: not %s (%s)", backend.name, "; ".join(reasons))
         backend = TorchReferenceBackend()

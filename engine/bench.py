@@ -83,17 +83,22 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
 
 def add_roofline(r: dict, engine: LLMEngine, copy_bw: float, matmul: float) -> None:
     """Decode: weights + KV read per step vs the copy bandwidth. Prefill: model FLOPs vs the matmul rate."""
-    from engine.roofline import weight_bytes
+    from engine.roofline import expected_expert_fraction, expert_weight_bytes, weight_bytes
 
     mc = engine.model_config
     kv_per_token = engine.cache.spec.bytes_per_token
     avg_ctx = r["context"] + r["decode_tokens"] / 2
     w_bytes = weight_bytes(engine.model)
+    itemsize = engine.cache.spec.dtype.itemsize
+    params = w_bytes / itemsize
+    if mc.num_experts:
+        experts = expert_weight_bytes(engine.model)
+        w_bytes -= experts * (1 - expected_expert_fraction(mc.num_experts, mc.num_experts_per_tok, r["batch"]))
+        params -= experts / itemsize * (1 - mc.num_experts_per_tok / mc.num_experts)
+        r["note"] = ("MoE: decode bytes count the expected routed experts under uniform routing, 1-(1-k/E)^B of "
+                     "each layer's experts; prefill FLOPs count the k active experts per token")
     step_bytes = w_bytes + r["batch"] * avg_ctx * kv_per_token
     roofline_tok_s = r["batch"] / (step_bytes / copy_bw)
-    params = w_bytes / engine.cache.spec.dtype.itemsize
-    if mc.num_experts:
-        r["note"] = "MoE: weight bytes count every expert; the routed-expert count is not yet measured"
     attn_flops = 4 * mc.num_layers * mc.num_heads * mc.head_dim * r["context"] ** 2 / 2
     prefill_flops = r["batch"] * (2 * params * r["context"] + attn_flops)
     r.update(weight_gb=w_bytes / 1e9, bytes_per_step_gb=step_bytes / 1e9, copy_tb_s=copy_bw / 1e12,

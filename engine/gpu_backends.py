@@ -39,6 +39,7 @@ class FlashInferBackend(AttentionBackend):
     """
 
     name = "flashinfer"  # cuda_graph_safe stays False: it plans on the host every step
+    dtypes = (torch.float16, torch.bfloat16)
     WORKSPACE_BYTES = 256 * 2**20
 
     def __init__(self, device: torch.device) -> None:

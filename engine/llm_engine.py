@@ -75,7 +75,7 @@ class LLMEngine:
         )
         self.pool = PagePool(self._num_pages(spec))
         self.cache = self.method.make_cache(spec, self.pool, config.enable_prefix_caching)
-        self.backend = make_backend(config.attention_backend, self.device, self.method)
+        self.backend = make_backend(config.attention_backend, self.device, self.method, spec.dtype)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
                                    on_preempt=self.method.release)
         self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)

@@ -35,6 +35,7 @@ class PageTable:
     num_slots: int = 0  # slots in use in the longest layer
     layer_lens: list[int] | None = None  # per-layer slots in use, once compacted
     kept_positions: list[torch.Tensor] | None = None  # per layer [Hkv, n]: logical position of each kept slot
+    host_row: torch.Tensor | None = None  # int32 copy of ``pages`` for building block tables; None = stale
     compacted_at: int = 0  # logical length at the last compaction; later slots are appended tokens
 
     @property
@@ -46,6 +47,11 @@ class PageTable:
 
     def layer_len(self, layer: int) -> int:
         return self.num_slots if self.layer_lens is None else self.layer_lens[layer]
+
+    def pages_tensor(self) -> torch.Tensor:
+        if self.host_row is None:
+            self.host_row = torch.tensor(self.pages, dtype=torch.int32)
+        return self.host_row
 
 
 class PagedCacheManager(CacheManager):
@@ -101,7 +107,9 @@ class PagedCacheManager(CacheManager):
         if not self.pool.can_allocate(need):
             return False
         if need:
-            self.table(req).pages.extend(self.pool.allocate(need))
+            t = self.table(req)
+            t.pages.extend(self.pool.allocate(need))
+            t.host_row = None
         return True
 
     def free(self, req: Request) -> None:
@@ -179,7 +187,7 @@ class PagedCacheManager(CacheManager):
             n = k.shape[0]
             self.kv[layer, 0].flatten(0, 1)[new_slots[:n]] = k
             self.kv[layer, 1].flatten(0, 1)[new_slots[:n]] = v
-        t.pages, t.keys = head, []
+        t.pages, t.keys, t.host_row = head, [], None
         t.layer_lens, t.num_slots = new_lens, max(new_lens)
         t.kept_positions, t.compacted_at = positions, req.num_computed_tokens
         return True
@@ -224,13 +232,15 @@ class PagedCacheManager(CacheManager):
         tables = [self._tables[r.request_id] for r in reqs]
         kv_lens = [t.layer_len(layer) + n for t, n in zip(tables, num_new_tokens)]
         width = max((len(t.pages) for t in tables), default=0)
-        rows = [t.pages + [0] * (width - len(t.pages)) for t in tables]
+        block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
+        for i, t in enumerate(tables):
+            block_tables[i, : len(t.pages)] = t.pages_tensor()
         starts = [0]
         for n in num_new_tokens:
             starts.append(starts[-1] + n)
         device = self.spec.device
         return PagedView(
-            block_tables=torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(rows), width),
+            block_tables=block_tables.to(device),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
             page_size=self.page_size,

@@ -49,3 +49,14 @@ def weight_bytes(model: torch.nn.Module, exclude_embedding: bool = True) -> int:
             continue
         total += p.numel() * p.element_size()
     return total
+
+
+def expert_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of routed-expert weights (stacked ``mlp.experts`` parameters)."""
+    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." in n)
+
+
+def expected_expert_fraction(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected fraction of a layer's experts that ``batch`` tokens route to, under uniform routing
+    (random weights route close to uniformly): 1 - (1 - k/E)^B."""
+    return 1.0 - (1.0 - top_k / num_experts) ** batch
