@@ -119,7 +119,7 @@ It was a bright cold day in April, and the clocks were striking thirteen. The ri
 old stone bridge, and the children counted the boats as they passed: one, two, three, four, five.
 In the morning the baker opened the shop at six o'clock; by noon the bread was gone and the shelves
 were empty again. People said the weather would change before the weekend, but nobody knew for sure.
-Science is a way of thinking much more than it is a body of knowledge. Good questions matter as much as
+Science is a way of thinking much more than it is a body of knowledge. Good inquiries matter as much as
 good answers, and a careful experiment is worth more than a thousand confident opinions.
 Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 1024 2048 4096 3.14159 2.71828 -1 1e-6 50% $19.99 #1 @home
 Punctuation and symbols: ( ) [ ] { } < > ! ? , . ; : ' " ` ~ + - * / = % & | ^ _ \\ @ # $
