@@ -12,6 +12,7 @@ import functools
 
 import torch
 import triton
+import triton.language as tl
 
 
 def _fix_interpreter_scalar_index() -> None:
@@ -37,7 +38,54 @@ def _fix_interpreter_scalar_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _interpret_stdlib_functions() -> None:
+    """Make triton.language's own @jit functions (tl.sum, tl.max, tl.cdiv, tl.zeros, ...) interpretable.
+
+    They are decorated once, when triton is first imported. If that import happened before
+    TRITON_INTERPRET=1 was set (say another library imported triton earlier in the same process), they are
+    compiled-only JITFunctions and an interpreted kernel calling them fails with "Cannot call @triton.jit'd
+    outside of the scope of a kernel". In interpret mode, swap each for the InterpretedFunction that
+    ``@triton.jit`` would have produced (the interpreter's numpy fast paths for sum/max/min match on these
+    very objects). Does nothing outside interpret mode, or when they are interpretable already.
+    """
+    try:
+        from triton import knobs
+        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # pragma: no cover
+        return
+    if not knobs.runtime.interpret:
+        return
+    import triton.language.core as tl_core
+    import triton.language.standard as tl_standard
+
+    converted: dict[int, InterpretedFunction] = {}
+
+    def convert(obj):
+        if id(obj) not in converted:
+            converted[id(obj)] = InterpretedFunction(obj.fn)
+        return converted[id(obj)]
+
+    for module in (tl_standard, tl, tl.math):
+        for name, obj in list(vars(module).items()):
+            if isinstance(obj, JITFunction):
+                setattr(module, name, convert(obj))
+    # tensor member forms (x.sum(), x.to(), ...) are wrappers closing over the function
+    for name, attr in list(vars(tl_core.tensor).items()):
+        cells = getattr(attr, "__closure__", None) or ()
+        targets = [c.cell_contents for c in cells if isinstance(c.cell_contents, JITFunction)]
+        if len(targets) == 1:
+            new = convert(targets[0])
+
+            def member(*args, _fn=new, **kwargs):
+                return _fn(*args, **kwargs)
+
+            member.__name__ = name
+            setattr(tl_core.tensor, name, member)
+
+
 _fix_interpreter_scalar_index()
+_interpret_stdlib_functions()
 
 
 def next_pow2(n: int) -> int:

@@ -81,11 +81,11 @@ def _rotary_kernel(
             page = slot // PAGE_SIZE
             off = slot % PAGE_SIZE
             # round to k's dtype first, exactly as rotating then storing k would
-            o1 = o1.to(k_ptr.dtype.element_ty)
-            o2 = o2.to(k_ptr.dtype.element_ty)
+            k1 = o1.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty)
+            k2 = o2.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty)
             kc = kc_ptr + page * stride_kcp + off * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :]
-            tl.store(kc, o1.to(kc_ptr.dtype.element_ty), mask=mask)
-            tl.store(kc + HALF, o2.to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(kc, k1, mask=mask)
+            tl.store(kc + HALF, k2, mask=mask)
             pv = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
             v1 = tl.load(pv, mask=mask, other=0.0)
             v2 = tl.load(pv + HALF, mask=mask, other=0.0)

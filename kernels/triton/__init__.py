@@ -1,0 +1,26 @@
+"""Triton GPU kernels for the engine's hot paths (plain functions over tensors; never imports engine/).
+
+Each module's docstring gives shapes, dtypes and the kernel design. Importing this package needs
+``triton``; with ``TRITON_INTERPRET=1`` (set before the import) the kernels run on the CPU interpreter.
+"""
+
+from kernels.triton.activation import silu_and_mul
+from kernels.triton.decode_attention import choose_num_splits, paged_decode_attention
+from kernels.triton.kv_store import store_kv
+from kernels.triton.moe import fused_moe, moe_align_block_size
+from kernels.triton.norm import rms_norm
+from kernels.triton.prefill_attention import paged_prefill_attention
+from kernels.triton.rotary import apply_rotary, rotary_and_store
+
+__all__ = [
+    "apply_rotary",
+    "choose_num_splits",
+    "fused_moe",
+    "moe_align_block_size",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rms_norm",
+    "rotary_and_store",
+    "silu_and_mul",
+    "store_kv",
+]

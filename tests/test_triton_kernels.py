@@ -1,0 +1,447 @@
+"""Triton kernels vs torch references, on fresh random inputs.
+
+Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
+imported), so sizes stay tiny. With a GPU the same tests run compiled on CUDA tensors. The interpreter
+truncates fp32 -> bf16 instead of rounding to nearest, so bf16 checks allow an ulp or two.
+"""
+
+import math
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from engine.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
+from engine.models.layers import silu_and_mul as torch_silu_and_mul  # noqa: E402
+from kernels.torch_ref import paged_attention  # noqa: E402
+from kernels.triton import (  # noqa: E402
+    apply_rotary,
+    choose_num_splits,
+    fused_moe,
+    moe_align_block_size,
+    paged_decode_attention,
+    paged_prefill_attention,
+    rms_norm,
+    rotary_and_store,
+    silu_and_mul,
+    store_kv,
+)
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# (atol, rtol) for attention-like outputs of O(1) magnitude
+ATTN_TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2.5e-2, 2e-2)}
+
+
+def _seed(*key) -> None:
+    torch.manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _randn(*shape, dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, device=DEVICE).to(dtype)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, tol) -> None:
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.isfinite(out.float()).all()
+    atol, rtol = tol
+    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+
+
+def _bf16_ulp_tol(dtype):
+    """Elementwise kernels: exact in fp32/fp16, about an ulp in bf16 (interpreter truncation)."""
+    return {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}[dtype]
+
+
+def _paged_cache(num_pages, page_size, num_kv_heads, head_dim, dtype):
+    return (_randn(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype),
+            _randn(num_pages, page_size, num_kv_heads, head_dim, dtype=dtype))
+
+
+def _block_tables(kv_lens, page_size, num_pages, pad_to=None):
+    """Random disjoint, shuffled (non-contiguous) pages per request; padding entries are 0."""
+    need = [math.ceil(n / page_size) for n in kv_lens]
+    width = max(max(need), pad_to or 0)
+    perm = torch.randperm(num_pages).tolist()
+    assert sum(need) <= num_pages
+    rows, pos = [], 0
+    for n in need:
+        rows.append(perm[pos:pos + n] + [0] * (width - n))
+        pos += n
+    return torch.tensor(rows, dtype=torch.int32, device=DEVICE)
+
+
+def _i32(xs):
+    return torch.tensor(xs, dtype=torch.int32, device=DEVICE)
+
+
+# --- store_kv ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cache_dtype,src_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                   (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)])
+def test_store_kv(cache_dtype, src_dtype):
+    _seed("store", cache_dtype, src_dtype)
+    num_pages, page_size, hkv, d, t = 7, 4, 2, 64, 9
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, cache_dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    qkv = _randn(t, (4 + 2 * hkv) * d, dtype=src_dtype)  # strided k/v views, as the models produce
+    k = qkv[:, 4 * d:(4 + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (4 + hkv) * d:].view(t, hkv, d)
+    slots = torch.randperm(num_pages * page_size, device=DEVICE)[:t]
+    slots[2] = -1
+    slots[7] = -1
+    store_kv(k, v, k_cache, v_cache, slots)
+    keep = slots >= 0
+    ref_k.view(-1, hkv, d).index_copy_(0, slots[keep], k[keep].to(cache_dtype))
+    ref_v.view(-1, hkv, d).index_copy_(0, slots[keep], v[keep].to(cache_dtype))
+    tol = (0, 0) if cache_dtype == src_dtype else (1e-3, 1e-3)
+    _close(k_cache, ref_k, tol)
+    _close(v_cache, ref_v, tol)
+
+
+# --- decode attention --------------------------------------------------------------------------------
+
+
+DECODE_CASES = [
+    # dtype, group, head_dim, page_size, num_splits, block_n
+    (torch.float32, 1, 64, 4, 1, 16),
+    (torch.float32, 2, 128, 16, 3, 16),
+    (torch.float32, 4, 64, 8, None, None),
+    (torch.float16, 1, 128, 4, 2, 16),
+    (torch.float16, 2, 64, 16, 1, None),
+    (torch.float16, 4, 64, 4, 4, 16),
+    (torch.bfloat16, 1, 64, 8, 3, 16),
+    (torch.bfloat16, 2, 64, 4, 1, 16),
+    (torch.bfloat16, 4, 128, 16, 2, None),
+    (torch.float16, 3, 64, 4, 2, 16),  # non-power-of-two group
+    (torch.float32, 2, 64, 1, 2, 16),  # page size 1
+    (torch.float16, 2, 64, 32, 5, 16),  # pages larger than a tile; more splits than some requests need
+]
+
+
+@pytest.mark.parametrize("dtype,group,head_dim,page_size,num_splits,block_n", DECODE_CASES)
+def test_paged_decode_attention(dtype, group, head_dim, page_size, num_splits, block_n):
+    _seed("decode", dtype, group, head_dim, page_size, num_splits, block_n)
+    hkv = 2
+    hq = hkv * group
+    kv_lens = [1, 37, 16, 70, 5]  # 1, non-multiples of the page size, several tiles
+    num_pages = sum(math.ceil(n / page_size) for n in kv_lens) + 5
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, head_dim, dtype)
+    bt = _block_tables(kv_lens, page_size, num_pages, pad_to=math.ceil(80 / page_size))
+    q = _randn(len(kv_lens), hq, head_dim, dtype=dtype)
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    got = paged_decode_attention(q, k_cache, v_cache, bt, _i32(kv_lens), scale, num_splits=num_splits,
+                                 out=out, block_n=block_n)
+    assert got is out
+    ref, _ = paged_attention(q, k_cache, v_cache, bt, kv_lens, [1] * len(kv_lens), scale)
+    _close(out, ref, ATTN_TOL[dtype])
+
+
+def test_paged_decode_attention_strided_q_and_empty_rows():
+    """q as a strided slice of a packed qkv; kv_len 0 (CUDA-graph padding) rows come out as zeros."""
+    _seed("decode-strided")
+    dtype, hkv, group, d, page_size = torch.float16, 2, 2, 64, 8
+    kv_lens = [9, 0, 30]
+    num_pages = 12
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
+    bt = _block_tables([max(n, 1) for n in kv_lens], page_size, num_pages)
+    qkv = _randn(3, (hkv * group + 2 * hkv) * d, dtype=dtype)
+    q = qkv[:, :hkv * group * d].view(3, hkv * group, d)
+    for splits in (1, 3):
+        out = paged_decode_attention(q, k_cache, v_cache, bt, _i32(kv_lens), 0.125, num_splits=splits, block_n=16)
+        assert torch.all(out[1] == 0)
+        ref, _ = paged_attention(q[[0, 2]], k_cache, v_cache, bt[[0, 2]], [9, 30], [1, 1], 0.125)
+        _close(out[[0, 2]], ref, ATTN_TOL[dtype])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_paged_decode_attention_cuda_graph():
+    """Captured once, replayed with new q, page tables and kv lens written into the static inputs."""
+    _seed("decode-graph")
+    dtype, hkv, group, d, page_size, batch, max_pages = torch.bfloat16, 2, 4, 128, 16, 4, 8
+    num_pages = batch * max_pages + 4
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
+    q = _randn(batch, hkv * group, d, dtype=dtype)
+    bt = _block_tables([max_pages * page_size] * batch, page_size, num_pages)
+    lens = _i32([max_pages * page_size] * batch)
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        paged_decode_attention(q, k_cache, v_cache, bt, lens, 0.1, out=out)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, k_cache, v_cache, bt, lens, 0.1, out=out)
+    for kv_lens in ([1, 17, 128, 60], [100, 3, 16, 127]):
+        q.copy_(_randn(batch, hkv * group, d, dtype=dtype))
+        bt.copy_(_block_tables([max_pages * page_size] * batch, page_size, num_pages))
+        lens.copy_(_i32(kv_lens))
+        graph.replay()
+        ref, _ = paged_attention(q, k_cache, v_cache, bt, kv_lens, [1] * batch, 0.1)
+        _close(out, ref, ATTN_TOL[dtype])
+
+
+def test_choose_num_splits():
+    # big batches already fill the GPU
+    assert choose_num_splits(256, 8, 4096, 132) == 1
+    # few long requests are split to put ~4 programs on every SM, bounded by MAX_SPLITS
+    assert choose_num_splits(8, 8, 4096, 132) == 9
+    assert choose_num_splits(1, 8, 32768, 132) == 64
+    assert choose_num_splits(1, 1, 1 << 20, 132) == 64
+    # short contexts are not split below ~256 tokens per split
+    assert choose_num_splits(1, 8, 300, 132) == 1
+    assert choose_num_splits(2, 8, 1024, 132) == 4
+
+
+# --- prefill attention -------------------------------------------------------------------------------
+
+
+PREFILL_CASES = [
+    # dtype, group, head_dim, page_size, causal, block_m, block_n
+    (torch.float32, 1, 64, 4, True, 16, 16),
+    (torch.float32, 2, 128, 8, True, 32, 16),
+    (torch.float32, 4, 64, 16, False, None, None),
+    (torch.float16, 1, 128, 4, True, None, 16),
+    (torch.float16, 4, 64, 8, True, 32, 32),
+    (torch.float16, 2, 64, 4, False, 16, 16),
+    (torch.bfloat16, 2, 64, 16, True, 16, 16),
+    (torch.bfloat16, 4, 128, 4, True, None, None),
+    (torch.float16, 3, 64, 8, True, 32, 16),  # non-power-of-two group
+    (torch.float32, 2, 64, 1, True, 16, 16),  # page size 1
+    (torch.float16, 2, 64, 32, True, 16, 16),  # pages larger than a tile
+]
+
+
+@pytest.mark.parametrize("dtype,group,head_dim,page_size,causal,block_m,block_n", PREFILL_CASES)
+def test_paged_prefill_attention(dtype, group, head_dim, page_size, causal, block_m, block_n):
+    _seed("prefill", dtype, group, head_dim, page_size, causal, block_m, block_n)
+    hkv = 2
+    hq = hkv * group
+    query_lens = [5, 1, 19, 8, 3]
+    cached = [0, 6, 13, 0, 30]  # fresh prefill, decode-like, chunked extends
+    kv_lens = [q + c for q, c in zip(query_lens, cached)]
+    num_pages = sum(math.ceil(n / page_size) for n in kv_lens) + 3
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, head_dim, dtype)
+    bt = _block_tables(kv_lens, page_size, num_pages)
+    q = _randn(sum(query_lens), hq, head_dim, dtype=dtype)
+    qsl = _i32([0] + torch.tensor(query_lens).cumsum(0).tolist())
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    got = paged_prefill_attention(q, k_cache, v_cache, bt, _i32(kv_lens), qsl, scale, causal=causal,
+                                  max_query_len=max(query_lens), out=out, block_m=block_m, block_n=block_n)
+    assert got is out
+    ref, _ = paged_attention(q, k_cache, v_cache, bt, kv_lens, query_lens, scale, causal=causal)
+    _close(out, ref, ATTN_TOL[dtype])
+
+
+def test_prefill_matches_decode_for_single_queries():
+    _seed("prefill-as-decode")
+    dtype, hkv, group, d, page_size = torch.float32, 2, 4, 64, 4
+    kv_lens = [3, 21, 1]
+    num_pages = 12
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
+    bt = _block_tables(kv_lens, page_size, num_pages)
+    q = _randn(3, hkv * group, d, dtype=dtype)
+    pre = paged_prefill_attention(q, k_cache, v_cache, bt, _i32(kv_lens), _i32([0, 1, 2, 3]), 0.1,
+                                  max_query_len=1)
+    dec = paged_decode_attention(q, k_cache, v_cache, bt, _i32(kv_lens), 0.1, num_splits=2, block_n=16)
+    _close(pre, dec, ATTN_TOL[dtype])
+
+
+# --- rms_norm / silu_and_mul -------------------------------------------------------------------------
+
+
+def _torch_rms_norm(x, weight, eps):
+    norm = RMSNorm(x.shape[-1], eps).to(DEVICE)
+    norm.weight.data = weight
+    return norm(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm(dtype):
+    _seed("rms", dtype)
+    eps = 1e-6
+    x = _randn(6, 96, dtype=dtype)  # non-power-of-two hidden size
+    w = (1 + 0.1 * _randn(96)).to(dtype)
+    _close(rms_norm(x, w, eps), _torch_rms_norm(x, w, eps), _bf16_ulp_tol(dtype))
+
+    res = _randn(6, 96, dtype=dtype)
+    out, new_res = rms_norm(x, w, eps, res)
+    _close(new_res, x + res, (0, 0) if dtype != torch.bfloat16 else _bf16_ulp_tol(dtype))
+    _close(out, _torch_rms_norm(x + res, w, eps), _bf16_ulp_tol(dtype))
+
+    # in place residual update
+    res2 = res.clone()
+    out2, new_res2 = rms_norm(x, w, eps, res2, residual_out=res2)
+    assert new_res2 is res2
+    _close(out2, out, (0, 0))
+
+    # q/k-norm: per-head norm over a strided [T, H, D] view of a packed qkv
+    qkv = _randn(5, 4 * 64 + 2 * 64, dtype=dtype)
+    q = qkv[:, :4 * 64].view(5, 4, 64)
+    wq = (1 + 0.1 * _randn(64)).to(dtype)
+    _close(rms_norm(q, wq, eps), _torch_rms_norm(q, wq, eps), _bf16_ulp_tol(dtype))
+
+
+def test_rms_norm_fp32_weight_promotes():
+    _seed("rms-promote")
+    x = _randn(3, 64, dtype=torch.float16)
+    w = 1 + 0.1 * _randn(64)
+    out = rms_norm(x, w, 1e-5)
+    assert out.dtype == torch.float32
+    _close(out, _torch_rms_norm(x, w, 1e-5), (1e-6, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    _seed("silu", dtype)
+    x = 3 * _randn(7, 2 * 80, dtype=dtype)
+    _close(silu_and_mul(x), torch_silu_and_mul(x), _bf16_ulp_tol(dtype))
+    x3 = 3 * _randn(6, 2 * 2048, dtype=dtype)[:, :2 * 1100]  # strided rows, two column blocks
+    _close(silu_and_mul(x3), torch_silu_and_mul(x3), _bf16_ulp_tol(dtype))
+
+
+# --- rotary ------------------------------------------------------------------------------------------
+
+
+def _rotary(dtype, head_dim, max_pos=128, scaling=None):
+    rot = RotaryEmbedding(head_dim, 10000.0, scaling, max_pos).to(DEVICE)
+    rot.cos_cache = rot.cos_cache.to(dtype)  # as built under the model's default dtype
+    rot.sin_cache = rot.sin_cache.to(dtype)
+    return rot
+
+
+def _qkv(t, hq, hkv, d, dtype):
+    qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype)
+    q = qkv[:, :hq * d].view(t, hq, d)
+    k = qkv[:, hq * d:(hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].view(t, hkv, d)
+    return q, k, v
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.float16, 128), (torch.bfloat16, 64)])
+def test_apply_rotary(dtype, head_dim):
+    _seed("rope", dtype, head_dim)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+    rot = _rotary(dtype, head_dim, scaling=scaling)
+    q, k, _ = _qkv(9, 6, 2, head_dim, dtype)
+    positions = torch.randint(0, 128, (9,), device=DEVICE)
+    ref_q, ref_k = rot(positions, q.clone(), k.clone())
+    got_q, got_k = apply_rotary(positions, q, k, rot.cos_cache, rot.sin_cache)
+    assert got_q is q and got_k is k
+    _close(q, ref_q, _bf16_ulp_tol(dtype))
+    _close(k, ref_k, _bf16_ulp_tol(dtype))
+
+
+def test_apply_rotary_fp32_cache_low_precision_q():
+    """cos/sin kept in fp32 with fp16 q: the math runs in fp32 and is stored back in fp16."""
+    _seed("rope-mixed")
+    rot = _rotary(torch.float32, 64)
+    q, k, _ = _qkv(5, 4, 2, 64, torch.float16)
+    positions = torch.randint(0, 128, (5,), device=DEVICE)
+    ref_q, ref_k = rot(positions, q.clone(), k.clone())
+    apply_rotary(positions, q, k, rot.cos_cache, rot.sin_cache)
+    _close(q, ref_q.half(), (0, 0))
+    _close(k, ref_k.half(), (0, 0))
+
+
+@pytest.mark.parametrize("dtype,inplace_k", [(torch.float32, False), (torch.float16, True), (torch.bfloat16, False)])
+def test_rotary_and_store(dtype, inplace_k):
+    _seed("rope-store", dtype, inplace_k)
+    hq, hkv, d, t, page_size, num_pages = 4, 2, 64, 7, 4, 5
+    rot = _rotary(dtype, d)
+    q, k, v = _qkv(t, hq, hkv, d, dtype)
+    k_orig = k.clone()
+    positions = torch.randint(0, 128, (t,), device=DEVICE)
+    slots = torch.randperm(num_pages * page_size, device=DEVICE)[:t]
+    slots[3] = -1
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    ref_q, ref_k = rot(positions, q.clone(), k.clone())
+    keep = slots >= 0
+    ref_kc.view(-1, hkv, d).index_copy_(0, slots[keep], ref_k[keep])
+    ref_vc.view(-1, hkv, d).index_copy_(0, slots[keep], v[keep])
+    rotary_and_store(positions, q, k, v, rot.cos_cache, rot.sin_cache, k_cache, v_cache, slots,
+                     inplace_k=inplace_k)
+    tol = _bf16_ulp_tol(dtype)
+    _close(q, ref_q, tol)
+    _close(k_cache, ref_kc, tol)
+    _close(v_cache, ref_vc, (0, 0))
+    _close(k, ref_k if inplace_k else k_orig, tol if inplace_k else (0, 0))
+
+
+# --- fused MoE ---------------------------------------------------------------------------------------
+
+
+def _dense_moe(x, w_gate_up, w_down, topk_weights, topk_ids):
+    """Dense fp32 loop over experts: every expert runs on the tokens that picked it."""
+    inter = w_down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(w_gate_up.shape[0]):
+        tok, j = (topk_ids == e).nonzero(as_tuple=True)
+        if tok.numel() == 0:
+            continue
+        h = x[tok].float() @ w_gate_up[e].float().T
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        out.index_add_(0, tok, (h @ w_down[e].float().T) * topk_weights[tok, j, None].float())
+    return out
+
+
+MOE_CASES = [
+    # dtype, tokens, experts, top_k, hidden, inter, config
+    (torch.float32, 9, 4, 2, 64, 32, None),
+    (torch.float32, 20, 8, 3, 48, 40, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2)),
+    (torch.float16, 13, 6, 2, 64, 48, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=4)),
+    (torch.float16, 1, 4, 1, 32, 32, None),
+    (torch.bfloat16, 11, 4, 2, 64, 32, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1)),
+]
+
+
+@pytest.mark.parametrize("dtype,tokens,experts,top_k,hidden,inter,config", MOE_CASES)
+def test_fused_moe(dtype, tokens, experts, top_k, hidden, inter, config):
+    _seed("moe", dtype, tokens, experts, top_k, hidden, inter)
+    x = _randn(tokens, hidden, dtype=dtype)
+    w_gate_up = (_randn(experts, 2 * inter, hidden) / hidden**0.5).to(dtype)
+    w_down = (_randn(experts, hidden, inter) / inter**0.5).to(dtype)
+    probs = torch.softmax(_randn(tokens, experts), dim=-1)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    topk_weights = topk_weights.to(dtype)
+    out = fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids, config=config)
+    assert out.dtype == dtype
+    ref = _dense_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    tol = {torch.float32: (1e-5, 1e-5), torch.float16: (4e-3, 4e-3), torch.bfloat16: (4e-2, 3e-2)}[dtype]
+    _close(out, ref, tol)
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,block_m", [(10, 3, 5, 4), (700, 2, 6, 16)])
+def test_moe_align_block_size(tokens, top_k, experts, block_m):
+    _seed("moe-align", tokens, top_k, experts, block_m)
+    topk_ids = torch.stack([torch.randperm(experts, device=DEVICE)[:top_k] for _ in range(tokens)])
+    sorted_ids, expert_ids = moe_align_block_size(topk_ids, experts, block_m)
+    num_slots = tokens * top_k
+    assert sorted_ids.shape == (expert_ids.shape[0] * block_m,)
+    real = sorted_ids[sorted_ids < num_slots]
+    assert sorted(real.tolist()) == list(range(num_slots))  # every slot exactly once
+    flat = topk_ids.flatten()
+    blocks = sorted_ids.view(-1, block_m)
+    for blk, e in zip(blocks.tolist(), expert_ids.tolist()):
+        members = [s for s in blk if s < num_slots]
+        if e == experts:
+            assert not members  # past the end: only padding
+        else:
+            assert all(flat[s].item() == e for s in members)
+    assert expert_ids.tolist() == sorted(expert_ids.tolist())
+    counts = torch.bincount(flat, minlength=experts).tolist()
+    assert expert_ids.tolist().count(experts) == expert_ids.numel() - sum(-(-c // block_m) for c in counts)
