@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 from engine.attention_backend import make_backend
+from engine.chain_index import ChainInfo
+from engine.chain_manager import ChainManager
 from engine.config import DEFAULT_CPU_KV_BYTES, DTYPES, EngineConfig
 from engine.contract.cache import CacheSpec
 from engine.detokenizer import IncrementalDetokenizer
@@ -76,8 +78,9 @@ class LLMEngine:
         self.pool = PagePool(self._num_pages(spec))
         self.cache = self.method.make_cache(spec, self.pool, config.enable_prefix_caching)
         self.backend = make_backend(config.attention_backend, self.device, self.method, spec.dtype)
+        self.chains = ChainManager(self.cache, self.method, mc.num_layers)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
-                                   on_preempt=self.method.release)
+                                   on_preempt=self._on_preempt, reclaim=self.chains.reclaim)
         self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)
         self._maybe_capture_graphs()
         self._requests: dict[str, Request] = {}
@@ -123,13 +126,21 @@ class LLMEngine:
             )
         return num_pages
 
+    def _on_preempt(self, req: Request) -> None:
+        self.method.release(req)
+        self.chains.on_preempt(req)
+
     # --- requests -------------------------------------------------------------------------------
     def add_request(
         self,
         prompt: str | list[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        chain_id: str | None = None,
     ) -> str:
+        """Queue a request. With ``chain_id``, ``prompt`` is the chain's whole history plus the new tokens:
+        the chain's retained KV is re-attached as far as the prompt extends it, and only the rest is
+        prefilled; when the request ends its KV stays with the chain."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParamsError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -143,6 +154,8 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"request needs {pages} KV pages ({final_len} tokens) but the pool has {self.pool.num_pages}"
             )
+        if chain_id is not None:
+            self.chains.check_bindable(chain_id)
         req = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -151,6 +164,8 @@ class LLMEngine:
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             generator=make_generator(params.seed, self.device),
         )
+        if chain_id is not None:
+            self.chains.bind(req, chain_id)
         self._requests[request_id] = req
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, len(token_ids))
         self.scheduler.add(req)
@@ -229,6 +244,8 @@ class LLMEngine:
         return out
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.chain_id is not None:
+            self.chains.retain(req, reason)
         self.scheduler.finish(req, reason)
         self.method.release(req)
 
@@ -250,7 +267,29 @@ class LLMEngine:
             new_text=new_text,
             logprobs=list(req.output_logprobs) if req.params.logprobs else None,
             stop_reason=stop_reason,
+            chain_id=req.chain_id,
+            resume_status=req.resume_status,
+            num_prefilled_tokens=req.num_prefilled_tokens,
+            num_resumed_tokens=req.num_resumed_tokens,
         )
+
+    # --- chains ---------------------------------------------------------------------------------
+    def delete_chain(self, chain_id: str) -> None:
+        self.chains.delete(chain_id)
+
+    def fork_chain(self, chain_id: str, new_chain_id: str) -> None:
+        self.chains.fork(chain_id, new_chain_id)
+
+    def rewind_chain(self, chain_id: str, num_tokens: int) -> None:
+        self.chains.rewind(chain_id, num_tokens)
+
+    def pin_chain(self, chain_id: str, pinned: bool = True) -> None:
+        self.chains.set_pinned(chain_id, pinned)
+
+    def chain_info(self, chain_id: str) -> ChainInfo:
+        state = self.chains.index.get(chain_id)
+        busy = self._requests.get(state.busy_request) if state.busy_request else None
+        return self.chains.info(chain_id, busy)
 
     # --- cache ----------------------------------------------------------------------------------
     def clear_prefix_cache(self) -> None:

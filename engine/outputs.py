@@ -18,3 +18,7 @@ class RequestOutput:
     new_text: str = ""
     logprobs: list[float] | None = None
     stop_reason: str | int | None = None
+    chain_id: str | None = None
+    resume_status: str | None = None
+    num_prefilled_tokens: int = 0
+    num_resumed_tokens: int = 0

@@ -100,24 +100,96 @@ class PagedCacheManager(CacheManager):
 
     def pages_needed(self, req: Request, num_new_tokens: int) -> int:
         t = self.table(req)
-        return max(0, cdiv(t.num_slots + num_new_tokens, self.page_size) - len(t.pages))
+        grow = max(0, cdiv(t.num_slots + num_new_tokens, self.page_size) - len(t.pages))
+        return grow + (1 if num_new_tokens and self._tail_is_shared(t) else 0)
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         need = self.pages_needed(req, num_new_tokens)
         if not self.pool.can_allocate(need):
             return False
-        if need:
-            t = self.table(req)
-            t.pages.extend(self.pool.allocate(need))
+        t = self.table(req)
+        if num_new_tokens:
+            self._make_tail_private(t)
+        grow = cdiv(t.num_slots + num_new_tokens, self.page_size) - len(t.pages)
+        if grow > 0:
+            t.pages.extend(self.pool.allocate(grow))
             t.host_row = None
         return True
 
+    def _tail_page(self, t: PageTable) -> int | None:
+        """The partly filled page new tokens would be written into, if any."""
+        if t.num_slots % self.page_size == 0:
+            return None
+        return t.pages[t.num_slots // self.page_size]
+
+    def _tail_is_shared(self, t: PageTable) -> bool:
+        page = self._tail_page(t)
+        return page is not None and self.pool.ref_counts[page] > 1
+
+    def _make_tail_private(self, t: PageTable) -> None:
+        """Before appending into a partly filled page: copy it if another holder shares it (a fork), and
+        unpublish it if it is a full prefix page whose tail we would overwrite (after a rewind)."""
+        page = self._tail_page(t)
+        if page is None:
+            return
+        if self.pool.ref_counts[page] > 1:
+            (copy,) = self.pool.allocate(1)
+            self.kv[:, :, copy] = self.kv[:, :, page]
+            self.pool.decref(page)
+            t.pages[t.num_slots // self.page_size] = copy
+            t.host_row = None
+        elif self.prefix_index is not None:
+            self.prefix_index.forget(page)
+
     def free(self, req: Request) -> None:
         t = self._tables.pop(req.request_id, None)
-        if t is None:
-            return
+        if t is not None:
+            self.release_table(t)
+
+    # --- tables outliving a request (Chain Cache) -----------------------------------------------
+    def holds(self, req: Request) -> bool:
+        return req.request_id in self._tables
+
+    def detach(self, req: Request) -> PageTable | None:
+        """Take the request's table out of the manager without freeing it (a chain keeps it)."""
+        return self._tables.pop(req.request_id, None)
+
+    def attach(self, req: Request, t: PageTable) -> None:
+        assert req.request_id not in self._tables
+        self._tables[req.request_id] = t
+
+    def release_table(self, t: PageTable) -> None:
         for page in reversed(t.pages):  # tail pages become the first to be reused
             self.pool.decref(page)
+        t.pages, t.keys, t.host_row, t.num_slots = [], [], None, 0
+
+    def fork_table(self, t: PageTable) -> PageTable | None:
+        """A second holder of the same KV: pages are shared (refcounts), appends copy the shared tail page.
+
+        Layers of different lengths append into different pages, so such a table is copied instead
+        (None if the pool lacks the pages)."""
+        if t.is_uniform():
+            pages = list(t.pages)
+            for page in pages:
+                self.pool.incref(page)
+        elif self.pool.can_allocate(len(t.pages)):
+            pages = self.pool.allocate(len(t.pages))
+            self.kv[:, :, pages] = self.kv[:, :, t.pages]
+        else:
+            return None
+        return PageTable(pages=pages, keys=list(t.keys), num_slots=t.num_slots,
+                         layer_lens=None if t.layer_lens is None else list(t.layer_lens),
+                         kept_positions=t.kept_positions, compacted_at=t.compacted_at)
+
+    def truncate_table(self, t: PageTable, num_slots: int) -> None:
+        """Keep the first ``num_slots`` slots of an uncompacted table; pages past them go back to the pool."""
+        assert not t.is_compacted and num_slots <= t.num_slots
+        keep = cdiv(num_slots, self.page_size)
+        for page in reversed(t.pages[keep:]):
+            self.pool.decref(page)
+        t.pages = t.pages[:keep]
+        t.keys = t.keys[: num_slots // self.page_size]
+        t.num_slots, t.host_row = num_slots, None
 
     def commit(self, req: Request, num_new_tokens: int) -> None:
         t = self.table(req)

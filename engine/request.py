@@ -39,6 +39,10 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
+    chain_id: str | None = None
+    resume_status: str | None = None  # created | resumed | recomputed, for chain turns
+    num_resumed_tokens: int = 0  # tokens whose KV came from the chain
+    num_prefilled_tokens: int = 0  # prompt tokens this request computed (recomputation after preemption too)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -34,9 +34,11 @@ class Scheduler:
     def __init__(
         self, cache: CacheManager, max_num_batched_tokens: int, max_num_seqs: int,
         on_preempt: Callable[[Request], None] | None = None,
+        reclaim: Callable[[int], bool] | None = None,
     ):
         self.cache = cache
         self.on_preempt = on_preempt
+        self.reclaim = reclaim  # frees idle retained state (chains) for n pages; True if it freed any
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -57,7 +59,7 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             assert n > 0
-            while not self.cache.allocate(req, n):
+            while not self._allocate(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -72,10 +74,12 @@ class Scheduler:
             return plan  # memory is short: do not admit anyone this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            cached = self.cache.match_prefix(req)
+            attached = self.cache.holds(req)  # a chain turn arrives with its KV attached
+            cached = req.num_computed_tokens if attached else self.cache.match_prefix(req)
             n = min(req.num_tokens - cached, budget)
-            if not self.cache.allocate(req, n):
-                self.cache.free(req)
+            if not self._allocate(req, n):
+                if not attached:
+                    self.cache.free(req)
                 assert self.running or plan.requests, "an idle pool cannot admit a request that add() accepted"
                 break
             self.waiting.popleft()
@@ -88,6 +92,26 @@ class Scheduler:
             plan.num_new_tokens.append(n)
             budget -= n
         return plan
+
+    def _allocate(self, req: Request, n: int) -> bool:
+        while not self.cache.allocate(req, n):
+            if self.reclaim is not None and self.reclaim(self.cache.pages_needed(req, n)):
+                continue
+            if not self._drop_waiting_holdings(req):
+                return False
+        return True
+
+    def _drop_waiting_holdings(self, keep: Request) -> bool:
+        """Queued chain turns hold their chains' KV; when memory is short, the ones queued furthest back
+        give it up (they will recompute). True if any did."""
+        for req in reversed(self.waiting):
+            if req is not keep and self.cache.holds(req):
+                self.cache.free(req)
+                req.num_computed_tokens = 0
+                if self.on_preempt is not None:
+                    self.on_preempt(req)
+                return True
+        return False
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req)
@@ -102,6 +126,8 @@ class Scheduler:
     def update(self, plan: StepPlan) -> None:
         """Advance computed counts for what the step ran; publish full pages."""
         for req, n in zip(plan.requests, plan.num_new_tokens):
+            start = req.num_computed_tokens
+            req.num_prefilled_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
             req.num_computed_tokens += n
             self.cache.commit(req, n)
 

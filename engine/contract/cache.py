@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -64,7 +64,33 @@ class CacheManager(ABC):
         """Called after a step computed ``num_new_tokens`` for ``req``: advance lengths, publish full pages."""
 
     @abstractmethod
+    def pages_needed(self, req: Request, num_new_tokens: int) -> int:
+        """Pages ``allocate(req, num_new_tokens)`` would take from the pool."""
+
+    @abstractmethod
     def num_pages_held(self, req: Request) -> int: ...
+
+    # --- state that outlives a request (Chain Cache): an opaque per-request table ----------------
+    @abstractmethod
+    def holds(self, req: Request) -> bool: ...
+
+    @abstractmethod
+    def detach(self, req: Request) -> Any:
+        """Take the request's state out without freeing it; None if it holds none."""
+
+    @abstractmethod
+    def attach(self, req: Request, table: Any) -> None: ...
+
+    @abstractmethod
+    def release_table(self, table: Any) -> None: ...
+
+    @abstractmethod
+    def fork_table(self, table: Any) -> Any:
+        """An independent second holder of the same KV (shared pages, copy on write); None if short of pages."""
+
+    @abstractmethod
+    def truncate_table(self, table: Any, num_slots: int) -> None:
+        """Keep the first ``num_slots`` slots (uncompacted state only)."""
 
     @abstractmethod
     def physical_len(self, req: Request, layer: int = 0) -> int: ...

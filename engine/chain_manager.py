@@ -1,0 +1,171 @@
+"""Chain Cache operations: bind a turn to its chain, retain its KV when it ends, reclaim, fork, rewind.
+
+Ownership moves with the turn: while a turn runs, the chain's table belongs to the request (the cache
+manager holds it under the request id); when the turn ends it moves back to the chain. A failed or aborted
+turn leaves the chain's logical history as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from engine.chain_index import ChainBusyError, ChainIndex, ChainInfo, ChainState, ResumeStatus
+from engine.contract.cache import CacheManager
+from engine.contract.method import SparseMethod
+from engine.errors import InvalidRequestError, OutOfPagesError
+from engine.request import FinishReason, Request
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+class ChainManager:
+    def __init__(self, cache: CacheManager, method: SparseMethod, num_layers: int):
+        self.index = ChainIndex()
+        self.cache = cache
+        self.method = method
+        self.num_layers = num_layers
+
+    # --- a turn's life ----------------------------------------------------------------------------
+    def check_bindable(self, chain_id: str) -> None:
+        if chain_id in self.index and not self.index.get(chain_id).is_idle:
+            raise ChainBusyError(f"chain {chain_id!r} already has a turn in flight")
+
+    def bind(self, req: Request, chain_id: str) -> None:
+        """Attach the chain's retained KV to ``req`` as far as ``req``'s tokens extend the chain's history."""
+        self.check_bindable(chain_id)
+        state = self.index.get_or_create(chain_id)
+        req.chain_id = chain_id
+        resumed = 0
+        if state.table is None:
+            status = ResumeStatus.RECOMPUTED if state.token_ids else ResumeStatus.CREATED
+        else:
+            table, state.table = state.table, None
+            common = common_prefix_len(req.token_ids, state.token_ids[: state.num_computed])
+            usable = min(common, req.num_tokens - 1)  # at least one token must run to produce logits
+            if usable < state.num_computed and table.is_compacted:
+                usable = 0  # compacted KV cannot be cut at an arbitrary logical point
+            elif usable < state.num_computed and usable > 0:
+                self.cache.truncate_table(table, usable)
+            if usable > 0:
+                self.cache.attach(req, table)
+                self.method.import_state(req, state.method_state)
+                resumed = usable
+                status = ResumeStatus.RESUMED
+            else:
+                self.cache.release_table(table)
+                status = ResumeStatus.RECOMPUTED
+            state.method_state = None
+        state.num_computed = resumed  # what survives if this turn fails
+        req.num_computed_tokens = resumed
+        req.num_cached_tokens = resumed if resumed else -1
+        req.num_resumed_tokens = resumed
+        req.resume_status = status.value
+        state.busy_request = req.request_id
+        self.index.touch(state)
+
+    def on_preempt(self, req: Request) -> None:
+        if req.chain_id is not None:
+            req.resume_status = ResumeStatus.RECOMPUTED.value
+
+    def retain(self, req: Request, reason: FinishReason) -> None:
+        """The turn ended: give its KV back to the chain (or, on abort, what the chain had before it)."""
+        state = self.index.get(req.chain_id)
+        table = self.cache.detach(req)
+        if reason is FinishReason.ABORT:
+            if table is not None and not table.is_compacted and table.num_slots >= state.num_computed > 0:
+                self.cache.truncate_table(table, state.num_computed)
+                state.table = table
+            else:
+                if table is not None:
+                    self.cache.release_table(table)
+                state.num_computed = 0
+        else:
+            state.token_ids = list(req.token_ids)
+            state.num_computed = req.num_computed_tokens
+            state.table = table
+            state.method_state = self.method.export_state(req)
+        if state.table is None:
+            state.num_computed = 0
+        state.busy_request = None
+        self.index.touch(state)
+
+    # --- memory -----------------------------------------------------------------------------------
+    def reclaim(self, pages_needed: int) -> bool:
+        """Free idle chains' KV, least recently used first, until ``pages_needed`` pages are free."""
+        freed = False
+        for state in self.index.reclaim_order():
+            if self.cache.pool.can_allocate(pages_needed):
+                break
+            self.cache.release_table(state.table)
+            state.table, state.num_computed, state.method_state = None, 0, None
+            state.num_reclaims += 1
+            freed = True
+        return freed
+
+    # --- chain operations (idle chains only) ------------------------------------------------------
+    def _idle(self, chain_id: str) -> ChainState:
+        state = self.index.get(chain_id)
+        if not state.is_idle:
+            raise ChainBusyError(f"chain {chain_id!r} has a turn in flight")
+        return state
+
+    def delete(self, chain_id: str) -> None:
+        state = self._idle(chain_id)
+        if state.table is not None:
+            self.cache.release_table(state.table)
+        self.index.pop(chain_id)
+
+    def fork(self, chain_id: str, new_chain_id: str) -> None:
+        if new_chain_id in self.index:
+            raise InvalidRequestError(f"chain {new_chain_id!r} already exists")
+        state = self._idle(chain_id)
+        table = None if state.table is None else self.cache.fork_table(state.table)
+        if state.table is not None and table is None:
+            raise OutOfPagesError(f"not enough free pages to copy chain {chain_id!r}")
+        forked = ChainState(new_chain_id, token_ids=list(state.token_ids),
+                            num_computed=state.num_computed if table is not None else 0, table=table,
+                            method_state=copy.deepcopy(state.method_state))
+        self.index.add(forked)
+        self.index.touch(forked)
+
+    def rewind(self, chain_id: str, num_tokens: int) -> None:
+        """Truncate the chain's history to its first ``num_tokens`` tokens (exact for dense KV; compacted KV
+        is dropped and recomputed on the next turn)."""
+        state = self._idle(chain_id)
+        if not 0 <= num_tokens <= len(state.token_ids):
+            raise InvalidRequestError(f"num_tokens must be in [0, {len(state.token_ids)}], got {num_tokens}")
+        state.token_ids = state.token_ids[:num_tokens]
+        if state.table is not None and num_tokens < state.num_computed:
+            if state.table.is_compacted or num_tokens == 0:
+                self.cache.release_table(state.table)
+                state.table, state.num_computed, state.method_state = None, 0, None
+            else:
+                self.cache.truncate_table(state.table, num_tokens)
+                state.num_computed = num_tokens
+
+    def set_pinned(self, chain_id: str, pinned: bool) -> None:
+        self.index.get(chain_id).pinned = pinned
+
+    def info(self, chain_id: str, busy_request: Request | None = None) -> ChainInfo:
+        """Accounting of a chain; pass the running turn's request to see a busy chain's live KV."""
+        state = self.index.get(chain_id)
+        if busy_request is not None:
+            lens = [self.cache.physical_len(busy_request, i) for i in range(self.num_layers)]
+            pages, compacted = self.cache.num_pages_held(busy_request), None
+        elif state.table is not None:
+            lens = [state.table.layer_len(i) for i in range(self.num_layers)]
+            pages, compacted = len(state.table.pages), state.table.is_compacted
+        else:
+            lens, pages, compacted = [0] * self.num_layers, 0, False
+        return ChainInfo(
+            chain_id=chain_id, logical_tokens=len(state.token_ids), computed_tokens=state.num_computed,
+            physical_tokens=lens, pages_held=pages,
+            status="busy" if not state.is_idle else ("idle" if state.table is not None else "reclaimed"),
+            compacted=bool(compacted), pinned=state.pinned,
+        )
