@@ -42,6 +42,7 @@ class ChainState:
     pinned: bool = False
     busy_request: str | None = None
     num_reclaims: int = 0
+    pruned_intervals: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_idle(self) -> bool:

@@ -8,12 +8,23 @@ turn leaves the chain's logical history as it was.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+
+import torch
 
 from engine.chain_index import ChainBusyError, ChainIndex, ChainInfo, ChainState, ResumeStatus
 from engine.contract.cache import CacheManager
 from engine.contract.method import SparseMethod
+from engine.contract.scorer import ImportanceScorer
 from engine.errors import InvalidRequestError, OutOfPagesError
 from engine.request import FinishReason, Request
+
+
+@dataclass(slots=True, frozen=True)
+class PruneResult:
+    tokens_kept: int  # slots the chain holds per layer and KV head after pruning
+    tokens_freed: int  # slots dropped per layer and KV head
+    pages_freed: int
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -148,6 +159,49 @@ class ChainManager:
             else:
                 self.cache.truncate_table(state.table, num_tokens)
                 state.num_computed = num_tokens
+
+    def prune(
+        self, chain_id: str, intervals: list[tuple[int, int]], scorer: ImportanceScorer | None = None,
+        keep_ratio: float = 0.0,
+    ) -> PruneResult:
+        """Drop KV inside logical intervals ``[L, R)`` of an idle chain, keeping ``keep_ratio`` of each
+        interval's tokens per (layer, KV head) by ``scorer`` (required when 0 < keep_ratio < 1). The logical
+        history is unchanged, so the next turn with the same tokens still resumes."""
+        state = self._idle(chain_id)
+        if not 0.0 <= keep_ratio <= 1.0:
+            raise InvalidRequestError(f"keep_ratio must be in [0, 1], got {keep_ratio!r}")
+        if scorer is None and 0.0 < keep_ratio < 1.0:
+            raise InvalidRequestError("keep_ratio between 0 and 1 needs a scorer to choose the kept tokens")
+        for lo, hi in intervals:
+            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi <= state.num_computed):
+                raise InvalidRequestError(
+                    f"interval [{lo}, {hi}) must satisfy 0 <= L < R <= {state.num_computed} (the chain's KV)")
+        table = state.table
+        if table is None or not intervals:
+            return PruneResult(0, 0, 0)
+        pages_before = len(table.pages)
+        keep, dropped = [], 0
+        for layer in range(self.num_layers):
+            positions = self.cache.table_positions(table, layer)  # [Hkv, n]
+            inside = torch.zeros_like(positions, dtype=torch.bool)
+            for lo, hi in intervals:
+                inside |= (positions >= lo) & (positions < hi)
+            num_drop = round((1.0 - keep_ratio) * int(inside.sum(1).min()))
+            if scorer is None:
+                rank = positions.float()  # drop the earliest: with keep_ratio 0 or 1 order does not matter
+            else:
+                rank = -scorer.score(self.cache, table, layer).float()
+            rank = rank.masked_fill(~inside, float("-inf"))  # only slots inside may be dropped
+            drop = rank.topk(num_drop, dim=1).indices if num_drop else rank[:, :0].long()
+            kept = torch.ones_like(inside)
+            kept.scatter_(1, drop, False)
+            keep.append(kept.nonzero()[:, 1].view(positions.shape[0], -1))
+            dropped += num_drop
+        if dropped == 0 or not self.cache.compact_table(table, keep, state.num_computed):
+            return PruneResult(0, 0, 0)
+        state.pruned_intervals.extend(intervals)
+        return PruneResult(tokens_kept=sum(k.shape[1] for k in keep) // self.num_layers,
+                           tokens_freed=dropped // self.num_layers, pages_freed=pages_before - len(table.pages))
 
     def set_pinned(self, chain_id: str, pinned: bool) -> None:
         self.index.get(chain_id).pinned = pinned

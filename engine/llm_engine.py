@@ -16,7 +16,7 @@ import torch
 
 from engine.attention_backend import make_backend
 from engine.chain_index import ChainInfo
-from engine.chain_manager import ChainManager
+from engine.chain_manager import ChainManager, PruneResult
 from engine.config import DEFAULT_CPU_KV_BYTES, DTYPES, EngineConfig
 from engine.contract.cache import CacheSpec
 from engine.detokenizer import IncrementalDetokenizer
@@ -25,7 +25,7 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.page_pool import PagePool
-from engine.registry import create_method
+from engine.registry import create_method, create_scorer
 from engine.request import FinishReason, Request
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
@@ -282,6 +282,12 @@ class LLMEngine:
 
     def rewind_chain(self, chain_id: str, num_tokens: int) -> None:
         self.chains.rewind(chain_id, num_tokens)
+
+    def prune_chain(
+        self, chain_id: str, intervals: list[tuple[int, int]], scorer: str | None = None, keep_ratio: float = 0.0
+    ) -> PruneResult:
+        """Prefix-cache pruning of an idle chain: see ``ChainManager.prune``; ``scorer`` by registered name."""
+        return self.chains.prune(chain_id, intervals, create_scorer(scorer) if scorer else None, keep_ratio)
 
     def pin_chain(self, chain_id: str, pinned: bool = True) -> None:
         self.chains.set_pinned(chain_id, pinned)

@@ -219,7 +219,9 @@ class PagedCacheManager(CacheManager):
 
     def positions_of(self, req: Request, layer: int) -> torch.Tensor:
         """[num_kv_heads, physical_len] int64: the logical position held by each slot of each KV head."""
-        t = self._tables[req.request_id]
+        return self.table_positions(self._tables[req.request_id], layer)
+
+    def table_positions(self, t: PageTable, layer: int) -> torch.Tensor:
         device, heads = self.spec.device, self.spec.num_kv_heads
         if t.kept_positions is None:
             return torch.arange(t.num_slots, device=device).expand(heads, -1)
@@ -227,11 +229,18 @@ class PagedCacheManager(CacheManager):
         appended = torch.arange(t.compacted_at, t.compacted_at + t.layer_len(layer) - kept.shape[1], device=device)
         return torch.cat([kept, appended.expand(heads, -1)], dim=1)
 
+    def table_keys(self, t: PageTable, layer: int) -> torch.Tensor:
+        """[physical_len(layer), num_kv_heads, head_dim]: the (post-RoPE) keys a table holds in ``layer``."""
+        return self.kv[layer, 0].flatten(0, 1)[self._slots(t.pages, 0, t.layer_len(layer))]
+
     def compact(self, req: Request, keep: list[torch.Tensor]) -> bool:
         """Keep, per layer, the slots ``keep[layer]`` ([num_kv_heads, n_layer] int64 slot indices, each row in
         increasing order); free the pages no longer needed. False (nothing changed) if a shared page cannot be
         replaced for lack of free pages."""
-        t = self._tables[req.request_id]
+        return self.compact_table(self._tables[req.request_id], keep, req.num_computed_tokens)
+
+    def compact_table(self, t: PageTable, keep: list[torch.Tensor], logical_len: int) -> bool:
+        """``compact`` on a table; ``logical_len`` is the logical length its slots cover."""
         assert len(keep) == self.spec.num_layers
         ps, heads = self.page_size, self.spec.num_kv_heads
         new_lens = [k.shape[1] for k in keep]
@@ -243,7 +252,7 @@ class PagedCacheManager(CacheManager):
             return False
         old_slots = self._slots(t.pages, 0, t.num_slots)
         head_idx = torch.arange(heads, device=self.spec.device)[None, :]
-        positions = [self.positions_of(req, layer).gather(1, k) for layer, k in enumerate(keep)]
+        positions = [self.table_positions(t, layer).gather(1, k) for layer, k in enumerate(keep)]
         kept = [(self.kv[layer, 0].flatten(0, 1)[old_slots[k.T], head_idx],
                  self.kv[layer, 1].flatten(0, 1)[old_slots[k.T], head_idx]) for layer, k in enumerate(keep)]
         for page in reversed(tail):
@@ -261,7 +270,7 @@ class PagedCacheManager(CacheManager):
             self.kv[layer, 1].flatten(0, 1)[new_slots[:n]] = v
         t.pages, t.keys, t.host_row = head, [], None
         t.layer_lens, t.num_slots = new_lens, max(new_lens)
-        t.kept_positions, t.compacted_at = positions, req.num_computed_tokens
+        t.kept_positions, t.compacted_at = positions, logical_len
         return True
 
     def clear_prefix_cache(self) -> None:

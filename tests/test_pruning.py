@@ -1,0 +1,93 @@
+"""Prefix-cache pruning of a chain: exact page accounting, resume after pruning, attention skips pruned KV."""
+
+import random
+
+import pytest
+import torch
+
+import policies.knorm  # noqa: F401  (registers "knorm")
+from engine import LLM, SamplingParams
+from engine.errors import ConfigError, InvalidRequestError
+from tests.dense_reference import causal, greedy_with_mask
+
+PAGE = 4
+PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+
+def turn(engine, chain_id, prompt):
+    rid = engine.add_request(prompt, PARAMS, chain_id=chain_id)
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                return o
+
+
+def kept_positions(engine, chain_id):
+    table = engine.chains.index.get(chain_id).table
+    return [engine.cache.table_positions(table, layer).clone() for layer in range(engine.model_config.num_layers)]
+
+
+def pruned_visibility(kept, boundary):
+    """Queries at or after ``boundary`` (computed after the pruning) see only the kept KV before it."""
+    def visible(layer, T):
+        m = causal(kept[layer].shape[0], T).clone()
+        for h, positions in enumerate(kept[layer]):
+            row = torch.zeros(boundary, dtype=torch.bool)
+            row[positions[positions < boundary]] = True
+            m[h, boundary:, :boundary] &= row
+        return m
+    return visible
+
+
+@pytest.mark.parametrize("scorer,keep_ratio", [("knorm", 0.2), (None, 0.0)])
+def test_pruning_frees_exact_pages_and_the_next_turn_resumes_without_the_pruned_kv(tiny_dirs, scorer, keep_ratio):
+    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE)
+    engine, rng = llm.engine, random.Random(0)
+    system, tool, user = ([rng.randrange(3, 500) for _ in range(n)] for n in (20, 40, 6))
+    prompt = system + tool + user
+    history = prompt + turn(engine, "c", prompt).token_ids
+    computed = len(history) - 1
+    before = engine.chain_info("c")
+    assert before.pages_held == -(-computed // PAGE)
+
+    result = engine.prune_chain("c", [(20, 60)], scorer=scorer, keep_ratio=keep_ratio)
+    dropped = round((1 - keep_ratio) * 40)
+    assert result.tokens_freed == dropped and result.tokens_kept == computed - dropped
+    assert result.pages_freed == before.pages_held - (-(-(computed - dropped) // PAGE))
+    after = engine.chain_info("c")
+    assert after.pages_held == before.pages_held - result.pages_freed
+    assert after.logical_tokens == before.logical_tokens and after.compacted
+    kept = kept_positions(engine, "c")
+    for layer_positions in kept:
+        inside = ((layer_positions >= 20) & (layer_positions < 60)).sum(1)
+        assert inside.tolist() == [40 - dropped] * layer_positions.shape[0]
+
+    new = [rng.randrange(3, 500) for _ in range(7)]
+    out = turn(engine, "c", history + new)
+    assert out.resume_status == "resumed" and out.num_resumed_tokens == computed
+    assert out.num_prefilled_tokens == len(new) + 1
+    expected = greedy_with_mask(engine.model, history + new, 5, pruned_visibility(kept, computed))
+    assert out.token_ids == expected
+
+    engine.delete_chain("c")
+    engine.clear_prefix_cache()
+    assert engine.pool.num_free == engine.pool.num_pages
+
+
+def test_prune_rejects_bad_input_and_leaves_the_chain_unchanged(tiny_dirs):
+    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE)
+    engine = llm.engine
+    prompt = list(range(10, 40))
+    turn(engine, "c", prompt)
+    info = engine.chain_info("c")
+    for intervals, ratio, scorer, err, words in [
+        ([(5, 500)], 0.0, None, InvalidRequestError, "interval"),
+        ([(-1, 4)], 0.0, None, InvalidRequestError, "interval"),
+        ([(8, 8)], 0.0, None, InvalidRequestError, "interval"),
+        ([(4, 8)], 1.5, None, InvalidRequestError, "keep_ratio"),
+        ([(4, 8)], 0.5, None, InvalidRequestError, "scorer"),
+        ([(4, 8)], 0.5, "nope", ConfigError, "unknown scorer"),
+    ]:
+        with pytest.raises(err, match=words):
+            engine.prune_chain("c", intervals, scorer=scorer, keep_ratio=ratio)
+    assert engine.chain_info("c") == info
