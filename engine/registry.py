@@ -7,71 +7,61 @@ lazily the first time a name is not found, so the engine finds every installed o
 """
 
 from importlib.metadata import entry_points
+from typing import Generic, TypeVar
 
 from engine.contract.method import SparseMethod
 from engine.contract.scorer import ImportanceScorer
 from engine.errors import ConfigError
 
-ENTRY_POINT_GROUP = "agentrt.methods"
-SCORER_GROUP = "agentrt.scorers"
-
-_methods: dict[str, type[SparseMethod]] = {SparseMethod.name: SparseMethod}
-_entry_points_loaded = False
+T = TypeVar("T", bound=type)
 
 
-def register_method(cls: type[SparseMethod]) -> type[SparseMethod]:
-    """Class decorator: make ``cls`` available under ``cls.name``."""
-    existing = _methods.get(cls.name)
-    if existing is not None and existing is not cls:
-        raise ConfigError(f"method name {cls.name!r} is already registered by {existing.__qualname__}")
-    _methods[cls.name] = cls
-    return cls
+class Registry(Generic[T]):
+    def __init__(self, kind: str, group: str, builtin: dict[str, T] | None = None):
+        self.kind, self.group = kind, group
+        self._entries: dict[str, T] = dict(builtin or {})
+        self._entry_points_loaded = False
+
+    def register(self, cls: T) -> T:
+        """Class decorator: make ``cls`` available under ``cls.name``."""
+        existing = self._entries.get(cls.name)
+        if existing is not None and existing is not cls:
+            raise ConfigError(f"{self.kind} name {cls.name!r} is already registered by {existing.__qualname__}")
+        self._entries[cls.name] = cls
+        return cls
+
+    def _load_entry_points(self) -> None:
+        if self._entry_points_loaded:
+            return
+        self._entry_points_loaded = True
+        for ep in entry_points(group=self.group):
+            if ep.name not in self._entries:
+                self._entries[ep.name] = ep.load()
+
+    def names(self) -> list[str]:
+        self._load_entry_points()
+        return sorted(self._entries)
+
+    def get(self, name: str) -> T:
+        if name not in self._entries:
+            self._load_entry_points()
+        cls = self._entries.get(name)
+        if cls is None:
+            raise ConfigError(f"unknown {self.kind} {name!r}; available: {self.names()}")
+        return cls
 
 
-def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for ep in entry_points(group=ENTRY_POINT_GROUP):
-        cls = ep.load()
-        if ep.name not in _methods:
-            _methods[ep.name] = cls
+METHODS: Registry[type[SparseMethod]] = Registry("method", "agentrt.methods", {SparseMethod.name: SparseMethod})
+SCORERS: Registry[type[ImportanceScorer]] = Registry("scorer", "agentrt.scorers")
 
-
-def available_methods() -> list[str]:
-    _load_entry_points()
-    return sorted(_methods)
+register_method = METHODS.register
+register_scorer = SCORERS.register
+available_methods = METHODS.names
 
 
 def create_method(name: str, options: dict | None = None) -> SparseMethod:
-    if name not in _methods:
-        _load_entry_points()
-    cls = _methods.get(name)
-    if cls is None:
-        raise ConfigError(f"unknown method {name!r}; available: {available_methods()}")
-    return cls.from_options(options)
-
-
-_scorers: dict[str, type[ImportanceScorer]] = {}
-_scorer_entry_points_loaded = False
-
-
-def register_scorer(cls: type[ImportanceScorer]) -> type[ImportanceScorer]:
-    existing = _scorers.get(cls.name)
-    if existing is not None and existing is not cls:
-        raise ConfigError(f"scorer name {cls.name!r} is already registered by {existing.__qualname__}")
-    _scorers[cls.name] = cls
-    return cls
+    return METHODS.get(name).from_options(options)
 
 
 def create_scorer(name: str) -> ImportanceScorer:
-    global _scorer_entry_points_loaded
-    if name not in _scorers and not _scorer_entry_points_loaded:
-        _scorer_entry_points_loaded = True
-        for ep in entry_points(group=SCORER_GROUP):
-            _scorers.setdefault(ep.name, ep.load())
-    cls = _scorers.get(name)
-    if cls is None:
-        raise ConfigError(f"unknown scorer {name!r}; available: {sorted(_scorers)}")
-    return cls()
+    return SCORERS.get(name)()
