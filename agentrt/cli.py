@@ -3,11 +3,15 @@
     agentrt generate "Write a haiku about KV caches"    # offline generation on the embedded tiny model
     agentrt bench --shape tiny --batch 1,32              # throughput benchmark (JSON + table)
     agentrt make-tiny --arch llama --out /tmp/tiny       # write a random tiny HF checkpoint
+    agentrt serve --port 8000                            # the HTTP server (chains, turns, OpenAI routes)
+    agentrt demo                                         # a scripted 3-turn agent session against the server
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import sys
 
 
@@ -42,6 +46,39 @@ def _make_tiny(rest: list[str]) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from agentrt.app import build_engine, create_app
+    from agentrt.config import ServerConfig
+    from engine.errors import EngineError
+
+    try:
+        method_config = json.loads(args.method_config)
+    except json.JSONDecodeError as exc:
+        print(f"--method-config is not JSON: {exc}", file=sys.stderr)
+        return 2
+    if not isinstance(method_config, dict):
+        print("--method-config must be a JSON object", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(model=args.model, model_name=args.model_name, db_url=args.db, method=args.method,
+                          method_config=method_config, engine_options={"device": args.device})
+    try:
+        engine = build_engine(config)
+    except EngineError as exc:
+        print(f"cannot start the engine: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(create_app(config, engine=engine), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from agentrt.demo import main as demo_main
+
+    return demo_main(args.url, args.max_tokens)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
@@ -62,7 +99,23 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--device", default="auto")
     gen.add_argument("--chunk", type=int, default=2048, help="token budget per step (prefill chunk)")
+    serve = sub.add_parser("serve", help="run the HTTP server")
+    serve.add_argument("--model", help="HF checkpoint dir (default: the embedded tiny model)")
+    serve.add_argument("--model-name", help="the model name clients use (default: the directory name)")
+    serve.add_argument("--db", help="SQLAlchemy async URL (default: SQLite under ~/.cache/agentrt)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--method", default="dense", help="sparse method for every chain")
+    serve.add_argument("--method-config", default="{}", help="the method's knobs as a JSON object")
+    serve.add_argument("--device", default="auto")
+    demo = sub.add_parser("demo", help="a scripted 3-turn agent conversation with a tool call")
+    demo.add_argument("--url", help="an agentrt server to talk to (default: start one in-process)")
+    demo.add_argument("--max-tokens", type=int, default=24)
     args = ap.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
+    if args.command == "demo":
+        return _demo(args)
     return _generate(args)
 
 

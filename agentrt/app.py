@@ -1,0 +1,88 @@
+"""The Litestar application: ``create_app(config)``; the lifespan owns the engine worker and the database."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.logging import LoggingConfig
+
+from agentrt.chains import ChainService
+from agentrt.chat import ChatRenderer
+from agentrt.completions import CompletionService
+from agentrt.config import ServerConfig, default_db_url
+from agentrt.db import open_database
+from agentrt.engine_worker import EngineWorker
+from agentrt.errors import EXCEPTION_HANDLERS
+from agentrt.metrics import Metrics
+from agentrt.routes import ChainController, OpenAIController, SystemController
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(config: ServerConfig) -> Any:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.tiny_checkpoint import default_model_dir
+
+    model = config.model if config.model is not None else default_model_dir()
+    options = {"method": config.method, "method_config": config.method_config, **config.engine_options}
+    return LLMEngine(EngineConfig.from_kwargs(model, **options))
+
+
+def _chains(state: State) -> ChainService:
+    return state.chains
+
+
+def _completions(state: State) -> CompletionService:
+    return state.completions
+
+
+def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litestar:
+    """``engine``: an LLMEngine to serve instead of building one from ``config`` (it is not closed on exit)."""
+    config = config or ServerConfig()
+
+    @asynccontextmanager
+    async def lifespan(app: Litestar) -> AsyncIterator[None]:
+        llm = engine if engine is not None else await anyio.to_thread.run_sync(build_engine, config)
+        from engine.llm_engine import load_tokenizer
+        from engine.tiny_checkpoint import DEFAULT_MODEL_NAME
+
+        model_dir = Path(llm.config.model)
+        model_name = config.model_name or (DEFAULT_MODEL_NAME if config.model is None else model_dir.name)
+        renderer = ChatRenderer(load_tokenizer(model_dir), llm.model_config.eos_token_ids)
+        worker = EngineWorker(llm)
+        db = await open_database(config.db_url or default_db_url())
+        chains = ChainService(config, model_name, worker, renderer, db)
+        await chains.start()
+        metrics = Metrics(worker, chains.counts)
+        chains.metrics = metrics
+        worker.on_step = metrics.observe_step
+        worker.start()
+        app.state.update(config=config, model_name=model_name, started_at=int(time.time()), worker=worker, db=db,
+                         chains=chains, metrics=metrics,
+                         completions=CompletionService(config, model_name, worker, renderer, metrics))
+        log.info("serving %s (method %s) with %s", model_name, llm.method.name, db.engine.url.render_as_string())
+        try:
+            yield
+        finally:
+            worker.stop()
+            await db.dispose()
+
+    return Litestar(
+        route_handlers=[ChainController, OpenAIController, SystemController],
+        dependencies={"chains": Provide(_chains, sync_to_thread=False),
+                      "completions": Provide(_completions, sync_to_thread=False)},
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=[lifespan],
+        request_max_body_size=32 * 2**20,
+        logging_config=LoggingConfig(configure_root_logger=False, log_exceptions="debug"),
+    )

@@ -1,0 +1,132 @@
+"""Chat rendering onto an append-only token log, and tool-call parsing.
+
+New messages are rendered with the model's chat template: the conversation is rendered before and after
+adding them, the old rendering must be a prefix of the new one (true of ChatML), and only the new suffix is
+tokenized and appended. Each message's share of that suffix becomes one region. Generated tokens are never
+re-tokenized: the previous assistant message is closed by appending what the template puts after its
+content (``<|im_end|>\\n``, minus a stop token the model already produced).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sdk.schema import FunctionCall, RegionKind, ToolCall
+
+Message = dict[str, Any]
+
+_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+_KINDS: dict[str, RegionKind] = {"system": "system", "user": "user", "tool": "tool_result", "assistant": "assistant"}
+
+
+class TemplateMismatchError(ValueError):
+    """The chat template re-renders earlier messages differently once new ones follow (not append-only)."""
+
+
+@dataclass(slots=True)
+class Piece:
+    kind: RegionKind
+    token_ids: list[int]
+    message: Message
+
+
+@dataclass(slots=True)
+class Appended:
+    close_ids: list[int]  # closes the previous assistant message (its region grows by these)
+    pieces: list[Piece]  # one per new message
+    prompt_ids: list[int]  # the generation prompt and the assistant prefix: the new assistant region starts here
+    token_ids: list[int] = field(default_factory=list)  # all of the above, in order
+
+    def __post_init__(self) -> None:
+        self.token_ids = self.close_ids + [t for p in self.pieces for t in p.token_ids] + self.prompt_ids
+
+
+class ChatRenderer:
+    """Owns its own tokenizer instance: the engine thread uses the engine's for detokenization."""
+
+    def __init__(self, tokenizer: Any, stop_token_ids: Iterable[int]):
+        self.tokenizer = tokenizer
+        tokenizer.model_max_length = 2**62  # length limits are the engine's to enforce, with a clear error
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self._added = sorted({str(t) for t in tokenizer.get_added_vocab()}, key=len, reverse=True)
+
+    def render(self, messages: list[Message], tools: list[dict] | None, generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def prompt(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
+        return self.encode(self.render(messages, tools, generation_prompt=True))
+
+    def append(self, history: list[Message], new: list[Message], tools: list[dict] | None,
+               last_token: int | None = None, assistant_prefix: str | None = None) -> Appended:
+        """Tokens that extend a log holding ``history`` (its last assistant message as generated) by ``new``."""
+        base = self.render(history, tools) if history else ""
+        close = self._close(history, tools, base, last_token) if history and history[-1]["role"] == "assistant" else ""
+        final = self.render(history + new, tools, generation_prompt=True)
+        if not final.startswith(base):
+            raise TemplateMismatchError("the chat template does not render the conversation append-only")
+        pieces, pos = [], len(base)
+        for i, message in enumerate(new):
+            upto = self.render(history + new[: i + 1], tools)
+            end = self._safe_boundary(final, _common_prefix(upto, final, pos))
+            end = max(end, pos)
+            pieces.append(Piece(_KINDS[message["role"]], self.encode(final[pos:end]), message))
+            pos = end
+        return Appended(self.encode(close), pieces, self.encode(final[pos:] + (assistant_prefix or "")))
+
+    def _close(self, history: list[Message], tools: list[dict] | None, base: str, last_token: int | None) -> str:
+        body = self.render(history[:-1], tools, generation_prompt=True) + history[-1]["content"]
+        if not base.startswith(body):
+            raise TemplateMismatchError("the chat template does not keep an assistant message's content verbatim")
+        close = base[len(body):]
+        if last_token in self.stop_token_ids:
+            stop_text = self.decode([last_token])
+            close = close.removeprefix(stop_text)
+        return close
+
+    def _safe_boundary(self, text: str, pos: int) -> int:
+        """Move ``pos`` back so that it does not cut through a special or added token."""
+        for token in self._added:
+            for k in range(1, len(token)):
+                if pos - k >= 0 and text.startswith(token, pos - k):
+                    return pos - k
+        return pos
+
+
+def _common_prefix(a: str, b: str, start: int = 0) -> int:
+    n = min(len(a), len(b))
+    i = start if a[:start] == b[:start] else 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks; malformed ones are skipped."""
+    calls = []
+    for match in _TOOL_CALL.finditer(text):
+        try:
+            obj = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            continue
+        args = obj.get("arguments", {})
+        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=obj["name"], arguments=arguments)))
+    return calls
+
+
+def strip_tool_calls(text: str) -> str:
+    return _TOOL_CALL.sub("", text).strip()

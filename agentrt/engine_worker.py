@@ -1,0 +1,221 @@
+"""The engine's step loop in its own thread, bridged to asyncio.
+
+Only the worker thread touches the LLMEngine. The event loop sends commands through a thread-safe queue and
+gets results back through ``loop.call_soon_threadsafe``: futures for one-shot calls, a per-request
+asyncio.Queue of RequestOutputs for generation. Every request the engine holds is stepped in one
+continuous batch, whichever chain or route it came from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class EngineSnapshot:
+    num_pages: int = 0
+    pages_free: int = 0
+    num_requests: int = 0
+
+    @property
+    def pages_used(self) -> int:
+        return self.num_pages - self.pages_free
+
+
+class EngineUnavailable(RuntimeError):
+    """The worker thread is not running (not started yet, or shut down)."""
+
+
+class RequestStream:
+    """The outputs of one engine request; leaving the iteration early aborts the request."""
+
+    def __init__(self, worker: EngineWorker, request_id: str):
+        self.worker = worker
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.done = False
+
+    async def outputs(self) -> AsyncGenerator[RequestOutput, None]:
+        try:
+            while not self.done:
+                item = await self.queue.get()
+                if isinstance(item, BaseException):
+                    self.done = True
+                    raise item
+                self.done = item.finished
+                yield item
+        finally:
+            if not self.done:
+                self.done = True
+                self.worker.abort(self.request_id)
+
+
+class EngineWorker:
+    def __init__(self, engine: Any, on_step: Callable[[float, list[RequestOutput]], None] | None = None):
+        self.engine = engine
+        self.on_step = on_step
+        self.snapshot = EngineSnapshot()
+        self.accepts_chain_id = "chain_id" in inspect.signature(engine.add_request).parameters
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
+        self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
+
+    # --- event-loop side ------------------------------------------------------------------------
+    def start(self) -> None:
+        self._update_snapshot()
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive():
+            self._commands.put(None)
+            self._thread.join(timeout)
+
+    async def call(self, fn: Callable[[Any], T]) -> T:
+        """Run ``fn(engine)`` on the worker thread and return its result (or raise its exception)."""
+        if not self._thread.is_alive():
+            raise EngineUnavailable("the engine worker is not running")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # handed to the caller
+                loop.call_soon_threadsafe(_settle, fut, None, exc)
+            else:
+                self._update_snapshot()
+                loop.call_soon_threadsafe(_settle, fut, result, None)
+
+        self._commands.put(run)
+        return await fut
+
+    async def submit(self, prompt: list[int], params: SamplingParams, chain_id: str | None = None) -> RequestStream:
+        """Queue a request; raises what ``add_request`` raises (engine.errors.InvalidRequestError...)."""
+        stream = RequestStream(self, f"req-{uuid.uuid4().hex}")
+        loop = asyncio.get_running_loop()
+        kwargs = {"chain_id": chain_id} if chain_id is not None and self.accepts_chain_id else {}
+
+        def add(engine: Any) -> None:
+            engine.add_request(prompt, params, request_id=stream.request_id, **kwargs)
+            self._streams[stream.request_id] = (loop, stream)
+
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:
+            self.abort(stream.request_id)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        def run() -> None:
+            self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+
+        self._commands.put(run)
+
+    # --- worker thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished()
+            try:
+                command = self._commands.get(timeout=1.0) if idle else self._commands.get_nowait()
+            except queue.Empty:
+                command = _NOTHING
+            while command is not _NOTHING:
+                if command is None:
+                    self._shutdown()
+                    return
+                try:
+                    command()
+                except Exception:
+                    log.exception("engine command failed")
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    command = _NOTHING
+            if self.engine.has_unfinished():
+                self._step()
+            self._update_snapshot()
+
+    def _step(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # an engine bug: fail every request in flight, keep serving
+            log.exception("engine step failed")
+            self._fail_all(exc)
+            return
+        if self.on_step is not None:
+            self.on_step(time.perf_counter() - t0, outputs)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | BaseException]]] = {}
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            by_loop.setdefault(entry[0], []).append((entry[1], out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, items)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        streams, self._streams = self._streams, {}
+        for request_id, (loop, stream) in streams.items():
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                log.exception("abort of %s failed", request_id)
+            with contextlib.suppress(RuntimeError):  # the loop may be closed already
+                failure: list[tuple[RequestStream, RequestOutput | BaseException]] = [(stream, RuntimeError(f"engine: {exc}"))]
+                loop.call_soon_threadsafe(_deliver, failure)
+
+    def _shutdown(self) -> None:
+        self._fail_all(RuntimeError("server shutting down"))
+
+    def _update_snapshot(self) -> None:
+        pool = self.engine.pool
+        self.snapshot = EngineSnapshot(pool.num_pages, pool.num_free, len(self._streams))
+
+
+_NOTHING: Any = object()
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+def _deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream.queue.put_nowait(item)
+
+
+def prefill_counts(out: RequestOutput) -> tuple[int, int, int]:
+    """(prefilled, resumed, prefix-cached) prompt tokens of a finished request; engines without Chain Cache
+    report neither prefilled nor resumed tokens, so prefilled is what the prefix cache did not serve."""
+    cached = out.num_cached_tokens
+    resumed = getattr(out, "num_resumed_tokens", 0)
+    prefilled = getattr(out, "num_prefilled_tokens", None)
+    if prefilled is None:
+        prefilled = len(out.prompt_token_ids) - cached - resumed
+    return prefilled, resumed, cached

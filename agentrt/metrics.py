@@ -1,0 +1,47 @@
+"""Prometheus metrics, one registry per app."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from agentrt.engine_worker import EngineWorker
+from engine.outputs import RequestOutput
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class Metrics:
+    def __init__(self, worker: EngineWorker, chain_counts: Callable[[], tuple[int, int]]):
+        self.registry = r = CollectorRegistry()
+        Gauge("agentrt_kv_pages_used", "KV pages in use", registry=r).set_function(lambda: worker.snapshot.pages_used)
+        Gauge("agentrt_kv_pages_free", "KV pages free", registry=r).set_function(lambda: worker.snapshot.pages_free)
+        Gauge("agentrt_requests_running", "engine requests in flight", registry=r).set_function(
+            lambda: worker.snapshot.num_requests)
+        chains = Gauge("agentrt_chains", "chains by state", ["state"], registry=r)
+        chains.labels("busy").set_function(lambda: chain_counts()[0])
+        chains.labels("idle").set_function(lambda: chain_counts()[1] - chain_counts()[0])
+        self.tokens_prefilled = Counter("agentrt_tokens_prefilled", "prompt tokens computed", registry=r)
+        self.tokens_resumed = Counter("agentrt_tokens_resumed", "prompt tokens re-attached from a chain", registry=r)
+        self.tokens_cached = Counter("agentrt_tokens_prefix_cached", "prompt tokens from the prefix cache", registry=r)
+        self.tokens_generated = Counter("agentrt_tokens_generated", "tokens generated", registry=r)
+        self.turns = Counter("agentrt_turns", "chain turns by outcome", ["outcome"], registry=r)
+        self.step_seconds = Histogram("agentrt_engine_step_seconds", "wall time of one engine step",
+                                      buckets=STEP_BUCKETS, registry=r)
+        self.step_requests = Histogram("agentrt_engine_step_requests", "requests that got a token in one step",
+                                       buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+
+    def observe_step(self, seconds: float, outputs: list[RequestOutput]) -> None:
+        self.step_seconds.observe(seconds)
+        if outputs:
+            self.step_requests.observe(len(outputs))
+
+    def record_request(self, prefilled: int, resumed: int, cached: int, generated: int) -> None:
+        self.tokens_prefilled.inc(prefilled)
+        self.tokens_resumed.inc(resumed)
+        self.tokens_cached.inc(cached)
+        self.tokens_generated.inc(generated)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,80 @@
+"""ORM tables: chains, turns (token ids as appended and as generated), regions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from sqlalchemy import JSON, Float, ForeignKey, Integer, LargeBinary, String, Text, TypeDecorator, UniqueConstraint
+from sqlalchemy.ext.asyncio import AsyncAttrs
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class TokenIds(TypeDecorator[list[int]]):
+    """A list of token ids stored as little-endian uint32 bytes."""
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: list[int] | None, dialect: Any) -> bytes | None:
+        return None if value is None else np.asarray(value, dtype="<u4").tobytes()
+
+    def process_result_value(self, value: bytes | None, dialect: Any) -> list[int] | None:
+        return None if value is None else np.frombuffer(value, dtype="<u4").tolist()
+
+
+class Base(AsyncAttrs, DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, list[int]: TokenIds, str: String(255)}
+
+
+class ChainRow(Base):
+    __tablename__ = "chains"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    created_at: Mapped[float] = mapped_column(Float, index=True)
+    model: Mapped[str]
+    method: Mapped[str]
+    method_config: Mapped[dict[str, Any]]
+    system_prompt: Mapped[str] = mapped_column(Text)
+    tools: Mapped[list[Any]]
+    meta: Mapped[dict[str, Any]]
+    num_turns: Mapped[int] = mapped_column(Integer, default=0)
+    num_tokens: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class TurnRow(Base):
+    __tablename__ = "turns"
+    __table_args__ = (UniqueConstraint("chain_id", "index"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    chain_id: Mapped[str] = mapped_column(String(64), ForeignKey("chains.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int]
+    created_at: Mapped[float] = mapped_column(Float)
+    messages: Mapped[list[Any]]
+    assistant_prefix: Mapped[str | None] = mapped_column(Text)
+    sampling: Mapped[dict[str, Any]]
+    content: Mapped[str] = mapped_column(Text)
+    tool_calls: Mapped[list[Any]]
+    finish_reason: Mapped[str]
+    resume_status: Mapped[str]
+    appended_token_ids: Mapped[list[int]]
+    generated_token_ids: Mapped[list[int]]
+    usage: Mapped[dict[str, Any]]
+
+
+class RegionRow(Base):
+    __tablename__ = "regions"
+    __table_args__ = (UniqueConstraint("chain_id", "index"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    chain_id: Mapped[str] = mapped_column(String(64), ForeignKey("chains.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int]
+    kind: Mapped[str] = mapped_column(String(16))
+    start: Mapped[int]
+    end: Mapped[int]
+    turn: Mapped[int]
+    round: Mapped[int | None]
+    tool_name: Mapped[str | None]
+    tool_call_id: Mapped[str | None]
+    pruned: Mapped[bool] = mapped_column(default=False)
+    kept_tokens: Mapped[int]

@@ -1,0 +1,37 @@
+"""OpenAI-compatible routes: POST /v1/chat/completions (stateless, streaming or not) and GET /v1/models."""
+
+from __future__ import annotations
+
+from litestar import Controller, Request, Response, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.datastructures import State
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
+
+
+from agentrt.completions import Completion, CompletionService
+from agentrt.disconnect import unless_disconnected
+from agentrt.routes.event_stream import EventStream
+from agentrt.openai_types import ChatCompletion, ChatCompletionRequest, ModelCard, ModelList
+
+
+class OpenAIController(Controller):
+    path = "/v1"
+
+    @post("/chat/completions", status_code=200)
+    async def chat_completions(self, data: JSONBody[ChatCompletionRequest], request: Request,
+                               completions: NamedDependency[CompletionService]) -> ChatCompletion | Response:
+        c = await completions.start(data)
+        if data.stream:
+            return EventStream(completions.chunks(c), background=BackgroundTask(_abort, c))
+        return await unless_disconnected(request, completions.complete(c))
+
+    @get("/models", sync_to_thread=False)
+    def models(self, state: State) -> ModelList:
+        return ModelList(data=[ModelCard(id=state.model_name, created=state.started_at)])
+
+
+async def _abort(c: Completion) -> None:
+    if not c.stream.done:
+        c.stream.done = True
+        c.stream.worker.abort(c.stream.request_id)

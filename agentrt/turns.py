@@ -1,0 +1,158 @@
+"""A running turn: streams the engine's deltas, then commits the turn in one transaction.
+
+Nothing is written before generation ends: an aborted or failed turn leaves the chain (in memory and in the
+database) as it was. Once generation has finished the commit runs to the end even if the client has gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import TYPE_CHECKING, cast
+
+import msgspec
+from sqlalchemy import update
+
+from agentrt.chain_state import ChainState, region_row
+from agentrt.chat import Appended, Message, parse_tool_calls
+from agentrt.engine_worker import RequestStream, prefill_counts
+from agentrt.errors import TurnFailed
+from agentrt.models import ChainRow, RegionRow, TurnRow
+from engine.outputs import RequestOutput
+from sdk.schema import (AssistantMessage, FinishReason, Region, ResumeStatus, TurnCreate, TurnDelta, TurnResult,
+                        Usage)
+
+if TYPE_CHECKING:
+    from agentrt.chains import ChainService
+
+
+class PendingTurn:
+    def __init__(self, service: ChainService, state: ChainState, data: TurnCreate, messages: list[Message],
+                 appended: Appended, prompt: list[int], stream: RequestStream):
+        self.service = service
+        self.state = state
+        self.data = data
+        self.messages = messages
+        self.appended = appended
+        self.prompt = prompt
+        self.stream = stream
+        self._started = False
+
+    async def result(self) -> TurnResult:
+        final = None
+        async with aclosing(self.events()) as events:
+            async for event in events:
+                if isinstance(event, TurnResult):
+                    final = event
+        assert final is not None
+        return final
+
+    async def events(self) -> AsyncGenerator[TurnDelta | TurnResult, None]:
+        self._started = True
+        commit: asyncio.Future[TurnResult] | None = None
+        outcome = "aborted"
+        try:
+            last: RequestOutput | None = None
+            async with aclosing(self.stream.outputs()) as outputs:
+                async for out in outputs:
+                    last = out
+                    if out.new_token_ids or out.new_text:
+                        yield TurnDelta(text=out.new_text, token_ids=list(out.new_token_ids))
+            if last is None or last.finish_reason == "abort":
+                raise TurnFailed(detail="the turn was aborted before it finished")
+            commit = asyncio.ensure_future(self._commit(last))
+            yield await asyncio.shield(commit)
+        except Exception:
+            outcome = "failed"
+            raise
+        finally:
+            if commit is None:  # nothing was written; once a commit has started, it releases the chain itself
+                self._count(outcome)
+                self.service.finish_turn(self.state.id, None)
+
+    async def close(self) -> None:
+        """For a turn whose events were never consumed (the response never started)."""
+        if not self._started:
+            self._started = True
+            self.stream.done = True
+            self.stream.worker.abort(self.stream.request_id)
+            self.service.finish_turn(self.state.id, None)
+
+    def _count(self, outcome: str) -> None:
+        if self.service.metrics is not None:
+            self.service.metrics.turns.labels(outcome).inc()
+
+    async def _commit(self, out: RequestOutput) -> TurnResult:
+        new_state = None
+        try:
+            result, new_state = await self._write(out)
+            self._count("ok")
+            return result
+        except BaseException:
+            self._count("failed")
+            raise
+        finally:
+            self.service.finish_turn(self.state.id, new_state)
+
+    async def _write(self, out: RequestOutput) -> tuple[TurnResult, ChainState]:
+        st, appended, chain_id = self.state, self.appended, self.state.id
+        generated = list(out.token_ids)
+        turn = st.num_turns
+        prefilled, resumed, cached = prefill_counts(out)
+        status = getattr(out, "resume_status", None) or "created"
+        if status == "created" and turn > 0:
+            status = "recomputed"  # the engine no longer knew the chain (restart, or no Chain Cache)
+        content = (self.data.assistant_prefix or "") + out.text
+        calls = parse_tool_calls(content)
+        usage = Usage(prompt_tokens=len(self.prompt), appended_tokens=len(appended.token_ids),
+                      prefilled_tokens=prefilled, resumed_tokens=resumed, cached_tokens=cached,
+                      completion_tokens=len(generated))
+
+        regions = list(st.regions)
+        closed: Region | None = None
+        if appended.close_ids and regions:
+            last_region = regions[-1]
+            end = last_region.end + len(appended.close_ids)
+            closed = regions[-1] = msgspec.structs.replace(last_region, end=end, kept_tokens=end - last_region.start)
+        new_regions: list[Region] = []
+        pos = len(st.token_ids) + len(appended.close_ids)
+        for piece in appended.pieces:
+            end = pos + len(piece.token_ids)
+            tool = piece.kind == "tool_result"
+            new_regions.append(Region(index=len(regions) + len(new_regions), kind=piece.kind, start=pos, end=end,
+                                      turn=turn, round=st.tool_rounds if tool else None,
+                                      tool_name=piece.message.get("name") if tool else None,
+                                      tool_call_id=piece.message.get("tool_call_id"), kept_tokens=end - pos))
+            pos = end
+        end = len(self.prompt) + len(generated)
+        new_regions.append(Region(index=len(regions) + len(new_regions), kind="assistant", start=pos, end=end,
+                                  turn=turn, kept_tokens=end - pos))
+
+        row = TurnRow(chain_id=chain_id, index=turn, created_at=time.time(), messages=self.messages,
+                      assistant_prefix=self.data.assistant_prefix, sampling=msgspec.to_builtins(self.data.sampling),
+                      content=content, tool_calls=msgspec.to_builtins(calls), finish_reason=out.finish_reason,
+                      resume_status=status, appended_token_ids=appended.token_ids, generated_token_ids=generated,
+                      usage=msgspec.to_builtins(usage))
+        token_ids = self.prompt + generated
+        async with self.service.db.sessions.begin() as s:
+            s.add(row)
+            if closed is not None:
+                await s.execute(update(RegionRow).where(RegionRow.chain_id == chain_id, RegionRow.index == closed.index)
+                                .values(end=closed.end, kept_tokens=closed.kept_tokens))
+            s.add_all(region_row(chain_id, r) for r in new_regions)
+            await s.execute(update(ChainRow).where(ChainRow.id == chain_id)
+                            .values(num_turns=turn + 1, num_tokens=len(token_ids)))
+
+        new_state = ChainState(
+            row=st.row, token_ids=token_ids,
+            history=st.history + [p.message for p in appended.pieces] + [{"role": "assistant", "content": content}],
+            regions=regions + new_regions, tool_names={**st.tool_names, **{c.id: c.function.name for c in calls}},
+            num_turns=turn + 1, tool_rounds=st.tool_rounds + any(p.kind == "tool_result" for p in appended.pieces))
+        if self.service.metrics is not None:
+            self.service.metrics.record_request(prefilled, resumed, cached, len(generated))
+        result = TurnResult(chain_id=chain_id, turn=turn, message=AssistantMessage(content=content, tool_calls=calls),
+                            finish_reason=cast(FinishReason, out.finish_reason), usage=usage,
+                            resume_status=cast(ResumeStatus, status))
+        return result, new_state

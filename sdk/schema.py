@@ -1,0 +1,202 @@
+"""Wire types of the agentrt server, shared by the server and the SDK (msgspec Structs, JSON on the wire).
+
+Input types forbid unknown fields. Token spans are half-open ``[start, end)`` offsets into the chain's
+append-only token log.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta, Struct, field
+
+RegionKind = Literal["system", "user", "assistant", "tool_result"]
+ResumeStatus = Literal["created", "resumed", "recomputed"]
+FinishReason = Literal["stop", "length", "abort"]
+ChainStatus = Literal["idle", "busy"]
+
+Seed = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+Text = Annotated[str, Meta(max_length=4_000_000)]
+
+
+class _Input(Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+# --- tools ---------------------------------------------------------------------------------------
+class FunctionDef(_Input, kw_only=True, omit_defaults=True):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class Tool(_Input, kw_only=True):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class FunctionCall(Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as in the OpenAI API
+
+
+class ToolCall(Struct, kw_only=True):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+# --- chains --------------------------------------------------------------------------------------
+class ChainCreate(_Input, kw_only=True):
+    model: str | None = None  # must name the served model when given
+    method: str | None = None  # must equal the engine's sparse method when given (one method per server today)
+    method_config: dict[str, Any] | None = None
+    system_prompt: Text | None = None
+    tools: list[Tool] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class KVAccounting(Struct, kw_only=True):
+    logical_tokens: int  # length of the chain's token log
+    resident: bool  # whether the engine holds KV for the chain right now
+    computed_tokens: int = 0  # leading tokens whose KV the engine holds
+    physical_tokens: int = 0  # slots held (the longest layer; less than computed after eviction)
+    pages: int = 0
+
+
+class Region(Struct, kw_only=True):
+    index: int
+    kind: RegionKind
+    start: int
+    end: int
+    turn: int  # the turn that appended it
+    round: int | None = None  # tool-result round (0, 1, ...) for tool_result regions
+    tool_name: str | None = None
+    tool_call_id: str | None = None
+    pruned: bool = False
+    kept_tokens: int = 0
+
+
+class Usage(Struct, kw_only=True):
+    prompt_tokens: int  # the whole prompt of the turn (the chain's log before generation)
+    appended_tokens: int  # tokens this turn added before generating
+    prefilled_tokens: int  # tokens computed this turn
+    resumed_tokens: int  # tokens whose KV was re-attached from the chain
+    cached_tokens: int  # prompt tokens served from the prefix cache
+    completion_tokens: int
+
+
+class AssistantMessage(Struct, kw_only=True):
+    content: str  # the assistant prefix (if any) followed by the generated text, exactly as produced
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    role: Literal["assistant"] = "assistant"
+
+
+# --- turns ---------------------------------------------------------------------------------------
+class UserMessage(_Input, kw_only=True, tag_field="role", tag="user"):
+    content: Text
+
+
+class ToolResultMessage(_Input, kw_only=True, tag_field="role", tag="tool"):
+    content: Text
+    tool_call_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    name: str | None = None  # defaults to the name of the call with that id, when the chain made it
+
+
+TurnMessage = UserMessage | ToolResultMessage
+
+
+class Sampling(_Input, kw_only=True):
+    temperature: Annotated[float, Meta(ge=0.0)] = 0.0
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = -1
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    seed: Seed | None = None
+    max_tokens: Annotated[int, Meta(ge=1)] = 128
+    stop: list[Annotated[str, Meta(min_length=1)]] = field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Meta(ge=0, le=2**31)]] = field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class TurnCreate(_Input, kw_only=True):
+    messages: Annotated[list[TurnMessage], Meta(min_length=1, max_length=1024)]
+    assistant_prefix: Text | None = None  # generation continues this text
+    sampling: Sampling = field(default_factory=Sampling)
+    stream: bool = False
+
+
+class TurnResult(Struct, kw_only=True):
+    chain_id: str
+    turn: int
+    message: AssistantMessage
+    finish_reason: FinishReason
+    usage: Usage
+    resume_status: ResumeStatus
+
+
+class TurnDelta(Struct, kw_only=True):
+    """One SSE ``delta`` event of a streamed turn; the final event (``done``) carries a TurnResult."""
+
+    text: str
+    token_ids: list[int]
+
+
+class TurnRead(Struct, kw_only=True):
+    index: int
+    messages: list[TurnMessage]
+    assistant_prefix: str | None
+    sampling: Sampling
+    message: AssistantMessage
+    finish_reason: FinishReason
+    usage: Usage
+    resume_status: ResumeStatus
+    created_at: float
+    appended_token_ids: list[int] | None = None  # with ?include_tokens=true
+    generated_token_ids: list[int] | None = None
+
+
+class ChainSummary(Struct, kw_only=True):
+    id: str
+    created_at: float
+    model: str
+    method: str
+    status: ChainStatus
+    num_turns: int
+    num_tokens: int
+    metadata: dict[str, Any]
+
+
+class ChainRead(ChainSummary, kw_only=True):
+    method_config: dict[str, Any]
+    system_prompt: str
+    tools: list[Tool]
+    turns: list[TurnRead]
+    regions: list[Region]
+    kv: KVAccounting
+    token_ids: list[int] | None = None  # the token log, with ?include_tokens=true
+
+
+class ChainList(Struct, kw_only=True):
+    data: list[ChainSummary]
+    offset: int
+    limit: int
+    total: int
+    has_more: bool
+
+
+# --- errors --------------------------------------------------------------------------------------
+class ErrorDetail(Struct, kw_only=True, omit_defaults=True):
+    message: str
+    key: str | None = None  # the offending field, dotted (``sampling.max_tokens``)
+    source: str | None = None  # body | query | path
+
+
+class ErrorBody(Struct, kw_only=True, omit_defaults=True):
+    status_code: int
+    detail: str
+    extra: list[ErrorDetail] | None = None
+
+
+def encode(obj: Any) -> bytes:
+    return msgspec.json.encode(obj)

@@ -1,0 +1,40 @@
+"""Shared pieces of the server tests: engine options, a reference engine loop, SSE parsing."""
+
+from __future__ import annotations
+
+import json
+
+ENGINE_OPTIONS = {"device": "cpu", "num_pages": 1024}
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def make_engine(model_dir):
+    from engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model_dir, **ENGINE_OPTIONS))
+
+
+def generate_direct(engine, prompt: list[int], max_tokens: int) -> list[int]:
+    """Greedy generation on a bare engine: the independent check of what the server generated."""
+    from engine import SamplingParams
+
+    rid = engine.add_request(list(prompt), SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid and out.finished:
+                return list(out.token_ids)
+    raise AssertionError("request did not finish")
+
+
+def sse_events(lines) -> list[tuple[str, dict]]:
+    events, name = [], "message"
+    for line in lines:
+        if line.startswith("event:"):
+            name = line.split(":", 1)[1].strip()
+        elif line.startswith("data:"):
+            events.append((name, json.loads(line.split(":", 1)[1].strip())))
+            name = "message"
+    return events
