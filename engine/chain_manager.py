@@ -65,15 +65,16 @@ class ChainManager:
                 self.cache.truncate_table(table, usable)
             if usable > 0:
                 self.cache.attach(req, table)
-                self.method.import_state(req, state.method_state)
                 resumed = usable
                 status = ResumeStatus.RESUMED
             else:
                 self.cache.release_table(table)
+                state.method_state = None
                 status = ResumeStatus.RECOMPUTED
-            state.method_state = None
         state.num_computed = resumed  # what survives if this turn fails
         req.num_computed_tokens = resumed
+        if resumed:
+            self.method.import_state(req, state.method_state)  # kept on the chain in case the turn aborts
         req.num_cached_tokens = resumed if resumed else -1
         req.num_resumed_tokens = resumed
         req.resume_status = status.value
@@ -87,6 +88,7 @@ class ChainManager:
     def retain(self, req: Request, reason: FinishReason) -> None:
         """The turn ended: give its KV back to the chain (or, on abort, what the chain had before it)."""
         state = self.index.get(req.chain_id)
+        exported = None if reason is FinishReason.ABORT else self.method.export_state(req)
         table = self.cache.detach(req)
         if reason is FinishReason.ABORT:
             if table is not None and not table.is_compacted and table.num_slots >= state.num_computed > 0:
@@ -100,9 +102,9 @@ class ChainManager:
             state.token_ids = list(req.token_ids)
             state.num_computed = req.num_computed_tokens
             state.table = table
-            state.method_state = self.method.export_state(req)
+            state.method_state = exported
         if state.table is None:
-            state.num_computed = 0
+            state.num_computed, state.method_state = 0, None
         state.busy_request = None
         self.index.touch(state)
 
@@ -188,7 +190,7 @@ class ChainManager:
                 inside |= (positions >= lo) & (positions < hi)
             num_drop = round((1.0 - keep_ratio) * int(inside.sum(1).min()))
             if scorer is None:
-                rank = positions.float()  # drop the earliest: with keep_ratio 0 or 1 order does not matter
+                rank = positions.float()  # no scorer: drop the latest (all of them when heads hold equal counts)
             else:
                 rank = -scorer.score(self.cache, table, layer).float()
             rank = rank.masked_fill(~inside, float("-inf"))  # only slots inside may be dropped

@@ -54,8 +54,8 @@ class SamplingParams:
             raise bad("top_k", "must be -1 or 0 (off) or a positive int")
         if self.max_tokens < 1:
             raise bad("max_tokens", "must be >= 1")
-        if self.seed is not None and not _is_int(self.seed):
-            raise bad("seed", "must be an int or None")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
+            raise bad("seed", "must be an int in [0, 2**63) or None")
 
         if not isinstance(self.stop_token_ids, (list, tuple)):
             raise bad("stop_token_ids", "must be a list of ints")

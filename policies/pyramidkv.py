@@ -22,6 +22,13 @@ budget per layer:
 * layer l keeps ``w + b_l`` slots per KV head (all of them when that is >= P).
 
 A prompt of at most ``budget`` tokens is kept whole. ``reeval_every`` re-evicts each layer to its own budget.
+
+Chain turns (Chain Cache): as SnapKV's (see ``policies.snapkv``): at the end of each turn's prompt, the last w
+queries of the turn's prompt vote over everything each layer holds (retained, possibly compacted, KV plus
+the new suffix, at their logical positions), and each layer holding more than its budget is trimmed back to
+it. The budgets are recomputed per turn from the turn's **logical** prompt length P (the whole history), so
+the clamp above relaxes as the chain grows and a layer's budget can shrink from one turn to the next (the
+bottom one grows towards ``2 B - b_top``, the top one shrinks towards ``b_top``).
 """
 
 from __future__ import annotations

@@ -90,36 +90,78 @@ def top_k_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
     return order.sort(dim=-1).values
 
 
+def keep_voted_and_window(vote: torch.Tensor, k_pos: torch.Tensor, window_start: int, budget: int,
+                          kernel_size: int, pooling: str) -> torch.Tensor:
+    """SnapKV's selection on held slots: [Hkv, n] vote and logical positions (increasing along each row) ->
+    [Hkv, budget] kept slot indices, increasing. Each head keeps its window slots (logical position >=
+    ``window_start``: a suffix of the row) plus the top ``budget - |window|`` of the other slots by their vote
+    pooled over slot order. Needs ``n > budget >= |window|``."""
+    heads, n = vote.shape
+    counts = (k_pos >= window_start).sum(dim=1).tolist()
+
+    def select(v: torch.Tensor, c: int) -> torch.Tensor:
+        top = top_k_sorted(pool1d(v[:, : n - c], kernel_size, pooling), budget - c)
+        return torch.cat([top, torch.arange(n - c, n, device=v.device).expand(v.shape[0], c)], dim=1)
+
+    if len(set(counts)) == 1:  # the usual case; heads differ only where a chain's window was pruned
+        return select(vote, counts[0])
+    return torch.cat([select(vote[h: h + 1], c) for h, c in enumerate(counts)])
+
+
 # --- per-request query stash ----------------------------------------------------------------------
 class QueryStash:
-    """Query rows of one request, per layer, with their logical positions.
+    """The last ``size`` query rows a request computed (or more, see ``push``), per layer, at contiguous
+    logical positions ``[start[layer], start[layer] + len)``.
 
-    ``push`` appends rows; with ``keep_last`` only the last that many rows are held (a rolling window)."""
+    ``push`` appends a step's rows (logical positions ``first_pos, first_pos + 1, ...``). Stashed rows at
+    positions >= ``first_pos`` (a history cut back, e.g. a chain resumed at an earlier point) are replaced, and
+    rows before a gap are dropped, so the stash stays contiguous. ``export`` / ``load`` carry the rows from one
+    turn of a chain to the next (a list of ``(start, rows)``: deep-copyable)."""
 
-    __slots__ = ("q", "pos")
+    __slots__ = ("size", "q", "start")
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, size: int):
+        self.size = size
         self.q: list[torch.Tensor | None] = [None] * num_layers
-        self.pos: list[torch.Tensor | None] = [None] * num_layers
+        self.start: list[int] = [0] * num_layers
 
-    def push(self, layer: int, rows: torch.Tensor, first_pos: int, keep_last: int | None = None) -> None:
-        pos = torch.arange(first_pos, first_pos + rows.shape[0], device=rows.device)
-        q, p = rows.detach().clone(), pos
-        if self.q[layer] is not None:
-            q, p = torch.cat([self.q[layer], q]), torch.cat([self.pos[layer], p])
-        if keep_last is not None:
-            q, p = q[-keep_last:], p[-keep_last:]
-        self.q[layer], self.pos[layer] = q, p
+    def push(self, layer: int, rows: torch.Tensor, first_pos: int, keep_from: int | None = None) -> None:
+        """Append ``rows`` at positions ``first_pos ..``; beyond the last ``size`` rows, rows at positions >=
+        ``keep_from`` are kept too (a window still waiting to be used)."""
+        n = rows.shape[0]
+        if n == 0:
+            return
+        rows = rows.detach()
+        old, start = self.q[layer], self.start[layer]
+        if old is not None and start <= first_pos <= start + old.shape[0]:
+            rows, first_pos = torch.cat([old[: first_pos - start], rows]), start  # a new tensor
+        else:
+            rows = rows.clone()  # never keep the whole step's query tensor alive
+        drop = max(0, rows.shape[0] - self.size)
+        if keep_from is not None:
+            drop = min(drop, max(0, keep_from - first_pos))
+        self.q[layer], self.start[layer] = rows[drop:], first_pos + drop
 
     def rows_between(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stashed rows with logical position in [lo, hi) and those positions."""
-        p = self.pos[layer]
-        sel = (p >= lo) & (p < hi)
-        return self.q[layer][sel], p[sel]
+        """The stashed rows with logical position in [lo, hi) and those positions ([k, Hq, D], [k])."""
+        q, start = self.q[layer], self.start[layer]
+        if q is None:
+            raise LookupError(f"no query stashed in layer {layer}")
+        a, b = max(lo, start), min(hi, start + q.shape[0])
+        b = max(a, b)
+        return q[a - start: b - start], torch.arange(a, b, device=q.device)
 
-    def trim(self, keep_last: int) -> None:
-        self.q = [None if q is None else q[-keep_last:] for q in self.q]
-        self.pos = [None if p is None else p[-keep_last:] for p in self.pos]
+    def export(self) -> list[tuple[int, torch.Tensor | None]]:
+        return list(zip(self.start, self.q))
+
+    @classmethod
+    def load(cls, exported: list[tuple[int, torch.Tensor | None]], size: int) -> QueryStash:
+        stash = cls(len(exported), size)
+        for layer, (start, q) in enumerate(exported):
+            if q is not None:
+                drop = max(0, q.shape[0] - size)
+                stash.q[layer], stash.start[layer] = q[drop:], start + drop
+        return stash
 
 
 def request_rows(batch):

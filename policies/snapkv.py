@@ -20,6 +20,25 @@ Eviction runs in ``end_step`` after the step that finished the prompt, so the fi
 with full attention; every later token attends only to the kept slots plus the tokens generated since.
 A prompt of at most ``budget`` tokens is kept whole (no compaction).
 
+Chain turns (Chain Cache). A turn's prompt is the chain's whole history plus the new tokens (logical length
+P); the request starts with the chain's retained KV, possibly already compacted by earlier turns, and
+prefills only the suffix. Each turn is one application of the definition above, at the end of *its* prompt,
+over what the request physically holds:
+
+* the window is again the queries of logical positions [P - w, P). When the turn's suffix is shorter than w,
+  the earlier of them were computed by a previous turn: the request always stashes its last w queries per
+  layer, and ``export_state`` / ``import_state`` carry them with the chain (if the chain's method state was
+  lost -- e.g. after an aborted turn -- the window holds only the queries this turn computed);
+* the keys are every slot the layer holds (the retained, possibly compacted KV plus the new suffix) at their
+  logical positions (``positions_of``); causality inside the window is by logical position;
+* the window slots are the held slots at positions >= P - w (all w of them unless the chain was pruned);
+  pooling runs over the other slots in slot order, and each (layer, KV head) holding more than its budget
+  keeps its window slots plus its top ``budget - |window|`` other slots. Layers at or under their budget, and
+  turns whose P is at most ``budget``, keep everything.
+
+The first turn of a chain (and any recomputed one) is exactly the single-request case. Decode queries are
+stashed as well (the rolling last w), which the next turn's window and ``reeval_every`` both use.
+
 ``reeval_every = N > 0`` (an extension, off by default): after every N generated tokens, the same vote is
 recomputed with the last w computed queries (the rolling observation window, logical positions
 [L - w, L)) against the currently kept keys (causal by logical position), and each layer whose physical
@@ -33,8 +52,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from engine.contract import Family, SparseMethod
 from engine.registry import register_method
 from policies.scoring import (
@@ -44,9 +61,8 @@ from policies.scoring import (
     check_int,
     gather_keys,
     keep_all,
-    pool1d,
+    keep_voted_and_window,
     request_rows,
-    top_k_sorted,
     window_scores,
 )
 
@@ -75,10 +91,10 @@ class SnapKVConfig:
 class _State:
     __slots__ = ("preemptions", "queries", "prompt_evicted", "budgets")
 
-    def __init__(self, req, num_layers: int):
+    def __init__(self, req, num_layers: int, window: int, queries: QueryStash | None = None):
         self.preemptions = req.num_preemptions
-        self.queries: QueryStash | None = QueryStash(num_layers)
-        self.prompt_evicted = False
+        self.queries = QueryStash(num_layers, window) if queries is None else queries  # the last w computed
+        self.prompt_evicted = False  # this turn's prompt-end eviction is done
         self.budgets: list[int] | None = None
 
 
@@ -106,11 +122,22 @@ class SnapKV(SparseMethod):
     def _state(self, req, num_layers: int) -> _State:
         st = self._states.get(req.request_id)
         if st is None or st.preemptions != req.num_preemptions:  # new, or recomputed after a preemption
-            st = self._states[req.request_id] = _State(req, num_layers)
+            st = self._states[req.request_id] = _State(req, num_layers, self.config.window)
         return st
 
     def release(self, req) -> None:
         self._states.pop(req.request_id, None)
+
+    def export_state(self, req):
+        """The request's last ``window`` queries per layer: ``{"queries": [(first position, [k, Hq, D])]}``."""
+        st = self._states.get(req.request_id)
+        return None if st is None else {"queries": st.queries.export()}
+
+    def import_state(self, req, state) -> None:
+        self._states.pop(req.request_id, None)
+        if state is not None:
+            queries = QueryStash.load(state["queries"], self.config.window)
+            self._states[req.request_id] = _State(req, len(queries.q), self.config.window, queries)
 
     # --- hooks ------------------------------------------------------------------------------------
     def select(self, layer, q, batch):
@@ -118,13 +145,11 @@ class SnapKV(SparseMethod):
         num_layers = batch.cache.spec.num_layers
         for req, row, n, first in request_rows(batch):
             st = self._state(req, num_layers)
-            if not st.prompt_evicted:
-                lo = max(first, req.num_prompt_tokens - w)  # every row from the window's start on
-                if lo < first + n:
-                    st.queries.push(layer, q[row + lo - first: row + n], lo)
-            elif self.config.reeval_every:
-                lo = max(first, first + n - w)
-                st.queries.push(layer, q[row + lo - first: row + n], lo, keep_last=w)
+            # the last w computed rows, and until the prompt-end eviction succeeds every row of its window
+            keep_from = None if st.prompt_evicted else req.num_prompt_tokens - w
+            lo = first + n - w if keep_from is None else min(first + n - w, keep_from)
+            skip = max(0, lo - first)
+            st.queries.push(layer, q[row + skip: row + n], first + skip, keep_from)
         return batch.view_for(layer)
 
     def end_step(self, batch):
@@ -138,43 +163,19 @@ class SnapKV(SparseMethod):
                 if length >= prompt:
                     self._evict_prompt(req, st, cache)
             elif every and length > prompt and (length - prompt) % every == 0:
-                self._reevaluate(req, st, cache)
+                self._trim(req, st, cache, length)  # on failure the next re-evaluation tries again
 
     # --- eviction ---------------------------------------------------------------------------------
-    def _finish_prompt(self, st: _State) -> None:
-        st.prompt_evicted = True
-        if self.config.reeval_every:
-            st.queries.trim(self.config.window)
-        else:
-            st.queries = None
-
     def _evict_prompt(self, req, st: _State, cache) -> None:
-        cfg = self.config
-        prompt, w = req.num_prompt_tokens, cfg.window
-        num_layers, heads, device = cache.spec.num_layers, cache.spec.num_kv_heads, cache.spec.device
-        st.budgets = self.layer_budgets(num_layers, prompt)
-        if prompt <= cfg.budget:
-            self._finish_prompt(st)
-            return
-        keep = []
-        k_pos = torch.arange(prompt, device=device).expand(heads, prompt)
-        for layer, budget in enumerate(st.budgets):
-            n = cache.physical_len(req, layer)  # == the logical length: nothing was evicted yet
-            if budget >= prompt:
-                keep.append(keep_all(n, heads, device))
-                continue
-            q, q_pos = st.queries.rows_between(layer, prompt - w, prompt)
-            assert q.shape[0] == w, "the observation window's queries were not all computed"
-            vote = window_scores(q, gather_keys(cache, req, layer, prompt), q_pos, k_pos)
-            pooled = pool1d(vote[:, : prompt - w], cfg.kernel_size, cfg.pooling)
-            top = top_k_sorted(pooled, budget - w)
-            keep.append(torch.cat([top, keep_all(n, heads, device)[:, prompt - w:]], dim=1))
-        if cache.compact(req, keep):  # else: a shared page could not be replaced; retried next step
-            self._finish_prompt(st)
+        prompt = req.num_prompt_tokens
+        st.budgets = self.layer_budgets(cache.spec.num_layers, prompt)
+        if prompt <= self.config.budget or self._trim(req, st, cache, prompt):
+            st.prompt_evicted = True  # else: a shared page could not be replaced; retried next step
 
-    def _reevaluate(self, req, st: _State, cache) -> None:
+    def _trim(self, req, st: _State, cache, end: int) -> bool:
+        """Vote with the queries of logical positions [end - w, end) over every held slot and bring each layer
+        holding more than its budget back to it. False if the compaction failed."""
         cfg = self.config
-        w, length = cfg.window, req.num_computed_tokens
         heads, device = cache.spec.num_kv_heads, cache.spec.device
         keep, changed = [], False
         for layer, budget in enumerate(st.budgets):
@@ -182,13 +183,9 @@ class SnapKV(SparseMethod):
             if n <= budget:
                 keep.append(keep_all(n, heads, device))
                 continue
-            q, q_pos = st.queries.rows_between(layer, length - w, length)
+            q, q_pos = st.queries.rows_between(layer, end - cfg.window, end)
             k_pos = cache.positions_of(req, layer)
-            assert q.shape[0] == w and torch.equal(k_pos[:, n - w:], q_pos.expand(heads, w))
             vote = window_scores(q, gather_keys(cache, req, layer, n), q_pos, k_pos)
-            pooled = pool1d(vote[:, : n - w], cfg.kernel_size, cfg.pooling)
-            top = top_k_sorted(pooled, budget - w)
-            keep.append(torch.cat([top, keep_all(n, heads, device)[:, n - w:]], dim=1))
+            keep.append(keep_voted_and_window(vote, k_pos, end - cfg.window, budget, cfg.kernel_size, cfg.pooling))
             changed = True
-        if changed:
-            cache.compact(req, keep)  # on failure the next re-evaluation tries again
+        return not changed or cache.compact(req, keep)

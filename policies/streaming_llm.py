@@ -11,6 +11,16 @@ more than ``sink_tokens + window`` tokens between steps, as in the paper. Tokens
 kept set as of the step's start plus the step's own earlier tokens, so a long prompt is streamed chunk by
 chunk through the same window.
 
+Sinks and window are defined by logical position (``positions_of``), per layer and KV head: the sinks are the
+held slots at positions < ``sink_tokens`` (always the first slots of a row), the window the most recent held
+slots, as many as bring the row to ``sink_tokens + window`` (exactly ``window`` unless some sink positions are
+not held, e.g. pruned from a chain). Each layer is compacted when it exceeds the limit.
+
+Chain turns (Chain Cache): nothing is per request, so a turn simply continues the stream. The request starts
+with the chain's retained slots (already sink + recent window), its suffix is streamed through the window
+chunk by chunk like any prompt, and its decode steps likewise; a chain is exactly the single request that
+computed the whole history with the same schedule.
+
 Positions: the paper re-assigns positions inside the cache (a sink's key is at position 0..s-1, the window
 right after). The engine caches post-RoPE keys, so this implementation keeps every token's **original**
 position (RoPE is never re-applied); queries use their true logical position.
@@ -39,6 +49,21 @@ class StreamingLLMConfig:
         check_int("slack", self.slack, 0)
 
 
+def sink_and_window(positions: torch.Tensor, sink: int, window: int) -> torch.Tensor:
+    """[H, n] logical positions (rows increasing, n > sink + window) -> [H, sink + window] kept slot indices:
+    each row's slots at positions < ``sink`` plus its most recent slots up to ``sink + window`` in all."""
+    heads, n = positions.shape
+    counts = (positions < sink).sum(dim=1).tolist()
+    device = positions.device
+
+    def row(c: int) -> torch.Tensor:
+        return torch.cat([torch.arange(c, device=device), torch.arange(n - (sink + window - c), n, device=device)])
+
+    if len(set(counts)) == 1:
+        return row(counts[0]).expand(heads, -1)
+    return torch.stack([row(c) for c in counts])
+
+
 @register_method
 class StreamingLLM(SparseMethod):
     name = "streaming_llm"
@@ -49,11 +74,11 @@ class StreamingLLM(SparseMethod):
         cache = batch.cache
         sink, window = self.config.sink_tokens, self.config.window
         limit = sink + window + self.config.slack
-        heads, device = cache.spec.num_kv_heads, cache.spec.device
+        num_layers, heads, device = cache.spec.num_layers, cache.spec.num_kv_heads, cache.spec.device
         for req in batch.requests:
-            n = cache.physical_len(req, 0)  # every layer has the same length under this method
-            if n <= limit:
+            sizes = [cache.physical_len(req, layer) for layer in range(num_layers)]
+            if max(sizes) <= limit:
                 continue
-            keep = torch.cat([torch.arange(sink, device=device), torch.arange(n - window, n, device=device)])
-            keep = keep.expand(heads, -1)
-            cache.compact(req, [keep] * cache.spec.num_layers)  # on failure: retried after the next step
+            keep = [sink_and_window(cache.positions_of(req, layer), sink, window) if n > limit
+                    else torch.arange(n, device=device).expand(heads, n) for layer, n in enumerate(sizes)]
+            cache.compact(req, keep)  # on failure: retried after the next step
