@@ -148,11 +148,14 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
-        final_len = min(len(token_ids) + params.max_tokens, self.max_model_len)
-        pages = -(-final_len // self.config.page_size)
+        max_new = min(params.max_tokens, self.max_model_len - len(token_ids))
+        held = min(len(token_ids) + max_new, self.method.max_physical_tokens(
+            len(token_ids), max_new, self.config.max_num_batched_tokens))
+        pages = -(-held // self.config.page_size) + (chain_id is not None)  # a forked chain's tail page copy
         if pages > self.pool.num_pages:
             raise InvalidRequestError(
-                f"request needs {pages} KV pages ({final_len} tokens) but the pool has {self.pool.num_pages}"
+                f"request needs up to {pages} KV pages ({held} tokens held at once) but the pool has "
+                f"{self.pool.num_pages}"
             )
         if chain_id is not None:
             self.chains.check_bindable(chain_id)

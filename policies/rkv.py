@@ -166,6 +166,10 @@ class _State:
 @register_method
 class RKV(SparseMethod):
     name = "rkv"
+
+    def max_physical_tokens(self, num_prompt_tokens: int, max_new_tokens: int, max_chunk_tokens: int) -> int:
+        """The whole prompt, then at most ``budget + buffer`` slots once generation compresses."""
+        return max(num_prompt_tokens + 1, self.config.budget + self.config.buffer)
     family = Family.EVICTION
     Config = RKVConfig
     cuda_graph_safe = False  # select stashes the observation queries on the host side

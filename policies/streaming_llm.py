@@ -67,6 +67,11 @@ def sink_and_window(positions: torch.Tensor, sink: int, window: int) -> torch.Te
 @register_method
 class StreamingLLM(SparseMethod):
     name = "streaming_llm"
+
+    def max_physical_tokens(self, num_prompt_tokens: int, max_new_tokens: int, max_chunk_tokens: int) -> int:
+        """Sink + window + slack, plus one step's new tokens before its eviction runs."""
+        c = self.config
+        return c.sink_tokens + c.window + c.slack + max_chunk_tokens
     family = Family.EVICTION
     Config = StreamingLLMConfig
 

@@ -16,6 +16,7 @@ import torch
 import policies.knorm_eviction
 import policies.rkv
 import policies.tova  # noqa: F401
+from engine import LLM, SamplingParams
 from engine.contract import Family
 from engine.errors import ConfigError
 from engine.registry import create_method
@@ -334,3 +335,20 @@ def test_methods_register_with_family_defaults_and_entry_points():
     assert create_method("knorm", {"skip_layers": [0, 1]}).config.skip_layers == (0, 1)
     # Knorm only overrides end_step, so decode steps may replay CUDA graphs; TOVA and R-KV stash queries in select
     assert [create_method(n).cuda_graph_safe for n in ("tova", "knorm", "rkv")] == [False, True, False]
+
+
+def test_admission_reserves_what_a_bounded_method_holds_not_the_dense_length(tiny_dirs):
+    """R-KV and StreamingLLM bound a request's KV, so a generation longer than the whole pool is admitted and
+    runs; the dense method refuses it."""
+    from engine.errors import InvalidRequestError
+
+    prompt = list(range(10, 30))
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    with pytest.raises(InvalidRequestError, match="pages"):
+        LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=4, num_pages=20).generate([prompt], params)
+    for method, cfg in [("rkv", {"budget": 32, "buffer": 16, "alpha": 4}),
+                        ("streaming_llm", {"sink_tokens": 4, "window": 28, "slack": 8})]:
+        llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=4, num_pages=20, method=method,
+                  method_config=cfg, max_num_batched_tokens=16)
+        out = llm.generate([prompt], params)[0]
+        assert len(out.token_ids) == 200 and llm.engine.scheduler.num_preemptions == 0

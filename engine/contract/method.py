@@ -87,6 +87,12 @@ class SparseMethod:
 
         return PagedCacheManager(spec, pool, enable_prefix_caching=enable_prefix_caching)
 
+    def max_physical_tokens(self, num_prompt_tokens: int, max_new_tokens: int, max_chunk_tokens: int) -> int:
+        """The most KV slots (per layer) a request may hold at once; admission reserves room for this much.
+        Dense: every token. Methods that bound a request's KV override it (prefill chunks of up to
+        ``max_chunk_tokens`` land before a step's eviction runs)."""
+        return num_prompt_tokens + max_new_tokens
+
     # --- hooks (no-op defaults = dense) ---------------------------------------------------------
     def begin_step(self, batch: ForwardBatch) -> None:
         pass
