@@ -8,9 +8,10 @@ from typing import Any, cast
 import msgspec
 
 from agentrt.chat import Message
-from agentrt.models import ChainRow, RegionRow, TurnRow
-from sdk.schema import (AssistantMessage, ChainRead, ChainStatus, ChainSummary, FinishReason, KVAccounting, Region,
-                        RegionKind, ResumeStatus, Sampling, Tool, ToolCall, TurnMessage, TurnRead, Usage)
+from agentrt.models import ChainRow, PruneEventRow, RegionRow, TurnRow
+from sdk.schema import (AssistantMessage, ChainRead, ChainStatus, ChainSummary, FinishReason, KVAccounting,
+                        PruneEvent, PrunePolicy, Region, RegionKind, ResumeStatus, Sampling, Tool, ToolCall,
+                        TurnMessage, TurnRead, Usage)
 
 
 @dataclass(slots=True)
@@ -81,8 +82,25 @@ def chain_summary(row: ChainRow, status: ChainStatus) -> ChainSummary:
                         num_turns=row.num_turns, num_tokens=row.num_tokens, metadata=row.meta)
 
 
+def prune_event(row: PruneEventRow) -> PruneEvent:
+    return PruneEvent(index=row.index, source=cast(Any, row.source), created_at=row.created_at,
+                      after_turn=row.after_turn, intervals=[(int(a), int(b)) for a, b in row.intervals],
+                      regions=list(row.regions), scorer=row.scorer, keep_ratio=row.keep_ratio,
+                      tokens_kept=row.tokens_kept, tokens_freed=row.tokens_freed, pages_freed=row.pages_freed,
+                      pages_before=row.pages_before, pages_after=row.pages_after)
+
+
+def prune_event_row(chain_id: str, event: PruneEvent) -> PruneEventRow:
+    fields = msgspec.to_builtins(event)
+    return PruneEventRow(chain_id=chain_id, **fields)
+
+
+def policy_of(row: ChainRow) -> PrunePolicy | None:
+    return None if row.prune_policy is None else msgspec.convert(row.prune_policy, PrunePolicy)
+
+
 def chain_read(row: ChainRow, status: ChainStatus, turns: list[TurnRow], regions: list[RegionRow],
-               kv: KVAccounting, include_tokens: bool) -> ChainRead:
+               kv: KVAccounting, include_tokens: bool, events: list[PruneEventRow] | None = None) -> ChainRead:
     summary = msgspec.structs.asdict(chain_summary(row, status))
     tokens = [t for turn in turns for t in turn.appended_token_ids + turn.generated_token_ids]
     return ChainRead(
@@ -93,6 +111,10 @@ def chain_read(row: ChainRow, status: ChainStatus, turns: list[TurnRow], regions
         turns=[turn_read(t, include_tokens) for t in turns],
         regions=[region_from_row(r) for r in regions],
         kv=kv,
+        prune_policy=policy_of(row),
+        pruned_intervals=[(int(a), int(b)) for a, b in row.pruned_intervals or []],
+        prune_events=[prune_event(e) for e in events or []],
+        parent_id=row.parent_id,
         token_ids=tokens if include_tokens else None,
     )
 
@@ -103,7 +125,11 @@ def kv_accounting(logical_tokens: int, info: Any) -> KVAccounting:
         return KVAccounting(logical_tokens=logical_tokens, resident=False)
     physical = getattr(info, "physical_tokens", 0)
     physical = max(physical, default=0) if isinstance(physical, (list, tuple)) else int(physical or 0)
+    per_layer = getattr(info, "physical_tokens", [])
     pages = int(getattr(info, "pages_held", 0) or 0)
     return KVAccounting(logical_tokens=logical_tokens, resident=pages > 0,
                         computed_tokens=int(getattr(info, "computed_tokens", 0) or 0),
-                        physical_tokens=physical, pages=pages)
+                        physical_tokens=physical, pages=pages,
+                        physical_tokens_per_layer=list(per_layer) if isinstance(per_layer, (list, tuple)) else [],
+                        engine_status=getattr(info, "status", None), compacted=bool(getattr(info, "compacted", False)),
+                        pinned=bool(getattr(info, "pinned", False)))

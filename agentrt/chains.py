@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 import uuid
 from typing import Any
 
 import msgspec
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, inspect, select, update
 
-from agentrt.chain_state import ChainState, chain_read, chain_summary, kv_accounting, message_dict, state_from_rows
+from agentrt.chain_state import (ChainState, chain_read, chain_summary, kv_accounting, message_dict, policy_of,
+                                 prune_event, prune_event_row, region_from_row, state_from_rows)
 from agentrt.chat import ChatRenderer
 from agentrt.config import ServerConfig
 from agentrt.db import Database
 from agentrt.engine_worker import EngineWorker
 from agentrt.errors import ChainBusy, ChainNotFound, bad_field
 from agentrt.metrics import Metrics
-from agentrt.models import ChainRow, RegionRow, TurnRow
+from agentrt.models import ChainRow, PruneEventRow, RegionRow, TurnRow
 from agentrt.turns import PendingTurn
-from engine.errors import InvalidRequestError
+from engine.chain_index import UnknownChainError
+from engine.errors import ConfigError, EngineError, InvalidRequestError
+from engine.registry import SCORERS
 from engine.sampling_params import SamplingParams
-from sdk.schema import ChainCreate, ChainStatus, ChainList, ChainRead, ChainSummary, TurnCreate
+from sdk.schema import (ChainCreate, ChainStatus, ChainList, ChainRead, ChainSummary, ForkRequest, PruneEvent,
+                        PruneRequest, PruneResult, Region, RewindRequest, TurnCreate)
+
+log = logging.getLogger(__name__)
 
 
 class ChainService:
@@ -62,13 +70,17 @@ class ChainService:
                        method=engine.method.name, method_config=dict(engine.config.method_config),
                        system_prompt=data.system_prompt if data.system_prompt is not None
                        else self.config.default_system_prompt,
-                       tools=tools, meta=data.metadata, num_turns=0, num_tokens=0)
+                       tools=tools, meta=data.metadata, num_turns=0, num_tokens=0,
+                       prune_policy=None if data.prune_policy is None else msgspec.to_builtins(data.prune_policy),
+                       pruned_intervals=[])
+        if data.prune_policy is not None and data.prune_policy.scorer is not None:
+            self._check_scorer(data.prune_policy.scorer, "prune_policy.scorer")
         self.renderer.render([{"role": "system", "content": row.system_prompt}], tools)
         async with self.db.sessions.begin() as s:
             s.add(row)
         self.num_chains += 1
         self.states[row.id] = ChainState(row=row)
-        return chain_read(row, "idle", [], [], kv_accounting(0, None), False)
+        return chain_read(row, "idle", [], [], kv_accounting(0, None), False, [])
 
     async def page(self, offset: int, limit: int) -> ChainList:
         async with self.db.sessions() as s:
@@ -80,8 +92,11 @@ class ChainService:
 
     async def read(self, chain_id: str, include_tokens: bool = False) -> ChainRead:
         chain, turns, regions = await self._rows(chain_id)
+        async with self.db.sessions() as s:
+            events = (await s.scalars(select(PruneEventRow).where(PruneEventRow.chain_id == chain_id)
+                                      .order_by(PruneEventRow.index))).all()
         kv = kv_accounting(chain.num_tokens, await self._chain_info(chain_id))
-        return chain_read(chain, self.status(chain_id), turns, regions, kv, include_tokens)
+        return chain_read(chain, self.status(chain_id), turns, regions, kv, include_tokens, list(events))
 
     async def delete(self, chain_id: str) -> None:
         if chain_id in self.busy:
@@ -92,6 +107,7 @@ class ChainService:
                 if await s.get(ChainRow, chain_id) is None:
                     raise ChainNotFound(chain_id)
                 await s.execute(delete(RegionRow).where(RegionRow.chain_id == chain_id))
+                await s.execute(delete(PruneEventRow).where(PruneEventRow.chain_id == chain_id))
                 await s.execute(delete(TurnRow).where(TurnRow.chain_id == chain_id))
                 await s.execute(delete(ChainRow).where(ChainRow.id == chain_id))
             self.states.pop(chain_id, None)
@@ -136,6 +152,212 @@ class ChainService:
             state = self.states.setdefault(chain_id, state)
         return state
 
+    # --- prune / fork / rewind ------------------------------------------------------------------
+    def _acquire(self, chain_id: str) -> None:
+        if chain_id in self.busy:
+            raise ChainBusy(chain_id)
+        self.busy.add(chain_id)
+
+    async def prune(self, chain_id: str, data: PruneRequest) -> PruneResult:
+        state = await self.state(chain_id)
+        self._acquire(chain_id)
+        try:
+            if data.scorer is not None:
+                self._check_scorer(data.scorer, "scorer")
+            if data.scorer is None and 0.0 < data.keep_ratio < 1.0:
+                raise bad_field("scorer", "a keep_ratio between 0 and 1 needs a scorer to choose the kept tokens")
+            info = await self._engine_call(lambda e: e.chain_info(chain_id))
+            computed = int(getattr(info, "computed_tokens", 0) or 0)
+            selector = (data.regions, data.kinds, data.tool_names, data.rounds)
+            if data.intervals is not None:
+                if any(x is not None for x in selector):
+                    raise bad_field("intervals", "give either intervals or a region selector, not both")
+                if not data.intervals:
+                    raise bad_field("intervals", "must not be empty")
+                limit = computed if info is not None else len(state.token_ids)
+                for i, (lo, hi) in enumerate(data.intervals):
+                    if not lo < hi <= limit:
+                        raise bad_field(f"intervals[{i}]", f"[{lo}, {hi}) must satisfy 0 <= L < R <= {limit} "
+                                                           "(the chain's computed KV)")
+                intervals = [(int(lo), int(hi)) for lo, hi in data.intervals]
+                touched = [r.index for r in state.regions if any(lo < r.end and r.start < hi for lo, hi in intervals)]
+            else:
+                if all(x is None for x in selector):
+                    raise bad_field("intervals", "give intervals or a region selector (regions, kinds, tool_names, "
+                                                 "rounds)")
+                for i, index in enumerate(data.regions or []):
+                    if index >= len(state.regions):
+                        raise bad_field(f"regions[{i}]", f"the chain has {len(state.regions)} regions")
+                touched = [r.index for r in state.regions if _selected(r, data)]
+                intervals = _merge([(r.start, min(r.end, computed)) for r in state.regions
+                                    if r.index in touched and r.start < min(r.end, computed)])
+            event, state = await self._prune(state, intervals, touched, data.scorer, data.keep_ratio, "explicit",
+                                             info)
+            self.states[chain_id] = state
+        finally:
+            self.busy.discard(chain_id)
+        regions = [state.regions[i] for i in event.regions]
+        return PruneResult(chain_id=chain_id, tokens_kept=event.tokens_kept, tokens_freed=event.tokens_freed,
+                           pages_freed=event.pages_freed, event=event, regions=regions)
+
+    async def apply_policy(self, state: ChainState) -> tuple[list[PruneEvent], ChainState]:
+        """Right after a turn that appended a tool-result round commits (the chain is still held busy)."""
+        policy = policy_of(state.row)
+        if policy is None or state.tool_rounds == 0:
+            return [], state
+        newest = state.tool_rounds - 1
+        live = [r for r in state.regions if r.kind == "tool_result" and not r.pruned
+                and r.tool_name not in policy.exclude_tools]
+        if sum(r.end - r.start for r in live) < policy.min_tool_tokens:
+            return [], state
+        due = [r for r in live if r.round is not None and r.round <= newest - policy.lag]
+        if not due:
+            return [], state
+        info = await self._engine_call(lambda e: e.chain_info(state.id))
+        computed = int(getattr(info, "computed_tokens", 0) or 0)
+        intervals = _merge([(r.start, min(r.end, computed)) for r in due if r.start < min(r.end, computed)])
+        if info is None or not intervals:
+            return [], state
+        event, state = await self._prune(state, intervals, [r.index for r in due], policy.scorer, policy.keep_ratio,
+                                         "policy", info)
+        return [event], state
+
+    async def _prune(self, state: ChainState, intervals: list[tuple[int, int]], touched: list[int],
+                     scorer: str | None, keep_ratio: float, source: str, info: Any) -> tuple[PruneEvent, ChainState]:
+        chain_id = state.id
+        pages_before = int(getattr(info, "pages_held", 0) or 0)
+        tokens_kept = tokens_freed = pages_freed = 0
+        if info is not None and intervals:
+            try:
+                res = await self.worker.call(lambda e: e.prune_chain(chain_id, intervals, scorer, keep_ratio))
+            except UnknownChainError:
+                res = None
+            if res is not None:
+                tokens_kept, tokens_freed, pages_freed = res.tokens_kept, res.tokens_freed, res.pages_freed
+        after = await self._engine_call(lambda e: e.chain_info(chain_id)) if info is not None else None
+        pages_after = int(getattr(after, "pages_held", 0) or 0)
+        regions = list(state.regions)
+        changed: list[Region] = []
+        if tokens_freed > 0:
+            for i in touched:
+                r = regions[i]
+                overlap = sum(max(0, min(hi, r.end) - max(lo, r.start)) for lo, hi in intervals)
+                if overlap == 0:
+                    continue
+                kept = max(0, r.kept_tokens - round((1.0 - keep_ratio) * overlap))
+                computed = int(getattr(info, "computed_tokens", 0) or 0)
+                whole = overlap >= min(r.end, computed) - r.start  # all of it that has KV
+                regions[i] = msgspec.structs.replace(r, pruned=r.pruned or whole, kept_tokens=kept)
+                changed.append(regions[i])
+        pruned_intervals = list(state.row.pruned_intervals or []) + ([list(iv) for iv in intervals]
+                                                                      if tokens_freed > 0 else [])
+        async with self.db.sessions.begin() as s:
+            index = await s.scalar(select(func.count()).select_from(PruneEventRow)
+                                   .where(PruneEventRow.chain_id == chain_id)) or 0
+            event = PruneEvent(index=index, source=source, created_at=time.time(), after_turn=state.num_turns,  # type: ignore[arg-type]
+                               intervals=intervals, regions=touched, scorer=scorer, keep_ratio=keep_ratio,
+                               tokens_kept=tokens_kept, tokens_freed=tokens_freed, pages_freed=pages_freed,
+                               pages_before=pages_before, pages_after=pages_after)
+            s.add(prune_event_row(chain_id, event))
+            for r in changed:
+                await s.execute(update(RegionRow).where(RegionRow.chain_id == chain_id, RegionRow.index == r.index)
+                                .values(pruned=r.pruned, kept_tokens=r.kept_tokens))
+            await s.execute(update(ChainRow).where(ChainRow.id == chain_id).values(pruned_intervals=pruned_intervals))
+        state.row.pruned_intervals = pruned_intervals
+        if self.metrics is not None:
+            self.metrics.record_prune(tokens_freed)
+        return event, dataclasses.replace(state, regions=regions)
+
+    async def fork(self, chain_id: str, data: ForkRequest) -> ChainRead:
+        await self.state(chain_id)
+        self._acquire(chain_id)
+        new_id = f"chain_{uuid.uuid4().hex}"
+        forked = False
+        try:
+            chain, turns, regions = await self._rows(chain_id)
+            try:
+                await self.worker.call(lambda e: e.fork_chain(chain_id, new_id))
+                forked = True
+            except (UnknownChainError, EngineError):  # not resident or no room: the fork recomputes its KV
+                pass
+            try:
+                async with self.db.sessions.begin() as s:
+                    events = (await s.scalars(select(PruneEventRow).where(PruneEventRow.chain_id == chain_id))).all()
+                    s.add(_clone(chain, id=new_id, created_at=time.time(), parent_id=chain_id,
+                                 meta=chain.meta if data.metadata is None else data.metadata,
+                                 pruned_intervals=list(chain.pruned_intervals or []) if forked else []))
+                    await s.flush()
+                    s.add_all(_clone(t, chain_id=new_id) for t in turns)
+                    s.add_all(_clone(r, chain_id=new_id, **({} if forked else
+                                                           {"pruned": False, "kept_tokens": r.end - r.start}))
+                              for r in regions)
+                    s.add_all(_clone(e, chain_id=new_id) for e in events)
+            except BaseException:
+                if forked:
+                    await self._engine_call(lambda e: e.delete_chain(new_id))
+                raise
+            self.num_chains += 1
+        finally:
+            self.busy.discard(chain_id)
+        return await self.read(new_id)
+
+    async def rewind(self, chain_id: str, data: RewindRequest) -> ChainRead:
+        if (data.num_turns is None) == (data.num_tokens is None):
+            raise bad_field("num_turns", "give exactly one of num_turns or num_tokens")
+        await self.state(chain_id)
+        self._acquire(chain_id)
+        try:
+            chain, turns, regions = await self._rows(chain_id)
+            bounds = [0]
+            for t in turns:
+                bounds.append(bounds[-1] + len(t.appended_token_ids) + len(t.generated_token_ids))
+            if data.num_turns is not None:
+                if data.num_turns > len(turns):
+                    raise bad_field("num_turns", f"the chain has {len(turns)} turns")
+                keep = data.num_turns
+            elif data.num_tokens in bounds:
+                keep = bounds.index(data.num_tokens)
+            else:
+                raise bad_field("num_tokens", f"must fall on a turn boundary, one of {bounds}")
+            boundary = bounds[keep]
+            compacted = False
+            if keep < len(turns):
+                try:
+                    await self.worker.call(lambda e: e.rewind_chain(chain_id, boundary))
+                except UnknownChainError:
+                    pass
+                info = await self._engine_call(lambda e: e.chain_info(chain_id))
+                compacted = bool(getattr(info, "compacted", False))
+            else:
+                compacted = bool(chain.pruned_intervals)
+            kept_regions = [r for r in regions if r.turn < keep]
+            pruned_intervals = [[lo, min(hi, boundary)] for lo, hi in chain.pruned_intervals or [] if lo < boundary] \
+                if compacted else []
+            async with self.db.sessions.begin() as s:
+                await s.execute(delete(TurnRow).where(TurnRow.chain_id == chain_id, TurnRow.index >= keep))
+                await s.execute(delete(RegionRow).where(RegionRow.chain_id == chain_id, RegionRow.turn >= keep))
+                await s.execute(delete(PruneEventRow).where(PruneEventRow.chain_id == chain_id,
+                                                            PruneEventRow.after_turn > keep))
+                for r in kept_regions:
+                    end = min(r.end, boundary)
+                    pruned = r.pruned and compacted
+                    kept = min(r.kept_tokens, end - r.start) if pruned else end - r.start
+                    if (end, pruned, kept) != (r.end, r.pruned, r.kept_tokens):
+                        await s.execute(update(RegionRow).where(RegionRow.id == r.id)
+                                        .values(end=end, pruned=pruned, kept_tokens=kept))
+                await s.execute(update(ChainRow).where(ChainRow.id == chain_id)
+                                .values(num_turns=keep, num_tokens=boundary, pruned_intervals=pruned_intervals))
+            self.states.pop(chain_id, None)  # rebuilt from the rows on next use
+        finally:
+            self.busy.discard(chain_id)
+        return await self.read(chain_id)
+
+    def _check_scorer(self, name: str, key: str) -> None:
+        try:
+            SCORERS.get(name)
+        except ConfigError as exc:
+            raise bad_field(key, str(exc)) from None
+
     # --- helpers --------------------------------------------------------------------------------
     def _sampling(self, data: TurnCreate) -> SamplingParams:
         s = data.sampling
@@ -166,3 +388,28 @@ class ChainService:
             return await self.worker.call(fn)
         except InvalidRequestError:  # the engine does not know the chain (new, reclaimed or after a restart)
             return None
+
+
+def _selected(region: Region, data: PruneRequest) -> bool:
+    return ((data.regions is None or region.index in data.regions)
+            and (data.kinds is None or region.kind in data.kinds)
+            and (data.tool_names is None or region.tool_name in data.tool_names)
+            and (data.rounds is None or region.round in data.rounds))
+
+
+def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _clone(row: Any, **changes: Any) -> Any:
+    """A new ORM row with ``row``'s column values (but not its surrogate ``id`` unless given) and ``changes``."""
+    mapper = inspect(type(row))
+    values = {c.key: getattr(row, c.key) for c in mapper.column_attrs if c.key != "id" or "id" in changes}
+    values.update(changes)
+    return type(row)(**values)

@@ -12,6 +12,7 @@ from litestar.exceptions import HTTPException, NotFoundException, ValidationExce
 
 from agentrt.chat import TemplateMismatchError
 from agentrt.engine_worker import EngineUnavailable
+from engine.chain_index import ChainBusyError, UnknownChainError
 from engine.errors import InvalidRequestError, InvalidSamplingParamsError
 from sdk.schema import ErrorBody, ErrorDetail
 
@@ -76,6 +77,14 @@ def on_invalid_request(_: Request, exc: InvalidRequestError) -> Response[ErrorBo
     return _body(status, str(exc))
 
 
+def on_chain_busy(_: Request, exc: ChainBusyError) -> Response[ErrorBody]:
+    return _body(409, str(exc))
+
+
+def on_unknown_chain(_: Request, exc: UnknownChainError) -> Response[ErrorBody]:
+    return _body(404, str(exc))
+
+
 def on_template_error(_: Request, exc: Exception) -> Response[ErrorBody]:
     return _body(422, f"the chat template cannot render these messages: {exc}")
 
@@ -93,6 +102,8 @@ def on_unexpected(_: Request, exc: Exception) -> Response[ErrorBody]:
 
 EXCEPTION_HANDLERS: Any = {
     HTTPException: on_http_error,
+    ChainBusyError: on_chain_busy,
+    UnknownChainError: on_unknown_chain,
     InvalidRequestError: on_invalid_request,
     EngineUnavailable: on_unavailable,
     TemplateMismatchError: on_template_error,

@@ -26,6 +26,8 @@ class Metrics:
         self.tokens_resumed = Counter("agentrt_tokens_resumed", "prompt tokens re-attached from a chain", registry=r)
         self.tokens_cached = Counter("agentrt_tokens_prefix_cached", "prompt tokens from the prefix cache", registry=r)
         self.tokens_generated = Counter("agentrt_tokens_generated", "tokens generated", registry=r)
+        self.tokens_pruned = Counter("agentrt_tokens_pruned", "KV slots dropped by pruning (per layer and head)",
+                                     registry=r)
         self.turns = Counter("agentrt_turns", "chain turns by outcome", ["outcome"], registry=r)
         self.step_seconds = Histogram("agentrt_engine_step_seconds", "wall time of one engine step",
                                       buckets=STEP_BUCKETS, registry=r)
@@ -42,6 +44,9 @@ class Metrics:
         self.tokens_resumed.inc(resumed)
         self.tokens_cached.inc(cached)
         self.tokens_generated.inc(generated)
+
+    def record_prune(self, tokens_freed: int) -> None:
+        self.tokens_pruned.inc(tokens_freed)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

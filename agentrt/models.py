@@ -1,4 +1,4 @@
-"""ORM tables: chains, turns (token ids as appended and as generated), regions."""
+"""ORM tables: chains, turns (token ids as appended and as generated), regions, prune events."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ class ChainRow(Base):
     meta: Mapped[dict[str, Any]]
     num_turns: Mapped[int] = mapped_column(Integer, default=0)
     num_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    prune_policy: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, default=None)
+    pruned_intervals: Mapped[list[Any]] = mapped_column(JSON, default=list)  # [[L, R], ...] dropped from the KV now
+    parent_id: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
 
 
 class TurnRow(Base):
@@ -78,3 +81,24 @@ class RegionRow(Base):
     tool_call_id: Mapped[str | None]
     pruned: Mapped[bool] = mapped_column(default=False)
     kept_tokens: Mapped[int]
+
+
+class PruneEventRow(Base):
+    __tablename__ = "prune_events"
+    __table_args__ = (UniqueConstraint("chain_id", "index"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    chain_id: Mapped[str] = mapped_column(String(64), ForeignKey("chains.id", ondelete="CASCADE"), index=True)
+    index: Mapped[int]
+    source: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[float] = mapped_column(Float)
+    after_turn: Mapped[int]
+    intervals: Mapped[list[Any]]
+    regions: Mapped[list[Any]]
+    scorer: Mapped[str | None]
+    keep_ratio: Mapped[float] = mapped_column(Float)
+    tokens_kept: Mapped[int]
+    tokens_freed: Mapped[int]
+    pages_freed: Mapped[int]
+    pages_before: Mapped[int]
+    pages_after: Mapped[int]

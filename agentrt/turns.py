@@ -7,6 +7,7 @@ database) as it was. Once generation has finished the commit runs to the end eve
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -26,6 +27,8 @@ from sdk.schema import (AssistantMessage, FinishReason, Region, ResumeStatus, Tu
 
 if TYPE_CHECKING:
     from agentrt.chains import ChainService
+
+log = logging.getLogger(__name__)
 
 
 class PendingTurn:
@@ -89,6 +92,12 @@ class PendingTurn:
         try:
             result, new_state = await self._write(out)
             self._count("ok")
+            if any(p.kind == "tool_result" for p in self.appended.pieces):
+                try:  # the turn is committed; a failed policy application leaves it so
+                    events, new_state = await self.service.apply_policy(new_state)
+                    result.pruned = events
+                except Exception:
+                    log.exception("pruning policy of %s failed", self.state.id)
             return result
         except BaseException:
             self._count("failed")
@@ -111,11 +120,15 @@ class PendingTurn:
                       completion_tokens=len(generated))
 
         regions = list(st.regions)
+        reset = status == "recomputed" and any(r.pruned for r in regions)
+        if reset:  # the KV was computed afresh from the whole log: no earlier pruning is in effect any more
+            regions = [msgspec.structs.replace(r, pruned=False, kept_tokens=r.end - r.start) for r in regions]
         closed: Region | None = None
         if appended.close_ids and regions:
             last_region = regions[-1]
             end = last_region.end + len(appended.close_ids)
-            closed = regions[-1] = msgspec.structs.replace(last_region, end=end, kept_tokens=end - last_region.start)
+            closed = regions[-1] = msgspec.structs.replace(
+                last_region, end=end, kept_tokens=last_region.kept_tokens + len(appended.close_ids))
         new_regions: list[Region] = []
         pos = len(st.token_ids) + len(appended.close_ids)
         for piece in appended.pieces:
@@ -142,8 +155,14 @@ class PendingTurn:
                 await s.execute(update(RegionRow).where(RegionRow.chain_id == chain_id, RegionRow.index == closed.index)
                                 .values(end=closed.end, kept_tokens=closed.kept_tokens))
             s.add_all(region_row(chain_id, r) for r in new_regions)
+            if reset:
+                await s.execute(update(RegionRow).where(RegionRow.chain_id == chain_id, RegionRow.turn < turn)
+                                .values(pruned=False, kept_tokens=RegionRow.end - RegionRow.start))
             await s.execute(update(ChainRow).where(ChainRow.id == chain_id)
-                            .values(num_turns=turn + 1, num_tokens=len(token_ids)))
+                            .values(num_turns=turn + 1, num_tokens=len(token_ids),
+                                    **({"pruned_intervals": []} if reset else {})))
+        if reset:
+            st.row.pruned_intervals = []
 
         new_state = ChainState(
             row=st.row, token_ids=token_ids,

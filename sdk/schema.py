@@ -55,6 +55,22 @@ class ChainCreate(_Input, kw_only=True):
     system_prompt: Text | None = None
     tools: list[Tool] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    prune_policy: PrunePolicy | None = None
+
+
+class PrunePolicy(_Input, kw_only=True):
+    """Server-side pruning of tool results, applied right after each turn commits (see docs/server.md).
+
+    After a turn that appends tool-result round ``k``, every unpruned tool_result region with round
+    ``<= k - lag`` (tool not in ``exclude_tools``) is pruned, provided the chain holds at least
+    ``min_tool_tokens`` unpruned tool-result tokens: the ``lag`` most recent rounds stay whole.
+    """
+
+    lag: Annotated[int, Meta(ge=0, le=1_000_000)] = 2
+    keep_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    scorer: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    min_tool_tokens: Annotated[int, Meta(ge=0)] = 0
+    exclude_tools: list[Annotated[str, Meta(min_length=1, max_length=256)]] = field(default_factory=list)
 
 
 class KVAccounting(Struct, kw_only=True):
@@ -62,7 +78,11 @@ class KVAccounting(Struct, kw_only=True):
     resident: bool  # whether the engine holds KV for the chain right now
     computed_tokens: int = 0  # leading tokens whose KV the engine holds
     physical_tokens: int = 0  # slots held (the longest layer; less than computed after eviction)
-    pages: int = 0
+    pages: int = 0  # pages the chain holds (the engine's ChainInfo.pages_held)
+    physical_tokens_per_layer: list[int] = field(default_factory=list)
+    engine_status: str | None = None  # the engine's view: busy | idle | reclaimed; None when it does not know the chain
+    compacted: bool = False
+    pinned: bool = False
 
 
 class Region(Struct, kw_only=True):
@@ -76,6 +96,58 @@ class Region(Struct, kw_only=True):
     tool_call_id: str | None = None
     pruned: bool = False
     kept_tokens: int = 0
+
+
+Interval = tuple[Annotated[int, Meta(ge=0)], Annotated[int, Meta(ge=0)]]
+
+
+class PruneRequest(_Input, kw_only=True):
+    """Either explicit ``intervals`` ``[[L, R), ...]`` in chain token positions, or a region selector:
+    the regions matching every given field (``regions`` indices, ``kinds``, ``tool_names``, ``rounds``)."""
+
+    intervals: Annotated[list[Interval], Meta(max_length=4096)] | None = None
+    regions: list[Annotated[int, Meta(ge=0)]] | None = None
+    kinds: list[RegionKind] | None = None
+    tool_names: list[str] | None = None
+    rounds: list[Annotated[int, Meta(ge=0)]] | None = None
+    scorer: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
+    keep_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+
+
+class PruneEvent(Struct, kw_only=True):
+    index: int  # 0, 1, ... per chain
+    source: Literal["explicit", "policy"]
+    created_at: float
+    after_turn: int  # the number of turns the chain had when it was pruned
+    intervals: list[tuple[int, int]]
+    regions: list[int]  # indices of the regions it touched
+    scorer: str | None
+    keep_ratio: float
+    tokens_kept: int
+    tokens_freed: int
+    pages_freed: int
+    pages_before: int  # the chain's pages (ChainInfo.pages_held) just before and just after
+    pages_after: int
+
+
+class PruneResult(Struct, kw_only=True):
+    chain_id: str
+    tokens_kept: int  # the engine's PruneResult
+    tokens_freed: int
+    pages_freed: int
+    event: PruneEvent
+    regions: list[Region]  # the regions it touched, as they are now
+
+
+class ForkRequest(_Input, kw_only=True):
+    metadata: dict[str, Any] | None = None  # default: the parent's metadata
+
+
+class RewindRequest(_Input, kw_only=True):
+    """Exactly one of: ``num_turns`` to keep, or ``num_tokens`` (must fall on a turn boundary)."""
+
+    num_turns: Annotated[int, Meta(ge=0)] | None = None
+    num_tokens: Annotated[int, Meta(ge=0)] | None = None
 
 
 class Usage(Struct, kw_only=True):
@@ -133,6 +205,7 @@ class TurnResult(Struct, kw_only=True):
     finish_reason: FinishReason
     usage: Usage
     resume_status: ResumeStatus
+    pruned: list[PruneEvent] = field(default_factory=list)  # what the chain's policy pruned after this turn
 
 
 class TurnDelta(Struct, kw_only=True):
@@ -174,6 +247,10 @@ class ChainRead(ChainSummary, kw_only=True):
     turns: list[TurnRead]
     regions: list[Region]
     kv: KVAccounting
+    prune_policy: PrunePolicy | None = None
+    pruned_intervals: list[tuple[int, int]] = field(default_factory=list)  # KV dropped now (clears on recompute)
+    prune_events: list[PruneEvent] = field(default_factory=list)
+    parent_id: str | None = None  # the chain it was forked from
     token_ids: list[int] | None = None  # the token log, with ?include_tokens=true
 
 

@@ -6,7 +6,9 @@ from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Annotated
 
-from litestar import Controller, Request, Response, delete, get, post
+import msgspec
+from litestar import Controller, Request, Response, WebSocket, delete, get, post, websocket
+from litestar.exceptions import WebSocketDisconnect
 from litestar.background_tasks import BackgroundTask
 from litestar.exceptions import HTTPException
 from litestar.di import NamedDependency
@@ -15,9 +17,13 @@ from litestar.response import ServerSentEventMessage
 
 from agentrt.chains import ChainService
 from agentrt.disconnect import unless_disconnected
+from agentrt.errors import on_http_error
 from agentrt.routes.event_stream import EventStream
 from agentrt.turns import PendingTurn
-from sdk.schema import ChainCreate, ChainList, ChainRead, ErrorBody, TurnCreate, TurnDelta, TurnResult, encode
+from engine.chain_index import ChainBusyError, UnknownChainError
+from engine.errors import InvalidRequestError, InvalidSamplingParamsError
+from sdk.schema import (ChainCreate, ChainList, ChainRead, ErrorBody, ErrorDetail, ForkRequest, PruneRequest,
+                        PruneResult, RewindRequest, TurnCreate, TurnDelta, TurnResult, encode)
 
 Service = NamedDependency[ChainService]
 
@@ -51,6 +57,30 @@ class ChainController(Controller):
             return EventStream(_sse(turn), background=BackgroundTask(turn.close))
         return await unless_disconnected(request, turn.result())
 
+    @post("/{chain_id:str}/prune", status_code=200)
+    async def prune_chain(self, chain_id: FromPath[str], data: JSONBody[PruneRequest], chains: Service) -> PruneResult:
+        return await chains.prune(chain_id, data)
+
+    @post("/{chain_id:str}/fork", status_code=201)
+    async def fork_chain(self, chain_id: FromPath[str], chains: Service,
+                         data: JSONBody[ForkRequest | None] = None) -> ChainRead:
+        return await chains.fork(chain_id, data or ForkRequest())
+
+    @post("/{chain_id:str}/rewind", status_code=200)
+    async def rewind_chain(self, chain_id: FromPath[str], data: JSONBody[RewindRequest], chains: Service) -> ChainRead:
+        return await chains.rewind(chain_id, data)
+
+    @websocket("/{chain_id:str}/ws")
+    async def chain_ws(self, socket: WebSocket, chain_id: FromPath[str], chains: Service) -> None:
+        """Each text message is a turn request (the POST turns body); replies: delta*, turn_end, prune*, or error."""
+        await socket.accept()
+        try:
+            while True:
+                raw = await socket.receive_data(mode="text")
+                await _ws_turn(socket, chains, chain_id, raw)
+        except WebSocketDisconnect:
+            pass
+
 
 async def _sse(turn: PendingTurn) -> AsyncGenerator[ServerSentEventMessage, None]:
     try:
@@ -64,3 +94,46 @@ async def _sse(turn: PendingTurn) -> AsyncGenerator[ServerSentEventMessage, None
     except Exception as exc:
         body = ErrorBody(status_code=500, detail=f"internal error: {type(exc).__name__}: {exc}")
         yield ServerSentEventMessage(event="error", data=encode(body).decode())
+
+
+async def _ws_send(socket: WebSocket, kind: str, payload: object) -> None:
+    body = msgspec.to_builtins(payload)
+    await socket.send_data(encode({"type": kind, **body}).decode(), mode="text")
+
+
+async def _ws_error(socket: WebSocket, status: int, detail: str, extra: list[ErrorDetail] | None = None) -> None:
+    await _ws_send(socket, "error", ErrorBody(status_code=status, detail=detail, extra=extra))
+
+
+async def _ws_turn(socket: WebSocket, chains: ChainService, chain_id: str, raw: str | bytes) -> None:
+    try:
+        data = msgspec.json.decode(raw, type=TurnCreate)
+    except msgspec.ValidationError as exc:
+        key = str(exc).rsplit("at `$.", 1)[-1].rstrip("`") if "at `$." in str(exc) else None
+        await _ws_error(socket, 400, str(exc), [ErrorDetail(message=str(exc), key=key, source="body")])
+        return
+    except msgspec.DecodeError as exc:
+        await _ws_error(socket, 400, f"malformed JSON: {exc}")
+        return
+    try:
+        turn = await chains.start_turn(chain_id, data)
+        async with aclosing(turn.events()) as events:
+            async for event in events:
+                if isinstance(event, TurnDelta):
+                    await _ws_send(socket, "delta", event)
+                else:
+                    await _ws_send(socket, "turn_end", event)
+                    for pruned in event.pruned:
+                        await _ws_send(socket, "prune", pruned)
+    except HTTPException as exc:
+        response = on_http_error(None, exc)  # type: ignore[arg-type]
+        body = response.content
+        await _ws_error(socket, body.status_code, body.detail, body.extra)
+    except InvalidRequestError as exc:
+        status = (409 if isinstance(exc, ChainBusyError) else 404 if isinstance(exc, UnknownChainError)
+                  else 400 if isinstance(exc, InvalidSamplingParamsError) else 422)
+        await _ws_error(socket, status, str(exc))
+    except WebSocketDisconnect:
+        raise
+    except Exception as exc:
+        await _ws_error(socket, 500, f"internal error: {type(exc).__name__}: {exc}")
