@@ -145,6 +145,9 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParamsError(f"params must be SamplingParams, got {type(params).__name__}")
         token_ids = self._prompt_token_ids(prompt)
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.forced_token_ids):
+            raise InvalidSamplingParamsError(f"forced_token_ids must be < the vocabulary size {vocab}")
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")

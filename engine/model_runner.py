@@ -83,6 +83,7 @@ class ModelRunner:
                     return None
                 logits = self.model.compute_logits(hidden[batch.logits_indices])
             reqs = batch.sample_requests
-            return self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+            return self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs],
+                                       [r.forced_next_token() for r in reqs])
         finally:
             self._batch = None

@@ -71,6 +71,11 @@ class Request:
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
 
+    def forced_next_token(self) -> int | None:
+        forced = self.params.forced_token_ids
+        n = self.num_output_tokens
+        return forced[n] if n < len(forced) else None
+
     def append_output(self, token_id: int, logprob: float | None) -> None:
         self.token_ids.append(token_id)
         if logprob is not None:

@@ -51,7 +51,10 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        forced: list[int | None] | None = None,
     ) -> SampleOutput:
+        """``forced[i]``, when not None, is emitted for row i instead of a sample (its logprob is still the
+        model's)."""
         n = logits.shape[0]
         assert logits.dim() == 2 and len(params) == n and len(generators) == n
         logits = logits.float()
@@ -71,6 +74,10 @@ class Sampler:
                 logits[si], [params[i] for i in s_rows], [generators[i] for i in s_rows]
             )
 
+        if forced is not None and any(f is not None for f in forced):
+            rows = [i for i, f in enumerate(forced) if f is not None]
+            tokens[torch.tensor(rows, device=logits.device)] = torch.tensor(
+                [forced[i] for i in rows], device=logits.device, dtype=tokens.dtype)
         token_list = tokens.tolist()
         lp_rows = [i for i in range(n) if params[i].logprobs]
         logprobs: list[float | None] = [None] * n

@@ -31,6 +31,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: bool = False
     include_stop_str_in_output: bool = False
+    forced_token_ids: list[int] = field(default_factory=list)  # emitted first, in order (replays, tests)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidSamplingParamsError:
@@ -54,6 +55,12 @@ class SamplingParams:
             raise bad("top_k", "must be -1 or 0 (off) or a positive int")
         if self.max_tokens < 1:
             raise bad("max_tokens", "must be >= 1")
+        if isinstance(self.forced_token_ids, tuple):
+            self.forced_token_ids = list(self.forced_token_ids)
+        if not isinstance(self.forced_token_ids, list) or not all(
+            _is_int(t) and t >= 0 for t in self.forced_token_ids
+        ):
+            raise bad("forced_token_ids", "must be a list of non-negative ints")
         if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**63):
             raise bad("seed", "must be an int in [0, 2**63) or None")
 

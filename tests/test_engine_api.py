@@ -149,3 +149,20 @@ def test_step_api_streams_deltas_and_abort_frees_pages(llm):
     assert "".join(o.new_text for o in stream) == final.text
     assert final.text == llm.tokenizer.decode(final.token_ids, skip_special_tokens=True)
     assert all(engine.pool.ref_counts[p] == 0 for p in range(engine.pool.num_pages))
+
+
+def test_forced_decoding_emits_the_given_tokens_with_the_model_logprobs(llm, tiny_dirs):
+    prompt = [70, 71, 72, 73, 74]
+    forced = [9, 300, 12, 45]
+    out = llm.generate([prompt], SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True,
+                                                logprobs=True, forced_token_ids=forced))[0]
+    assert out.token_ids[:4] == forced and len(out.token_ids) == 6
+    assert out.logprobs == pytest.approx(hf_token_logprobs(tiny_dirs["llama"], prompt, out.token_ids), abs=1e-4)
+    greedy_after = llm.generate([prompt + forced], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    forced_then_greedy = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True,
+                                                                forced_token_ids=forced))[0]
+    assert forced_then_greedy.token_ids[4:] == greedy_after[0].token_ids
+    with pytest.raises(InvalidSamplingParamsError, match="forced_token_ids"):
+        llm.engine.add_request(prompt, SamplingParams(forced_token_ids=[10**6]))
+    with pytest.raises(InvalidSamplingParamsError, match="forced_token_ids"):
+        SamplingParams(forced_token_ids=[-1])
