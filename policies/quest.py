@@ -95,8 +95,22 @@ class Quest(SparseMethod):
         return super().make_cache(spec, pool, enable_prefix_caching)
 
     # --- metadata -------------------------------------------------------------------------------
-    def _bounds(self, batch, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        num_layers = max(batch.cache.spec.num_layers - self.config.dense_layers, 0)
+    def kv_loaded(self, req, cache) -> None:
+        """Recompute the min/max bounds of every page the request holds, in every selected layer."""
+        n, ps = cache.physical_len(req), cache.page_size
+        pages = cache.table(req).pages[: -(-n // ps)]
+        device = cache.spec.device
+        page_ids = torch.tensor(pages, dtype=torch.long, device=device)
+        valid = torch.tensor([min(ps, n - i * ps) for i in range(len(pages))], device=device)
+        for layer in range(self.config.dense_layers, cache.spec.num_layers):
+            k_cache, _ = cache.layer_kv(layer)
+            kmin_all, kmax_all = self._bounds(cache, k_cache)
+            lo, hi = page_key_bounds(k_cache, page_ids, valid)
+            kmin_all[layer - self.config.dense_layers][page_ids] = lo
+            kmax_all[layer - self.config.dense_layers][page_ids] = hi
+
+    def _bounds(self, cache, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num_layers = max(cache.spec.num_layers - self.config.dense_layers, 0)
         shape = (num_layers, *k_cache.shape[:1], *k_cache.shape[2:])
         if self._kmin is None or self._kmin.shape != shape or self._kmin.device != k_cache.device:
             self._kmin = torch.zeros(shape, dtype=k_cache.dtype, device=k_cache.device)
@@ -150,7 +164,7 @@ class Quest(SparseMethod):
         if layer < self.config.dense_layers:
             return view
         k_cache, _ = batch.cache.layer_kv(layer)
-        kmin_all, kmax_all = self._bounds(batch, k_cache)
+        kmin_all, kmax_all = self._bounds(batch.cache, k_cache)
         kmin_l, kmax_l = kmin_all[layer - self.config.dense_layers], kmax_all[layer - self.config.dense_layers]
         plan = self._plan(batch, view)
         if plan.touched_pages.numel():

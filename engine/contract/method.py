@@ -114,6 +114,10 @@ class SparseMethod:
     def end_step(self, batch: ForwardBatch) -> None:
         pass
 
+    def kv_loaded(self, req: Request, cache: CacheManager) -> None:
+        """The cache wrote ``req``'s KV outside a forward step (a restore, a benchmark's synthetic fill):
+        rebuild whatever metadata the method derives from written KV."""
+
     # --- cross-request state (Chain Cache, fork, offload) ---------------------------------------
     def export_state(self, req: Request) -> Any:
         return None
