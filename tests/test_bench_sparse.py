@@ -4,7 +4,7 @@ so more requests fit than dense; Quest's page bounds are rebuilt for KV written 
 import torch
 
 import policies.quest  # noqa: F401
-from engine.bench_sparse import main
+from benchmarks.sparse_decode import main
 from kernels.torch_ref.quest import page_key_bounds
 
 

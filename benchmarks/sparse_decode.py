@@ -7,7 +7,7 @@ queries at the end of the prompt, Quest builds its page bounds through ``kv_load
 admitted one after another until the pool (or ``--max-batch``) is full, and aggregate decode throughput is
 timed over steps where every admitted request decodes.
 
-    python -m engine.bench_sparse --shape llama-3.1-8b --context 131072 \\
+    python -m benchmarks.sparse_decode --shape llama-3.1-8b --context 131072 \\
         --methods 'dense;snapkv:{"budget":4096};quest:{"token_budget":4096};omnikv:{"token_budget":4096}'
 """
 
