@@ -59,6 +59,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = config.resolved_device()
+        self.method = create_method(config.method, config.method_config)  # bad knobs fail before the load
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
         self.model, self.model_config = load_model(
             config.model, dtype=dtype, device=self.device, load_format=config.load_format
@@ -66,7 +67,6 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        self.method = create_method(config.method, config.method_config)
         spec = CacheSpec(
             num_layers=mc.num_layers,
             num_kv_heads=mc.num_kv_heads,
