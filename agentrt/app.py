@@ -14,7 +14,9 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.logging import LoggingConfig
+from litestar.types import Scope
 
+from agentrt.auth import TENANT_SCOPE_KEY, KeyService, auth_guard
 from agentrt.chains import ChainService
 from agentrt.chat import ChatRenderer
 from agentrt.completions import CompletionService
@@ -46,9 +48,16 @@ def _completions(state: State) -> CompletionService:
     return state.completions
 
 
+def _tenant(scope: Scope) -> str:
+    return scope[TENANT_SCOPE_KEY]  # type: ignore[literal-required]  # set by auth_guard
+
+
 def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litestar:
-    """``engine``: an LLMEngine to serve instead of building one from ``config`` (it is not closed on exit)."""
+    """``engine``: an LLMEngine to serve instead of building one from ``config`` (it is not closed on exit).
+    Raises agentrt.config.ConfigurationError for a configuration that must not serve (e.g. no auth off
+    loopback)."""
     config = config or ServerConfig()
+    config.check()
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
@@ -59,7 +68,7 @@ def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litest
         model_dir = Path(llm.config.model)
         model_name = config.model_name or (DEFAULT_MODEL_NAME if config.model is None else model_dir.name)
         renderer = ChatRenderer(load_tokenizer(model_dir), llm.model_config.eos_token_ids)
-        worker = EngineWorker(llm)
+        worker = EngineWorker(llm, max_queue_depth=config.max_queue_depth, retry_after_s=config.retry_after_s)
         db = await open_database(config.db_url or default_db_url())
         chains = ChainService(config, model_name, worker, renderer, db)
         await chains.start()
@@ -67,10 +76,16 @@ def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litest
         chains.metrics = metrics
         worker.on_step = metrics.observe_step
         worker.start()
+        keys = KeyService(db)
+        if config.auth_required and not await keys.count_active():
+            log.warning("auth is required but the database holds no active API key: create one with "
+                        "`agentrt keys create --tenant NAME --db URL`")
         app.state.update(config=config, model_name=model_name, started_at=int(time.time()), worker=worker, db=db,
+                         api_keys=keys,
                          chains=chains, metrics=metrics,
                          completions=CompletionService(config, model_name, worker, renderer, metrics))
-        log.info("serving %s (method %s) with %s", model_name, llm.method.name, db.engine.url.render_as_string())
+        log.info("serving %s (method %s) with %s; auth %s", model_name, llm.method.name,
+                 db.engine.url.render_as_string(), "required" if config.auth_required else "off (loopback)")
         try:
             yield
         finally:
@@ -80,9 +95,11 @@ def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litest
     return Litestar(
         route_handlers=[ChainController, OpenAIController, SystemController],
         dependencies={"chains": Provide(_chains, sync_to_thread=False),
-                      "completions": Provide(_completions, sync_to_thread=False)},
+                      "completions": Provide(_completions, sync_to_thread=False),
+                      "tenant": Provide(_tenant, sync_to_thread=False)},
+        guards=[auth_guard],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
-        request_max_body_size=32 * 2**20,
+        request_max_body_size=config.max_body_size,
         logging_config=LoggingConfig(configure_root_logger=False, log_exceptions="debug"),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
@@ -17,7 +18,7 @@ from agentrt.chat import ChatRenderer
 from agentrt.config import ServerConfig
 from agentrt.db import Database
 from agentrt.engine_worker import EngineWorker
-from agentrt.errors import ChainBusy, ChainNotFound, bad_field
+from agentrt.errors import ChainBusy, ChainNotFound, TooManyChains, bad_field
 from agentrt.metrics import Metrics
 from agentrt.models import ChainRow, PruneEventRow, RegionRow, TurnRow
 from agentrt.turns import PendingTurn
@@ -43,6 +44,7 @@ class ChainService:
         self.states: dict[str, ChainState] = {}
         self.busy: set[str] = set()
         self.num_chains = 0
+        self._creating = asyncio.Lock()  # the per-tenant chain count and the insert that follows it
 
     async def start(self) -> None:
         async with self.db.sessions() as s:
@@ -55,7 +57,17 @@ class ChainService:
         return "busy" if chain_id in self.busy else "idle"
 
     # --- CRUD -----------------------------------------------------------------------------------
-    async def create(self, data: ChainCreate) -> ChainRead:
+    async def _check_quota(self, tenant: str) -> None:
+        """Call holding ``self._creating``: 429 when the tenant is at its chain limit."""
+        limit = self.config.max_chains_per_tenant
+        if limit is None:
+            return
+        async with self.db.sessions() as s:
+            n = await s.scalar(select(func.count()).select_from(ChainRow).where(ChainRow.tenant == tenant)) or 0
+        if n >= limit:
+            raise TooManyChains(tenant, limit)
+
+    async def create(self, data: ChainCreate, *, tenant: str) -> ChainRead:
         engine = self.worker.engine
         if data.model is not None and data.model != self.model_name:
             raise bad_field("model", f"this server serves {self.model_name!r}, not {data.model!r}")
@@ -72,33 +84,36 @@ class ChainService:
                        else self.config.default_system_prompt,
                        tools=tools, meta=data.metadata, num_turns=0, num_tokens=0,
                        prune_policy=None if data.prune_policy is None else msgspec.to_builtins(data.prune_policy),
-                       pruned_intervals=[])
+                       pruned_intervals=[], tenant=tenant)
         if data.prune_policy is not None and data.prune_policy.scorer is not None:
             self._check_scorer(data.prune_policy.scorer, "prune_policy.scorer")
         self.renderer.render([{"role": "system", "content": row.system_prompt}], tools)
-        async with self.db.sessions.begin() as s:
-            s.add(row)
+        async with self._creating:
+            await self._check_quota(tenant)
+            async with self.db.sessions.begin() as s:
+                s.add(row)
         self.num_chains += 1
         self.states[row.id] = ChainState(row=row)
         return chain_read(row, "idle", [], [], kv_accounting(0, None), False, [])
 
-    async def page(self, offset: int, limit: int) -> ChainList:
+    async def page(self, offset: int, limit: int, *, tenant: str) -> ChainList:
         async with self.db.sessions() as s:
-            total = await s.scalar(select(func.count()).select_from(ChainRow)) or 0
-            rows = (await s.scalars(select(ChainRow).order_by(ChainRow.created_at, ChainRow.id)
-                                    .offset(offset).limit(limit))).all()
+            total = await s.scalar(select(func.count()).select_from(ChainRow).where(ChainRow.tenant == tenant)) or 0
+            rows = (await s.scalars(select(ChainRow).where(ChainRow.tenant == tenant)
+                                    .order_by(ChainRow.created_at, ChainRow.id).offset(offset).limit(limit))).all()
         data: list[ChainSummary] = [chain_summary(r, self.status(r.id)) for r in rows]
         return ChainList(data=data, offset=offset, limit=limit, total=total, has_more=offset + len(rows) < total)
 
-    async def read(self, chain_id: str, include_tokens: bool = False) -> ChainRead:
-        chain, turns, regions = await self._rows(chain_id)
+    async def read(self, chain_id: str, include_tokens: bool = False, *, tenant: str) -> ChainRead:
+        chain, turns, regions = await self._rows(chain_id, tenant)
         async with self.db.sessions() as s:
             events = (await s.scalars(select(PruneEventRow).where(PruneEventRow.chain_id == chain_id)
                                       .order_by(PruneEventRow.index))).all()
         kv = kv_accounting(chain.num_tokens, await self._chain_info(chain_id))
         return chain_read(chain, self.status(chain_id), turns, regions, kv, include_tokens, list(events))
 
-    async def delete(self, chain_id: str) -> None:
+    async def delete(self, chain_id: str, *, tenant: str) -> None:
+        await self.state(chain_id, tenant)  # 404 for another tenant's chain before anything else (no 409 leak)
         if chain_id in self.busy:
             raise ChainBusy(chain_id)
         self.busy.add(chain_id)
@@ -118,9 +133,10 @@ class ChainService:
             self.busy.discard(chain_id)
 
     # --- turns ----------------------------------------------------------------------------------
-    async def start_turn(self, chain_id: str, data: TurnCreate) -> PendingTurn:
-        """Render, submit and return the running turn; raises 404 / 409 / 400 / 422 before anything changes."""
-        state = await self.state(chain_id)
+    async def start_turn(self, chain_id: str, data: TurnCreate, *, tenant: str) -> PendingTurn:
+        """Render, submit and return the running turn; raises 404 / 409 / 400 / 422 / 503 before anything
+        changes."""
+        state = await self.state(chain_id, tenant)
         if chain_id in self.busy:
             raise ChainBusy(chain_id)
         self.busy.add(chain_id)
@@ -145,11 +161,14 @@ class ChainService:
             self.states[chain_id] = new_state
         self.busy.discard(chain_id)
 
-    async def state(self, chain_id: str) -> ChainState:
+    async def state(self, chain_id: str, tenant: str | None = None) -> ChainState:
+        """The chain's state; ChainNotFound when it does not exist or (``tenant`` given) belongs to another."""
         state = self.states.get(chain_id)
         if state is None:
             state = state_from_rows(*await self._rows(chain_id))
             state = self.states.setdefault(chain_id, state)
+        if tenant is not None and state.row.tenant != tenant:
+            raise ChainNotFound(chain_id)
         return state
 
     # --- prune / fork / rewind ------------------------------------------------------------------
@@ -158,8 +177,8 @@ class ChainService:
             raise ChainBusy(chain_id)
         self.busy.add(chain_id)
 
-    async def prune(self, chain_id: str, data: PruneRequest) -> PruneResult:
-        state = await self.state(chain_id)
+    async def prune(self, chain_id: str, data: PruneRequest, *, tenant: str) -> PruneResult:
+        state = await self.state(chain_id, tenant)
         self._acquire(chain_id)
         try:
             if data.scorer is not None:
@@ -268,9 +287,15 @@ class ChainService:
             self.metrics.record_prune(tokens_freed)
         return event, dataclasses.replace(state, regions=regions)
 
-    async def fork(self, chain_id: str, data: ForkRequest) -> ChainRead:
-        await self.state(chain_id)
-        self._acquire(chain_id)
+    async def fork(self, chain_id: str, data: ForkRequest, *, tenant: str) -> ChainRead:
+        await self.state(chain_id, tenant)
+        await self._creating.acquire()
+        try:
+            await self._check_quota(tenant)
+            self._acquire(chain_id)
+        except BaseException:
+            self._creating.release()
+            raise
         new_id = f"chain_{uuid.uuid4().hex}"
         forked = False
         try:
@@ -298,13 +323,14 @@ class ChainService:
                 raise
             self.num_chains += 1
         finally:
+            self._creating.release()
             self.busy.discard(chain_id)
-        return await self.read(new_id)
+        return await self.read(new_id, tenant=tenant)
 
-    async def rewind(self, chain_id: str, data: RewindRequest) -> ChainRead:
+    async def rewind(self, chain_id: str, data: RewindRequest, *, tenant: str) -> ChainRead:
+        await self.state(chain_id, tenant)
         if (data.num_turns is None) == (data.num_tokens is None):
             raise bad_field("num_turns", "give exactly one of num_turns or num_tokens")
-        await self.state(chain_id)
         self._acquire(chain_id)
         try:
             chain, turns, regions = await self._rows(chain_id)
@@ -350,7 +376,7 @@ class ChainService:
             self.states.pop(chain_id, None)  # rebuilt from the rows on next use
         finally:
             self.busy.discard(chain_id)
-        return await self.read(chain_id)
+        return await self.read(chain_id, tenant=tenant)
 
     def _check_scorer(self, name: str, key: str) -> None:
         try:
@@ -367,10 +393,10 @@ class ChainService:
                               max_tokens=s.max_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
                               ignore_eos=s.ignore_eos)
 
-    async def _rows(self, chain_id: str) -> tuple[ChainRow, list[TurnRow], list[RegionRow]]:
+    async def _rows(self, chain_id: str, tenant: str | None = None) -> tuple[ChainRow, list[TurnRow], list[RegionRow]]:
         async with self.db.sessions() as s:
             chain = await s.get(ChainRow, chain_id)
-            if chain is None:
+            if chain is None or (tenant is not None and chain.tenant != tenant):
                 raise ChainNotFound(chain_id)
             turns = (await s.scalars(select(TurnRow).where(TurnRow.chain_id == chain_id)
                                      .order_by(TurnRow.index))).all()

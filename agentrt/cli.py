@@ -5,11 +5,14 @@
     agentrt make-tiny --arch llama --out /tmp/tiny       # write a random tiny HF checkpoint
     agentrt serve --port 8000                            # the HTTP server (chains, turns, OpenAI routes)
     agentrt demo                                         # a scripted 3-turn agent session against the server
+    agentrt keys create --tenant acme [--db URL]         # a new API key for a tenant (printed once)
+    agentrt keys list [--tenant acme] / keys revoke KEY_ID
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import sys
@@ -49,8 +52,10 @@ def _make_tiny(rest: list[str]) -> int:
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from agentrt.config import is_loopback
+
     from agentrt.app import build_engine, create_app
-    from agentrt.config import ServerConfig
+    from agentrt.config import ConfigurationError, ServerConfig
     from engine.errors import EngineError
 
     try:
@@ -63,7 +68,20 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(model=args.model, model_name=args.model_name, db_url=args.db, method=args.method,
-                          method_config=method_config, engine_options={"device": args.device})
+                          method_config=method_config, engine_options={"device": args.device}, host=args.host,
+                          require_auth=args.require_auth, max_body_size=args.max_body_size,
+                          max_tokens_per_turn=args.max_tokens_per_turn,
+                          max_chains_per_tenant=args.max_chains_per_tenant or None,
+                          max_queue_depth=args.max_queue_depth or None)
+    try:
+        config.check()
+        if config.auth_required and not is_loopback(config.host) and not asyncio.run(_count_keys(config.db_url)):
+            raise ConfigurationError(f"refusing to serve on {config.host!r} (not loopback) with no active API key "
+                                     "in the database: create one with `agentrt keys create --tenant NAME"
+                                     + (f" --db {config.db_url}" if config.db_url else "") + "`")
+    except ConfigurationError as exc:
+        print(f"agentrt serve: {exc}", file=sys.stderr)
+        return 2
     try:
         engine = build_engine(config)
     except EngineError as exc:
@@ -71,6 +89,50 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     uvicorn.run(create_app(config, engine=engine), host=args.host, port=args.port, log_level="info")
     return 0
+
+
+async def _count_keys(db_url: str | None) -> int:
+    from agentrt.auth import KeyService
+    from agentrt.config import default_db_url
+    from agentrt.db import open_database
+
+    db = await open_database(db_url or default_db_url())
+    try:
+        return await KeyService(db).count_active()
+    finally:
+        await db.dispose()
+
+
+async def _keys_async(args: argparse.Namespace) -> int:
+    from agentrt.auth import InvalidTenant, KeyService
+    from agentrt.config import default_db_url
+    from agentrt.db import open_database
+
+    db = await open_database(args.db or default_db_url())
+    try:
+        keys = KeyService(db)
+        if args.keys_command == "create":
+            try:
+                created = await keys.create(args.tenant, args.name)
+            except InvalidTenant as exc:
+                print(f"agentrt keys create: {exc}", file=sys.stderr)
+                return 2
+            print(created.key)
+            print(f"key id {created.key_id} for tenant {created.tenant!r}; the key is shown only this once",
+                  file=sys.stderr)
+            return 0
+        if args.keys_command == "revoke":
+            if not await keys.revoke(args.key_id):
+                print(f"agentrt keys revoke: no active key {args.key_id!r}", file=sys.stderr)
+                return 1
+            print(f"revoked {args.key_id}")
+            return 0
+        for row in await keys.list(args.tenant):
+            state = "revoked" if row.revoked_at is not None else "active"
+            print(f"{row.key_id}\t{row.tenant}\t{state}\t{row.created_at:.0f}\t{row.name or ''}")
+        return 0
+    finally:
+        await db.dispose()
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -108,6 +170,28 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--method", default="dense", help="sparse method for every chain")
     serve.add_argument("--method-config", default="{}", help="the method's knobs as a JSON object")
     serve.add_argument("--device", default="auto")
+    serve.add_argument("--require-auth", dest="require_auth", action="store_true", default=None,
+                       help="require API keys (the default unless --host is a loopback address)")
+    serve.add_argument("--no-auth", dest="require_auth", action="store_false",
+                       help="serve without API keys (only allowed on a loopback --host)")
+    serve.add_argument("--max-body-size", type=int, default=8 * 2**20, help="bytes per request body")
+    serve.add_argument("--max-tokens-per-turn", type=int, default=4096, help="the largest sampling.max_tokens")
+    serve.add_argument("--max-chains-per-tenant", type=int, default=1000, help="0: unlimited")
+    serve.add_argument("--max-queue-depth", type=int, default=256,
+                       help="engine requests in flight before new ones get 503 (0: unbounded)")
+    keys = sub.add_parser("keys", help="manage API keys (create / list / revoke)")
+    keys_sub = keys.add_subparsers(dest="keys_command", required=True)
+    for name, text in (("create", "create a key for a tenant; prints the key once"), ("list", "list keys"),
+                       ("revoke", "revoke a key by its id")):
+        p = keys_sub.add_parser(name, help=text)
+        p.add_argument("--db", help="SQLAlchemy async URL (default: SQLite under ~/.cache/agentrt)")
+        if name == "create":
+            p.add_argument("--tenant", required=True)
+            p.add_argument("--name", help="a label for the key")
+        elif name == "list":
+            p.add_argument("--tenant")
+        else:
+            p.add_argument("key_id")
     demo = sub.add_parser("demo", help="a scripted 3-turn agent conversation with a tool call")
     demo.add_argument("--url", help="an agentrt server to talk to (default: start one in-process)")
     demo.add_argument("--max-tokens", type=int, default=24)
@@ -116,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         return _serve(args)
     if args.command == "demo":
         return _demo(args)
+    if args.command == "keys":
+        return asyncio.run(_keys_async(args))
     return _generate(args)
 
 

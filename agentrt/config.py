@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +13,19 @@ def default_db_url() -> str:
     base = Path(os.environ.get("AGENTRT_CACHE") or Path.home() / ".cache" / "agentrt")
     base.mkdir(parents=True, exist_ok=True)
     return f"sqlite+aiosqlite:///{base / 'server.db'}"
+
+
+def is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a host name other than localhost: assume it is reachable from outside
+
+
+class ConfigurationError(ValueError):
+    """A server configuration the server refuses to run with (the message says why and what to do)."""
 
 
 @dataclass(slots=True)
@@ -25,3 +39,29 @@ class ServerConfig:
     default_system_prompt: str = "You are a helpful assistant."
     default_max_tokens: int = 256  # OpenAI route, when the request sets none
     max_tokens_per_turn: int = 4096
+    # --- auth and limits (docs/server.md "Auth" and "Limits") ---
+    host: str = "127.0.0.1"  # the bind address; without auth only a loopback address is allowed
+    require_auth: bool | None = None  # None: required unless ``host`` is a loopback address
+    max_body_size: int = 8 * 2**20  # bytes per request body (413 beyond)
+    max_chains_per_tenant: int | None = 1000  # 429 on create / fork beyond; None: unlimited
+    max_queue_depth: int | None = 256  # engine requests in flight; a new one beyond -> 503 with Retry-After
+    retry_after_s: int = 2
+
+    @property
+    def auth_required(self) -> bool:
+        return not is_loopback(self.host) if self.require_auth is None else self.require_auth
+
+    def check(self) -> None:
+        """Raise ConfigurationError for a configuration that must not serve."""
+        if not self.auth_required and not is_loopback(self.host):
+            raise ConfigurationError(
+                f"refusing to serve without API keys on {self.host!r}, which is not a loopback address: "
+                "bind to 127.0.0.1 for keyless local development, or enable auth and create a key with "
+                "`agentrt keys create --tenant NAME`")
+        for name in ("max_body_size", "max_tokens_per_turn", "retry_after_s"):
+            if getattr(self, name) < 1:
+                raise ConfigurationError(f"{name} must be >= 1")
+        for name in ("max_chains_per_tenant", "max_queue_depth"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigurationError(f"{name} must be >= 0 (or None for no limit)")

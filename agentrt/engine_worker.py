@@ -42,6 +42,15 @@ class EngineUnavailable(RuntimeError):
     """The worker thread is not running (not started yet, or shut down)."""
 
 
+class EngineOverloaded(EngineUnavailable):
+    """More requests in flight than the configured bound: the client should retry after ``retry_after`` s."""
+
+    def __init__(self, depth: int, bound: int, retry_after: int):
+        super().__init__(f"the engine is overloaded ({depth} requests in flight, the bound is {bound}); "
+                         f"retry after {retry_after} s")
+        self.retry_after = retry_after
+
+
 class RequestStream:
     """The outputs of one engine request; leaving the iteration early aborts the request."""
 
@@ -59,16 +68,23 @@ class RequestStream:
                     self.done = True
                     raise item
                 self.done = item.finished
+                if self.done:
+                    self.worker.inflight.discard(self.request_id)
                 yield item
         finally:
+            self.worker.inflight.discard(self.request_id)
             if not self.done:
                 self.done = True
                 self.worker.abort(self.request_id)
 
 
 class EngineWorker:
-    def __init__(self, engine: Any, on_step: Callable[[float, list[RequestOutput]], None] | None = None):
+    def __init__(self, engine: Any, on_step: Callable[[float, list[RequestOutput]], None] | None = None,
+                 max_queue_depth: int | None = None, retry_after_s: int = 2):
         self.engine = engine
+        self.max_queue_depth = max_queue_depth  # None: unbounded
+        self.retry_after_s = retry_after_s
+        self.inflight: set[str] = set()  # event-loop side: generation requests submitted and not yet finished
         self.on_step = on_step
         self.snapshot = EngineSnapshot()
         self.accepts_chain_id = "chain_id" in inspect.signature(engine.add_request).parameters
@@ -106,7 +122,10 @@ class EngineWorker:
         return await fut
 
     async def submit(self, prompt: list[int], params: SamplingParams, chain_id: str | None = None) -> RequestStream:
-        """Queue a request; raises what ``add_request`` raises (engine.errors.InvalidRequestError...)."""
+        """Queue a request; raises EngineOverloaded beyond ``max_queue_depth`` requests in flight, and what
+        ``add_request`` raises (engine.errors.InvalidRequestError...)."""
+        if self.max_queue_depth is not None and len(self.inflight) >= self.max_queue_depth:
+            raise EngineOverloaded(len(self.inflight), self.max_queue_depth, self.retry_after_s)
         stream = RequestStream(self, f"req-{uuid.uuid4().hex}")
         loop = asyncio.get_running_loop()
         kwargs = {"chain_id": chain_id} if chain_id is not None and self.accepts_chain_id else {}
@@ -115,14 +134,20 @@ class EngineWorker:
             engine.add_request(prompt, params, request_id=stream.request_id, **kwargs)
             self._streams[stream.request_id] = (loop, stream)
 
+        self.inflight.add(stream.request_id)
         try:
             await self.call(add)
         except asyncio.CancelledError:
             self.abort(stream.request_id)
             raise
+        except BaseException:
+            self.inflight.discard(stream.request_id)
+            raise
         return stream
 
     def abort(self, request_id: str) -> None:
+        self.inflight.discard(request_id)
+
         def run() -> None:
             self._streams.pop(request_id, None)
             self.engine.abort(request_id)

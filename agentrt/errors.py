@@ -32,6 +32,13 @@ class ChainBusy(HTTPException):
         super().__init__(detail=f"chain {chain_id!r} already has a turn in flight")
 
 
+class TooManyChains(HTTPException):
+    status_code = 429
+
+    def __init__(self, tenant: str, limit: int):
+        super().__init__(detail=f"tenant {tenant!r} already has {limit} chains, its limit: delete some first")
+
+
 class TurnFailed(HTTPException):
     status_code = 503
 
@@ -40,9 +47,10 @@ def bad_field(key: str, message: str) -> ValidationException:
     return ValidationException(detail=f"{key}: {message}", extra=[{"message": message, "key": key, "source": "body"}])
 
 
-def _body(status: int, detail: str, extra: list[ErrorDetail] | None = None) -> Response[ErrorBody]:
+def _body(status: int, detail: str, extra: list[ErrorDetail] | None = None,
+          headers: dict[str, str] | None = None) -> Response[ErrorBody]:
     return Response(ErrorBody(status_code=status, detail=detail, extra=extra), status_code=status,
-                    media_type=MediaType.JSON)
+                    media_type=MediaType.JSON, headers=headers)
 
 
 def _details(extra: Any) -> list[ErrorDetail] | None:
@@ -69,7 +77,7 @@ def on_http_error(_: Request, exc: HTTPException) -> Response[ErrorBody]:
     detail = exc.detail
     if isinstance(exc, ValidationException) and details:
         detail = "; ".join(f"{d.key}: {d.message}" if d.key else d.message for d in details)
-    return _body(exc.status_code, detail, details)
+    return _body(exc.status_code, detail, details, dict(exc.headers) if exc.headers else None)
 
 
 def on_invalid_request(_: Request, exc: InvalidRequestError) -> Response[ErrorBody]:
@@ -91,8 +99,12 @@ def on_template_error(_: Request, exc: Exception) -> Response[ErrorBody]:
 
 def on_unavailable(_: Request, exc: EngineUnavailable) -> Response[ErrorBody]:
     response = _body(503, str(exc))
-    response.headers["Retry-After"] = "5"
+    response.headers["Retry-After"] = str(getattr(exc, "retry_after", 5))
     return response
+
+
+def on_too_deep(_: Request, exc: RecursionError) -> Response[ErrorBody]:
+    return _body(400, "malformed request: JSON nested too deeply")
 
 
 def on_unexpected(_: Request, exc: Exception) -> Response[ErrorBody]:
@@ -108,5 +120,6 @@ EXCEPTION_HANDLERS: Any = {
     EngineUnavailable: on_unavailable,
     TemplateMismatchError: on_template_error,
     TemplateError: on_template_error,
+    RecursionError: on_too_deep,  # msgspec on a deeply nested body ("[[[[...")
     Exception: on_unexpected,
 }

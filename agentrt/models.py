@@ -1,4 +1,4 @@
-"""ORM tables: chains, turns (token ids as appended and as generated), regions, prune events."""
+"""ORM tables: chains, turns (token ids as appended and as generated), regions, prune events, API keys."""
 
 from __future__ import annotations
 
@@ -23,6 +23,9 @@ class TokenIds(TypeDecorator[list[int]]):
         return None if value is None else np.frombuffer(value, dtype="<u4").tolist()
 
 
+LOCAL_TENANT = "local"  # the tenant of requests without a key (loopback development without auth)
+
+
 class Base(AsyncAttrs, DeclarativeBase):
     type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON, list[int]: TokenIds, str: String(255)}
 
@@ -43,6 +46,8 @@ class ChainRow(Base):
     prune_policy: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True, default=None)
     pruned_intervals: Mapped[list[Any]] = mapped_column(JSON, default=list)  # [[L, R], ...] dropped from the KV now
     parent_id: Mapped[str | None] = mapped_column(String(64), nullable=True, default=None)
+    tenant: Mapped[str] = mapped_column(String(128), index=True, default=LOCAL_TENANT,
+                                        server_default=LOCAL_TENANT)  # the owner; others get 404
 
 
 class TurnRow(Base):
@@ -102,3 +107,17 @@ class PruneEventRow(Base):
     pages_freed: Mapped[int]
     pages_before: Mapped[int]
     pages_after: Mapped[int]
+
+
+class ApiKeyRow(Base):
+    """An API key: ``key_id`` is the public part of the key; only a salted SHA-256 of its secret is stored."""
+
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128), index=True)
+    salt: Mapped[bytes] = mapped_column(LargeBinary)
+    key_hash: Mapped[bytes] = mapped_column(LargeBinary)
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
+    name: Mapped[str | None] = mapped_column(String(255), nullable=True, default=None)

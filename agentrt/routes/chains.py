@@ -17,6 +17,7 @@ from litestar.response import ServerSentEventMessage
 
 from agentrt.chains import ChainService
 from agentrt.disconnect import unless_disconnected
+from agentrt.engine_worker import EngineUnavailable
 from agentrt.errors import on_http_error
 from agentrt.routes.event_stream import EventStream
 from agentrt.turns import PendingTurn
@@ -26,58 +27,61 @@ from sdk.schema import (ChainCreate, ChainList, ChainRead, ErrorBody, ErrorDetai
                         PruneResult, RewindRequest, TurnCreate, TurnDelta, TurnResult, encode)
 
 Service = NamedDependency[ChainService]
+Tenant = NamedDependency[str]  # the request's tenant (agentrt.auth.auth_guard)
 
 
 class ChainController(Controller):
     path = "/v1/chains"
 
     @post("/")
-    async def create_chain(self, data: JSONBody[ChainCreate], chains: Service) -> ChainRead:
-        return await chains.create(data)
+    async def create_chain(self, data: JSONBody[ChainCreate], chains: Service, tenant: Tenant) -> ChainRead:
+        return await chains.create(data, tenant=tenant)
 
     @get("/")
-    async def list_chains(self, chains: Service, offset: Annotated[int, QueryParameter(ge=0)] = 0,
+    async def list_chains(self, chains: Service, tenant: Tenant, offset: Annotated[int, QueryParameter(ge=0)] = 0,
                           limit: Annotated[int, QueryParameter(ge=1, le=100)] = 20) -> ChainList:
-        return await chains.page(offset, limit)
+        return await chains.page(offset, limit, tenant=tenant)
 
     @get("/{chain_id:str}")
-    async def get_chain(self, chain_id: FromPath[str], chains: Service,
+    async def get_chain(self, chain_id: FromPath[str], chains: Service, tenant: Tenant,
                         include_tokens: FromQuery[bool] = False) -> ChainRead:
-        return await chains.read(chain_id, include_tokens)
+        return await chains.read(chain_id, include_tokens, tenant=tenant)
 
     @delete("/{chain_id:str}")
-    async def delete_chain(self, chain_id: FromPath[str], chains: Service) -> None:
-        await chains.delete(chain_id)
+    async def delete_chain(self, chain_id: FromPath[str], chains: Service, tenant: Tenant) -> None:
+        await chains.delete(chain_id, tenant=tenant)
 
     @post("/{chain_id:str}/turns", status_code=200)
     async def create_turn(self, chain_id: FromPath[str], data: JSONBody[TurnCreate], request: Request,
-                          chains: Service) -> TurnResult | Response:
-        turn = await chains.start_turn(chain_id, data)
+                          chains: Service, tenant: Tenant) -> TurnResult | Response:
+        turn = await chains.start_turn(chain_id, data, tenant=tenant)
         if data.stream:
             return EventStream(_sse(turn), background=BackgroundTask(turn.close))
         return await unless_disconnected(request, turn.result())
 
     @post("/{chain_id:str}/prune", status_code=200)
-    async def prune_chain(self, chain_id: FromPath[str], data: JSONBody[PruneRequest], chains: Service) -> PruneResult:
-        return await chains.prune(chain_id, data)
+    async def prune_chain(self, chain_id: FromPath[str], data: JSONBody[PruneRequest], chains: Service,
+                          tenant: Tenant) -> PruneResult:
+        return await chains.prune(chain_id, data, tenant=tenant)
 
     @post("/{chain_id:str}/fork", status_code=201)
-    async def fork_chain(self, chain_id: FromPath[str], chains: Service,
+    async def fork_chain(self, chain_id: FromPath[str], chains: Service, tenant: Tenant,
                          data: JSONBody[ForkRequest | None] = None) -> ChainRead:
-        return await chains.fork(chain_id, data or ForkRequest())
+        return await chains.fork(chain_id, data or ForkRequest(), tenant=tenant)
 
     @post("/{chain_id:str}/rewind", status_code=200)
-    async def rewind_chain(self, chain_id: FromPath[str], data: JSONBody[RewindRequest], chains: Service) -> ChainRead:
-        return await chains.rewind(chain_id, data)
+    async def rewind_chain(self, chain_id: FromPath[str], data: JSONBody[RewindRequest], chains: Service,
+                           tenant: Tenant) -> ChainRead:
+        return await chains.rewind(chain_id, data, tenant=tenant)
 
     @websocket("/{chain_id:str}/ws")
-    async def chain_ws(self, socket: WebSocket, chain_id: FromPath[str], chains: Service) -> None:
+    async def chain_ws(self, socket: WebSocket, chain_id: FromPath[str], chains: Service, tenant: Tenant) -> None:
         """Each text message is a turn request (the POST turns body); replies: delta*, turn_end, prune*, or error."""
         await socket.accept()
         try:
             while True:
                 raw = await socket.receive_data(mode="text")
-                await _ws_turn(socket, chains, chain_id, raw)
+                await _ws_turn(socket, chains, chain_id, raw, tenant)
         except WebSocketDisconnect:
             pass
 
@@ -105,7 +109,7 @@ async def _ws_error(socket: WebSocket, status: int, detail: str, extra: list[Err
     await _ws_send(socket, "error", ErrorBody(status_code=status, detail=detail, extra=extra))
 
 
-async def _ws_turn(socket: WebSocket, chains: ChainService, chain_id: str, raw: str | bytes) -> None:
+async def _ws_turn(socket: WebSocket, chains: ChainService, chain_id: str, raw: str | bytes, tenant: str) -> None:
     try:
         data = msgspec.json.decode(raw, type=TurnCreate)
     except msgspec.ValidationError as exc:
@@ -116,7 +120,7 @@ async def _ws_turn(socket: WebSocket, chains: ChainService, chain_id: str, raw: 
         await _ws_error(socket, 400, f"malformed JSON: {exc}")
         return
     try:
-        turn = await chains.start_turn(chain_id, data)
+        turn = await chains.start_turn(chain_id, data, tenant=tenant)
         async with aclosing(turn.events()) as events:
             async for event in events:
                 if isinstance(event, TurnDelta):
@@ -129,6 +133,8 @@ async def _ws_turn(socket: WebSocket, chains: ChainService, chain_id: str, raw: 
         response = on_http_error(None, exc)  # type: ignore[arg-type]
         body = response.content
         await _ws_error(socket, body.status_code, body.detail, body.extra)
+    except EngineUnavailable as exc:
+        await _ws_error(socket, 503, str(exc))
     except InvalidRequestError as exc:
         status = (409 if isinstance(exc, ChainBusyError) else 404 if isinstance(exc, UnknownChainError)
                   else 400 if isinstance(exc, InvalidSamplingParamsError) else 422)
