@@ -47,9 +47,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, SparseMethod
-from engine.paged_cache import PagedCacheManager
 from engine.registry import register_method
-from policies.scoring import check_int, gather_keys, keep_all, pool1d, request_rows, top_k_sorted
+from policies.scoring import (
+    WindowPreservingCache, check_int, gather_keys, keep_all, pool1d, request_rows, top_k_sorted,
+)
 
 GQA_POOLINGS = ("max", "mean")
 
@@ -132,29 +133,6 @@ class RollingQueries:
         return self.q[layer][sel], p[sel]
 
 
-class ObservationPreservingCache(PagedCacheManager):
-    """Reuses at most ``num_prompt_tokens - reserve`` prompt tokens (whole pages) from the prefix cache, so the
-    queries of the prompt's last ``reserve`` tokens are always computed."""
-
-    def __init__(self, spec, pool, enable_prefix_caching: bool, reserve: int):
-        super().__init__(spec, pool, enable_prefix_caching=enable_prefix_caching)
-        self.reserve = reserve
-
-    def match_prefix(self, req) -> int:
-        cached = super().match_prefix(req)
-        limit = max(0, req.num_prompt_tokens - self.reserve)
-        if cached <= limit:
-            return cached
-        t = self.table(req)
-        keep = limit // self.page_size
-        for page in reversed(t.pages[keep:]):
-            self.pool.decref(page)
-        del t.pages[keep:]
-        del t.keys[keep:]
-        t.num_slots, t.host_row = keep * self.page_size, None
-        return t.num_slots
-
-
 class _State:
     __slots__ = ("preemptions", "queries")
 
@@ -179,7 +157,7 @@ class RKV(SparseMethod):
         self._states: dict[str, _State] = {}
 
     def make_cache(self, spec, pool, enable_prefix_caching):
-        return ObservationPreservingCache(spec, pool, enable_prefix_caching, reserve=self.config.alpha)
+        return WindowPreservingCache(spec, pool, enable_prefix_caching, reserve=self.config.alpha)
 
     def _state(self, req, num_layers: int) -> _State:
         st = self._states.get(req.request_id)

@@ -189,10 +189,5 @@ class WindowPreservingCache(PagedCacheManager):
         if cached <= limit:
             return cached
         t = self.table(req)
-        keep = limit // self.page_size
-        for page in reversed(t.pages[keep:]):
-            self.pool.decref(page)
-        del t.pages[keep:]
-        del t.keys[keep:]
-        t.num_slots = keep * self.page_size
+        self.truncate_table(t, limit // self.page_size * self.page_size)
         return t.num_slots
