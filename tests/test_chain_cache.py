@@ -10,6 +10,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.chain_index import ChainBusyError, UnknownChainError
 from engine.errors import InvalidRequestError
+from tests.chain_helpers import random_tokens, run_chain_turn
 
 PAGE = 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -22,17 +23,7 @@ def reference(tiny_dirs):
 
 
 def turn(engine, chain_id, prompt):
-    rid = engine.add_request(prompt, PARAMS, chain_id=chain_id)
-    final = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.request_id == rid and o.finished:
-                final = o
-    return final
-
-
-def random_tokens(rng, n):
-    return [rng.randrange(3, 500) for _ in range(n)]
+    return run_chain_turn(engine, chain_id, prompt, PARAMS)
 
 
 def test_each_turn_prefills_only_its_new_tokens_and_matches_a_fresh_run(tiny_dirs, reference):

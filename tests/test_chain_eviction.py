@@ -23,6 +23,7 @@ import torch
 
 from engine import SamplingParams
 from tests.dense_reference import greedy_with_mask
+from tests.chain_helpers import random_tokens, run_chain_turn
 from tests.test_eviction_methods import (
     PAGE,
     RecordingRunner,
@@ -200,17 +201,7 @@ def record_steps(engine):
 
 
 def run_turn(engine, chain_id, prompt):
-    rid = engine.add_request(prompt, PARAMS, chain_id=chain_id)
-    final = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.request_id == rid and o.finished:
-                final = o
-    return final
-
-
-def random_tokens(rng, n):
-    return [rng.randrange(3, 500) for _ in range(n)]
+    return run_chain_turn(engine, chain_id, prompt, PARAMS)
 
 
 def run_chain(llm, seed, prune_before=None):

@@ -8,6 +8,7 @@ import torch
 import policies.knorm  # noqa: F401  (registers "knorm")
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError, InvalidRequestError
+from tests.chain_helpers import run_chain_turn
 from tests.dense_reference import causal, greedy_with_mask
 
 PAGE = 4
@@ -15,11 +16,7 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
 def turn(engine, chain_id, prompt):
-    rid = engine.add_request(prompt, PARAMS, chain_id=chain_id)
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.request_id == rid and o.finished:
-                return o
+    return run_chain_turn(engine, chain_id, prompt, PARAMS)
 
 
 def kept_positions(engine, chain_id):

@@ -1,0 +1,16 @@
+"""Shared helpers for chain tests: run one chain turn to completion, random token spans."""
+
+
+def run_chain_turn(engine, chain_id, prompt, params):
+    """Queue ``prompt`` as a turn of ``chain_id`` and step until it finishes; returns its final output."""
+    rid = engine.add_request(prompt, params, chain_id=chain_id)
+    final = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                final = o
+    return final
+
+
+def random_tokens(rng, n):
+    return [rng.randrange(3, 500) for _ in range(n)]
