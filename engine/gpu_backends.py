@@ -10,26 +10,60 @@ from __future__ import annotations
 import torch
 
 from engine.attention_backend import AttentionBackend
-from engine.contract.view import PagedView
+from engine.contract.view import PagedView, SelectedSlotsView
 
 
 class TritonBackend(AttentionBackend):
+    """Reads paged and selected-page views directly, selected-slot views as a page-size-1 table over the
+    flattened cache. Scores (for methods that rank slots by attention) come from the decode-logits kernel
+    at decode steps and from the torch reference ops (on the GPU) for prefill chunks."""
+
     name = "triton"
+    accepted_views = (PagedView, SelectedSlotsView)
+    supports_scores = True
     cuda_graph_safe = True
 
     def __init__(self) -> None:
-        from kernels.triton import paged_decode_attention, paged_prefill_attention
+        from kernels.triton import paged_decode_attention, paged_decode_logits, paged_prefill_attention
 
         self._decode = paged_decode_attention
+        self._logits = paged_decode_logits
         self._prefill = paged_prefill_attention
 
     def forward(self, q, k_cache, v_cache, view: PagedView, scale: float, return_scores: bool = False):
-        assert not return_scores, "methods that need scores run on the torch backend (checked at configuration)"
+        if return_scores and not view.is_pure_decode:
+            from kernels.torch_ref import paged_attention, selected_slots_attention
+
+            if isinstance(view, SelectedSlotsView):
+                return selected_slots_attention(
+                    q, k_cache, v_cache, view.slot_indptr, view.slot_indices, scale,
+                    query_lens=view.query_lens_cpu, slot_counts=view.kv_lens_cpu, causal=view.causal,
+                    return_scores=True)
+            return paged_attention(q, k_cache, v_cache, view.block_tables, view.kv_lens_cpu, view.query_lens_cpu,
+                                   scale, causal=view.causal, return_scores=True)
+        block_tables = view.block_tables
+        if isinstance(view, SelectedSlotsView):
+            k_cache, v_cache = k_cache.flatten(0, 1).unsqueeze(1), v_cache.flatten(0, 1).unsqueeze(1)
+            block_tables = _slot_table(view)
         if view.is_pure_decode:
-            return self._decode(q, k_cache, v_cache, view.block_tables, view.kv_lens, scale), None
-        return self._prefill(q, k_cache, v_cache, view.block_tables, view.kv_lens, view.query_start_loc, scale,
+            out = self._decode(q, k_cache, v_cache, block_tables, view.kv_lens, scale)
+            if not return_scores:
+                return out, None
+            logits = self._logits(q, k_cache, block_tables, view.kv_lens, scale, max(view.kv_lens_cpu, default=0))
+            probs = torch.softmax(logits, dim=-1)
+            return out, [probs[i, :, None, :n] for i, n in enumerate(view.kv_lens_cpu)]
+        return self._prefill(q, k_cache, v_cache, block_tables, view.kv_lens, view.query_start_loc, scale,
                              causal=view.causal, max_query_len=view.max_query_len), None
 
+
+def _slot_table(view: SelectedSlotsView) -> torch.Tensor:
+    """[B, max listed] int32 flat slots per request (a page table over pages of one slot), padded with 0."""
+    width = max(view.kv_lens_cpu, default=0)
+    cols = torch.arange(width, device=view.slot_indptr.device)
+    flat = view.slot_indptr[:-1, None] + cols[None, :]
+    valid = cols[None, :] < view.kv_lens[:, None].to(cols.dtype)
+    last = max(view.slot_indices.shape[0] - 1, 0)
+    return torch.where(valid, view.slot_indices[flat.clamp(max=last)], 0).to(torch.int32)
 
 
 class FlashInferBackend(AttentionBackend):

@@ -26,6 +26,7 @@ import torch
 from engine.contract import Family, PagedView, SelectedSlotsView, SparseMethod
 from engine.errors import ConfigError
 from engine.registry import register_method
+from kernels.dispatch import paged_decode_logits
 
 SCRATCH_KEY = "omnikv"
 
@@ -115,11 +116,10 @@ class OmniKV(SparseMethod):
         valid = positions[None, :] < lens_t[:, None]
         slots = torch.where(valid, slots, 0)
         k_cache, _ = batch.cache.layer_kv(layer)
-        keys = k_cache.flatten(0, 1)[slots].float()  # [s, width, Hkv, D]
-        qs = q[torch.tensor(query_rows, dtype=torch.long, device=device)].float()  # [s, Hq, D]
-        group = qs.shape[1] // keys.shape[2]
-        logits = torch.einsum("shd,swhd->shw", qs, keys.repeat_interleave(group, dim=2)) * qs.shape[-1] ** -0.5
-        probs = torch.softmax(logits.masked_fill(~valid[:, None, :], float("-inf")), dim=-1)
+        qs = q[torch.tensor(query_rows, dtype=torch.long, device=device)]  # [s, Hq, D]
+        logits = paged_decode_logits(qs, k_cache, view.block_tables[rows_t], lens_t.to(torch.int32), lengths,
+                                     qs.shape[-1] ** -0.5, width)  # [s, Hq, width], -inf past each length
+        probs = torch.softmax(logits, dim=-1)
         scores = probs.sum(dim=1)  # [s, width]: attention mass over all query heads
         newest = lens_t - 1
         scores = scores.masked_fill(positions[None, :] >= newest[:, None], float("-inf"))

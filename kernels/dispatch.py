@@ -1,0 +1,18 @@
+"""Device dispatch for kernels that methods call directly: the Triton kernel on a GPU, the torch reference
+elsewhere (the same signature and result)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_decode_logits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                        kv_lens: torch.Tensor, kv_lens_cpu: list[int], scale: float, width: int) -> torch.Tensor:
+    """[B, Hq, width] fp32 ``q . k * scale`` of one query per request over its paged context (-inf padding)."""
+    if q.is_cuda:
+        from kernels.triton import paged_decode_logits as triton_logits
+
+        return triton_logits(q, k_cache, block_tables, kv_lens, scale, width)
+    from kernels.torch_ref import paged_decode_logits as torch_logits
+
+    return torch_logits(q, k_cache, block_tables, kv_lens_cpu, scale, width)
