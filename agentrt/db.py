@@ -1,15 +1,28 @@
-"""The async database: engine and session factory from a URL; the schema is created with create_all (plus the
-one column added since the first slice, ``chains.tenant``, added in place to an older database)."""
+"""The async database: engine and session factory from a URL; the schema is brought to the newest Alembic
+revision (agentrt/migrations) when it is opened.
+
+A database made before migrations existed (by ``create_all``: tables but no ``alembic_version``) is adopted:
+the one column added since the first slice (``chains.tenant``) is added when missing, then it is stamped with
+the first revision, which creates exactly those tables.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import event, inspect, text
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy import Connection, event, inspect, text
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
-from agentrt.models import LOCAL_TENANT, Base
+from agentrt.models import LOCAL_TENANT
+
+MIGRATIONS = Path(__file__).with_name("migrations")
+FIRST_REVISION = "0001"
 
 
 @dataclass(slots=True)
@@ -21,6 +34,42 @@ class Database:
         await self.engine.dispose()
 
 
+def alembic_config(url: str | None = None, connection: Connection | None = None) -> Config:
+    """An Alembic config without alembic.ini: for ``alembic.command.*`` on ``connection`` (or on ``url``)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    if url is not None:
+        config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    config.attributes["connection"] = connection
+    return config
+
+
+def head_revision() -> str:
+    head = ScriptDirectory.from_config(alembic_config()).get_current_head()
+    assert head is not None
+    return head
+
+
+def current_revision(conn: Connection) -> str | None:
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+def _adopt_unversioned(conn: Connection) -> None:
+    tables = set(inspect(conn).get_table_names())
+    if "chains" not in tables or "alembic_version" in tables:
+        return
+    if "tenant" not in {c["name"] for c in inspect(conn).get_columns("chains")}:
+        conn.execute(text(f"ALTER TABLE chains ADD COLUMN tenant VARCHAR(128) NOT NULL DEFAULT '{LOCAL_TENANT}'"))
+        conn.execute(text("CREATE INDEX ix_chains_tenant ON chains (tenant)"))
+    command.stamp(alembic_config(connection=conn), FIRST_REVISION)
+
+
+def upgrade(conn: Connection, revision: str = "head") -> None:
+    """Migrate the database behind ``conn`` (a sync connection, e.g. under ``AsyncConnection.run_sync``)."""
+    _adopt_unversioned(conn)
+    command.upgrade(alembic_config(connection=conn), revision)
+
+
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     cursor.execute("PRAGMA foreign_keys=ON")
@@ -28,18 +77,10 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def _add_missing_columns(conn: Any) -> None:
-    columns = {c["name"] for c in inspect(conn).get_columns("chains")}
-    if "tenant" not in columns:
-        conn.execute(text(f"ALTER TABLE chains ADD COLUMN tenant VARCHAR(128) NOT NULL DEFAULT '{LOCAL_TENANT}'"))
-        conn.execute(text("CREATE INDEX IF NOT EXISTS ix_chains_tenant ON chains (tenant)"))
-
-
 async def open_database(url: str) -> Database:
     engine = create_async_engine(url)
     if engine.dialect.name == "sqlite":
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
     async with engine.begin() as conn:
-        await conn.run_sync(Base.metadata.create_all)
-        await conn.run_sync(_add_missing_columns)
+        await conn.run_sync(upgrade)
     return Database(engine, async_sessionmaker(engine, expire_on_commit=False))
