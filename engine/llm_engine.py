@@ -19,6 +19,7 @@ from engine.chain_index import ChainInfo
 from engine.chain_manager import ChainManager, PruneResult
 from engine.config import DEFAULT_CPU_KV_BYTES, DTYPES, EngineConfig
 from engine.contract.cache import CacheSpec
+from engine.contract.method import SparseMethod
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CheckpointError, InvalidRequestError, InvalidSamplingParamsError, OutOfPagesError
 from engine.loader import load_model
@@ -98,7 +99,7 @@ class LLMEngine:
             reasons.append("enforce_eager")
         if not self.backend.cuda_graph_safe:
             reasons.append(f"backend {self.backend.name} is not graph-safe")
-        if not self.method.cuda_graph_safe:
+        if not self.method.cuda_graph_safe and type(self.method).replayable is SparseMethod.replayable:
             reasons.append(f"method {self.method.name} does host work per layer")
         if not getattr(self.model, "cuda_graph_safe", True):
             reasons.append(f"{self.model_config.architecture} forward syncs with the host")

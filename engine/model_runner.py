@@ -47,7 +47,8 @@ class ModelRunner:
         g = self.graphs
         return (g is not None and batch.layer_views is None and batch.view.is_pure_decode
                 and not batch.finished_prompt
-                and batch.num_tokens <= g.max_batch and batch.view.block_tables.shape[1] <= g.block_tables.shape[1])
+                and batch.num_tokens <= g.max_batch and batch.view.block_tables.shape[1] <= g.block_tables.shape[1]
+                and self.method.replayable(batch))
 
     # --- LayerRunner ----------------------------------------------------------------------------
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -103,8 +103,8 @@ class SnapKV(SparseMethod):
     name = "snapkv"
     family = Family.EVICTION
     Config = SnapKVConfig
-    # select stashes window queries on the host. Even with reeval_every = 0 a replayed pure-decode step can
-    # hold a request's 1-token final prompt chunk, whose query the window needs, so no decode graphs.
+    # select stashes window queries on the host; decode steps replay graphs only once nothing needs them
+    # (see ``replayable``).
     cuda_graph_safe = False
 
     def __init__(self, config: SnapKVConfig | None = None):
@@ -139,11 +139,23 @@ class SnapKV(SparseMethod):
             queries = QueryStash.load(state["queries"], self.config.window)
             self._states[req.request_id] = _State(req, len(queries.q), self.config.window, queries)
 
+    def _done(self, req) -> bool:
+        """No later vote can read this request's next queries: its prompt is evicted, no re-evaluation is
+        configured, and no later chain turn may take its window from them."""
+        st = self._states.get(req.request_id)
+        return (st is not None and st.prompt_evicted and st.preemptions == req.num_preemptions
+                and not self.config.reeval_every and req.chain_id is None)
+
+    def replayable(self, batch) -> bool:
+        return all(self._done(req) for req in batch.requests)
+
     # --- hooks ------------------------------------------------------------------------------------
     def select(self, layer, q, batch):
         w = self.config.window
         num_layers = batch.cache.spec.num_layers
         for req, row, n, first in request_rows(batch):
+            if self._done(req):
+                continue
             st = self._state(req, num_layers)
             # the last w computed rows, and until the prompt-end eviction succeeds every row of its window
             keep_from = None if st.prompt_evicted else req.num_prompt_tokens - w

@@ -114,6 +114,13 @@ class SparseMethod:
     def end_step(self, batch: ForwardBatch) -> None:
         pass
 
+    def replayable(self, batch: ForwardBatch) -> bool:
+        """Whether this pure-decode step may replay a captured CUDA graph. A replay runs attention over the
+        step's shared view with no per-layer hook (begin_step and end_step still run). A method that is not
+        ``cuda_graph_safe`` in general may still allow it for steps where its per-layer hooks would do nothing
+        (e.g. an eviction method that is done evicting); overriding this makes the engine capture graphs."""
+        return self.cuda_graph_safe
+
     def kv_loaded(self, req: Request, cache: CacheManager) -> None:
         """The cache wrote ``req``'s KV outside a forward step (a restore, a benchmark's synthetic fill):
         rebuild whatever metadata the method derives from written KV."""
