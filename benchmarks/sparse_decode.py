@@ -76,17 +76,20 @@ def run_method(model_dir: Path, name: str, cfg: dict, args) -> dict:
     for _ in range(3):
         engine.step()
     sync()
+    replays_before = 0 if engine.runner.graphs is None else engine.runner.graphs.replays
     t0, steps, tokens = time.perf_counter(), 0, 0
     while steps < args.decode_steps:
         tokens += len(engine.step())
         steps += 1
     sync()
     elapsed = time.perf_counter() - t0
+    graphs = engine.runner.graphs
+    replayed = 0 if graphs is None else graphs.replays - replays_before
     held = [engine.cache.num_pages_held(r) for r in engine._requests.values()]
     result = {"method": name, "config": cfg, "batch": admitted, "context": args.context,
               "decode_tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / steps,
               "pages_per_request": sum(held) / max(len(held), 1), "pool_pages": engine.pool.num_pages,
-              "backend": engine.backend.name, "cuda_graphs": engine.runner.graphs is not None}
+              "backend": engine.backend.name, "graph_replayed_steps": replayed, "timed_steps": steps}
     for rid in list(engine._requests):
         engine.abort(rid)
     del engine

@@ -34,6 +34,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.replays = 0  # steps served by a replay (for benchmarks and logs)
 
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
@@ -89,4 +90,5 @@ class DecodeGraphs:
             self.block_tables[n:b, 0].fill_(self.scratch_page)
             self.kv_lens[n:b].fill_(1)
         self.graphs[b].replay()
+        self.replays += 1
         return self.logits[b][:n]
