@@ -8,6 +8,8 @@ turn leaves the chain's logical history as it was.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +17,7 @@ import torch
 from engine.chain_index import ChainBusyError, ChainIndex, ChainInfo, ChainState, ResumeStatus
 from engine.contract.cache import CacheManager
 from engine.contract.method import SparseMethod
-from engine.contract.scorer import ImportanceScorer
+from engine.contract.scorer import ImportanceScorer, ScoreContext
 from engine.errors import InvalidRequestError, OutOfPagesError
 from engine.request import FinishReason, Request
 
@@ -25,6 +27,9 @@ class PruneResult:
     tokens_kept: int  # slots the chain holds per layer and KV head after pruning
     tokens_freed: int  # slots dropped per layer and KV head
     pages_freed: int
+    status: str = "applied"  # applied | deferred (queued behind a running turn) | failed (when it applied)
+    prune_id: int | None = None  # set for a deferred prune: ``LLMEngine.prune_result(prune_id)``
+    error: str | None = None
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:
@@ -41,6 +46,10 @@ class ChainManager:
         self.cache = cache
         self.method = method
         self.num_layers = num_layers
+        self.prober = None  # engine.probe.Prober, for scorers that probe
+        self._deferred: dict[str, list[tuple]] = {}  # chain id -> prunes queued behind its running turn
+        self._prune_results: dict[int, PruneResult] = {}
+        self._prune_ids = itertools.count(1)
 
     # --- a turn's life ----------------------------------------------------------------------------
     def check_bindable(self, chain_id: str) -> None:
@@ -107,6 +116,7 @@ class ChainManager:
             state.num_computed, state.method_state = 0, None
         state.busy_request = None
         self.index.touch(state)
+        self._apply_deferred(state)
 
     # --- memory -----------------------------------------------------------------------------------
     def reclaim(self, pages_needed: int) -> bool:
@@ -133,6 +143,7 @@ class ChainManager:
         if state.table is not None:
             self.cache.release_table(state.table)
         self.index.pop(chain_id)
+        self._drop_deferred(chain_id)
 
     def fork(self, chain_id: str, new_chain_id: str) -> None:
         if new_chain_id in self.index:
@@ -164,23 +175,67 @@ class ChainManager:
 
     def prune(
         self, chain_id: str, intervals: list[tuple[int, int]], scorer: ImportanceScorer | None = None,
-        keep_ratio: float = 0.0,
+        keep_ratio: float = 0.0, defer: bool = True,
     ) -> PruneResult:
-        """Drop KV inside logical intervals ``[L, R)`` of an idle chain, keeping ``keep_ratio`` of each
-        interval's tokens per (layer, KV head) by ``scorer`` (required when 0 < keep_ratio < 1). The logical
-        history is unchanged, so the next turn with the same tokens still resumes."""
-        state = self._idle(chain_id)
+        """Drop KV inside logical intervals ``[L, R)`` of a chain, keeping ``keep_ratio`` of each interval's
+        tokens per (layer, KV head) by ``scorer`` (required when 0 < keep_ratio < 1). The logical history is
+        unchanged, so the next turn with the same tokens still resumes.
+
+        On a chain with a turn in flight the prune is queued (``defer``; else ``ChainBusyError``) and applied
+        when the turn ends; the returned result has status ``deferred`` and a ``prune_id`` for
+        ``prune_result``. Its intervals are checked against the chain's KV when it applies."""
+        state = self.index.get(chain_id)
         if not 0.0 <= keep_ratio <= 1.0:
             raise InvalidRequestError(f"keep_ratio must be in [0, 1], got {keep_ratio!r}")
         if scorer is None and 0.0 < keep_ratio < 1.0:
             raise InvalidRequestError("keep_ratio between 0 and 1 needs a scorer to choose the kept tokens")
         for lo, hi in intervals:
-            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi <= state.num_computed):
+            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi):
+                raise InvalidRequestError(f"interval [{lo}, {hi}) must satisfy 0 <= L < R")
+        if not state.is_idle:
+            if not defer:
+                raise ChainBusyError(f"chain {chain_id!r} has a turn in flight")
+            prune_id = next(self._prune_ids)
+            self._deferred.setdefault(chain_id, []).append((prune_id, list(intervals), scorer, keep_ratio))
+            self._prune_results[prune_id] = PruneResult(0, 0, 0, status="deferred", prune_id=prune_id)
+            return self._prune_results[prune_id]
+        return self._prune_idle(state, intervals, scorer, keep_ratio)
+
+    def prune_result(self, prune_id: int) -> PruneResult:
+        """The outcome of a prune returned as ``deferred``: still ``deferred``, ``applied`` or ``failed``."""
+        result = self._prune_results.get(prune_id)
+        if result is None:
+            raise InvalidRequestError(f"unknown prune_id {prune_id!r}")
+        return result
+
+    def _apply_deferred(self, state: ChainState) -> None:
+        for prune_id, intervals, scorer, keep_ratio in self._deferred.pop(state.chain_id, []):
+            try:
+                result = self._prune_idle(state, intervals, scorer, keep_ratio)
+                result = dataclasses.replace(result, prune_id=prune_id)
+            except InvalidRequestError as exc:
+                result = PruneResult(0, 0, 0, status="failed", prune_id=prune_id, error=str(exc))
+            self._prune_results[prune_id] = result
+
+    def _drop_deferred(self, chain_id: str) -> None:
+        for prune_id, *_ in self._deferred.pop(chain_id, []):
+            self._prune_results[prune_id] = PruneResult(0, 0, 0, status="failed", prune_id=prune_id,
+                                                        error=f"chain {chain_id!r} was deleted")
+
+    def _prune_idle(self, state: ChainState, intervals: list[tuple[int, int]], scorer: ImportanceScorer | None,
+                    keep_ratio: float) -> PruneResult:
+        for lo, hi in intervals:
+            if not hi <= state.num_computed:
                 raise InvalidRequestError(
                     f"interval [{lo}, {hi}) must satisfy 0 <= L < R <= {state.num_computed} (the chain's KV)")
         table = state.table
         if table is None or not intervals:
             return PruneResult(0, 0, 0)
+        scores = None
+        if scorer is not None and 0.0 < keep_ratio < 1.0:
+            ctx = ScoreContext(self.cache, table, state.token_ids[: state.num_computed], state.num_computed,
+                               self.num_layers, self.prober)
+            scores = scorer.score_table(ctx)
         pages_before = len(table.pages)
         keep, dropped = [], 0
         for layer in range(self.num_layers):
@@ -189,12 +244,11 @@ class ChainManager:
             for lo, hi in intervals:
                 inside |= (positions >= lo) & (positions < hi)
             num_drop = round((1.0 - keep_ratio) * int(inside.sum(1).min()))
-            if scorer is None:
-                rank = positions.float()  # no scorer: drop the latest (all of them when heads hold equal counts)
-            else:
-                rank = -scorer.score(self.cache, table, layer).float()
+            # no scorer: drop the latest (all of them when heads hold equal counts)
+            rank = positions.float() if scores is None else -scores[layer].float()
             rank = rank.masked_fill(~inside, float("-inf"))  # only slots inside may be dropped
-            drop = rank.topk(num_drop, dim=1).indices if num_drop else rank[:, :0].long()
+            # the lowest scores go first; ties to the earlier slot (a stable sort), the same in every layer
+            drop = torch.sort(rank, dim=1, descending=True, stable=True).indices[:, :num_drop]
             kept = torch.ones_like(inside)
             kept.scatter_(1, drop, False)
             keep.append(kept.nonzero()[:, 1].view(positions.shape[0], -1))

@@ -22,6 +22,7 @@ class ForwardBatch:
     logits_indices: [N] rows whose logits are sampled, one per request in ``sample_requests``.
     finished_prompt: requests whose prompt's last token is computed in this step.
     scratch: per-step space for a method's own data (e.g. an observation layer's selection).
+    probe: runs extra query tokens against a request's KV without committing them (engine/probe.py).
     """
 
     requests: list[Request]
@@ -36,6 +37,7 @@ class ForwardBatch:
     cache: CacheManager
     layer_views: list[PagedView] | None = None
     scratch: dict[str, Any] = field(default_factory=dict)
+    probe: Any = None  # engine.probe.Prober: a method may probe a request's KV from a hook (between steps' forwards)
 
     def view_for(self, layer: int) -> PagedView:
         return self.view if self.layer_views is None else self.layer_views[layer]

@@ -26,6 +26,7 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.page_pool import PagePool
+from engine.probe import Prober
 from engine.registry import create_method, create_scorer
 from engine.request import FinishReason, Request
 from engine.sampler import make_generator
@@ -83,6 +84,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
                                    on_preempt=self._on_preempt, reclaim=self.chains.reclaim)
         self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)
+        self.runner.prober = self.chains.prober = Prober(
+            self.model, self.cache, mc.head_dim**-0.5, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         self._maybe_capture_graphs()
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -291,10 +294,15 @@ class LLMEngine:
         self.chains.rewind(chain_id, num_tokens)
 
     def prune_chain(
-        self, chain_id: str, intervals: list[tuple[int, int]], scorer: str | None = None, keep_ratio: float = 0.0
+        self, chain_id: str, intervals: list[tuple[int, int]], scorer: str | None = None, keep_ratio: float = 0.0,
+        defer: bool = True,
     ) -> PruneResult:
-        """Prefix-cache pruning of an idle chain: see ``ChainManager.prune``; ``scorer`` by registered name."""
-        return self.chains.prune(chain_id, intervals, create_scorer(scorer) if scorer else None, keep_ratio)
+        """Prefix-cache pruning of a chain: see ``ChainManager.prune``; ``scorer`` by registered name. A busy
+        chain's prune is queued until its turn ends (status ``deferred``; ``defer=False``: ChainBusyError)."""
+        return self.chains.prune(chain_id, intervals, create_scorer(scorer) if scorer else None, keep_ratio, defer)
+
+    def prune_result(self, prune_id: int) -> PruneResult:
+        return self.chains.prune_result(prune_id)
 
     def pin_chain(self, chain_id: str, pinned: bool = True) -> None:
         self.chains.set_pinned(chain_id, pinned)

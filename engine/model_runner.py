@@ -38,6 +38,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.wants_layer_output = type(method).end_layer is not SparseMethod.end_layer
         self._batch: ForwardBatch | None = None
+        self.prober = None  # engine.probe.Prober, handed to methods as ForwardBatch.probe
 
     def capture_decode_graphs(self, max_batch: int, max_pages: int, show_progress: bool = True) -> None:
         self.graphs = DecodeGraphs(self, max_batch, max_pages, self.cache.scratch_page, self.cache.spec.page_size)
@@ -69,7 +70,9 @@ class ModelRunner:
 
     # --- one step -------------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> ForwardBatch:
-        return build_forward_batch(plan, self.cache, self.device)
+        batch = build_forward_batch(plan, self.cache, self.device)
+        batch.probe = self.prober
+        return batch
 
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> SampleOutput | None:
