@@ -135,3 +135,122 @@ def test_default_agent_completes_a_scripted_task_sending_only_new_messages(serve
         [{"role": "user", "content": messages[1]["content"]}],
         *[[{"role": "tool", "content": o["content"], "tool_call_id": f"bash-{i + 1}-0", "name": "bash"}]
           for i, o in enumerate(observations)]]
+
+
+def test_the_example_config_selects_the_adapter_and_runs_the_task(server, tokenizer, tmp_path):
+    from pathlib import Path
+
+    from minisweagent.config import get_config_from_spec
+    from minisweagent.environments import get_environment
+
+    config = get_config_from_spec(Path(__file__).parent.parent / "examples" / "mini_swe_agent.yaml")
+    model = get_model(config={**config["model"], "base_url": server.url})
+    assert type(model) is AgentrtModel and model.config.sampling["max_tokens"] == 1024
+    model.send_options = scripted(tokenizer, SCRIPT)
+    env = get_environment({**config["environment"], "cwd": str(tmp_path)}, default_type="local")
+    agent = DefaultAgent(model, env, **config["agent"])
+    assert agent.run("create out.txt, then submit") == {"exit_status": "Submitted", "submission": CONTENT}
+    assert (tmp_path / "out.txt").read_text() == CONTENT
+    state = Client(server.url).chains.get(model.chain_ids[0]).info
+    assert state.metadata == {"agent": "mini-swe-agent"} and state.num_turns == 3
+    assert state.turns[0].messages == [UserMessage(content=agent.messages[1]["content"])]
+
+
+def test_a_new_run_starts_a_new_chain(server, tokenizer, tmp_path):
+    recorder = Recorder()
+    model = make_model(server, tokenizer, SCRIPT, recorder)
+    first = DefaultAgent(model, LocalEnvironment(cwd=str(tmp_path / "a")), **AGENT)
+    second = DefaultAgent(model, LocalEnvironment(cwd=str(tmp_path / "b")), **AGENT)
+    for agent, d in ((first, "a"), (second, "b")):
+        (tmp_path / d).mkdir()
+        assert agent.run(f"task {d}")["exit_status"] == "Submitted"
+        assert (tmp_path / d / "out.txt").read_text() == CONTENT
+    assert len(model.chain_ids) == 2 and model.chain_ids[0] != model.chain_ids[1]
+    assert sum(1 for m, p, _ in recorder.sent if m == "POST" and p == "/v1/chains") == 2
+    client = Client(server.url)
+    for chain_id, agent in zip(model.chain_ids, (first, second)):
+        state = client.chains.get(chain_id).info
+        assert state.num_turns == 3 and state.turns[0].messages == [UserMessage(content=agent.messages[1]["content"])]
+    assert [len(b["messages"]) for b in recorder.turn_bodies()] == [1] * 6
+
+
+def test_a_reply_without_an_action_is_a_format_error_and_the_error_goes_as_a_user_message(server, tokenizer, tmp_path):
+    script = ["I will not give a command.", *SCRIPT]
+    recorder = Recorder()
+    model = make_model(server, tokenizer, script, recorder, format_error_template="Format error: {{error}}")
+    agent = DefaultAgent(model, LocalEnvironment(cwd=str(tmp_path)), **AGENT)
+    assert agent.run("create out.txt, then submit")["exit_status"] == "Submitted"
+    assert (tmp_path / "out.txt").read_text() == CONTENT
+    error = agent.messages[2]
+    assert error["role"] == "user" and error["content"] == "Format error: Expected exactly 1 action, found 0."
+    assert error["extra"]["cost"] == 0.0 and error["extra"]["response"].startswith(script[0])
+    state = Client(server.url).chains.get(model.chain_ids[0]).info
+    assert state.num_turns == 4 and state.turns[0].message.content.startswith(script[0])  # the chain keeps it
+    assert state.turns[1].messages == [UserMessage(content=error["content"])]
+    assert [r.kind for r in state.regions][:5] == ["system", "user", "assistant", "user", "assistant"]
+    assert [len(b["messages"]) for b in recorder.turn_bodies()] == [1] * 4
+
+
+def test_a_recomputed_chain_is_reported_and_the_run_continues(db_url, tokenizer, tmp_path):
+    """The server restarts (same database, same port) in the middle of a run: the next turn is recomputed
+    from the stored token log; the adapter still sends only the new message."""
+    from agentrt.local_server import LocalServer
+
+    recorder = Recorder()
+    first = LocalServer(_app(db_url)).start()
+    model = make_model(first, tokenizer, SCRIPT, recorder)
+    env = LocalEnvironment(cwd=str(tmp_path))
+    messages = [model.format_message(role="system", content="You are a shell agent."),
+                model.format_message(role="user", content="Task: create out.txt")]
+    reply = model.query(messages)
+    messages += [reply, *model.format_observation_messages(reply, [env.execute(reply["extra"]["actions"][0])])]
+    port = first.port
+    first.stop()
+    with LocalServer(_app(db_url), port=port) as second:
+        again = model.query(messages)
+        assert again["extra"]["agentrt"]["resume_status"] == "recomputed" and model.num_recomputed == 1
+        assert again["extra"]["actions"] == [{"command": "cat out.txt"}]
+        state = Client(second.url).chains.get(model.chain_ids[0]).info
+    assert len(model.chain_ids) == 1 and state.num_turns == 2
+    assert [t.resume_status for t in state.turns] == ["created", "recomputed"]
+    (sent,) = state.turns[1].messages
+    assert isinstance(sent, ToolResultMessage) and sent.content == messages[3]["content"]
+    assert [len(b["messages"]) for b in recorder.turn_bodies()] == [1, 1]
+
+
+TOOLCALL_SCRIPT = [
+    '<tool_call>\n{"name": "bash", "arguments": {"command": "printf \'hello from agentrt\\\\n\' > out.txt"}}\n</tool_call>',
+    '<tool_call>\n{"name": "bash", "arguments": {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat out.txt"}}'
+    '\n</tool_call>',
+]
+
+
+def test_toolcall_mode_uses_the_calls_the_server_parsed(server, tokenizer, tmp_path):
+    recorder = Recorder()
+    model = make_model(server, tokenizer, TOOLCALL_SCRIPT, recorder, actions="toolcall")
+    agent = DefaultAgent(model, LocalEnvironment(cwd=str(tmp_path)), **AGENT)
+    assert agent.run("create out.txt, then submit") == {"exit_status": "Submitted", "submission": CONTENT}
+    assert (tmp_path / "out.txt").read_text() == CONTENT
+    reply, observation = agent.messages[2], agent.messages[3]
+    (call,) = reply["tool_calls"]
+    assert call["function"]["name"] == "bash" and reply["extra"]["actions"] == [
+        {"command": "printf 'hello from agentrt\\n' > out.txt", "tool_call_id": call["id"]}]
+    assert observation["role"] == "tool" and observation["tool_call_id"] == call["id"]
+    state = Client(server.url).chains.get(model.chain_ids[0]).info
+    assert [t.function.name for t in state.tools] == ["bash"]
+    (sent,) = state.turns[1].messages
+    assert isinstance(sent, ToolResultMessage) and sent.tool_call_id == call["id"]
+    tool_region = next(r for r in state.regions if r.kind == "tool_result")
+    assert (tool_region.tool_name, tool_region.tool_call_id) == ("bash", call["id"])
+
+
+def test_bad_histories_are_refused_with_a_clear_error(server):
+    model = AgentrtModel(base_url=server.url)
+    with pytest.raises(ValueError, match="system message"):
+        model.query([{"role": "user", "content": "hi"}])
+    with pytest.raises(ValueError, match="not generated by an agentrt chain"):
+        model.query([{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                     {"role": "assistant", "content": "a"}, {"role": "user", "content": "v"}])
+    with pytest.raises(ValueError, match="text messages only"):
+        model.query([{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "image_url"}]}])
+    assert model.chain_ids == []  # checked before anything is sent
