@@ -44,9 +44,9 @@ def run(model_dir, backend: str, dtype: str, eager: bool = True):
     logits_log = []
     sample = llm.engine.runner.sampler.sample
 
-    def recording(logits, params, generators):
+    def recording(logits, *args):
         logits_log.append(logits.float().cpu())
-        return sample(logits, params, generators)
+        return sample(logits, *args)
 
     llm.engine.runner.sampler.sample = recording
     ps = prompts(llm.engine.model_config.vocab_size)
