@@ -1,0 +1,146 @@
+"""The probe forward against a dense full-matrix reference, and the chain left byte-for-byte unchanged."""
+
+import random
+
+import pytest
+import torch
+
+import policies.knorm  # noqa: F401  (registers "knorm")
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError
+from tests.chain_helpers import random_tokens, run_chain_turn
+
+PAGE = 4
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+class RecordingRunner:
+    """Full-matrix attention under ``visible(layer, T)`` ([Hkv, T, T] bool); records the probabilities."""
+
+    def __init__(self, visible):
+        self.visible = visible
+        self.probs = {}
+
+    def attention(self, layer, q, k, v):
+        T, hq, d = q.shape
+        group = hq // k.shape[1]
+        mask = self.visible(layer, T).repeat_interleave(group, dim=0)
+        logits = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(group, 1)) * d**-0.5
+        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+        self.probs[layer] = probs  # [Hq, T, T]
+        return torch.einsum("hqk,khd->qhd", probs, v.float().repeat_interleave(group, 1)).to(q.dtype)
+
+    def end_layer(self, layer, hidden):
+        pass
+
+
+def dense_probe_reference(model, history, probe, kept, start, reduce):
+    """Score of each kept slot: the dense attention probabilities of the probe rows (positions start..) on it.
+
+    The history rows see causally; probe row i sees the kept history slots of its KV head with position
+    < start and probe rows <= i. ``kept[layer]`` is [Hkv, n] logical positions."""
+    seq = history[:start] + probe
+    T, P = len(seq), len(probe)
+
+    def visible(layer, T_):
+        heads = kept[layer].shape[0]
+        m = torch.ones(T_, T_, dtype=torch.bool).tril().repeat(heads, 1, 1)
+        for h in range(heads):
+            row = torch.zeros(start, dtype=torch.bool)
+            row[[p for p in kept[layer][h].tolist() if p < start]] = True
+            m[h, start:, :start] &= row
+        return m
+
+    runner = RecordingRunner(visible)
+    with torch.no_grad():
+        model(torch.tensor(seq), torch.arange(T), runner)
+    out = []
+    for layer, positions in enumerate(kept):
+        probs = runner.probs[layer][:, T - P:, :]  # [Hq, P, T]
+        heads = positions.shape[0]
+        group = probs.shape[0] // heads
+        score = torch.zeros(positions.shape)
+        for h in range(heads):
+            for s, pos in enumerate(positions[h].tolist()):
+                if pos >= start:
+                    continue
+                cells = probs[h * group:(h + 1) * group, :, pos]
+                score[h, s] = cells.max() if reduce == "max" else cells.mean()
+        out.append(score)
+    return out
+
+
+def chain_snapshot(engine, chain_id):
+    state = engine.chains.index.get(chain_id)
+    t = state.table
+    return (engine.cache.kv.clone(), list(t.pages), t.num_slots, None if t.layer_lens is None else list(t.layer_lens),
+            [engine.cache.table_positions(t, layer).clone() for layer in range(engine.model_config.num_layers)],
+            list(engine.pool.ref_counts), engine.pool.num_free, state.num_computed, list(state.token_ids))
+
+
+def assert_unchanged(before, after):
+    assert torch.equal(before[0], after[0])  # every byte of the KV storage
+    assert before[1:4] == after[1:4]
+    assert all(torch.equal(a, b) for a, b in zip(before[4], after[4]))
+    assert before[5:] == after[5:]
+
+
+@pytest.fixture(scope="module")
+def chain_engine(tiny_dirs):
+    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=16)
+    engine, rng = llm.engine, random.Random(1)
+    prompt = random_tokens(rng, 37)
+    run_chain_turn(engine, "c", prompt, PARAMS)
+    return engine, rng
+
+
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+@pytest.mark.parametrize("pruned", [False, True])
+def test_probe_scores_equal_dense_attention_and_the_chain_is_unchanged(chain_engine, reduce, pruned):
+    engine, rng = chain_engine
+    chain = f"p-{reduce}-{pruned}"
+    engine.fork_chain("c", chain)
+    if pruned:  # per-head kept sets (knorm) make the retained slots non-contiguous and differ between heads
+        engine.prune_chain(chain, [(5, 30)], scorer="knorm", keep_ratio=0.4)
+    state = engine.chains.index.get(chain)
+    num_layers = engine.model_config.num_layers
+    kept = [engine.cache.table_positions(state.table, layer).clone() for layer in range(num_layers)]
+    history = state.token_ids[: state.num_computed]
+    probe = random_tokens(rng, 11)
+    before = chain_snapshot(engine, chain)
+
+    got = engine.chains.prober.run(state.table, state.num_computed, probe, reduce=reduce, chunk_size=4)
+    assert_unchanged(before, chain_snapshot(engine, chain))
+
+    expected = dense_probe_reference(engine.model, history, probe, kept, state.num_computed, reduce)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+    whole = engine.chains.prober.run(state.table, state.num_computed, probe, reduce=reduce, chunk_size=64)
+    for g, w in zip(got, whole):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    engine.delete_chain(chain)
+
+
+def test_probe_from_an_earlier_start_reproduces_the_histories_own_attention(chain_engine):
+    """Re-running the last w tokens of the history at their own positions (start = n - w) gives exactly the
+    attention those tokens' queries paid to the earlier KV when the history was computed."""
+    engine, _ = chain_engine
+    state = engine.chains.index.get("c")
+    n, w = state.num_computed, 6
+    history = state.token_ids[:n]
+    kept = [engine.cache.table_positions(state.table, layer).clone() for layer in range(engine.model_config.num_layers)]
+    got = engine.chains.prober.run(state.table, n, history[n - w:], start=n - w, reduce="mean", chunk_size=4)
+    expected = dense_probe_reference(engine.model, history, history[n - w:], kept, n - w, "mean")
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+        assert torch.all(g[:, n - w:] == 0)  # slots at or after start are hidden from the probe
+
+
+def test_probe_rejects_bad_input(chain_engine):
+    engine, _ = chain_engine
+    state = engine.chains.index.get("c")
+    prober, n = engine.chains.prober, state.num_computed
+    for kw, words in [(dict(token_ids=[]), "at least one token"), (dict(token_ids=[5], reduce="sum"), "reduce"),
+                      (dict(token_ids=[5], chunk_size=0), "chunk_size"), (dict(token_ids=[5], start=n + 1), "start")]:
+        with pytest.raises(InvalidRequestError, match=words):
+            prober.run(state.table, n, **kw)
