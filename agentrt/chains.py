@@ -389,9 +389,15 @@ class ChainService:
         s = data.sampling
         if s.max_tokens > self.config.max_tokens_per_turn:
             raise bad_field("sampling.max_tokens", f"must be <= {self.config.max_tokens_per_turn}")
+        vocab = self.worker.engine.model_config.vocab_size
+        if len(s.forced_token_ids) > s.max_tokens:
+            raise bad_field("sampling.forced_token_ids", f"has {len(s.forced_token_ids)} tokens, more than "
+                                                         f"sampling.max_tokens ({s.max_tokens})")
+        if any(t >= vocab for t in s.forced_token_ids):
+            raise bad_field("sampling.forced_token_ids", f"every id must be < the vocabulary size {vocab}")
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
                               max_tokens=s.max_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-                              ignore_eos=s.ignore_eos)
+                              ignore_eos=s.ignore_eos, forced_token_ids=list(s.forced_token_ids))
 
     async def _rows(self, chain_id: str, tenant: str | None = None) -> tuple[ChainRow, list[TurnRow], list[RegionRow]]:
         async with self.db.sessions() as s:

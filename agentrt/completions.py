@@ -88,12 +88,18 @@ class CompletionService:
             key = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
             raise bad_field(key, f"must be <= {self.config.max_tokens_per_turn}")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        forced = list(req.forced_token_ids or [])
+        vocab = self.worker.engine.model_config.vocab_size
+        if len(forced) > max_tokens:
+            raise bad_field("forced_token_ids", f"has {len(forced)} tokens, more than max_tokens ({max_tokens})")
+        if any(t >= vocab for t in forced):
+            raise bad_field("forced_token_ids", f"every id must be < the vocabulary size {vocab}")
         return SamplingParams(
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
-            seed=req.seed, max_tokens=max_tokens, stop=stop)
+            seed=req.seed, max_tokens=max_tokens, stop=stop, forced_token_ids=forced)
 
     def _finished(self, last: RequestOutput | None) -> RequestOutput:
         if last is None or last.finish_reason == "abort":

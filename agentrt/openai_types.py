@@ -82,6 +82,7 @@ class ChatCompletionRequest(Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    forced_token_ids: list[Annotated[int, Meta(ge=0, le=2**31)]] | None = None  # agentrt extension (replays)
 
 
 class ChatMessage(Struct, kw_only=True):

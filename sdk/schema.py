@@ -189,6 +189,9 @@ class Sampling(_Input, kw_only=True):
     stop: list[Annotated[str, Meta(min_length=1)]] = field(default_factory=list)
     stop_token_ids: list[Annotated[int, Meta(ge=0, le=2**31)]] = field(default_factory=list)
     ignore_eos: bool = False
+    # emitted first, in order, by real decode steps (replays, deterministic tests); each id < the vocabulary
+    forced_token_ids: Annotated[list[Annotated[int, Meta(ge=0, le=2**31)]], Meta(max_length=65536)] = field(
+        default_factory=list)
 
 
 class TurnCreate(_Input, kw_only=True):
