@@ -1,0 +1,83 @@
+"""The replay benchmark: for each configuration, start an in-process server on the model, replay the traces
+with N concurrent sessions, stop the server; then report (JSON, table, plots)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agentrt.replay.replayer import ReplayConfig, Replayer, RunResult
+from agentrt.replay.trace import Trace
+
+
+def standard_configs(snapkv_config: dict[str, Any] | None = None,
+                     lag_policy: dict[str, Any] | None = None) -> dict[str, ReplayConfig]:
+    """The named configurations (``agentrt replay run --configs``)."""
+    return {c.name: c for c in [
+        ReplayConfig("dense-noprefix", "stateless", prefix_cache=False),
+        ReplayConfig("dense-prefix", "stateless"),
+        ReplayConfig("dense-chain", "chain"),
+        ReplayConfig("dense-chain-lag", "chain", prune_policy=lag_policy or {"lag": 2}),
+        ReplayConfig("snapkv-chain", "chain", method="snapkv", method_config=snapkv_config or {}),
+        ReplayConfig("snapkv-chain-lag", "chain", method="snapkv", method_config=snapkv_config or {},
+                     prune_policy=lag_policy or {"lag": 2}),
+    ]}
+
+
+def serve_and_replay(traces: list[Trace], config: ReplayConfig, *, model: str | Path | None = None,
+                     engine_options: dict[str, Any] | None = None, think_scale: float = 1.0,
+                     sample_interval_s: float = 0.05) -> RunResult:
+    """Start a server for ``config`` (``model`` None: the embedded tiny model), replay, stop it."""
+    from agentrt.app import build_engine, create_app
+    from agentrt.config import ServerConfig
+    from agentrt.local_server import LocalServer
+
+    longest = max(len(t.output_token_ids) for trace in traces for t in trace.turns)
+    with tempfile.TemporaryDirectory(prefix="agentrt-replay-") as tmp:
+        server_config = ServerConfig(
+            model=model, model_name="replay", db_url=f"sqlite+aiosqlite:///{Path(tmp) / 'replay.db'}",
+            method=config.method, method_config=dict(config.method_config),
+            engine_options={**(engine_options or {}), "enable_prefix_caching": config.prefix_cache},
+            max_tokens_per_turn=max(4096, longest), max_chains_per_tenant=None, max_queue_depth=None,
+            max_body_size=256 * 2**20)
+        engine = build_engine(server_config)
+        try:
+            with LocalServer(create_app(server_config, engine=engine)) as server:
+                _warm_up(server.url)
+                replayer = Replayer(server.url, "replay", think_scale=think_scale,
+                                    sample_interval_s=sample_interval_s)
+                return asyncio.run(replayer.run(traces, config))
+        finally:
+            del engine
+            _release_memory()
+
+
+def run_all(traces: list[Trace], configs: list[ReplayConfig], log: Callable[[str], None] = print,
+            **kw: Any) -> list[RunResult]:
+    results = []
+    for config in configs:
+        log(f"replay: {config.name} ({len(traces)} sessions, {sum(t.num_turns for t in traces)} turns)")
+        results.append(serve_and_replay(traces, config, **kw))
+        log(f"replay: {config.name} done in {results[-1].wall_s:.2f} s")
+    return results
+
+
+def _warm_up(url: str) -> None:
+    """One short request before timing (kernel compilation and first-call costs stay out of the numbers)."""
+    import httpx
+
+    body = {"model": "replay", "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4,
+            "temperature": 0.0}
+    httpx.post(f"{url}/v1/chat/completions", json=body, timeout=600).raise_for_status()
+
+
+def _release_memory() -> None:
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

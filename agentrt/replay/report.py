@@ -1,0 +1,86 @@
+"""The replay report: one summary per configuration (JSON-ready dicts) and a printed table."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from typing import Any
+
+from agentrt.replay.replayer import RunResult
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def per_turn(run: RunResult, attr: str) -> list[float]:
+    """The mean over sessions of ``attr`` at each turn index."""
+    by_turn: dict[int, list[float]] = defaultdict(list)
+    for r in run.turns:
+        by_turn[r.turn].append(getattr(r, attr))
+    return [statistics.fmean(by_turn[i]) for i in sorted(by_turn)]
+
+
+def summarize(run: RunResult) -> dict[str, Any]:
+    ttft = [r.ttft for r in run.turns]
+    c = run.counters
+    return {
+        "config": run.config.name, "route": run.config.route, "method": run.config.method,
+        "method_config": run.config.method_config, "prefix_cache": run.config.prefix_cache,
+        "prune_policy": run.config.prune_policy,
+        "sessions": len({r.session for r in run.turns}), "turns": len(run.turns),
+        "wall_s": round(run.wall_s, 4),
+        "ttft_mean_s": round(statistics.fmean(ttft), 5) if ttft else 0.0,
+        "ttft_p50_s": round(_pct(ttft, 0.5), 5), "ttft_p90_s": round(_pct(ttft, 0.9), 5),
+        "prompt_tokens": sum(r.prompt_tokens for r in run.turns),
+        "prefilled_tokens": int(c["agentrt_tokens_prefilled_total"]),  # the server's counters
+        "prefix_cached_tokens": int(c["agentrt_tokens_prefix_cached_total"]),
+        "resumed_tokens": int(c["agentrt_tokens_resumed_total"]),
+        "generated_tokens": int(c["agentrt_tokens_generated_total"]),
+        "pruned_kv_slots": int(c["agentrt_tokens_pruned_total"]),
+        "prefilled_tokens_from_usage": sum(r.prefilled_tokens for r in run.turns),
+        "peak_kv_pages": max((p for _, p in run.samples), default=0),
+        "kv_pool_pages": run.num_pages,
+        "prefilled_per_turn": [round(x, 1) for x in per_turn(run, "prefilled_tokens")],
+        "kv_pages_per_turn": [round(x, 1) for x in per_turn(run, "pages_peak")],
+        "ttft_per_turn_s": [round(x, 5) for x in per_turn(run, "ttft")],
+    }
+
+
+def with_speedups(summaries: list[dict[str, Any]], baseline: str | None = None) -> list[dict[str, Any]]:
+    """Adds ``speedup`` (baseline wall time / this one) and ``prefill_reduction``; the baseline is the
+    named configuration, else the first."""
+    if not summaries:
+        return summaries
+    base = next((s for s in summaries if s["config"] == baseline), summaries[0])
+    for s in summaries:
+        s["speedup_vs"] = base["config"]
+        s["speedup"] = round(base["wall_s"] / s["wall_s"], 3) if s["wall_s"] else None
+        s["prefill_reduction"] = (round(base["prefilled_tokens"] / s["prefilled_tokens"], 3)
+                                  if s["prefilled_tokens"] else None)
+    return summaries
+
+
+COLUMNS = [("config", "config", "{}"), ("wall_s", "wall s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
+           ("ttft_p50_s", "ttft p50 ms", "{:.1f}"), ("ttft_p90_s", "ttft p90 ms", "{:.1f}"),
+           ("prefilled_tokens", "prefilled", "{}"), ("prefix_cached_tokens", "prefix hit", "{}"),
+           ("resumed_tokens", "resumed", "{}"), ("generated_tokens", "generated", "{}"),
+           ("peak_kv_pages", "peak pages", "{}")]
+
+
+def table(summaries: list[dict[str, Any]]) -> str:
+    def cell(s: dict[str, Any], key: str, fmt: str) -> str:
+        value = s.get(key)
+        if value is None:
+            return "-"
+        return fmt.format(value * 1000 if key.startswith("ttft") else value)
+
+    rows = [[title for _, title, _ in COLUMNS]] + [[cell(s, k, f) for k, _, f in COLUMNS] for s in summaries]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+             for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)

@@ -1,0 +1,112 @@
+"""Agent-trace replay: the trace format, the synthetic generator, and a CPU replay on the tiny model where
+Chain Cache prefills far fewer tokens than a stateless client on a server without a prefix cache."""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+import pytest
+
+from agentrt.replay import trace as tr
+from agentrt.replay.synth import SynthShape, SynthShapeError, synth_trace
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from engine.llm_engine import load_tokenizer
+    from engine.tiny_checkpoint import default_model_dir
+
+    tok = load_tokenizer(default_model_dir())
+    tok.model_max_length = 2**62
+    return tok
+
+
+SMALL = SynthShape(num_turns=(5, 7), system_tokens=150, task_tokens=(10, 20), tool_tokens=(30, 90),
+                   output_tokens=(56, 72), think_time_s=(0.1, 0.4))  # the tiny tokenizer: a call is <= 53
+
+
+def _count(tokenizer, text: str) -> int:
+    return len(tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_trace_round_trips_and_bad_lines_name_line_and_field(tokenizer, tmp_path):
+    trace = synth_trace(tokenizer, 3, SMALL, vocab_size=len(tokenizer))
+    path = tr.write(trace, tmp_path / "t.jsonl")
+    assert tr.load(path) == trace
+    lines = path.read_bytes().splitlines()
+    assert len(lines) == 1 + trace.num_turns
+    assert msgspec.json.decode(lines[0])["type"] == "header"
+
+    bad = msgspec.json.decode(lines[2])
+    bad["output_token_ids"][1] = "x"
+    with pytest.raises(tr.TraceError, match=r"t.jsonl:3: .*`\$\.output_token_ids\[1\]`"):
+        tr.loads(b"\n".join([lines[0], lines[1], msgspec.json.encode(bad)]), str(path))
+    bad = msgspec.json.decode(lines[1])
+    bad["think_time_s"] = -1
+    with pytest.raises(tr.TraceError, match=r":2: .*`\$\.think_time_s`"):
+        tr.loads(b"\n".join([lines[0], msgspec.json.encode(bad)]))
+    bad["think_time_s"], bad["index"] = 0.0, 4
+    with pytest.raises(tr.TraceError, match=r":2: field `index` is 4, expected 0"):
+        tr.loads(b"\n".join([lines[0], msgspec.json.encode(bad)]))
+    bad["index"], bad["output_token_ids"] = 0, [len(tokenizer)]
+    with pytest.raises(tr.TraceError, match=r":2: field `output_token_ids` holds an id >= vocab_size"):
+        tr.loads(b"\n".join([lines[0], msgspec.json.encode(bad)]))
+    with pytest.raises(tr.TraceError, match=r":1: not JSON"):
+        tr.loads(b"{nope\n" + lines[1])
+    with pytest.raises(tr.TraceError, match=r"no turns"):
+        tr.loads(lines[0])
+
+
+def test_generator_is_deterministic_and_within_its_shape(tokenizer):
+    a, b = synth_trace(tokenizer, 11, SMALL), synth_trace(tokenizer, 11, SMALL)
+    assert tr.dumps(a) == tr.dumps(b)
+    assert tr.dumps(synth_trace(tokenizer, 12, SMALL)) != tr.dumps(a)
+
+    for seed in range(4):
+        t = synth_trace(tokenizer, seed, SMALL)
+        assert SMALL.num_turns[0] <= t.num_turns <= SMALL.num_turns[1]
+        assert abs(_count(tokenizer, t.header.system_prompt) - SMALL.system_tokens) <= 2
+        assert t.turns[0].messages[0].role == "user"
+        for turn in t.turns:
+            assert turn.output_token_ids == tokenizer.encode(turn.output_text, add_special_tokens=False)
+            assert SMALL.output_tokens[0] - 2 <= len(turn.output_token_ids) <= SMALL.output_tokens[1] + 2
+            assert turn.think_time_s == 0.0 or SMALL.think_time_s[0] <= turn.think_time_s <= SMALL.think_time_s[1]
+        for turn in t.turns[1:]:
+            (m,) = turn.messages
+            assert m.role == "tool" and m.tool_call_id == f"call_{turn.index - 1}"
+            assert f'"name": "{m.name}"' in t.turns[turn.index - 1].output_text  # answers the previous call
+            assert SMALL.tool_tokens[0] - 2 <= _count(tokenizer, m.content) <= SMALL.tool_tokens[1]
+
+
+def test_default_shape_is_the_coding_agent_shape(tokenizer):
+    t = synth_trace(tokenizer, 0)
+    assert 30 <= t.num_turns <= 50
+    assert abs(_count(tokenizer, t.header.system_prompt) - 2000) <= 2
+    tool = [_count(tokenizer, turn.messages[0].content) for turn in t.turns[1:]]
+    assert 198 <= min(tool) and max(tool) <= 4000 and max(tool) > 1000
+
+
+def test_shape_validation():
+    with pytest.raises(SynthShapeError, match="tool_tokens"):
+        SynthShape(tool_tokens=(400, 200))
+
+
+def test_forced_tokens_on_the_wire_are_validated():
+    from agentrt.app import create_app
+    from agentrt.config import ServerConfig
+    from agentrt.local_server import LocalServer
+
+    with LocalServer(create_app(ServerConfig(db_url="sqlite+aiosqlite:///:memory:",
+                                             engine_options={"device": "cpu", "num_pages": 256}))) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            chain = http.post("/v1/chains", json={}).raise_for_status().json()
+            url = f"/v1/chains/{chain['id']}/turns"
+            for sampling, key in (({"forced_token_ids": [1, 2, 3], "max_tokens": 2}, "sampling.forced_token_ids"),
+                                  ({"forced_token_ids": [10**6]}, "sampling.forced_token_ids"),
+                                  ({"forced_token_ids": [-1]}, "sampling.forced_token_ids[0]")):
+                r = http.post(url, json={"messages": [{"role": "user", "content": "hi"}], "sampling": sampling})
+                assert r.status_code == 400 and r.json()["extra"][0]["key"] == key, r.text
+            body = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+                    "forced_token_ids": [5, 6]}
+            r = http.post("/v1/chat/completions", json=body)
+            assert r.status_code == 400 and r.json()["extra"][0]["key"] == "forced_token_ids", r.text
