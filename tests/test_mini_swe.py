@@ -219,9 +219,8 @@ def test_a_recomputed_chain_is_reported_and_the_run_continues(db_url, tokenizer,
 
 
 TOOLCALL_SCRIPT = [
-    '<tool_call>\n{"name": "bash", "arguments": {"command": "printf \'hello from agentrt\\\\n\' > out.txt"}}\n</tool_call>',
-    '<tool_call>\n{"name": "bash", "arguments": {"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat out.txt"}}'
-    '\n</tool_call>',
+    "<tool_call>\n" + json.dumps({"name": "bash", "arguments": {"command": command}}) + "\n</tool_call>"
+    for command in ("printf 'hello from agentrt\\n' > out.txt", "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat out.txt")
 ]
 
 
