@@ -93,10 +93,15 @@ def add_roofline(r: dict, engine: LLMEngine, copy_bw: float, matmul: float) -> N
     params = w_bytes / itemsize
     if mc.num_experts:
         experts = expert_weight_bytes(engine.model)
-        w_bytes -= experts * (1 - expected_expert_fraction(mc.num_experts, mc.num_experts_per_tok, r["batch"]))
+        routed = r.get("routed_experts_per_layer")
+        fraction = (routed / mc.num_experts if routed is not None
+                    else expected_expert_fraction(mc.num_experts, mc.num_experts_per_tok, r["batch"]))
+        w_bytes -= experts * (1 - fraction)
         params -= experts / itemsize * (1 - mc.num_experts_per_tok / mc.num_experts)
-        r["note"] = ("MoE: decode bytes count the expected routed experts under uniform routing, 1-(1-k/E)^B of "
-                     "each layer's experts; prefill FLOPs count the k active experts per token")
+        r["routed_expert_fraction"] = fraction
+        r["note"] = ("MoE: decode bytes count the distinct experts the batch routed to per layer, measured over "
+                     "eager decode steps of the same batch and context" if routed is not None else
+                     "MoE: decode bytes count the expected routed experts under uniform routing, 1-(1-k/E)^B")
     step_bytes = w_bytes + r["batch"] * avg_ctx * kv_per_token
     roofline_tok_s = r["batch"] / (step_bytes / copy_bw)
     attn_flops = 4 * mc.num_layers * mc.num_heads * mc.head_dim * r["context"] ** 2 / 2
@@ -179,6 +184,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
             r.update(shape=args.model or args.shape, device=str(engine.device), dtype=str(engine.cache.spec.dtype),
                      backend=engine.backend.name, cuda_graphs=engine.runner.graphs is not None)
             if on_gpu:
+                if engine.model_config.num_experts:
+                    from engine.roofline import measure_routed_experts
+
+                    rng = random.Random(args.seed + 1)
+                    vocab = engine.model_config.vocab_size
+                    r["routed_experts_per_layer"] = measure_routed_experts(
+                        engine, [[rng.randrange(vocab) for _ in range(ctx)] for _ in range(b)], steps=8)
                 add_roofline(r, engine, copy_bw, matmul)
             print(json.dumps(r), flush=True)
             results.append(r)

@@ -60,3 +60,34 @@ def expected_expert_fraction(num_experts: int, top_k: int, batch: int) -> float:
     """Expected fraction of a layer's experts that ``batch`` tokens route to, under uniform routing
     (random weights route close to uniformly): 1 - (1 - k/E)^B."""
     return 1.0 - (1.0 - top_k / num_experts) ** batch
+
+
+def measure_routed_experts(engine, requests: list[list[int]], steps: int) -> float:
+    """Mean over eager decode steps of the distinct routed experts per MoE layer, for ``requests`` decoding
+    together (each is prefilled first). Returns experts per layer per step."""
+    from engine.models.moe import StackedExperts
+    from engine.sampling_params import SamplingParams
+
+    modules = [m for m in engine.model.modules() if isinstance(m, StackedExperts)]
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 1, ignore_eos=True)
+    ids = [engine.add_request(r, params) for r in requests]
+    reqs = [engine._requests[i] for i in ids]
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
+        engine.step()
+    counter = torch.zeros((), dtype=torch.float64, device=engine.device)
+    graphs, engine.runner.graphs = engine.runner.graphs, None  # eager: the counters run in Python
+    try:
+        for m in modules:
+            m.routed_counter = counter
+        done = 0
+        while engine.has_unfinished() and done < steps:
+            engine.step()
+            done += 1
+    finally:
+        for m in modules:
+            m.routed_counter = None
+        engine.runner.graphs = graphs
+        for i in ids:
+            if i in engine._requests:
+                engine.abort(i)
+    return counter.item() / max(done, 1) / max(len(modules), 1)

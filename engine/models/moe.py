@@ -28,6 +28,9 @@ class StackedExperts(nn.Module):
         self.gate_up_proj.shard_ids = tuple((e, half) for e in range(num_experts) for half in (0, 1))
         self.down_proj.weight_loader = self.load_down
         self.down_proj.shard_ids = tuple(range(num_experts))
+        # When set (a 0-d float tensor on the weights' device), each forward adds the number of distinct
+        # experts its tokens route to: benchmarks count the expert bytes a step really reads. No host sync.
+        self.routed_counter: torch.Tensor | None = None
 
     def _check_expert(self, expert: int) -> None:
         if not 0 <= expert < self.num_experts:
@@ -52,6 +55,9 @@ class StackedExperts(nn.Module):
         On a GPU the fused Triton kernel runs (no host sync, CUDA-graph capturable); elsewhere a torch loop
         over the experts that received tokens.
         """
+        if self.routed_counter is not None:
+            hit = torch.zeros(self.num_experts, dtype=self.routed_counter.dtype, device=x.device)
+            self.routed_counter += hit.index_fill_(0, topk_ids.flatten(), 1).sum()
         if x.is_cuda:
             from kernels.triton import fused_moe
 
