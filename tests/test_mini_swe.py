@@ -19,7 +19,6 @@ from minisweagent.models import get_model  # noqa: E402
 
 from sdk import Client, ToolResultMessage, UserMessage  # noqa: E402
 from sdk.mini_swe import AgentrtModel  # noqa: E402
-from sdk.schema import Sampling  # noqa: E402
 from tests.server_helpers import ENGINE_OPTIONS  # noqa: E402
 
 CONTENT = "hello from agentrt\n"
@@ -29,7 +28,6 @@ SCRIPT = [
     "THOUGHT: done.\n\n```mswea_bash_command\necho COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat out.txt\n```",
 ]
 AGENT = {"system_template": "You are a shell agent.", "instance_template": "Task: {{task}}", "step_limit": 8}
-WIRE_FORCED = "forced_token_ids" in Sampling.__struct_fields__
 
 
 class Recorder(httpx.HTTPTransport):
@@ -80,9 +78,7 @@ def scripted(tokenizer, script: list[str]):
     """send_options forcing reply ``turn`` to spell ``script[turn]``."""
     def options(turn: int, new_messages: list) -> dict:
         ids = tokenizer.encode(script[turn], add_special_tokens=False)
-        if WIRE_FORCED:
-            return {"forced_token_ids": ids, "max_tokens": len(ids)}
-        return {"assistant_prefix": script[turn], "max_tokens": 1}  # the wire has no forced tokens yet
+        return {"forced_token_ids": ids, "max_tokens": len(ids)}
     return options
 
 
@@ -104,10 +100,7 @@ def test_default_agent_completes_a_scripted_task_sending_only_new_messages(serve
     messages = agent.messages  # system, task, then (assistant, observation) per step, exit
     assert [m["role"] for m in messages] == ["system", "user"] + ["assistant", "user"] * 2 + ["assistant", "exit"]
     replies = [m for m in messages if m["role"] == "assistant"]
-    if WIRE_FORCED:
-        assert [m["content"] for m in replies] == SCRIPT
-    else:
-        assert all(m["content"].startswith(s) for m, s in zip(replies, SCRIPT, strict=True))
+    assert [m["content"] for m in replies] == SCRIPT
     assert [m["extra"]["actions"] for m in replies] == [
         [{"command": "printf 'hello from agentrt\\n' > out.txt"}], [{"command": "cat out.txt"}],
         [{"command": "echo COMPLETE_TASK_AND_SUBMIT_FINAL_OUTPUT && cat out.txt"}]]
@@ -120,9 +113,8 @@ def test_default_agent_completes_a_scripted_task_sending_only_new_messages(serve
     for turn, obs in zip(state.turns[1:], observations):
         (sent,) = turn.messages
         assert isinstance(sent, ToolResultMessage) and sent.content == obs["content"] and sent.name == "bash"
-    if WIRE_FORCED:
-        expected = [tokenizer.encode(s, add_special_tokens=False) for s in SCRIPT]
-        assert [t.generated_token_ids for t in state.turns] == expected
+    expected = [tokenizer.encode(s, add_special_tokens=False) for s in SCRIPT]
+    assert [t.generated_token_ids for t in state.turns] == expected
     assert [r.kind for r in state.regions] == ["system", "user", "assistant"] + ["tool_result", "assistant"] * 2
     tool_regions = [r for r in state.regions if r.kind == "tool_result"]
     assert [(r.tool_name, r.round) for r in tool_regions] == [("bash", 0), ("bash", 1)]
@@ -183,9 +175,9 @@ def test_a_reply_without_an_action_is_a_format_error_and_the_error_goes_as_a_use
     assert (tmp_path / "out.txt").read_text() == CONTENT
     error = agent.messages[2]
     assert error["role"] == "user" and error["content"] == "Format error: Expected exactly 1 action, found 0."
-    assert error["extra"]["cost"] == 0.0 and error["extra"]["response"].startswith(script[0])
+    assert error["extra"]["cost"] == 0.0 and error["extra"]["response"] == script[0]
     state = Client(server.url).chains.get(model.chain_ids[0]).info
-    assert state.num_turns == 4 and state.turns[0].message.content.startswith(script[0])  # the chain keeps it
+    assert state.num_turns == 4 and state.turns[0].message.content == script[0]  # the chain keeps it
     assert state.turns[1].messages == [UserMessage(content=error["content"])]
     assert [r.kind for r in state.regions][:5] == ["system", "user", "assistant", "user", "assistant"]
     assert [len(b["messages"]) for b in recorder.turn_bodies()] == [1] * 4
