@@ -154,10 +154,10 @@ class AgentrtModel:
         return self.config.model_dump()
 
     def serialize(self) -> dict[str, Any]:
-        return {"info": {"config": {
-            "model": self.config.model_dump(mode="json", exclude={"api_key"}),
-            "model_type": f"{self.__class__.__module__}.{self.__class__.__name__}",
-            "agentrt": {"chain_ids": list(self.chain_ids), "num_recomputed": self.num_recomputed}}}}
+        return {"info": {
+            "config": {"model": self.config.model_dump(mode="json", exclude={"api_key"}),
+                       "model_type": f"{self.__class__.__module__}.{self.__class__.__name__}"},
+            "agentrt": {"chain_ids": list(self.chain_ids), "num_recomputed": self.num_recomputed}}}
 
 
 def _text(message: Mapping[str, Any]) -> str:

@@ -96,6 +96,9 @@ def test_default_agent_completes_a_scripted_task_sending_only_new_messages(serve
     assert (tmp_path / "out.txt").read_text() == CONTENT
     assert result == {"exit_status": "Submitted", "submission": CONTENT}
     assert agent.cost == 0.0 and agent.n_calls == 3 and len(model.chain_ids) == 1
+    saved = agent.serialize()["info"]
+    assert saved["agentrt"] == {"chain_ids": model.chain_ids, "num_recomputed": 0}
+    assert saved["config"]["model_type"] == "sdk.mini_swe.AgentrtModel" and "api_key" not in saved["config"]["model"]
 
     messages = agent.messages  # system, task, then (assistant, observation) per step, exit
     assert [m["role"] for m in messages] == ["system", "user"] + ["assistant", "user"] * 2 + ["assistant", "exit"]
