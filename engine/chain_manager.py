@@ -143,7 +143,6 @@ class ChainManager:
         if state.table is not None:
             self.cache.release_table(state.table)
         self.index.pop(chain_id)
-        self._drop_deferred(chain_id)
 
     def fork(self, chain_id: str, new_chain_id: str) -> None:
         if new_chain_id in self.index:
@@ -216,11 +215,6 @@ class ChainManager:
             except InvalidRequestError as exc:
                 result = PruneResult(0, 0, 0, status="failed", prune_id=prune_id, error=str(exc))
             self._prune_results[prune_id] = result
-
-    def _drop_deferred(self, chain_id: str) -> None:
-        for prune_id, *_ in self._deferred.pop(chain_id, []):
-            self._prune_results[prune_id] = PruneResult(0, 0, 0, status="failed", prune_id=prune_id,
-                                                        error=f"chain {chain_id!r} was deleted")
 
     def _prune_idle(self, state: ChainState, intervals: list[tuple[int, int]], scorer: ImportanceScorer | None,
                     keep_ratio: float) -> PruneResult:
