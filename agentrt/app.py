@@ -83,7 +83,7 @@ def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litest
         app.state.update(config=config, model_name=model_name, started_at=int(time.time()), worker=worker, db=db,
                          api_keys=keys,
                          chains=chains, metrics=metrics,
-                         completions=CompletionService(config, model_name, worker, renderer, metrics))
+                         completions=CompletionService(config, model_name, worker, renderer, metrics, chains))
         log.info("serving %s (method %s) with %s; auth %s", model_name, llm.method.name,
                  db.engine.url.render_as_string(), "required" if config.auth_required else "off (loopback)")
         try:

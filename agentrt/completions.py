@@ -1,4 +1,5 @@
-"""Stateless OpenAI-compatible chat completions (prefix caching still reuses shared prompt pages)."""
+"""OpenAI-compatible chat completions: stateless (prefix caching still reuses shared prompt pages), or, with the
+``chain_id`` extension, a turn of that chain (agentrt.chain_completions)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,29 @@ import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 
+from agentrt import chain_completions
 from agentrt.chat import ChatRenderer, Message, parse_tool_calls, strip_tool_calls
 from agentrt.config import ServerConfig
 from agentrt.engine_worker import EngineWorker, RequestStream, prefill_counts
 from agentrt.errors import TurnFailed, bad_field
 from agentrt.metrics import Metrics
+from agentrt.models import LOCAL_TENANT
+from agentrt.openai_types import ChainCompletion, ChainCompletionChunk, ChainTurn
 from agentrt.openai_types import (AssistantMessageIn, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, Choice,
                                   ChunkChoice, CompletionUsage, Content, Delta, PromptTokensDetails, ToolCallDelta)
 from agentrt.openai_types import DeveloperMessage, ToolMessage
 from agentrt.openai_types import Message as OpenAIMessage
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+from sdk.schema import TurnDelta, TurnResult
+
+if TYPE_CHECKING:
+    from agentrt.chains import ChainService
+    from agentrt.turns import PendingTurn
 
 
 @dataclass(slots=True)
@@ -30,27 +40,65 @@ class Completion:
     model: str
     stream: RequestStream
     include_usage: bool
+    turn: PendingTurn | None = None  # with chain_id
+
+    async def abort(self) -> None:
+        """For a response that ended before its stream was consumed (client gone)."""
+        if self.turn is not None:
+            await self.turn.close()
+        elif not self.stream.done:
+            self.stream.done = True
+            self.stream.worker.abort(self.stream.request_id)
 
 
 class CompletionService:
     def __init__(self, config: ServerConfig, model_name: str, worker: EngineWorker, renderer: ChatRenderer,
-                 metrics: Metrics):
+                 metrics: Metrics, chains: ChainService | None = None):
         self.config = config
         self.model_name = model_name
         self.worker = worker
         self.renderer = renderer
         self.metrics = metrics
+        self.chains = chains
 
-    async def start(self, req: ChatCompletionRequest) -> Completion:
+    async def start(self, req: ChatCompletionRequest, tenant: str = LOCAL_TENANT) -> Completion:
         if req.model != self.model_name:
             raise bad_field("model", f"unknown model {req.model!r}; this server serves {self.model_name!r}")
+        if req.chain_id is not None:
+            return await self._start_chain(req, tenant)
         tools = msgspec.to_builtins(req.tools) if req.tools else None
         prompt = self.renderer.prompt([_template_message(m) for m in req.messages], tools)
         stream = await self.worker.submit(prompt, self._params(req))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, stream, include_usage)
 
+    async def _start_chain(self, req: ChatCompletionRequest, tenant: str) -> Completion:
+        assert req.chain_id is not None
+        if self.chains is None:
+            raise bad_field("chain_id", "this server keeps no chains")
+        state = await self.chains.state(req.chain_id, tenant)
+        if req.tools is not None and msgspec.to_builtins(req.tools) != state.row.tools:
+            raise bad_field("tools", "must equal the chain's tools (or be left out)")
+        offset, new = chain_completions.new_messages(req.messages, state)
+        p = self._params(req)
+        sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
+                    "seed": p.seed, "max_tokens": p.max_tokens, "stop": p.stop, "forced_token_ids": p.forced_token_ids}
+        turn = await self.chains.start_turn(req.chain_id, chain_completions.turn_request(new, offset, sampling,
+                                                                                           req.stream), tenant=tenant)
+        if turn.state.num_turns != state.num_turns:  # another request appended a turn meanwhile
+            await turn.close()
+            raise chain_completions.HistoryDiverged(offset, "the chain gained a turn while this request was read")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, turn.stream,
+                          include_usage, turn)
+
     async def complete(self, c: Completion) -> ChatCompletion:
+        if c.turn is not None:
+            result = await c.turn.result()
+            message, finish = chain_completions.assistant_message(result)
+            return ChainCompletion(id=c.id, created=c.created, model=c.model,
+                                   usage=chain_completions.usage(result.usage), chain=_chain_turn(result),
+                                   choices=[Choice(index=0, message=message, finish_reason=finish)])
         last = None
         async with aclosing(c.stream.outputs()) as outputs:
             async for out in outputs:
@@ -62,12 +110,30 @@ class CompletionService:
 
     async def chunks(self, c: Completion) -> AsyncGenerator[str, None]:
         def chunk(delta: Delta, finish: str | None = None, usage: CompletionUsage | None = None,
-                  choices: bool = True) -> str:
-            body = ChatCompletionChunk(id=c.id, created=c.created, model=c.model, usage=usage,
-                                       choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish)] if choices else [])
+                  choices: bool = True, chain: ChainTurn | None = None) -> str:
+            fields = dict(id=c.id, created=c.created, model=c.model, usage=usage,
+                          choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish)] if choices else [])
+            body = ChatCompletionChunk(**fields) if chain is None else ChainCompletionChunk(**fields, chain=chain)
             return msgspec.json.encode(body).decode()
 
         yield chunk(Delta(role="assistant", content=""))
+        if c.turn is not None:
+            result: TurnResult | None = None
+            async with aclosing(c.turn.events()) as events:
+                async for event in events:
+                    if isinstance(event, TurnDelta):
+                        if event.text:
+                            yield chunk(Delta(content=event.text))
+                    else:
+                        result = event
+            assert result is not None
+            message, finish = chain_completions.assistant_message(result)
+            calls = [ToolCallDelta(index=i, id=t.id, function=t.function) for i, t in enumerate(message.tool_calls or [])]
+            yield chunk(Delta(tool_calls=calls or None), finish, chain=_chain_turn(result))
+            if c.include_usage:
+                yield chunk(Delta(), usage=chain_completions.usage(result.usage), choices=False)
+            yield "[DONE]"
+            return
         last = None
         async with aclosing(c.stream.outputs()) as outputs:
             async for out in outputs:
@@ -113,6 +179,10 @@ class CompletionService:
         prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
         return CompletionUsage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                                prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+
+def _chain_turn(result: TurnResult) -> ChainTurn:
+    return ChainTurn(id=result.chain_id, turn=result.turn, resume_status=result.resume_status)
 
 
 def _text(content: Content | None) -> str:

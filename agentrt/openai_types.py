@@ -82,6 +82,7 @@ class ChatCompletionRequest(Struct, kw_only=True):
     n: Annotated[int, Meta(ge=1, le=1)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    chain_id: Annotated[str, Meta(min_length=1, max_length=64)] | None = None  # agentrt extension: resume a chain
     forced_token_ids: list[Annotated[int, Meta(ge=0, le=2**31)]] | None = None  # agentrt extension (replays)
 
 
@@ -118,6 +119,18 @@ class ChatCompletion(Struct, kw_only=True):
     object: Literal["chat.completion"] = "chat.completion"
 
 
+class ChainTurn(Struct, kw_only=True):
+    """With ``chain_id``: the turn the request appended to the chain."""
+
+    id: str
+    turn: int
+    resume_status: Literal["created", "resumed", "recomputed"]
+
+
+class ChainCompletion(ChatCompletion, kw_only=True):
+    chain: ChainTurn
+
+
 class ToolCallDelta(Struct, kw_only=True):
     index: int
     id: str
@@ -145,6 +158,12 @@ class ChatCompletionChunk(Struct, kw_only=True):
     choices: list[ChunkChoice]
     usage: CompletionUsage | None = None
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+
+
+class ChainCompletionChunk(ChatCompletionChunk, kw_only=True):
+    """The chunk with the finish reason, with ``chain_id``."""
+
+    chain: ChainTurn
 
 
 class ModelCard(Struct, kw_only=True):

@@ -20,8 +20,9 @@ class OpenAIController(Controller):
 
     @post("/chat/completions", status_code=200)
     async def chat_completions(self, data: JSONBody[ChatCompletionRequest], request: Request,
-                               completions: NamedDependency[CompletionService]) -> ChatCompletion | Response:
-        c = await completions.start(data)
+                               completions: NamedDependency[CompletionService],
+                               tenant: NamedDependency[str]) -> ChatCompletion | Response:
+        c = await completions.start(data, tenant)
         if data.stream:
             return EventStream(completions.chunks(c), background=BackgroundTask(_abort, c))
         return await unless_disconnected(request, completions.complete(c))
@@ -32,6 +33,4 @@ class OpenAIController(Controller):
 
 
 async def _abort(c: Completion) -> None:
-    if not c.stream.done:
-        c.stream.done = True
-        c.stream.worker.abort(c.stream.request_id)
+    await c.abort()
