@@ -13,7 +13,9 @@ from typing import ClassVar
 import torch
 
 from engine.contract.view import PagedView, SelectedSlotsView, backend_can_read
+from engine.contract.codec import KVCodec, decode_pages
 from engine.contract.method import SparseMethod
+from engine.contract.view import QuantizedPagesView
 from engine.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -37,10 +39,19 @@ class AttentionBackend:
 
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
 
-    def unsupported(self, method: SparseMethod, dtype: torch.dtype | None = None) -> list[str]:
-        """Why this backend cannot serve ``method`` on a KV cache of ``dtype`` (empty when it can)."""
-        reasons = [f"the {self.name} backend cannot read {t.__name__}" for t in method.view_types
+    def reads_codec(self, codec: KVCodec) -> bool:
+        """Whether a ``QuantizedPagesView`` of this codec is read (the torch reference reads every codec)."""
+        return True
+
+    def unsupported(self, method: SparseMethod, dtype: torch.dtype | None = None,
+                    codec: KVCodec | None = None) -> list[str]:
+        """Why this backend cannot serve ``method`` on a KV cache of ``dtype`` stored by ``codec`` (empty
+        when it can)."""
+        view_types = method.view_types if codec is None else (QuantizedPagesView,)
+        reasons = [f"the {self.name} backend cannot read {t.__name__}" for t in view_types
                    if not backend_can_read(t, self.accepted_views)]
+        if codec is not None and not reasons and not self.reads_codec(codec):
+            reasons.append(f"the {self.name} backend has no kernel for kv_storage {codec.name!r}")
         if dtype is not None and dtype not in self.dtypes:
             reasons.append(f"the {self.name} backend does not run {dtype} (it runs {list(self.dtypes)})")
         if method.needs.attention_scores and not self.supports_scores:
@@ -50,12 +61,14 @@ class AttentionBackend:
 
 class TorchReferenceBackend(AttentionBackend):
     name = "torch"
-    accepted_views = (PagedView, SelectedSlotsView)
+    accepted_views = (PagedView, SelectedSlotsView, QuantizedPagesView)
     supports_scores = True
 
     def forward(self, q, k_cache, v_cache, view, scale, return_scores=False):
         from kernels.torch_ref import paged_attention, selected_slots_attention
 
+        if isinstance(view, QuantizedPagesView):
+            return quantized_forward(q, view, scale, return_scores)
         if isinstance(view, SelectedSlotsView):
             return selected_slots_attention(
                 q, k_cache, v_cache, view.slot_indptr, view.slot_indices, scale,
@@ -66,6 +79,20 @@ class TorchReferenceBackend(AttentionBackend):
             q, k_cache, v_cache, view.block_tables, view.kv_lens_cpu, view.query_lens_cpu,
             scale, causal=view.causal, return_scores=return_scores,
         )
+
+
+def quantized_forward(q, view: QuantizedPagesView, scale: float, return_scores: bool = False):
+    """The torch reference over a codec's pages (decoded a block of pages at a time)."""
+    from kernels.torch_ref.quantized_attention import quantized_paged_attention
+
+    codec, d = view.codec, q.shape[-1]
+    return quantized_paged_attention(
+        q, lambda pages: decode_pages(codec.key, view.k_fields, pages, d),
+        lambda pages: decode_pages(codec.value, view.v_fields, pages, d),
+        view.block_tables, view.page_size, view.kv_lens_cpu, view.quant_lens_cpu, view.query_lens_cpu, scale,
+        window_k=view.window_k, window_v=view.window_v, window_ids=view.window_ids_cpu, causal=view.causal,
+        return_scores=return_scores,
+    )
 
 
 def _construct(name: str, device: torch.device) -> AttentionBackend:
@@ -84,19 +111,20 @@ def _construct(name: str, device: torch.device) -> AttentionBackend:
 
 
 def make_backend(
-    name: str, device: torch.device, method: SparseMethod, dtype: torch.dtype | None = None
+    name: str, device: torch.device, method: SparseMethod, dtype: torch.dtype | None = None,
+    codec: KVCodec | None = None,
 ) -> AttentionBackend:
     """The backend by name; ``auto`` takes the Triton kernels on a GPU when they serve ``method``, else torch."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name != "auto":
         backend = _construct(name, device)
-        reasons = backend.unsupported(method, dtype)
+        reasons = backend.unsupported(method, dtype, codec)
         if reasons:
             raise ConfigError(f"method {method.name!r} cannot run on attention_backend {name!r}: {'; '.join(reasons)}")
         return backend
     backend = _construct("triton", device) if device.type == "cuda" else TorchReferenceBackend()
-    reasons = backend.unsupported(method, dtype)
+    reasons = backend.unsupported(method, dtype, codec)
     if reasons:
         log.info("attention backend auto: not %s (%s)", backend.name, "; ".join(reasons))
         backend = TorchReferenceBackend()

@@ -29,6 +29,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     method: str = "dense"
     method_config: dict[str, Any] = field(default_factory=dict)
+    kv_storage: str | None = None  # how each kept token is stored (a registered codec); None: the model dtype
+    kv_storage_config: dict[str, Any] = field(default_factory=dict)
     attention_backend: str = "auto"
     enforce_eager: bool = False  # GPU: never use decode CUDA graphs
     cuda_graph_max_batch: int | None = None  # largest captured decode batch (default: max_num_seqs)
@@ -53,6 +55,12 @@ class EngineConfig:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.method_config, dict):
             raise ConfigError(f"method_config must be a dict, got {type(self.method_config).__name__}")
+        if self.kv_storage is not None and not isinstance(self.kv_storage, str):
+            raise ConfigError(f"kv_storage must be a name or None, got {self.kv_storage!r}")
+        if not isinstance(self.kv_storage_config, dict):
+            raise ConfigError(f"kv_storage_config must be a dict, got {type(self.kv_storage_config).__name__}")
+        if self.kv_storage is None and self.kv_storage_config:
+            raise ConfigError("kv_storage_config is set but kv_storage is not")
 
     @classmethod
     def from_kwargs(cls, model: str | Path, **kwargs: Any) -> "EngineConfig":

@@ -19,6 +19,7 @@ from engine.chain_index import ChainInfo
 from engine.chain_manager import ChainManager, PruneResult
 from engine.config import DEFAULT_CPU_KV_BYTES, DTYPES, EngineConfig
 from engine.contract.cache import CacheSpec
+from engine.contract.codec import CodedCacheSpec, check_composes
 from engine.contract.method import SparseMethod
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CheckpointError, InvalidRequestError, InvalidSamplingParamsError, OutOfPagesError
@@ -27,7 +28,7 @@ from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.page_pool import PagePool
 from engine.probe import Prober
-from engine.registry import create_method, create_scorer
+from engine.registry import create_kv_storage, create_method, create_scorer
 from engine.request import FinishReason, Request
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
@@ -62,6 +63,10 @@ class LLMEngine:
         self.config = config
         self.device = config.resolved_device()
         self.method = create_method(config.method, config.method_config)  # bad knobs fail before the load
+        self.codec = None
+        if config.kv_storage is not None:
+            self.codec = create_kv_storage(config.kv_storage, config.kv_storage_config)
+            check_composes(self.codec, self.method.name, self.method.view_types)
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
         self.model, self.model_config = load_model(
             config.model, dtype=dtype, device=self.device, load_format=config.load_format
@@ -77,9 +82,14 @@ class LLMEngine:
             device=self.device,
             page_size=config.page_size,
         )
+        if self.codec is not None:
+            self.codec.check(spec)
+            windows = config.max_num_seqs if self.codec.has_window else 0
+            spec = CodedCacheSpec(**{f: getattr(spec, f) for f in CacheSpec.__dataclass_fields__},
+                                  codec=self.codec, max_windows=windows)
         self.pool = PagePool(self._num_pages(spec))
         self.cache = self.method.make_cache(spec, self.pool, config.enable_prefix_caching)
-        self.backend = make_backend(config.attention_backend, self.device, self.method, spec.dtype)
+        self.backend = make_backend(config.attention_backend, self.device, self.method, spec.dtype, self.codec)
         self.chains = ChainManager(self.cache, self.method, mc.num_layers)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
                                    on_preempt=self._on_preempt, reclaim=self.chains.reclaim)
@@ -104,6 +114,8 @@ class LLMEngine:
             reasons.append(f"backend {self.backend.name} is not graph-safe")
         if not self.method.cuda_graph_safe and type(self.method).replayable is SparseMethod.replayable:
             reasons.append(f"method {self.method.name} does host work per layer")
+        if self.codec is not None:
+            reasons.append(f"kv_storage {self.codec.name} reads per-layer views")
         if not getattr(self.model, "cuda_graph_safe", True):
             reasons.append(f"{self.model_config.architecture} forward syncs with the host")
         if reasons:
@@ -121,6 +133,7 @@ class LLMEngine:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * self.config.gpu_memory_utilization) - (total - free)
         budget = budget if budget is not None else DEFAULT_CPU_KV_BYTES
+        budget -= getattr(spec, "window_bytes", 0)  # a codec's full-precision windows share the budget
         num_pages = budget // spec.bytes_per_page
         if num_pages < 1:
             raise OutOfPagesError(

@@ -9,6 +9,11 @@ Until an eviction method compacts a request, slot ``s`` holds logical position `
 returns the pages it no longer needs to the pool; from then on each layer has its own physical length and
 each (layer, head) slot its own logical position (``positions_of``). Compacted pages are never published to
 the prefix index, and a page another request shares is replaced rather than overwritten.
+
+With a codec (``CodedCacheSpec``) the storage is ``engine.kv_storage.CodedStorage`` instead of ``kv``:
+tokens are encoded on ``write``, compaction moves their fields (re-encoding groups that span tokens), and a
+running request's recent slots also sit in a full-precision window (acquired on ``allocate``, released when
+the request stops holding the table).
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.contract.cache import CacheManager, CacheSpec
-from engine.contract.view import PagedView
+from engine.contract.view import PagedView, QuantizedPagesView
+from engine.kv_storage import CodedStorage, DecodedPages, WritePlan
 from engine.page_pool import PagePool
 from engine.prefix_index import PageKey, PrefixIndex, page_key
 from engine.request import Request
@@ -37,6 +43,7 @@ class PageTable:
     kept_positions: list[torch.Tensor] | None = None  # per layer [Hkv, n]: logical position of each kept slot
     host_row: torch.Tensor | None = None  # int32 copy of ``pages`` for building block tables; None = stale
     compacted_at: int = 0  # logical length at the last compaction; later slots are appended tokens
+    window: int | None = None  # full-precision window (codecs with one), held while a request runs
 
     @property
     def is_compacted(self) -> bool:
@@ -63,12 +70,19 @@ class PagedCacheManager(CacheManager):
         if self.prefix_index is not None:
             pool.on_reuse = self.prefix_index.forget
         self.scratch_page = pool.num_pages  # never handed out: CUDA-graph padding rows write and read here
-        self.kv = torch.zeros(
-            (spec.num_layers, 2, pool.num_pages + 1, spec.page_size, spec.num_kv_heads, spec.head_dim),
-            dtype=spec.dtype,
-            device=spec.device,
-        )
+        self.codec = getattr(spec, "codec", None)
+        self.coded: CodedStorage | None = None
+        if self.codec is not None:
+            self.coded = CodedStorage(spec, pool.num_pages + 1)
+            self.kv = None
+        else:
+            self.kv = torch.zeros(
+                (spec.num_layers, 2, pool.num_pages + 1, spec.page_size, spec.num_kv_heads, spec.head_dim),
+                dtype=spec.dtype,
+                device=spec.device,
+            )
         self._tables: dict[str, PageTable] = {}
+        self._write_plans: list[WritePlan] | None = None
 
     def table(self, req: Request) -> PageTable:
         t = self._tables.get(req.request_id)
@@ -108,6 +122,8 @@ class PagedCacheManager(CacheManager):
         if not self.pool.can_allocate(need):
             return False
         t = self.table(req)
+        if num_new_tokens and not self._ensure_window(t):
+            return False
         if num_new_tokens:
             self._make_tail_private(t)
         grow = cdiv(t.num_slots + num_new_tokens, self.page_size) - len(t.pages)
@@ -115,6 +131,32 @@ class PagedCacheManager(CacheManager):
             t.pages.extend(self.pool.allocate(grow))
             t.host_row = None
         return True
+
+    def _ensure_window(self, t: PageTable) -> bool:
+        """A codec with a window: give ``t`` one, loaded from codes; False if every window is taken."""
+        if self.codec is None or not self.codec.has_window or t.window is not None:
+            return True
+        t.window = self.coded.acquire_window()
+        if t.window is None:
+            return False
+        layer_slots = []
+        for layer in range(self.spec.num_layers):
+            n = t.layer_len(layer)
+            start = self.codec.quant_len(n)
+            layer_slots.append((start, self._slots(t.pages, start, n - start)))
+        self.coded.fill_window(t.window, layer_slots)
+        return True
+
+    def _drop_window(self, t: PageTable) -> None:
+        if t.window is not None:
+            self.coded.release_window(t.window)
+            t.window = None
+
+    def _copy_pages(self, src: list[int], dst: list[int]) -> None:
+        if self.coded is not None:
+            self.coded.copy_pages(src, dst)
+        else:
+            self.kv[:, :, dst] = self.kv[:, :, src]
 
     def _tail_page(self, t: PageTable) -> int | None:
         """The partly filled page new tokens would be written into, if any."""
@@ -134,7 +176,7 @@ class PagedCacheManager(CacheManager):
             return
         if self.pool.ref_counts[page] > 1:
             (copy,) = self.pool.allocate(1)
-            self.kv[:, :, copy] = self.kv[:, :, page]
+            self._copy_pages([page], [copy])
             self.pool.decref(page)
             t.pages[t.num_slots // self.page_size] = copy
             t.host_row = None
@@ -152,13 +194,17 @@ class PagedCacheManager(CacheManager):
 
     def detach(self, req: Request) -> PageTable | None:
         """Take the request's table out of the manager without freeing it (a chain keeps it)."""
-        return self._tables.pop(req.request_id, None)
+        t = self._tables.pop(req.request_id, None)
+        if t is not None:
+            self._drop_window(t)  # codes stay valid; the window reloads from them on the next allocate
+        return t
 
     def attach(self, req: Request, t: PageTable) -> None:
         assert req.request_id not in self._tables
         self._tables[req.request_id] = t
 
     def release_table(self, t: PageTable) -> None:
+        self._drop_window(t)
         for page in reversed(t.pages):  # tail pages become the first to be reused
             self.pool.decref(page)
         t.pages, t.keys, t.host_row, t.num_slots = [], [], None, 0
@@ -174,7 +220,7 @@ class PagedCacheManager(CacheManager):
                 self.pool.incref(page)
         elif self.pool.can_allocate(len(t.pages)):
             pages = self.pool.allocate(len(t.pages))
-            self.kv[:, :, pages] = self.kv[:, :, t.pages]
+            self._copy_pages(t.pages, pages)
         else:
             return None
         return PageTable(pages=pages, keys=list(t.keys), num_slots=t.num_slots,
@@ -184,6 +230,7 @@ class PagedCacheManager(CacheManager):
     def truncate_table(self, t: PageTable, num_slots: int) -> None:
         """Keep the first ``num_slots`` slots of an uncompacted table; pages past them go back to the pool."""
         assert not t.is_compacted and num_slots <= t.num_slots
+        self._drop_window(t)
         keep = cdiv(num_slots, self.page_size)
         for page in reversed(t.pages[keep:]):
             self.pool.decref(page)
@@ -230,8 +277,9 @@ class PagedCacheManager(CacheManager):
         return torch.cat([kept, appended.expand(heads, -1)], dim=1)
 
     def table_keys(self, t: PageTable, layer: int) -> torch.Tensor:
-        """[physical_len(layer), num_kv_heads, head_dim]: the (post-RoPE) keys a table holds in ``layer``."""
-        return self.kv[layer, 0].flatten(0, 1)[self._slots(t.pages, 0, t.layer_len(layer))]
+        """[physical_len(layer), num_kv_heads, head_dim]: the (post-RoPE) keys a table holds in ``layer``
+        (decoded from their codes under a codec)."""
+        return self.layer_kv(layer)[0].flatten(0, 1)[self._slots(t.pages, 0, t.layer_len(layer))]
 
     def compact(self, req: Request, keep: list[torch.Tensor]) -> bool:
         """Keep, per layer, the slots ``keep[layer]`` ([num_kv_heads, n_layer] int64 slot indices, each row in
@@ -253,8 +301,12 @@ class PagedCacheManager(CacheManager):
         old_slots = self._slots(t.pages, 0, t.num_slots)
         head_idx = torch.arange(heads, device=self.spec.device)[None, :]
         positions = [self.table_positions(t, layer).gather(1, k) for layer, k in enumerate(keep)]
-        kept = [(self.kv[layer, 0].flatten(0, 1)[old_slots[k.T], head_idx],
-                 self.kv[layer, 1].flatten(0, 1)[old_slots[k.T], head_idx]) for layer, k in enumerate(keep)]
+        if self.coded is not None:
+            kept = [self.coded.gather_kept(layer, old_slots, k, self._quant_len(t, layer), t.window)
+                    for layer, k in enumerate(keep)]
+        else:
+            kept = [(self.kv[layer, 0].flatten(0, 1)[old_slots[k.T], head_idx],
+                     self.kv[layer, 1].flatten(0, 1)[old_slots[k.T], head_idx]) for layer, k in enumerate(keep)]
         for page in reversed(tail):
             self.pool.decref(page)
         for i, page in enumerate(head):
@@ -264,6 +316,11 @@ class PagedCacheManager(CacheManager):
             elif self.prefix_index is not None:
                 self.prefix_index.forget(page)
         new_slots = self._slots(head, 0, max(new_lens))
+        if self.coded is not None:
+            new_slots = self._slots(head, 0, cdiv(max(new_lens), self.codec.group) * self.codec.group)
+            for layer, k in enumerate(kept):
+                self.coded.scatter_kept(layer, k, new_slots, t.window)
+            kept = []
         for layer, (k, v) in enumerate(kept):
             n = k.shape[0]
             self.kv[layer, 0].flatten(0, 1)[new_slots[:n]] = k
@@ -294,8 +351,11 @@ class PagedCacheManager(CacheManager):
         return torch.tensor(out, dtype=torch.int64, device=self.spec.device)
 
     def slot_mapping(self, reqs: list[Request], num_new_tokens: list[int]) -> torch.Tensor:
-        """[T] when every request has one length across layers, else [num_layers, T]."""
+        """[T] when every request has one length across layers, else [num_layers, T]. Under a codec with a
+        window this also plans the step's writes (which groups are re-encoded, which rows enter windows)."""
         tables = [self._tables[r.request_id] for r in reqs]
+        if self.codec is not None and self.codec.has_window:
+            self._write_plans = self._plan_writes(tables, num_new_tokens)
         if all(t.is_uniform() for t in tables):
             slots: list[int] = []
             for t, n in zip(tables, num_new_tokens):
@@ -309,6 +369,27 @@ class PagedCacheManager(CacheManager):
             rows.append(slots)
         return torch.tensor(rows, dtype=torch.int64, device=self.spec.device)
 
+    def _plan_writes(self, tables: list[PageTable], num_new_tokens: list[int]) -> list[WritePlan]:
+        rows = [0]
+        for n in num_new_tokens:
+            rows.append(rows[-1] + n)
+
+        def phys(i: int, positions: list[int]) -> torch.Tensor:
+            return self._slots(tables[i].pages, positions[0], len(positions))
+
+        def plan(layer: int) -> WritePlan:
+            items = [(t.window, t.layer_len(layer), n, r) for t, n, r in zip(tables, num_new_tokens, rows)]
+            return self.coded.plan(items, phys)
+
+        if all(t.is_uniform() for t in tables):
+            return [plan(0)] * self.spec.num_layers
+        return [plan(layer) for layer in range(self.spec.num_layers)]
+
+    def _quant_len(self, t: PageTable, layer: int, extra: int = 0) -> int:
+        """Slots attention reads from codes (the rest from the window)."""
+        n = t.layer_len(layer) + extra
+        return self.codec.quant_len(n) if t.window is not None else n
+
     def build_view(self, reqs: list[Request], num_new_tokens: list[int], layer: int = 0) -> PagedView:
         tables = [self._tables[r.request_id] for r in reqs]
         kv_lens = [t.layer_len(layer) + n for t, n in zip(tables, num_new_tokens)]
@@ -320,7 +401,7 @@ class PagedCacheManager(CacheManager):
         for n in num_new_tokens:
             starts.append(starts[-1] + n)
         device = self.spec.device
-        return PagedView(
+        common = dict(
             block_tables=block_tables.to(device),
             kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -328,16 +409,36 @@ class PagedCacheManager(CacheManager):
             kv_lens_cpu=kv_lens,
             query_lens_cpu=list(num_new_tokens),
         )
+        if self.codec is None:
+            return PagedView(**common)
+        quant = [self._quant_len(t, layer, n) for t, n in zip(tables, num_new_tokens)]
+        coded, windowed = self.coded, self.codec.has_window
+        windows = [coded.scratch_window if t.window is None else t.window for t in tables] if windowed else None
+        return QuantizedPagesView(
+            **common, codec=self.codec,
+            k_fields={k: f[layer] for k, f in coded.fields["k"].items()},
+            v_fields={k: f[layer] for k, f in coded.fields["v"].items()},
+            quant_lens=torch.tensor(quant, dtype=torch.int32, device=device), quant_lens_cpu=quant,
+            window_ids=None if windows is None else torch.tensor(windows, dtype=torch.int32, device=device),
+            window_ids_cpu=windows,
+            window_k=coded.ring[layer, 0] if windowed else None,
+            window_v=coded.ring[layer, 1] if windowed else None,
+        )
 
     def build_layer_views(self, reqs: list[Request], num_new_tokens: list[int]) -> list[PagedView] | None:
-        """One view per layer when some request's layers differ in length; None when ``build_view`` serves all."""
-        if all(self._tables[r.request_id].is_uniform() for r in reqs):
+        """One view per layer when some request's layers differ in length or the storage is per layer (a
+        codec); None when ``build_view`` serves all."""
+        if self.codec is None and all(self._tables[r.request_id].is_uniform() for r in reqs):
             return None
         return [self.build_view(reqs, num_new_tokens, layer) for layer in range(self.spec.num_layers)]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if slot_mapping.dim() == 2:
             slot_mapping = slot_mapping[layer]
+        if self.coded is not None:
+            plans = self._write_plans
+            self.coded.write(layer, k, v, slot_mapping, None if plans is None else plans[layer])
+            return
         kv = self.kv[layer]
         if kv.is_cuda:
             from kernels.triton import store_kv
@@ -349,4 +450,23 @@ class PagedCacheManager(CacheManager):
         kv[1].view(flat_shape).index_copy_(0, slot_mapping, v.to(kv.dtype))
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under a codec: ``DecodedPages`` readers of the same shape (decoded on indexing), not tensors."""
+        if self.coded is not None:
+            return DecodedPages(self.coded, layer, "k"), DecodedPages(self.coded, layer, "v")
         return self.kv[layer, 0], self.kv[layer, 1]
+
+    def write_prefix(self, req: Request, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [n, Hkv, D] as the request's first n slots outside a step (a restore, a synthetic
+        fill), before ``commit(req, n)``; the request holds no slots yet."""
+        t = self.table(req)
+        assert t.layer_len(layer) == 0 and not t.is_compacted
+        n = k.shape[0]
+        if self.coded is None:
+            slots = self._slots(t.pages, 0, n)
+            self.kv[layer, 0].flatten(0, 1)[slots] = k.to(self.kv.dtype)
+            self.kv[layer, 1].flatten(0, 1)[slots] = v.to(self.kv.dtype)
+            return
+        items = [(self.coded.scratch_window if t.window is None else t.window, 0, n, 0)]
+        plan = self.coded.plan(items, lambda i, pos: self._slots(t.pages, pos[0], len(pos))) \
+            if self.codec.has_window else None
+        self.coded.write(layer, k, v, self._slots(t.pages, 0, n), plan)

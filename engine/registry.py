@@ -9,6 +9,7 @@ lazily the first time a name is not found, so the engine finds every installed o
 from importlib.metadata import entry_points
 from typing import Generic, TypeVar
 
+from engine.contract.codec import KVCodec
 from engine.contract.method import SparseMethod
 from engine.contract.scorer import ImportanceScorer
 from engine.errors import ConfigError
@@ -53,6 +54,8 @@ class Registry(Generic[T]):
 
 METHODS: Registry[type[SparseMethod]] = Registry("method", "agentrt.methods", {SparseMethod.name: SparseMethod})
 SCORERS: Registry[type[ImportanceScorer]] = Registry("scorer", "agentrt.scorers")
+KV_STORAGE: Registry[type[KVCodec]] = Registry("kv_storage", "agentrt.kv_storage")
+register_kv_storage = KV_STORAGE.register
 
 register_method = METHODS.register
 register_scorer = SCORERS.register
@@ -61,6 +64,10 @@ available_methods = METHODS.names
 
 def create_method(name: str, options: dict | None = None) -> SparseMethod:
     return METHODS.get(name).from_options(options)
+
+
+def create_kv_storage(name: str, options: dict | None = None) -> KVCodec:
+    return KV_STORAGE.get(name).from_options(options)
 
 
 def create_scorer(name: str) -> ImportanceScorer:

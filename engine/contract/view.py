@@ -88,3 +88,26 @@ def backend_can_read(view_type: type, accepted: tuple[type, ...]) -> bool:
         if all(c.__dict__.get("parent_readable", True) for c in chain):
             return True
     return False
+
+
+@dataclass(slots=True)
+class QuantizedPagesView(PagedView):
+    """Dense paged KV stored by a codec (``engine.contract.codec``), for one layer.
+
+    ``k_fields``/``v_fields``: the codec's side tensors of this layer, each ``[num_pages, page_size // g,
+    Hkv, width]``. Request ``i``'s first ``quant_lens[i]`` slots are read from them; its slots
+    ``quant_lens[i]:kv_lens[i]`` from the full-precision ring ``window_k/v[window_ids[i]]`` ([num_windows,
+    capacity, Hkv, D]) at ``slot % capacity`` (``window_k`` is None for codecs without a window).
+    """
+
+    codec: object = field(kw_only=True)
+    k_fields: dict[str, torch.Tensor] = field(kw_only=True)
+    v_fields: dict[str, torch.Tensor] = field(kw_only=True)
+    quant_lens: torch.Tensor = field(kw_only=True)
+    quant_lens_cpu: list[int] = field(kw_only=True)
+    window_ids: torch.Tensor | None = field(kw_only=True, default=None)
+    window_ids_cpu: list[int] | None = field(kw_only=True, default=None)
+    window_k: torch.Tensor | None = field(kw_only=True, default=None)
+    window_v: torch.Tensor | None = field(kw_only=True, default=None)
+
+    parent_readable: ClassVar[bool] = False

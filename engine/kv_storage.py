@@ -1,0 +1,212 @@
+"""Storage of codec-encoded KV for the paged cache manager (see ``engine.contract.codec``).
+
+``CodedStorage`` owns, per side (k, v) and codec field, a tensor ``[num_layers, num_pages, page_size // g,
+num_kv_heads, width]`` (physical slot ``s`` = page ``s // page_size``, offset ``s % page_size``; per-group
+fields at ``s // token_group`` of the flattened page axis), plus, for codecs with a window, a
+full-precision ring ``[num_layers, 2, max_windows + 1, capacity, num_kv_heads, head_dim]`` whose last
+window is scratch. It knows nothing of requests: the cache manager hands it slots, windows and lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.contract.codec import CodedCacheSpec, KVCodec, TensorCodec
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class WritePlan:
+    """How one step's new rows land for a codec with a window (shared by layers of equal lengths).
+
+    group_src: [M] indices into ``cat(ring_flat, new_rows)`` of every slot of the groups (re-)encoded this
+    step, group by group; group_slots: [M] their physical slots. ring_dst / ring_rows: new rows copied
+    into the ring (flat ring index, row)."""
+
+    group_src: torch.Tensor
+    group_slots: torch.Tensor
+    ring_dst: torch.Tensor
+    ring_rows: torch.Tensor
+
+
+class DecodedPages:
+    """A read-only ``[num_pages, page_size, Hkv, D]`` view of one layer's keys or values decoded on indexing
+    (``x.flatten(0, 1)[slots]``), for methods that score stored keys."""
+
+    def __init__(self, storage: CodedStorage, layer: int, side: str):
+        self.storage, self.layer, self.side = storage, layer, side
+        s = storage.spec
+        self.shape = (storage.num_pages, s.page_size, s.num_kv_heads, s.head_dim)
+        self.dtype = s.dtype
+
+    def flatten(self, start: int, end: int) -> DecodedPages:
+        assert (start, end) == (0, 1)
+        return self
+
+    def __getitem__(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.storage.decode_slots(self.layer, self.side, slots).to(self.dtype)
+
+
+class CodedStorage:
+    def __init__(self, spec: CodedCacheSpec, num_pages: int):
+        self.spec, self.codec, self.num_pages = spec, spec.codec, num_pages
+        codec: KVCodec = spec.codec
+        self.sides: dict[str, TensorCodec] = {"k": codec.key, "v": codec.value}
+        self.fields: dict[str, dict[str, torch.Tensor]] = {}
+        for side, tc in self.sides.items():
+            self.fields[side] = {
+                name: torch.zeros((spec.num_layers, num_pages, spec.page_size // (tc.token_group if f.per_group else 1),
+                                   spec.num_kv_heads, f.width), dtype=f.dtype, device=spec.device)
+                for name, f in tc.fields(spec.head_dim).items()}
+        self.capacity = codec.window_capacity
+        self.ring: torch.Tensor | None = None
+        self._free_windows: list[int] = []
+        if codec.has_window:
+            self.ring = torch.zeros((spec.num_layers, 2, spec.max_windows + 1, self.capacity, spec.num_kv_heads,
+                                     spec.head_dim), dtype=spec.dtype, device=spec.device)
+            self._free_windows = list(range(spec.max_windows))
+
+    # --- windows --------------------------------------------------------------------------------
+    @property
+    def scratch_window(self) -> int:
+        return self.spec.max_windows
+
+    def acquire_window(self) -> int | None:
+        return self._free_windows.pop() if self._free_windows else None
+
+    def release_window(self, w: int) -> None:
+        assert w not in self._free_windows
+        self._free_windows.append(w)
+
+    def fill_window(self, w: int, layer_slots: list[tuple[int, torch.Tensor]]) -> None:
+        """Load the ring of window ``w`` from codes: per layer, (first slot index, physical slots) of the
+        slots ``[quant_len, n)`` the window must hold."""
+        for layer, (start, phys) in enumerate(layer_slots):
+            if phys.numel() == 0:
+                continue
+            dst = w * self.capacity + torch.arange(start, start + phys.numel(), device=phys.device) % self.capacity
+            for i, side in enumerate(("k", "v")):
+                self.ring[layer, i].flatten(0, 1)[dst] = self.decode_slots(layer, side, phys).to(self.ring.dtype)
+
+    # --- encode / decode ------------------------------------------------------------------------
+    def store(self, layer: int, side: str, x: torch.Tensor, slots: torch.Tensor) -> None:
+        """Encode x [N, H, D] (whole groups, in order) and store it at physical ``slots`` [N]."""
+        tc = self.sides[side]
+        specs = tc.fields(self.spec.head_dim)
+        for name, value in tc.encode(x).items():
+            dst = self.fields[side][name][layer].flatten(0, 1)
+            idx = slots[:: tc.token_group] // tc.token_group if specs[name].per_group else slots
+            dst.index_copy_(0, idx, value.to(dst.dtype))
+
+    def store_fields(self, layer: int, side: str, fields: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
+        """Store per-slot fields (token-local codecs only) as they are: an exact move."""
+        for name, value in fields.items():
+            self.fields[side][name][layer].flatten(0, 1).index_copy_(0, slots, value)
+
+    def gather_fields(self, layer: int, side: str, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every field per slot at physical ``slots`` ([N] -> [N, H, w]; [H, N] -> [N, H, w], head h of
+        row j taken from slot ``slots[h, j]``)."""
+        tc = self.sides[side]
+        specs = tc.fields(self.spec.head_dim)
+        out = {}
+        for name, t in self.fields[side].items():
+            flat = t[layer].flatten(0, 1)
+            idx = slots // tc.token_group if specs[name].per_group else slots
+            if idx.dim() == 1:
+                out[name] = flat[idx]
+            else:
+                heads = torch.arange(idx.shape[0], device=idx.device)[None, :]
+                out[name] = flat[idx.T, heads]
+        return out
+
+    def decode_slots(self, layer: int, side: str, slots: torch.Tensor) -> torch.Tensor:
+        return self.sides[side].decode(self.gather_fields(layer, side, slots), self.spec.head_dim)
+
+    # --- a step's writes ------------------------------------------------------------------------
+    def plan(self, items: list[tuple[int, int, int, list[int]]], phys) -> WritePlan:
+        """items: per request (window, old length, new rows, row offset); ``phys(i, positions)`` -> physical
+        slots of request ``i``'s slot indices."""
+        codec, cap, g = self.codec, self.capacity, self.codec.group
+        ring_size = (self.spec.max_windows + 1) * cap
+        src: list[int] = []
+        dst_pos: list[tuple[int, list[int]]] = []
+        ring_dst: list[int] = []
+        ring_rows: list[int] = []
+        for i, (w, old, n, row0) in enumerate(items):
+            new = old + n
+            first, last = old // g * g, cdiv(new, g) * g
+            positions = list(range(first, last))
+            for pos in positions:
+                p = min(pos, new - 1)
+                src.append(w * cap + p % cap if p < old else ring_size + row0 + p - old)
+            dst_pos.append((i, positions))
+            for pos in range(max(codec.quant_len(new), old), new):
+                ring_dst.append(w * cap + pos % cap)
+                ring_rows.append(row0 + pos - old)
+        device = self.spec.device
+        slots = [phys(i, pos) for i, pos in dst_pos if pos]
+        return WritePlan(
+            group_src=torch.tensor(src, dtype=torch.int64, device=device),
+            group_slots=torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64, device=device),
+            ring_dst=torch.tensor(ring_dst, dtype=torch.int64, device=device),
+            ring_rows=torch.tensor(ring_rows, dtype=torch.int64, device=device),
+        )
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              plan: WritePlan | None) -> None:
+        if plan is None:
+            self.store(layer, "k", k, slot_mapping)
+            self.store(layer, "v", v, slot_mapping)
+            return
+        for i, (side, x) in enumerate((("k", k), ("v", v))):
+            ring = self.ring[layer, i].flatten(0, 1)
+            x = x.to(ring.dtype)
+            if plan.group_src.numel():
+                self.store(layer, side, torch.cat([ring, x])[plan.group_src], plan.group_slots)
+            ring[plan.ring_dst] = x[plan.ring_rows]
+
+    # --- moves ----------------------------------------------------------------------------------
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        for side in self.fields.values():
+            for t in side.values():
+                t[:, dst] = t[:, src]
+
+    def gather_kept(self, layer: int, phys: torch.Tensor, keep: torch.Tensor, quant_len: int,
+                    window: int | None) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor] | None]]:
+        """Before a compaction: for slot indices ``keep`` [H, n] (physical slots ``phys[keep]``), per side the
+        full-precision values [n, H, D] (the ring's where it holds them) and, for token-local codecs, the
+        raw fields to move exactly."""
+        slots = phys[keep]
+        out = {}
+        for i, (side, tc) in enumerate(self.sides.items()):
+            raw = self.gather_fields(layer, side, slots)
+            full = tc.decode(raw, self.spec.head_dim)
+            if window is not None:
+                heads = torch.arange(keep.shape[0], device=keep.device)[None, :]
+                ring = self.ring[layer, i].flatten(0, 1)[(window * self.capacity + keep % self.capacity).T, heads]
+                full = torch.where((keep >= quant_len).T[..., None], ring.float(), full)
+            out[side] = (full, raw if tc.token_group == 1 else None)
+        return out
+
+    def scatter_kept(self, layer: int, kept, new_phys: torch.Tensor, window: int | None) -> None:
+        """After a compaction: kept (from ``gather_kept``) becomes slots 0..n-1 at physical ``new_phys``
+        (covering whole groups)."""
+        for i, (side, tc) in enumerate(self.sides.items()):
+            full, raw = kept[side]
+            n = full.shape[0]
+            if raw is not None:
+                self.store_fields(layer, side, raw, new_phys[:n])
+            else:
+                padded = cdiv(n, tc.token_group) * tc.token_group
+                if n:
+                    x = torch.cat([full, full[-1:].expand(padded - n, -1, -1)])
+                    self.store(layer, side, x, new_phys[:padded])
+            if window is not None:
+                start = self.codec.quant_len(n)
+                dst = window * self.capacity + torch.arange(start, n, device=full.device) % self.capacity
+                self.ring[layer, i].flatten(0, 1)[dst] = full[start:].to(self.ring.dtype)
