@@ -124,6 +124,8 @@ class KVzip(SparseMethod):
         lens = [cache.physical_len(req, layer) for layer in range(num_layers)]
         if b is None or all(n <= b for n in lens):
             return True
+        if probe is None:
+            raise RuntimeError("kvzip scores with the engine's probe forward (ForwardBatch.probe), which is unset")
         if self._repeat_ids is None:
             self._repeat_ids = probe.encode(cfg.repeat_prompt)
         table = cache.table(req)
