@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention_backend import AttentionBackend
-from engine.contract.view import PagedView, SelectedSlotsView
+from engine.attention_backend import AttentionBackend, quantized_forward
+from engine.contract.view import PagedView, QuantizedPagesView, SelectedSlotsView
 
 
 class TritonBackend(AttentionBackend):
@@ -19,9 +19,24 @@ class TritonBackend(AttentionBackend):
     at decode steps and from the torch reference ops (on the GPU) for prefill chunks."""
 
     name = "triton"
-    accepted_views = (PagedView, SelectedSlotsView)
+    accepted_views = (PagedView, SelectedSlotsView, QuantizedPagesView)
     supports_scores = True
     cuda_graph_safe = True
+
+    def reads_codec(self, codec) -> bool:
+        from kernels.triton.quant_decode import FORMATS
+
+        return codec.kernel_format in FORMATS
+
+    def _quantized(self, q, view: QuantizedPagesView, scale: float, return_scores: bool):
+        """Decode steps: the fused dequantizing kernel; prefill chunks and scores: the torch reference."""
+        if not view.is_pure_decode or return_scores:
+            return quantized_forward(q, view, scale, return_scores)
+        from kernels.triton.quant_decode import quantized_decode_attention
+
+        return quantized_decode_attention(
+            q, view.codec.kernel_format, view.k_fields, view.v_fields, view.block_tables, view.kv_lens,
+            view.quant_lens, view.window_k, view.window_v, view.window_ids, scale), None
 
     def __init__(self) -> None:
         from kernels.triton import paged_decode_attention, paged_decode_logits, paged_prefill_attention
@@ -31,6 +46,8 @@ class TritonBackend(AttentionBackend):
         self._prefill = paged_prefill_attention
 
     def forward(self, q, k_cache, v_cache, view: PagedView, scale: float, return_scores: bool = False):
+        if isinstance(view, QuantizedPagesView):
+            return self._quantized(q, view, scale, return_scores)
         if return_scores and not view.is_pure_decode:
             from kernels.torch_ref import paged_attention, selected_slots_attention
 

@@ -1,0 +1,297 @@
+"""Paged decode attention over quantized KV, dequantizing inside the attention loop (flash-decoding splits).
+
+``quantized_decode_attention(q, fmt, k_fields, v_fields, block_tables, kv_lens, quant_lens, window_k, window_v,
+window_ids, scale, num_splits=None)``
+    q:              [B, Hq, D] fp32 / fp16 / bf16
+    fmt:            one of FORMATS
+    k/v_fields:     one layer's codec side tensors (see below), page-shaped [num_pages, page_size // g, Hkv, w]
+    block_tables:   [B, max_pages] int32; kv_lens / quant_lens: [B] int32 (slots < quant_len are read from
+                    codes, the rest from the window ring)
+    window_k/v:     [num_windows, capacity, Hkv, D] in q's dtype, or None (then quant_lens == kv_lens);
+    window_ids:     [B] int32 (ring of request b; slot s at s % capacity)
+    returns         [B, Hq, D] in q's dtype
+
+Formats:
+* ``e4m3-token-head``: codes uint8 [P, ps, Hkv, D] (E4M3 bits), scale fp32 [P, ps, Hkv, 1]; x = e4m3(code) *
+  scale. The scale is applied to the logits (keys) and to the probabilities (values), not to the tiles.
+* ``int4-asym-kchan-vtok``: codes uint8 [P, ps, Hkv, D / 2], byte j = channel j (low nibble) | channel
+  j + D/2 (high nibble); keys: scale / zero fp16 [P, ps / G, Hkv, D] (per channel over G tokens); values:
+  scale / zero fp16 [P, ps, Hkv, D / Gv] (per token over Gv channels); x = code * scale + zero. The two
+  nibble planes are two contiguous channel halves, so Q K^T and P V run as two half-width dots.
+
+Grid and split structure as ``decode_attention``: one program per (request, KV head, split) owns the whole
+query-head group; a tile of BLOCK_N slots mixes coded slots and window slots by masked loads; partials are
+merged by ``decode_attention``'s combine kernel. Under TRITON_INTERPRET=1 all math is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms
+from kernels.triton.decode_attention import _decode_combine_kernel, choose_num_splits
+
+FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok")
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _e4m3_to_f32(b):
+    b = b.to(tl.int32)
+    e = (b >> 3) & 15
+    m = (b & 7).to(tl.float32)
+    mag = tl.where(e > 0, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)), m * 0.001953125)
+    return tl.where((b & 128) != 0, -mag, mag)
+
+
+@triton.jit
+def _split_range(lens_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    kv_len = tl.load(lens_ptr + b)
+    per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * per_split
+    return start, tl.minimum(start + per_split, kv_len)
+
+
+@triton.jit
+def _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
+            num_q_heads, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    mask = g_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        row = (b.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split
+        tl.store(mid_o_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o, mask=mask)
+
+
+@triton.jit
+def _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS: tl.constexpr):
+    if NUM_SPLITS > 1:
+        row = (b.to(tl.int64) * num_q_heads + head) * NUM_SPLITS + split
+        l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+        tl.store(mid_lse_ptr + row, tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf")), mask=g_mask)
+
+
+@triton.jit
+def _fp8_decode_kernel(
+    q_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, wk_ptr, wv_ptr, bt_ptr, lens_ptr, qlens_ptr, wid_ptr,
+    out_ptr, mid_o_ptr, mid_lse_ptr, scale_log2,
+    stride_qb, stride_qh,
+    s_cp, s_cs, s_ch, s_sp, s_ss, s_sh,
+    s_wn, s_wc, s_wh,
+    stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N)
+    quant_len = tl.load(qlens_ptr + b)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    head = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    dot_ty = tl.float32 if UPCAST else q_ptr.dtype.element_ty
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    wid = 0
+    if HAS_WINDOW:
+        wid = tl.load(wid_ptr + b).to(tl.int64)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        n_mask = tok < end
+        coded = n_mask & (tok < quant_len)
+        page = tl.load(bt_row + tok // PAGE_SIZE, mask=coded, other=0).to(tl.int64)
+        slot = page * s_cp + (tok % PAGE_SIZE).to(tl.int64) * s_cs + kvh * s_ch
+        sslot = page * s_sp + (tok % PAGE_SIZE).to(tl.int64) * s_ss + kvh * s_sh
+        cmask = coded[:, None] & d_mask[None, :]
+        k = _e4m3_to_f32(tl.load(kc_ptr + slot[:, None] + offs_d[None, :], mask=cmask, other=0))
+        v = _e4m3_to_f32(tl.load(vc_ptr + slot[:, None] + offs_d[None, :], mask=cmask, other=0))
+        k = k * tl.load(ks_ptr + sslot, mask=coded, other=0.0)[:, None]
+        v = v * tl.load(vs_ptr + sslot, mask=coded, other=0.0)[:, None]
+        if HAS_WINDOW:
+            windowed = n_mask & (tok >= quant_len)
+            wrow = wid * s_wn + (tok % CAP).to(tl.int64) * s_wc + kvh * s_wh
+            wmask = windowed[:, None] & d_mask[None, :]
+            k += tl.load(wk_ptr + wrow[:, None] + offs_d[None, :], mask=wmask, other=0.0).to(tl.float32)
+            v += tl.load(wv_ptr + wrow[:, None] + offs_d[None, :], mask=wmask, other=0.0).to(tl.float32)
+        qk = tl.dot(q.to(dot_ty), tl.trans(k.to(dot_ty)), input_precision=PRECISION) * scale_log2
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision=PRECISION)
+        m_i = m_new
+    _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
+            num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
+    _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
+
+
+@triton.jit
+def _int4_decode_kernel(
+    q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bt_ptr, lens_ptr, qlens_ptr, wid_ptr,
+    out_ptr, mid_o_ptr, mid_lse_ptr, scale_log2,
+    stride_qb, stride_qh,
+    s_cp, s_cs, s_ch,  # codes (k and v share the layout)
+    s_kp, s_kg, s_kh,  # key scale / zero [P, ps / G, Hkv, D]
+    s_vp, s_vs, s_vh,  # value scale / zero [P, ps, Hkv, D / Gv]
+    s_wn, s_wc, s_wh,
+    stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr, CAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N)
+    quant_len = tl.load(qlens_ptr + b)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_h = tl.arange(0, HALF)
+    offs_n = tl.arange(0, BLOCK_N)
+    head = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    dot_ty = tl.float32 if UPCAST else q_ptr.dtype.element_ty
+    q_row = q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh
+    q_lo = tl.load(q_row + offs_h[None, :], mask=g_mask[:, None], other=0.0).to(dot_ty)
+    q_hi = tl.load(q_row + HALF + offs_h[None, :], mask=g_mask[:, None], other=0.0).to(dot_ty)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    wid = 0
+    if HAS_WINDOW:
+        wid = tl.load(wid_ptr + b).to(tl.int64)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
+    acc_lo = tl.full([BLOCK_G, HALF], 0.0, dtype=tl.float32)
+    acc_hi = tl.full([BLOCK_G, HALF], 0.0, dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        n_mask = tok < end
+        coded = n_mask & (tok < quant_len)
+        page = tl.load(bt_row + tok // PAGE_SIZE, mask=coded, other=0).to(tl.int64)
+        off = (tok % PAGE_SIZE).to(tl.int64)
+        cmask = coded[:, None]
+        code_row = (page * s_cp + off * s_cs + kvh * s_ch)[:, None]
+        kb = tl.load(kc_ptr + code_row + offs_h[None, :], mask=cmask, other=0).to(tl.int32)
+        vb = tl.load(vc_ptr + code_row + offs_h[None, :], mask=cmask, other=0).to(tl.int32)
+        krow = (page * s_kp + (off // KGROUP) * s_kg + kvh * s_kh)[:, None]
+        k_lo = (kb & 15).to(tl.float32) * tl.load(ks_ptr + krow + offs_h[None, :], mask=cmask, other=0.0).to(tl.float32) \
+            + tl.load(kz_ptr + krow + offs_h[None, :], mask=cmask, other=0.0).to(tl.float32)
+        k_hi = (kb >> 4).to(tl.float32) * tl.load(ks_ptr + krow + HALF + offs_h[None, :], mask=cmask,
+                                                   other=0.0).to(tl.float32) \
+            + tl.load(kz_ptr + krow + HALF + offs_h[None, :], mask=cmask, other=0.0).to(tl.float32)
+        vrow = (page * s_vp + off * s_vs + kvh * s_vh)[:, None]
+        g_lo = (offs_h // VGROUP)[None, :]
+        g_hi = ((offs_h + HALF) // VGROUP)[None, :]
+        v_lo = (vb & 15).to(tl.float32) * tl.load(vs_ptr + vrow + g_lo, mask=cmask, other=0.0).to(tl.float32) \
+            + tl.load(vz_ptr + vrow + g_lo, mask=cmask, other=0.0).to(tl.float32)
+        v_hi = (vb >> 4).to(tl.float32) * tl.load(vs_ptr + vrow + g_hi, mask=cmask, other=0.0).to(tl.float32) \
+            + tl.load(vz_ptr + vrow + g_hi, mask=cmask, other=0.0).to(tl.float32)
+        if HAS_WINDOW:
+            windowed = (n_mask & (tok >= quant_len))[:, None]
+            wrow = (wid * s_wn + (tok % CAP).to(tl.int64) * s_wc + kvh * s_wh)[:, None]
+            k_lo += tl.load(wk_ptr + wrow + offs_h[None, :], mask=windowed, other=0.0).to(tl.float32)
+            k_hi += tl.load(wk_ptr + wrow + HALF + offs_h[None, :], mask=windowed, other=0.0).to(tl.float32)
+            v_lo += tl.load(wv_ptr + wrow + offs_h[None, :], mask=windowed, other=0.0).to(tl.float32)
+            v_hi += tl.load(wv_ptr + wrow + HALF + offs_h[None, :], mask=windowed, other=0.0).to(tl.float32)
+        qk = tl.dot(q_lo, tl.trans(k_lo.to(dot_ty)), input_precision=PRECISION)
+        qk += tl.dot(q_hi, tl.trans(k_hi.to(dot_ty)), input_precision=PRECISION)
+        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        pd = p.to(dot_ty)
+        acc_lo = acc_lo * alpha[:, None] + tl.dot(pd, v_lo.to(dot_ty), input_precision=PRECISION)
+        acc_hi = acc_hi * alpha[:, None] + tl.dot(pd, v_hi.to(dot_ty), input_precision=PRECISION)
+        m_i = m_new
+    d_mask = offs_h < HALF
+    _finish(acc_lo, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_h, d_mask, split,
+            num_q_heads, stride_ob, stride_oh, 2 * HALF, NUM_SPLITS)
+    _finish(acc_hi, m_i, l_i, out_ptr + HALF, mid_o_ptr + HALF, mid_lse_ptr, b, head, g_mask, offs_h, d_mask,
+            split, num_q_heads, stride_ob, stride_oh, 2 * HALF, NUM_SPLITS)
+    _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
+
+
+def quantized_decode_attention(
+    q: torch.Tensor, fmt: str, k_fields: dict[str, torch.Tensor], v_fields: dict[str, torch.Tensor],
+    block_tables: torch.Tensor, kv_lens: torch.Tensor, quant_lens: torch.Tensor,
+    window_k: torch.Tensor | None, window_v: torch.Tensor | None, window_ids: torch.Tensor | None,
+    scale: float, num_splits: int | None = None, *, block_n: int = 32, num_warps: int = 4,
+) -> torch.Tensor:
+    if fmt not in FORMATS:
+        raise ValueError(f"no quantized decode kernel for format {fmt!r}; formats: {FORMATS}")
+    batch, num_q_heads, head_dim = q.shape
+    kc = k_fields["codes"]
+    num_kv_heads = kc.shape[2]
+    assert num_q_heads % num_kv_heads == 0 and block_tables.shape[0] == batch
+    check_last_dim_contiguous("q", q)
+    out = torch.empty_like(q)
+    if batch == 0:
+        return out
+    page_size = kc.shape[1]
+    group = num_q_heads // num_kv_heads
+    block_g = max(16, next_pow2(group))
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, num_sms(q.device))
+    has_window = window_k is not None
+    if not has_window:
+        window_k = window_v = q.new_zeros(1, 1, 1, 1)
+        window_ids = kv_lens
+    mid_o = mid_lse = out
+    if num_splits > 1:
+        mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    grid = (batch, num_kv_heads, num_splits)
+    scale_log2 = scale * _LOG2E
+    common_tail = dict(BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=num_warps)
+    wstrides = window_k.stride()[:3]
+    if fmt == FORMATS[0]:
+        kernel = _fp8_decode_kernel
+        upcast, precision = dot_args(kernel, q.dtype)
+        ks = k_fields["scale"]
+        kernel[grid](
+            q, kc, ks, v_fields["codes"], v_fields["scale"], window_k, window_v, block_tables, kv_lens, quant_lens,
+            window_ids, out, mid_o, mid_lse, scale_log2, q.stride(0), q.stride(1),
+            *kc.stride()[:3], *ks.stride()[:3], *wstrides, block_tables.stride(0), out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
+            CAP=window_k.shape[1], HAS_WINDOW=has_window, UPCAST=upcast, PRECISION=precision, **common_tail)
+    else:
+        kernel = _int4_decode_kernel
+        upcast, precision = dot_args(kernel, q.dtype)
+        half = head_dim // 2
+        assert half == next_pow2(half), "int4 decode needs a power-of-two head_dim"
+        ks, vs = k_fields["scale"], v_fields["scale"]
+        kernel[grid](
+            q, kc, ks, k_fields["zero"], v_fields["codes"], vs, v_fields["zero"], window_k, window_v, block_tables,
+            kv_lens, quant_lens, window_ids, out, mid_o, mid_lse, scale_log2, q.stride(0), q.stride(1),
+            *kc.stride()[:3], *ks.stride()[:3], *vs.stride()[:3], *wstrides, block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_G=block_g, HALF=half, PAGE_SIZE=page_size, KGROUP=page_size // ks.shape[1],
+            VGROUP=head_dim // vs.shape[3], CAP=window_k.shape[1], HAS_WINDOW=has_window, UPCAST=upcast,
+            PRECISION=precision, **common_tail)
+    if num_splits > 1:
+        _decode_combine_kernel[(batch, num_q_heads)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), NUM_SPLITS=num_splits,
+            BLOCK_S=max(2, next_pow2(num_splits)))
+    return out
