@@ -3,6 +3,7 @@
     agentrt generate "Write a haiku about KV caches"    # offline generation on the embedded tiny model
     agentrt bench --shape tiny --batch 1,32              # throughput benchmark (JSON + table)
     agentrt make-tiny --arch llama --out /tmp/tiny       # write a random tiny HF checkpoint
+    agentrt replay run --sessions 4 --turns 8            # agent-trace replay benchmark (see agentrt replay --help)
     agentrt serve --port 8000                            # the HTTP server (chains, turns, OpenAI routes)
     agentrt demo                                         # a scripted 3-turn agent session against the server
     agentrt keys create --tenant acme [--db URL]         # a new API key for a tenant (printed once)
@@ -145,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv and argv[0] == "replay":
+        from agentrt.replay.cli import main as replay_main
+
+        return replay_main(argv[1:])
     if argv and argv[0] == "make-tiny":
         return _make_tiny(argv[1:])
     ap = argparse.ArgumentParser(prog="agentrt", description=__doc__,
@@ -152,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="throughput benchmark (see agentrt bench --help)")
     sub.add_parser("make-tiny", help="write a random tiny checkpoint (see agentrt make-tiny --help)")
+    sub.add_parser("replay", help="agent-trace replay: generate traces, replay them (see agentrt replay --help)")
     gen = sub.add_parser("generate", help="offline generation demo on the embedded tiny model")
     gen.add_argument("prompts", nargs="*")
     gen.add_argument("--model", help="HF checkpoint dir (default: the embedded tiny model)")

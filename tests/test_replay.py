@@ -110,3 +110,51 @@ def test_forced_tokens_on_the_wire_are_validated():
                     "forced_token_ids": [5, 6]}
             r = http.post("/v1/chat/completions", json=body)
             assert r.status_code == 400 and r.json()["extra"][0]["key"] == "forced_token_ids", r.text
+
+
+def test_chain_cache_prefills_5x_fewer_tokens_than_dense_without_prefix_cache(tokenizer, tmp_path):
+    """Two concurrent sessions replayed twice with forced outputs: a stateless client on a server without
+    a prefix cache computes every prompt token of every turn; with Chain Cache (prefix cache off too) a turn
+    computes only what it appended plus the previous turn's last generated token (whose KV no step wrote)."""
+    from agentrt.replay.bench import serve_and_replay
+    from agentrt.replay.replayer import ReplayConfig
+    from agentrt.replay.report import summarize, table, with_speedups
+    from agentrt.replay.plots import write_plots
+
+    shape = SynthShape(num_turns=(7, 7), system_tokens=150, task_tokens=(10, 20), tool_tokens=(60, 120),
+                       output_tokens=(56, 64), think_time_s=(0.0, 0.02))
+    traces = [synth_trace(tokenizer, seed, shape) for seed in (0, 1)]
+    traces = [msgspec.structs.replace(t, header=msgspec.structs.replace(t.header, tools=[])) for t in traces]
+    options = {"device": "cpu", "num_pages": 512}
+    dense = serve_and_replay(traces, ReplayConfig("dense-noprefix", "stateless", prefix_cache=False),
+                             engine_options=options)
+    chain = serve_and_replay(traces, ReplayConfig("chain-noprefix", "chain", prefix_cache=False),
+                             engine_options=options)
+
+    key = lambda r: (r.session, r.turn)  # noqa: E731
+    d, c = sorted(dense.turns, key=key), sorted(chain.turns, key=key)
+    assert [key(r) for r in d] == [key(r) for r in c] == [(s, i) for s in (0, 1) for i in range(7)]
+    for rd, rc in zip(d, c):
+        recorded = traces[rd.session].turns[rd.turn]
+        assert rd.text == rc.text == recorded.output_text  # both runs emitted the forced tokens
+        assert rd.completion_tokens == rc.completion_tokens == len(recorded.output_token_ids)
+        assert rd.prompt_tokens == rc.prompt_tokens  # the chain's log is the template's rendering
+    generated = sum(len(t.output_token_ids) for trace in traces for t in trace.turns)
+    assert dense.counters["agentrt_tokens_generated_total"] == chain.counters["agentrt_tokens_generated_total"] \
+        == generated
+
+    dense_prefilled = dense.counters["agentrt_tokens_prefilled_total"]
+    assert dense_prefilled == sum(r.prompt_tokens for r in d)
+    assert dense.counters["agentrt_tokens_prefix_cached_total"] == 0
+    expected_chain = sum(r.prompt_tokens if r.turn == 0 else r.prompt_tokens - prev.prompt_tokens
+                         - prev.completion_tokens + 1 for prev, r in zip([None] + c[:-1], c))
+    chain_prefilled = chain.counters["agentrt_tokens_prefilled_total"]
+    assert chain_prefilled == expected_chain == sum(r.prefilled_tokens for r in c)
+    assert dense_prefilled >= 5 * chain_prefilled, (dense_prefilled, chain_prefilled)
+
+    summaries = with_speedups([summarize(dense), summarize(chain)])
+    assert summaries[1]["prefill_reduction"] == round(dense_prefilled / chain_prefilled, 3)
+    assert len(summaries[0]["prefilled_per_turn"]) == 7 and summaries[0]["peak_kv_pages"] > 0
+    assert "chain-noprefix" in table(summaries)
+    pngs = write_plots(summaries, tmp_path)
+    assert [p.read_bytes()[:8] for p in pngs] == [b"\x89PNG\r\n\x1a\n"] * 2

@@ -4,6 +4,7 @@
     agentrt replay run --traces traces/ --configs dense-prefix,dense-chain,dense-chain-lag --out results/
     agentrt replay run --sessions 4 --turns 6,8 --system-tokens 300 --tool-tokens 50,300   # generate inline
     agentrt replay run --shape llama-3.1-8b --load-format dummy --sessions 16 --turns 30,30 ...  # GPU
+    agentrt replay plot results/replay.json                                  # the PNGs of a report
 """
 
 from __future__ import annotations
@@ -123,6 +124,15 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from agentrt.replay.plots import write_plots
+
+    report = json.loads(Path(args.report).read_text())
+    for path in write_plots(report["results"], args.out or Path(args.report).parent):
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="agentrt replay", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -150,9 +160,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--gpu-memory-utilization", type=float)
     run.add_argument("--engine-options", default="{}", help="further EngineConfig fields as JSON")
     run.add_argument("--out", help="directory for replay.json and the plots")
+    plot = sub.add_parser("plot", help="the plots of a replay.json written by `run` (e.g. on another machine)")
+    plot.add_argument("report", help="a replay.json")
+    plot.add_argument("--out", help="directory for the PNGs (default: the report's)")
     args = ap.parse_args(argv)
     try:
-        return _gen(args) if args.action == "gen" else _run(args)
+        return {"gen": _gen, "run": _run, "plot": _plot}[args.action](args)
     except (TraceError, SynthShapeError) as exc:
         print(f"agentrt replay: {exc}", file=sys.stderr)
         return 2

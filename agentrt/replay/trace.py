@@ -105,7 +105,11 @@ def loads(data: bytes | str, source: str = "<trace>") -> Trace:
 
 def load(path: str | Path) -> Trace:
     path = Path(path)
-    return loads(path.read_bytes(), str(path))
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise TraceError(f"{path}: cannot read the trace: {exc.strerror}") from None
+    return loads(data, str(path))
 
 
 def _decode(decoder: msgspec.json.Decoder, n: int, line: bytes, source: str) -> Any:
