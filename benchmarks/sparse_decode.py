@@ -14,6 +14,7 @@ timed over steps where every admitted request decodes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import tempfile
@@ -93,6 +94,7 @@ def run_method(model_dir: Path, name: str, cfg: dict, args) -> dict:
     for rid in list(engine._requests):
         engine.abort(rid)
     del engine
+    gc.collect()  # the engine holds reference cycles (runner <-> graphs); free its pool before the next one
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
