@@ -27,7 +27,8 @@ REDUCTIONS = ("max", "mean")
 
 
 class _ProbeLayerRunner:
-    """The model's LayerRunner for one probe chunk: attention over [visible retained KV + probe KV so far]."""
+    """The model's LayerRunner for one probe (its chunks in order): attention over [visible retained KV + probe KV
+    so far], accumulating the reduced probabilities on the retained slots."""
 
     wants_layer_output = False
 
@@ -52,18 +53,16 @@ class _ProbeLayerRunner:
         p = pk.shape[0] - c  # probe tokens of earlier chunks
         all_k = torch.cat([keys, pk]).float()
         all_v = torch.cat([values, pv]).float()
-        logits = torch.einsum("ihgd,shd->hgis", q.float().view(c, hkv, g, d), all_k) * self.scale
+        logits = torch.einsum("ihgd,shd->hgis", q.float().reshape(c, hkv, g, d), all_k) * self.scale
         causal = torch.ones(c, p + c, dtype=torch.bool, device=q.device).tril(p)
         mask = torch.cat([visible[:, None, :].expand(hkv, c, n), causal.expand(hkv, c, p + c)], dim=2)
         probs = torch.softmax(logits.masked_fill(~mask[:, None], float("-inf")), dim=-1)  # [Hkv, g, c, n + p + c]
-        on_retained = probs[..., :n]
+        on_retained, prev = probs[..., :n], self.scores[layer]
         if self.reduce == "max":
             part = on_retained.amax(dim=(1, 2))
-            prev = self.scores[layer]
             self.scores[layer] = part if prev is None else torch.maximum(prev, part)
         else:
             part = on_retained.sum(dim=(1, 2))
-            prev = self.scores[layer]
             self.scores[layer] = part if prev is None else prev + part
             self.num_reduced[layer] += g * c
         out = torch.einsum("hgis,shd->ihgd", probs, all_v)
