@@ -370,3 +370,107 @@ def test_logprobs_close_to_dense(name, bits, tiny_dirs):
     err = (coded - dense).abs().max().item()
     print(f"{name}-{bits}: max |d logprob| = {err:.4f}")
     assert err < LOGPROB_TOLERANCE[name, bits]
+
+
+# --- compaction, chains, prefix reuse -------------------------------------------------------------------
+@pytest.mark.parametrize("name,cfg", [("fp8", {}), ("kivi", KIVI), ("turboquant", {"bits": 4})])
+def test_compaction_moves_codes_with_their_scales(name, cfg, tiny_dirs):
+    """Compact a coded request to per-head subsets, append one token, attend: the result is dense attention
+    over (token-local codecs) the very values stored before, moved; (KIVI) values moved, keys re-encoded in
+    groups over the kept slots, recent slots from the full-precision window."""
+    from engine.attention_backend import quantized_forward
+
+    llm = make_llm(tiny_dirs["qwen3"], name, cfg)
+    eng, codec = llm.engine, llm.engine.codec
+    cache = eng.cache
+    req = eng._requests[eng.add_request(list(range(3, 60)), SamplingParams(max_tokens=4))]
+    n, m, heads, d = 50, 29, 2, 32
+    g = torch.Generator().manual_seed(3)
+    kv = [(torch.randn(n, heads, d, generator=g), torch.randn(n, heads, d, generator=g)) for _ in range(2)]
+    assert cache.allocate(req, n)
+    for layer, (k, v) in enumerate(kv):
+        cache.write_prefix(req, layer, k, v)
+    cache.commit(req, n)
+    slots = cache._slots(cache.table(req).pages, 0, n)
+    stored = [tuple(x.flatten(0, 1)[slots] for x in cache.layer_kv(layer)) for layer in range(2)]
+    keep = [torch.stack([torch.randperm(n, generator=g)[:m].sort().values for _ in range(heads)]) for _ in range(2)]
+    assert cache.compact(req, keep) and cache.physical_len(req, 1) == m
+    assert cache.allocate(req, 1)
+    sm = cache.slot_mapping([req], [1])
+    views = cache.build_layer_views([req], [1])
+    q_len = codec.quant_len(n)
+    for layer, ((k, v), (sk, sv), kp) in enumerate(zip(kv, stored, keep)):
+        pick = lambda x: torch.stack([x[kp[h], h] for h in range(heads)], 1)  # noqa: E731  [m, H, D]
+        in_window = (kp >= q_len).T[..., None]
+        if name == "kivi":
+            full_k = torch.where(in_window, pick(k), pick(sk))
+            qm = codec.quant_len(m)
+            pad = -(-m // 8) * 8
+            kq, _ = kivi_keys(torch.cat([full_k, full_k[-1:].expand(pad - m, -1, -1)]), 4, 8)
+            want_k = torch.cat([kq[:qm], full_k[qm:]])
+            want_v = torch.cat([pick(sv)[:qm], torch.where(in_window, pick(v), pick(sv))[qm:]])
+        else:
+            want_k, want_v = pick(sk), pick(sv)
+        k1, v1 = torch.randn(1, heads, d, generator=g), torch.randn(1, heads, d, generator=g)
+        cache.write(layer, k1, v1, sm)
+        q = torch.randn(1, 4, d, generator=g)
+        got, _ = quantized_forward(q, views[layer], d**-0.5)
+        new_k = k1 if codec.has_window else torch.stack([cache.layer_kv(layer)[0].flatten(0, 1)[sm]])[0]
+        new_v = v1 if codec.has_window else torch.stack([cache.layer_kv(layer)[1].flatten(0, 1)[sm]])[0]
+        want = DenseRunner.attend(q, torch.cat([want_k, new_k]), torch.cat([want_v, new_v]),
+                                  torch.ones(heads, 1, m + 1, dtype=torch.bool))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    cache.commit(req, 1)
+    eng.abort(req.request_id)
+    assert all(r == 0 for r in eng.pool.ref_counts)
+
+
+def test_fp8_prefix_hits_and_chain_turns_equal_fresh_runs(tiny_dirs):
+    """Token-local codes do not depend on the schedule: a prefix hit, a resumed chain turn and a fork give
+    the tokens of a fresh fp8 run on the whole history."""
+    from tests.chain_helpers import run_chain_turn
+
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    fresh = make_llm(tiny_dirs["qwen3"], "fp8", enable_prefix_caching=False)
+
+    def ref(p):
+        return fresh.generate([p], params)[0].token_ids
+
+    llm = make_llm(tiny_dirs["qwen3"], "fp8")
+    eng = llm.engine
+    p1 = prompts([37])[0]
+    first = llm.generate([p1], params)[0]
+    again = llm.generate([p1], params)[0]
+    assert first.token_ids == again.token_ids == ref(p1) and again.num_cached_tokens == 32
+    h = p1 + run_chain_turn(eng, "c", p1, params).token_ids
+    eng.fork_chain("c", "d")
+    for cid, extra in (("c", [5, 6, 7]), ("d", [9] * 11)):
+        out = run_chain_turn(eng, cid, h + extra, params)
+        assert out.resume_status == "resumed" and out.token_ids == ref(h + extra)
+    for cid in ("c", "d"):
+        eng.delete_chain(cid)
+    eng.clear_prefix_cache()
+    assert eng.pool.num_free == eng.pool.num_pages
+
+
+def test_kivi_chains_release_windows_and_resume(tiny_dirs):
+    from tests.chain_helpers import run_chain_turn
+
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    llm = make_llm(tiny_dirs["qwen3"], "kivi", KIVI, max_num_seqs=2)
+    eng = llm.engine
+    free = lambda: len(eng.cache.coded._free_windows)  # noqa: E731
+    assert free() == 2
+    history = prompts([45])[0]
+    outs = {}
+    for i, cid in enumerate("abc"):  # three idle chains, two windows: windows go with running requests only
+        outs[cid] = run_chain_turn(eng, cid, history + [i + 3], params)
+        assert outs[cid].resume_status == "created" and free() == 2
+    resumed = history + [3] + outs["a"].token_ids + [11, 12]
+    out = run_chain_turn(eng, "a", resumed, params)
+    assert out.resume_status == "resumed" and out.num_prefilled_tokens == 3 and free() == 2
+    assert len(out.token_ids) == 5
+    for cid in "abc":
+        eng.delete_chain(cid)
+    eng.clear_prefix_cache()
+    assert eng.pool.num_free == eng.pool.num_pages
