@@ -82,7 +82,8 @@ class CompletionService:
         offset, new = chain_completions.new_messages(req.messages, state)
         p = self._params(req)
         sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
-                    "seed": p.seed, "max_tokens": p.max_tokens, "stop": p.stop, "forced_token_ids": p.forced_token_ids}
+                    "seed": p.seed, "max_tokens": p.max_tokens, "stop": p.stop,
+                    "forced_token_ids": p.forced_token_ids}
         turn = await self.chains.start_turn(req.chain_id, chain_completions.turn_request(new, offset, sampling,
                                                                                            req.stream), tenant=tenant)
         if turn.state.num_turns != state.num_turns:  # another request appended a turn meanwhile
