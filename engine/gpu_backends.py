@@ -44,6 +44,7 @@ class TritonBackend(AttentionBackend):
         self._decode = paged_decode_attention
         self._logits = paged_decode_logits
         self._prefill = paged_prefill_attention
+        self._slot_table: tuple[SelectedSlotsView, torch.Tensor] | None = None  # per view: layers share it
 
     def forward(self, q, k_cache, v_cache, view: PagedView, scale: float, return_scores: bool = False):
         if isinstance(view, QuantizedPagesView):
@@ -61,7 +62,9 @@ class TritonBackend(AttentionBackend):
         block_tables = view.block_tables
         if isinstance(view, SelectedSlotsView):
             k_cache, v_cache = k_cache.flatten(0, 1).unsqueeze(1), v_cache.flatten(0, 1).unsqueeze(1)
-            block_tables = _slot_table(view)
+            if self._slot_table is None or self._slot_table[0] is not view:
+                self._slot_table = (view, _slot_table(view))
+            block_tables = self._slot_table[1]
         if view.is_pure_decode:
             out = self._decode(q, k_cache, v_cache, block_tables, view.kv_lens, scale)
             if not return_scores:

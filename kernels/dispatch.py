@@ -16,3 +16,17 @@ def paged_decode_logits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: to
     from kernels.torch_ref import paged_decode_logits as torch_logits
 
     return torch_logits(q, k_cache, block_tables, kv_lens_cpu, scale, width)
+
+
+def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
+                      aggregate: str = "max") -> torch.Tensor:
+    """[S, W] fp32 Quest upper bounds of the pages ``pages[s]`` (ids into the layer's ``kmin``/``kmax``
+    [num_pages, Hkv, D]) for the decode queries ``q`` [S, Hq, D], aggregated over query heads."""
+    if q.is_cuda:
+        from kernels.triton import quest_page_scores as triton_scores
+
+        return triton_scores(q, kmin, kmax, pages, aggregate)
+    from kernels.torch_ref import quest_page_scores as torch_scores
+
+    idx = pages.long()
+    return torch_scores(q, kmin[idx], kmax[idx], aggregate)

@@ -148,6 +148,18 @@ class H2O(SparseMethod):
                 st.acc[layer] = align_scores(state["positions"][layer], state["acc"][layer], target)
             assert st.acc[layer].shape == (heads, cache.physical_len(req, layer))
 
+    def kv_loaded(self, req, cache) -> None:
+        """Slots written outside a step (a benchmark's synthetic fill) received no attention: they join the
+        accumulation with score 0."""
+        num_layers, heads = cache.spec.num_layers, cache.spec.num_kv_heads
+        st = self._state(req, num_layers)
+        for layer in range(num_layers):
+            acc, n = st.acc[layer], cache.physical_len(req, layer)
+            old = 0 if acc is None else acc.shape[1]
+            if n > old:
+                pad = torch.zeros(heads, n - old, dtype=torch.float32, device=cache.spec.device)
+                st.acc[layer] = pad if acc is None else torch.cat([acc, pad], dim=1)
+
     def accumulated(self, req, layer: int) -> torch.Tensor | None:
         """[Hkv, physical_len] accumulated attention of the request's slots in ``layer`` (for inspection)."""
         st = self._states.get(req.request_id)

@@ -34,7 +34,8 @@ import torch
 from engine.contract import Family, PagedView, SelectedPagesView, SparseMethod
 from engine.errors import ConfigError
 from engine.registry import register_method
-from kernels.torch_ref.quest import AGGREGATES, page_key_bounds, quest_page_scores
+from kernels.dispatch import quest_page_scores
+from kernels.torch_ref.quest import AGGREGATES, page_key_bounds
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -179,7 +180,7 @@ class Quest(SparseMethod):
         width = max(plan.num_pages)
         device = view.block_tables.device
         pages = view.block_tables[plan.rows_t, :width].long()  # [s, width] resident pages, logical order
-        scores = quest_page_scores(q[plan.query_rows], kmin_l[pages], kmax_l[pages], self.config.aggregate)
+        scores = quest_page_scores(q[plan.query_rows], kmin_l, kmax_l, pages, self.config.aggregate)
         last = torch.tensor(plan.num_pages, device=device) - 1  # [s] logical index of each last page
         candidate = torch.arange(width, device=device)[None, :] < last[:, None]  # every page but the last
         scores = scores.masked_fill(~candidate, float("-inf"))

@@ -36,3 +36,12 @@ def test_quest_rebuilds_page_bounds_for_kv_loaded_outside_a_step(tiny_dirs):
     torch.testing.assert_close(engine.method._kmin[1][pages], lo)
     torch.testing.assert_close(engine.method._kmax[1][pages], hi)
     engine.abort(rid)
+
+
+def test_h2o_scores_slots_loaded_outside_a_step_as_unattended():
+    results = main(["--shape", "tiny", "--context", "256", "--window", "16", "--max-batch", "2",
+                    "--decode-steps", "3", "--kv-bytes", "4000000", "--dtype", "float32", "--device", "cpu",
+                    "--methods", 'h2o:{"heavy_budget":16,"recent_budget":16}'])
+    (h2o,) = results
+    assert h2o["batch"] == 2
+    assert h2o["pages_per_request"] <= -(-(32 + 3 + 1) // 16) + 1  # compacted to the budget despite the fill

@@ -106,3 +106,23 @@ def test_triton_backend_matches_torch_backend(dtype, query_lens, selected):
         for p, r in zip(probs, ref_probs):
             assert p.shape == r.shape
             _close(p, r, (1e-4, 1e-3) if dtype == torch.float16 else (1e-6, 1e-5))
+
+
+@pytest.mark.parametrize("dtype,group,aggregate,block_p", [
+    (torch.float32, 1, "max", 16), (torch.float16, 4, "sum", 32), (torch.float16, 3, "max", 8),
+    (torch.float32, 2, "sum", 64)])
+def test_quest_page_scores_match_reference(dtype, group, aggregate, block_p):
+    from kernels.torch_ref import quest_page_scores as ref_scores
+    from kernels.triton import quest_page_scores
+
+    _seed("quest", dtype, group, aggregate)
+    num_pages, hkv, d = 40, 2, 64
+    kmin = torch.randn(num_pages, hkv, d, device=DEVICE).to(dtype)
+    kmax = kmin + torch.rand(num_pages, hkv, d, device=DEVICE).to(dtype)
+    q = torch.randn(3, hkv * group, d, device=DEVICE).to(dtype)
+    pages = torch.stack([torch.randperm(num_pages, device=DEVICE)[:37] for _ in range(3)]).to(torch.int32)
+    got = quest_page_scores(q, kmin, kmax, pages, aggregate, block_p=block_p)
+    idx = pages.long()
+    ref = ref_scores(q, kmin[idx], kmax[idx], aggregate)
+    assert got.shape == ref.shape == (3, 37)
+    _close(got, ref, (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 2e-3))
