@@ -83,6 +83,7 @@ class Prober:
         self.cache = cache
         self.scale = scale
         self.encode = encode
+        self.max_positions = model.config.max_position_embeddings  # RoPE's table: probe positions stay below
 
     def run(self, table: Any, logical_len: int, token_ids: Sequence[int], *, start: int | None = None,
             reduce: str = "max", chunk_size: int = 512) -> list[torch.Tensor]:
@@ -98,6 +99,9 @@ class Prober:
             raise InvalidRequestError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
         if not 0 <= start <= logical_len:
             raise InvalidRequestError(f"start must be in [0, {logical_len}], got {start}")
+        if start + len(token_ids) > self.max_positions:
+            raise InvalidRequestError(f"a probe of {len(token_ids)} tokens from position {start} passes the model's "
+                                      f"{self.max_positions} positions")
         cache = self.cache
         device = cache.spec.device
         num_layers = cache.spec.num_layers

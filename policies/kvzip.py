@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, SparseMethod
+from engine.errors import InvalidRequestError
 from engine.registry import register_method
 from policies.scoring import check_int, top_k_sorted
 
@@ -43,7 +44,11 @@ PROBE_ROWS = 512  # queries per probe forward: bounds the attention matrix, not 
 def reconstruction_scores(probe, table, logical_len: int, context_ids: list[int], repeat_ids: list[int],
                           chunk_size: int) -> list[torch.Tensor]:
     """Steps 1-2: per layer [Hkv, physical_len] the max attention each held slot receives while the model
-    reconstructs ``context_ids`` chunk by chunk after ``repeat_ids``."""
+    reconstructs ``context_ids`` chunk by chunk after ``repeat_ids``. Chunks shrink where the probe would pass
+    the model's last position."""
+    chunk_size = min(chunk_size, probe.max_positions - logical_len - len(repeat_ids))
+    if chunk_size < 1:
+        raise InvalidRequestError(f"no room after {logical_len} positions for a reconstruction probe")
     scores = None
     for lo in range(0, len(context_ids), chunk_size):
         ids = list(repeat_ids) + list(context_ids[lo: lo + chunk_size])
@@ -128,8 +133,9 @@ class KVzip(SparseMethod):
             raise RuntimeError("kvzip scores with the engine's probe forward (ForwardBatch.probe), which is unset")
         if self._repeat_ids is None:
             self._repeat_ids = probe.encode(cfg.repeat_prompt)
-        table = cache.table(req)
-        scores = reconstruction_scores(probe, table, req.num_computed_tokens, req.token_ids[:prompt],
+        if req.num_computed_tokens + len(self._repeat_ids) >= probe.max_positions:
+            return True  # no position left for a reconstruction after the prompt: keep it whole
+        scores = reconstruction_scores(probe, cache.table(req), req.num_computed_tokens, req.token_ids[:prompt],
                                        self._repeat_ids, cfg.chunk_size)
         for layer, s in enumerate(scores):
             s.masked_fill_(cache.positions_of(req, layer) >= prompt - cfg.window, float("inf"))

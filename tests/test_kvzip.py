@@ -189,6 +189,15 @@ def test_budget_at_least_the_prompt_reproduces_dense(tiny_dirs):
         assert all(row == list(range(len(prompt))) for layer in seen[out.request_id] for row in layer)
 
 
+def test_a_prompt_without_room_for_the_reconstruction_is_kept_whole(tiny_dirs):
+    llm = make_llm(tiny_dirs["qwen3"], cfg=dict(budget=16, window=4))
+    seen = record_prompt_evictions(llm)
+    limit = llm.engine.model_config.max_position_embeddings
+    prompt = random_tokens(random.Random(9), limit - 4)
+    out = llm.generate([prompt], params(2))[0]
+    assert all(row == list(range(len(prompt))) for layer in seen[out.request_id] for row in layer)
+
+
 @pytest.mark.parametrize("cfg,words", [
     (dict(ratio=0.0), "ratio"), (dict(ratio=1.5), "ratio"), (dict(ratio=True), "ratio"), (dict(budget=-1), "budget"),
     (dict(budget=2, window=4), "budget"), (dict(window=0), "window"), (dict(chunk_size=0), "chunk_size"),

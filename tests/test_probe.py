@@ -141,6 +141,7 @@ def test_probe_rejects_bad_input(chain_engine):
     state = engine.chains.index.get("c")
     prober, n = engine.chains.prober, state.num_computed
     for kw, words in [(dict(token_ids=[]), "at least one token"), (dict(token_ids=[5], reduce="sum"), "reduce"),
-                      (dict(token_ids=[5], chunk_size=0), "chunk_size"), (dict(token_ids=[5], start=n + 1), "start")]:
+                      (dict(token_ids=[5], chunk_size=0), "chunk_size"), (dict(token_ids=[5], start=n + 1), "start"),
+                      (dict(token_ids=[5] * (prober.max_positions - n + 1)), "positions")]:
         with pytest.raises(InvalidRequestError, match=words):
             prober.run(state.table, n, **kw)
