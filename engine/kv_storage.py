@@ -24,11 +24,13 @@ def cdiv(a: int, b: int) -> int:
 class WritePlan:
     """How one step's new rows land for a codec with a window (shared by layers of equal lengths).
 
-    group_src: [M] indices into ``cat(ring_flat, new_rows)`` of every slot of the groups (re-)encoded this
-    step, group by group; group_slots: [M] their physical slots. ring_dst / ring_rows: new rows copied
-    into the ring (flat ring index, row)."""
+    Every slot of the groups (re-)encoded this step, group by group, comes from the ring (``from_ring``:
+    flat ring index ``ring_src``) or from the step's new rows (row ``row_src``); group_slots: [M] their
+    physical slots. ring_dst / ring_rows: new rows copied into the ring (flat ring index, row)."""
 
-    group_src: torch.Tensor
+    from_ring: torch.Tensor
+    ring_src: torch.Tensor
+    row_src: torch.Tensor
     group_slots: torch.Tensor
     ring_dst: torch.Tensor
     ring_rows: torch.Tensor
@@ -128,34 +130,32 @@ class CodedStorage:
         return self.sides[side].decode(self.gather_fields(layer, side, slots), self.spec.head_dim)
 
     # --- a step's writes ------------------------------------------------------------------------
-    def plan(self, items: list[tuple[int, int, int, list[int]]], phys) -> WritePlan:
-        """items: per request (window, old length, new rows, row offset); ``phys(i, positions)`` -> physical
-        slots of request ``i``'s slot indices."""
+    def plan(self, items: list[tuple[int, int, int, int]], phys) -> WritePlan:
+        """items: per request (window, old length, new rows, row offset); ``phys(i, start, n, out)`` appends
+        the physical slots of request ``i``'s slot indices ``start .. start + n - 1`` to ``out``."""
         codec, cap, g = self.codec, self.capacity, self.codec.group
-        ring_size = (self.spec.max_windows + 1) * cap
-        src: list[int] = []
-        dst_pos: list[tuple[int, list[int]]] = []
-        ring_dst: list[int] = []
-        ring_rows: list[int] = []
+        cpu = dict(dtype=torch.int64)
+        from_ring, ring_src, row_src, ring_dst, ring_rows = [], [], [], [], []
+        slots: list[int] = []
         for i, (w, old, n, row0) in enumerate(items):
             new = old + n
             first, last = old // g * g, cdiv(new, g) * g
-            positions = list(range(first, last))
-            for pos in positions:
-                p = min(pos, new - 1)
-                src.append(w * cap + p % cap if p < old else ring_size + row0 + p - old)
-            dst_pos.append((i, positions))
-            for pos in range(max(codec.quant_len(new), old), new):
-                ring_dst.append(w * cap + pos % cap)
-                ring_rows.append(row0 + pos - old)
+            p = torch.arange(first, last, **cpu).clamp(max=new - 1)
+            from_ring.append(p < old)
+            ring_src.append(w * cap + p % cap)
+            row_src.append((row0 + p - old).clamp(min=0))
+            phys(i, first, last - first, slots)
+            pos = torch.arange(max(codec.quant_len(new), old), new, **cpu)
+            ring_dst.append(w * cap + pos % cap)
+            ring_rows.append(row0 + pos - old)
         device = self.spec.device
-        slots = [phys(i, pos) for i, pos in dst_pos if pos]
-        return WritePlan(
-            group_src=torch.tensor(src, dtype=torch.int64, device=device),
-            group_slots=torch.cat(slots) if slots else torch.zeros(0, dtype=torch.int64, device=device),
-            ring_dst=torch.tensor(ring_dst, dtype=torch.int64, device=device),
-            ring_rows=torch.tensor(ring_rows, dtype=torch.int64, device=device),
-        )
+
+        def cat(parts, dtype=torch.int64):
+            return (torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)).to(device)
+
+        return WritePlan(from_ring=cat(from_ring, torch.bool), ring_src=cat(ring_src), row_src=cat(row_src),
+                         group_slots=torch.tensor(slots, dtype=torch.int64, device=device),
+                         ring_dst=cat(ring_dst), ring_rows=cat(ring_rows))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               plan: WritePlan | None) -> None:
@@ -166,8 +166,9 @@ class CodedStorage:
         for i, (side, x) in enumerate((("k", k), ("v", v))):
             ring = self.ring[layer, i].flatten(0, 1)
             x = x.to(ring.dtype)
-            if plan.group_src.numel():
-                self.store(layer, side, torch.cat([ring, x])[plan.group_src], plan.group_slots)
+            if plan.group_slots.numel():
+                group = torch.where(plan.from_ring[:, None, None], ring[plan.ring_src], x[plan.row_src])
+                self.store(layer, side, group, plan.group_slots)
             ring[plan.ring_dst] = x[plan.ring_rows]
 
     # --- moves ----------------------------------------------------------------------------------

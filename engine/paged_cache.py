@@ -83,6 +83,7 @@ class PagedCacheManager(CacheManager):
             )
         self._tables: dict[str, PageTable] = {}
         self._write_plans: list[WritePlan] | None = None
+        self._prefix_plan: tuple | None = None  # write_prefix's plan, shared by the layers of one request
 
     def table(self, req: Request) -> PageTable:
         t = self._tables.get(req.request_id)
@@ -374,8 +375,8 @@ class PagedCacheManager(CacheManager):
         for n in num_new_tokens:
             rows.append(rows[-1] + n)
 
-        def phys(i: int, positions: list[int]) -> torch.Tensor:
-            return self._slots(tables[i].pages, positions[0], len(positions))
+        def phys(i: int, start: int, n: int, out: list[int]) -> None:
+            self._slot_list(tables[i].pages, start, n, out)
 
         def plan(layer: int) -> WritePlan:
             items = [(t.window, t.layer_len(layer), n, r) for t, n, r in zip(tables, num_new_tokens, rows)]
@@ -466,7 +467,11 @@ class PagedCacheManager(CacheManager):
             self.kv[layer, 0].flatten(0, 1)[slots] = k.to(self.kv.dtype)
             self.kv[layer, 1].flatten(0, 1)[slots] = v.to(self.kv.dtype)
             return
-        items = [(self.coded.scratch_window if t.window is None else t.window, 0, n, 0)]
-        plan = self.coded.plan(items, lambda i, pos: self._slots(t.pages, pos[0], len(pos))) \
-            if self.codec.has_window else None
+        plan = None
+        if self.codec.has_window:
+            key = (req.request_id, n, t.window)
+            if self._prefix_plan is None or self._prefix_plan[0] != key:
+                items = [(self.coded.scratch_window if t.window is None else t.window, 0, n, 0)]
+                self._prefix_plan = key, self.coded.plan(items, lambda i, s, m, out: self._slot_list(t.pages, s, m, out))
+            plan = self._prefix_plan[1]
         self.coded.write(layer, k, v, self._slots(t.pages, 0, n), plan)

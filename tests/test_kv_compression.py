@@ -474,3 +474,33 @@ def test_kivi_chains_release_windows_and_resume(tiny_dirs):
         eng.delete_chain(cid)
     eng.clear_prefix_cache()
     assert eng.pool.num_free == eng.pool.num_pages
+
+
+EVICTION = {"streaming_llm": {"sink_tokens": 2, "window": 14, "slack": 2}, "snapkv": {"budget": 24, "window": 8},
+            "pyramidkv": {"budget": 24, "window": 8}, "h2o": {"heavy_budget": 8, "recent_budget": 8},
+            "tova": {"budget": 16}, "knorm": {"budget": 16}, "rkv": {"budget": 16, "buffer": 8, "alpha": 4}}
+
+
+@pytest.mark.parametrize("method", list(EVICTION))
+@pytest.mark.parametrize("name,cfg", [("fp8", {}), ("kivi", KIVI), ("turboquant", {"bits": 3})])
+def test_every_eviction_method_composes_with_every_codec(method, name, cfg, tiny_dirs):
+    """The pair runs through the same contract: each layer ends holding exactly the slots the method alone
+    holds (budgets fix the counts), and every page and window comes back."""
+    lens = {}
+    for storage in (None, name):
+        llm = make_llm(tiny_dirs["qwen3"], storage, cfg if storage else None, method=method, mcfg=EVICTION[method])
+        eng = llm.engine
+        seen = lens.setdefault(storage, [])
+        inner = eng.method.end_step
+
+        def end_step(batch, inner=inner, eng=eng, seen=seen):
+            inner(batch)
+            seen.append([[eng.cache.physical_len(r, layer) for layer in range(2)] for r in batch.requests])
+
+        eng.method.end_step = end_step
+        outs = llm.generate(prompts([50, 33]), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        assert all(len(o.token_ids) == 12 for o in outs)
+        assert all(r == 0 for r in eng.pool.ref_counts)
+        if storage is not None and eng.codec.has_window:
+            assert len(eng.cache.coded._free_windows) == eng.config.max_num_seqs
+    assert lens[None] == lens[name]
