@@ -10,6 +10,7 @@ recorded tokens in every run (forced decoding), so the runs do the same decode w
 from __future__ import annotations
 
 import json
+import tempfile
 
 from agentrt.replay.bench import run_all, standard_configs
 from agentrt.replay.report import summarize, table, with_speedups
@@ -23,8 +24,9 @@ def main() -> None:
     tokenizer = load_tokenizer(default_model_dir())
     tokenizer.model_max_length = 2**62
     shape = SynthShape(num_turns=(8, 8), system_tokens=400, tool_tokens=(50, 250), output_tokens=(56, 72))
-    paths = write_many(synth_traces(tokenizer, 2, seed=0, shape=shape, vocab_size=len(tokenizer)), "replay-traces")
-    traces = [load(p) for p in paths]  # the files round-trip; any JSONL trace in this format replays the same way
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = write_many(synth_traces(tokenizer, 2, seed=0, shape=shape, vocab_size=len(tokenizer)), tmp)
+        traces = [load(p) for p in paths]  # any JSONL trace in this format replays the same way
     configs = standard_configs()
     runs = run_all(traces, [configs[n] for n in ("dense-prefix", "dense-chain", "dense-chain-lag")],
                    engine_options={"device": "cpu", "num_pages": 2048}, think_scale=0.0)
