@@ -32,9 +32,7 @@ def serve_and_replay(traces: list[Trace], config: ReplayConfig, *, model: str | 
                      engine_options: dict[str, Any] | None = None, think_scale: float = 1.0,
                      sample_interval_s: float = 0.05) -> RunResult:
     """Start a server for ``config`` (``model`` None: the embedded tiny model), replay, stop it."""
-    from agentrt.app import build_engine, create_app
     from agentrt.config import ServerConfig
-    from agentrt.local_server import LocalServer
 
     longest = max(len(t.output_token_ids) for trace in traces for t in trace.turns)
     with tempfile.TemporaryDirectory(prefix="agentrt-replay-") as tmp:
@@ -44,16 +42,21 @@ def serve_and_replay(traces: list[Trace], config: ReplayConfig, *, model: str | 
             engine_options={**(engine_options or {}), "enable_prefix_caching": config.prefix_cache},
             max_tokens_per_turn=max(4096, longest), max_chains_per_tenant=None, max_queue_depth=None,
             max_body_size=256 * 2**20)
-        engine = build_engine(server_config)
         try:
-            with LocalServer(create_app(server_config, engine=engine)) as server:
-                _warm_up(server.url)
-                replayer = Replayer(server.url, "replay", think_scale=think_scale,
-                                    sample_interval_s=sample_interval_s)
-                return asyncio.run(replayer.run(traces, config))
+            return _replay_on_server(server_config, traces, config, think_scale, sample_interval_s)
         finally:
-            del engine
-            _release_memory()
+            _release_memory()  # the engine of this configuration is unreachable now: free its GPU memory
+
+
+def _replay_on_server(server_config: Any, traces: list[Trace], config: ReplayConfig, think_scale: float,
+                      sample_interval_s: float) -> RunResult:
+    from agentrt.app import build_engine, create_app
+    from agentrt.local_server import LocalServer
+
+    with LocalServer(create_app(server_config, engine=build_engine(server_config))) as server:
+        _warm_up(server.url)
+        replayer = Replayer(server.url, "replay", think_scale=think_scale, sample_interval_s=sample_interval_s)
+        return asyncio.run(replayer.run(traces, config))
 
 
 def run_all(traces: list[Trace], configs: list[ReplayConfig], log: Callable[[str], None] = print,
