@@ -9,6 +9,11 @@ timed over steps where every admitted request decodes.
 
     python -m benchmarks.sparse_decode --shape llama-3.1-8b --context 131072 \\
         --methods 'dense;snapkv:{"budget":4096};quest:{"token_budget":4096};omnikv:{"token_budget":4096}'
+
+A method spec may name a KV storage after ``+`` (``snapkv:{"budget":4096}+kivi:{"bits":4}``, ``dense+fp8``);
+``--kv-storage NAME[:JSON]`` applies one to every spec that names none. ``--match-batch`` runs every other
+spec a second time at the batch the dense spec reached (throughput at matched batch, besides at the largest
+batch each one fits).
 """
 
 from __future__ import annotations
@@ -37,6 +42,18 @@ def parse_methods(spec: str) -> list[tuple[str, dict]]:
     return out
 
 
+def parse_specs(spec: str, default_storage: str | None) -> list[tuple[str, dict, str | None, dict]]:
+    """``METHOD[:JSON][+STORAGE[:JSON]]`` items -> (method, config, storage, storage config)."""
+    out = []
+    for item in filter(None, spec.split(";")):
+        method, _, storage = item.partition("+")
+        storage = storage or default_storage
+        ((name, cfg),) = parse_methods(method)
+        ((sname, scfg),) = parse_methods(storage) if storage else ((None, {}),)
+        out.append((name, cfg, sname, scfg))
+    return out
+
+
 def add_synthetic(engine: LLMEngine, context: int, window: int, max_tokens: int, rng: random.Random,
                   gen: torch.Generator) -> bool:
     """Queue one request whose first ``context - window`` slots hold random KV; False if the pool is full."""
@@ -48,21 +65,22 @@ def add_synthetic(engine: LLMEngine, context: int, window: int, max_tokens: int,
     if not cache.allocate(req, n_fill):
         engine.abort(rid)
         return False
-    slots = cache._slots(cache.table(req).pages, 0, n_fill)
+    shape = (n_fill, cache.spec.num_kv_heads, cache.spec.head_dim)
     for layer in range(cache.spec.num_layers):
-        for kv in (0, 1):
-            flat = cache.kv[layer, kv].flatten(0, 1)
-            flat[slots] = torch.randn(flat[slots].shape, generator=gen, device=flat.device).to(flat.dtype)
+        k, v = (torch.randn(shape, generator=gen, device=engine.device).to(cache.spec.dtype) for _ in range(2))
+        cache.write_prefix(req, layer, k, v)
     cache.commit(req, n_fill)
     req.num_computed_tokens = n_fill
     engine.method.kv_loaded(req, cache)
     return True
 
 
-def run_method(model_dir: Path, name: str, cfg: dict, args) -> dict:
+def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None = None,
+               storage_cfg: dict | None = None) -> dict:
     engine = LLMEngine(EngineConfig(
         model=model_dir, load_format="dummy", dtype=args.dtype, device=args.device, method=name,
-        method_config=cfg, enable_prefix_caching=False, max_num_seqs=args.max_batch,
+        method_config=cfg, kv_storage=storage, kv_storage_config=storage_cfg or {},
+        page_size=args.page_size, enable_prefix_caching=False, max_num_seqs=args.max_batch,
         max_model_len=args.context + 4 * args.max_batch + args.decode_steps + 64,
         max_num_batched_tokens=max(args.window, 256), kv_cache_memory_bytes=args.kv_bytes,
         cuda_graph_max_batch=min(args.max_batch, 256)))
@@ -87,7 +105,9 @@ def run_method(model_dir: Path, name: str, cfg: dict, args) -> dict:
     graphs = engine.runner.graphs
     replayed = 0 if graphs is None else graphs.replays - replays_before
     held = [engine.cache.num_pages_held(r) for r in engine._requests.values()]
-    result = {"method": name, "config": cfg, "batch": admitted, "context": args.context,
+    result = {"method": name if storage is None else f"{name}+{storage}", "config": cfg,
+              "kv_storage": storage, "kv_storage_config": storage_cfg or {},
+              "kv_bytes_per_token": engine.cache.spec.bytes_per_token, "batch": admitted, "context": args.context,
               "decode_tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / steps,
               "pages_per_request": sum(held) / max(len(held), 1), "pool_pages": engine.pool.num_pages,
               "backend": engine.backend.name, "graph_replayed_steps": replayed, "timed_steps": steps}
@@ -112,20 +132,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json")
+    ap.add_argument("--kv-storage", default=None, help="NAME[:JSON] for every spec that names no storage")
+    ap.add_argument("--match-batch", action="store_true", help="also run the others at the dense batch")
+    ap.add_argument("--page-size", type=int, default=16)
     args = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape_dir(args.shape, Path(tmp))
-        for name, cfg in parse_methods(args.methods):
-            r = run_method(model_dir, name, cfg, args)
+        specs = parse_specs(args.methods, args.kv_storage)
+        for name, cfg, storage, scfg in specs:
+            r = run_method(model_dir, name, cfg, args, storage, scfg)
             print(json.dumps(r), flush=True)
             results.append(r)
+        dense = next((r for r in results if r["method"] == "dense"), None)
+        if args.match_batch and dense is not None:
+            matched = argparse.Namespace(**{**vars(args), "max_batch": dense["batch"]})
+            for name, cfg, storage, scfg in specs:
+                if (name, storage) != ("dense", None):
+                    r = run_method(model_dir, name, cfg, matched, storage, scfg)
+                    print(json.dumps(r), flush=True)
+                    results.append(r)
     base = next((r for r in results if r["method"] == "dense"), None)
-    print(f"\n{'method':<14} {'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'pages/req':>10} {'vs dense':>9}")
+    print(f"\n{'method':<14} {'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'pages/req':>10} {'vs dense':>9} "
+          f"{'KV B/token':>11}")
     for r in results:
         ratio = r["decode_tok_s"] / base["decode_tok_s"] if base else float("nan")
         print(f"{r['method']:<14} {r['batch']:>5} {r['decode_tok_s']:>13.1f} {r['step_ms']:>8.2f} "
-              f"{r['pages_per_request']:>10.1f} {ratio:>8.2f}x")
+              f"{r['pages_per_request']:>10.1f} {ratio:>8.2f}x {r.get('kv_bytes_per_token', 0):>11}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return results
