@@ -109,14 +109,21 @@ class OmniKV(SparseMethod):
         device = q.device
         lengths = [view.kv_lens_cpu[i] for i in rows]
         width = max(lengths)
-        rows_t = torch.tensor(rows, dtype=torch.long, device=device)
-        lens_t = torch.tensor(lengths, device=device)
+        selected_rows = set(rows)
+        counts = [budget if i in selected_rows else length for i, length in enumerate(view.kv_lens_cpu)]
+        indptr = [0]
+        for c in counts:
+            indptr.append(indptr[-1] + c)
+        s, b = len(rows), len(counts)  # one host->device copy for every per-step list (each copy syncs)
+        packed = torch.tensor(rows + lengths + query_rows + counts + indptr, dtype=torch.long).to(device)
+        rows_t, lens_t, query_rows_t = packed[:s], packed[s:2 * s], packed[2 * s:3 * s]
+        counts_t, indptr_t = packed[3 * s:3 * s + b], packed[3 * s + b:]
         positions = torch.arange(width, device=device)
         slots = _request_slots(view.block_tables, rows_t[:, None], positions[None, :], ps)  # [s, width]
         valid = positions[None, :] < lens_t[:, None]
         slots = torch.where(valid, slots, 0)
         k_cache, _ = batch.cache.layer_kv(layer)
-        qs = q[torch.tensor(query_rows, dtype=torch.long, device=device)]  # [s, Hq, D]
+        qs = q[query_rows_t]  # [s, Hq, D]
         logits = paged_decode_logits(qs, k_cache, view.block_tables[rows_t], lens_t.to(torch.int32), lengths,
                                      qs.shape[-1] ** -0.5, width)  # [s, Hq, width], -inf past each length
         probs = torch.softmax(logits, dim=-1)
@@ -127,27 +134,23 @@ class OmniKV(SparseMethod):
         chosen = torch.cat([top, newest[:, None]], dim=1)  # [s, budget] logical positions, newest last
         chosen_slots = slots.gather(1, chosen)
 
-        pieces: list[torch.Tensor] = []
-        counts: list[int] = []
-        selected = dict(zip(rows, chosen_slots))
-        for i, length in enumerate(view.kv_lens_cpu):
-            if i in selected:
-                pieces.append(selected[i])
-                counts.append(budget)
-            else:
-                pieces.append(_request_slots(view.block_tables, i, torch.arange(length, device=device), ps))
-                counts.append(length)
-        indptr = [0]
-        for c in counts:
-            indptr.append(indptr[-1] + c)
+        if s == b:
+            slot_indices = chosen_slots.flatten()
+        else:
+            pieces: list[torch.Tensor] = []
+            selected = dict(zip(rows, chosen_slots))
+            for i, length in enumerate(view.kv_lens_cpu):
+                pieces.append(selected[i] if i in selected else
+                              _request_slots(view.block_tables, i, torch.arange(length, device=device), ps))
+            slot_indices = torch.cat(pieces)
         return SelectedSlotsView(
             block_tables=view.block_tables,
-            kv_lens=torch.tensor(counts, dtype=view.kv_lens.dtype, device=device),
+            kv_lens=counts_t.to(view.kv_lens.dtype),
             query_start_loc=view.query_start_loc,
             page_size=ps,
             kv_lens_cpu=counts,
             query_lens_cpu=view.query_lens_cpu,
             causal=view.causal,
-            slot_indptr=torch.tensor(indptr, dtype=torch.long, device=device),
-            slot_indices=torch.cat(pieces),
+            slot_indptr=indptr_t,
+            slot_indices=slot_indices,
         )

@@ -67,7 +67,9 @@ class _StepPlan:
     rows_t: torch.Tensor
     query_rows: torch.Tensor  # [len(rows)] the decode query of each selecting request
     num_pages: list[int]  # resident pages of each selecting request
-    selected_lens: list[int]  # selected slots of each selecting request
+    last_page: torch.Tensor  # [len(rows)] logical index of each selecting request's last page
+    kv_lens_cpu: list[int]  # every request's slots read by a selecting layer
+    kv_lens: torch.Tensor  # the same on the device (built once per step: a host->device copy syncs)
 
 
 def _is_decode(req, query_len: int) -> bool:
@@ -145,16 +147,24 @@ class Quest(SparseMethod):
                 selected_lens.append((max_selected - 1) * ps + length - (pages - 1) * ps)
             start += n
         device = view.block_tables.device
-        touched = view.block_tables[torch.tensor(t_rows, device=device), torch.tensor(t_cols, device=device)]
+        kv_lens_cpu = list(view.kv_lens_cpu)
+        for i, n in zip(rows, selected_lens):
+            kv_lens_cpu[i] = n
+        k, r = len(t_rows), len(rows)  # one host->device copy for every per-step index list
+        packed = torch.tensor(t_rows + t_cols + t_valid + rows + query_rows + [p - 1 for p in num_pages]
+                              + kv_lens_cpu, dtype=torch.long).to(device)
+        touched = view.block_tables[packed[:k], packed[k:2 * k]]
         plan = _StepPlan(
             view=view,
             touched_pages=touched.long(),
-            touched_valid=torch.tensor(t_valid, device=device),
+            touched_valid=packed[2 * k:3 * k],
             rows=rows,
-            rows_t=torch.tensor(rows, dtype=torch.long, device=device),
-            query_rows=torch.tensor(query_rows, dtype=torch.long, device=device),
+            rows_t=packed[3 * k:3 * k + r],
+            query_rows=packed[3 * k + r:3 * k + 2 * r],
             num_pages=num_pages,
-            selected_lens=selected_lens,
+            last_page=packed[3 * k + 2 * r:3 * k + 3 * r],
+            kv_lens_cpu=kv_lens_cpu,
+            kv_lens=packed[3 * k + 3 * r:].to(view.kv_lens.dtype),
         )
         batch.scratch["quest"] = plan
         return plan
@@ -181,7 +191,7 @@ class Quest(SparseMethod):
         device = view.block_tables.device
         pages = view.block_tables[plan.rows_t, :width].long()  # [s, width] resident pages, logical order
         scores = quest_page_scores(q[plan.query_rows], kmin_l, kmax_l, pages, self.config.aggregate)
-        last = torch.tensor(plan.num_pages, device=device) - 1  # [s] logical index of each last page
+        last = plan.last_page
         candidate = torch.arange(width, device=device)[None, :] < last[:, None]  # every page but the last
         scores = scores.masked_fill(~candidate, float("-inf"))
         top = scores.topk(max_selected - 1, dim=1).indices.sort(dim=1).values
@@ -189,15 +199,12 @@ class Quest(SparseMethod):
         block_tables = view.block_tables.clone()
         block_tables[plan.rows_t] = 0
         block_tables[plan.rows_t, :max_selected] = pages.gather(1, chosen).to(block_tables.dtype)
-        kv_lens_cpu = list(view.kv_lens_cpu)
-        for i, n in zip(plan.rows, plan.selected_lens):
-            kv_lens_cpu[i] = n
         return SelectedPagesView(
             block_tables=block_tables,
-            kv_lens=torch.tensor(kv_lens_cpu, dtype=view.kv_lens.dtype, device=device),
+            kv_lens=plan.kv_lens,
             query_start_loc=view.query_start_loc,
             page_size=ps,
-            kv_lens_cpu=kv_lens_cpu,
+            kv_lens_cpu=plan.kv_lens_cpu,
             query_lens_cpu=view.query_lens_cpu,
             causal=view.causal,
         )
