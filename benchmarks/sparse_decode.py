@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import multiprocessing
 import random
 import tempfile
 import time
@@ -120,6 +121,15 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
     return result
 
 
+def run_isolated(*args) -> dict:
+    """``run_method`` in a fresh process on a GPU (each engine sizes its pool from the whole free GPU memory,
+    and a finished engine's memory is only certainly back once its process is gone); in-process elsewhere."""
+    if not torch.cuda.is_available() or args[3].device == "cpu":
+        return run_method(*args)
+    with multiprocessing.get_context("spawn").Pool(1) as worker:
+        return worker.apply(run_method, args)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny")
@@ -141,7 +151,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model_dir = write_shape_dir(args.shape, Path(tmp))
         specs = parse_specs(args.methods, args.kv_storage)
         for name, cfg, storage, scfg in specs:
-            r = run_method(model_dir, name, cfg, args, storage, scfg)
+            r = run_isolated(model_dir, name, cfg, args, storage, scfg)
             print(json.dumps(r), flush=True)
             results.append(r)
         dense = next((r for r in results if r["method"] == "dense"), None)
@@ -149,7 +159,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             matched = argparse.Namespace(**{**vars(args), "max_batch": dense["batch"]})
             for name, cfg, storage, scfg in specs:
                 if (name, storage) != ("dense", None):
-                    r = run_method(model_dir, name, cfg, matched, storage, scfg)
+                    r = run_isolated(model_dir, name, cfg, matched, storage, scfg)
                     print(json.dumps(r), flush=True)
                     results.append(r)
     base = next((r for r in results if r["method"] == "dense"), None)
