@@ -18,7 +18,7 @@ the request stops holding the table).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -413,15 +413,20 @@ class PagedCacheManager(CacheManager):
         if self.codec is None:
             return PagedView(**common)
         quant = [self._quant_len(t, layer, n) for t, n in zip(tables, num_new_tokens)]
+        windows = None
+        if self.codec.has_window:
+            windows = [self.coded.scratch_window if t.window is None else t.window for t in tables]
+        common.update(codec=self.codec, quant_lens=torch.tensor(quant, dtype=torch.int32, device=device),
+                      quant_lens_cpu=quant, window_ids_cpu=windows,
+                      window_ids=None if windows is None else torch.tensor(windows, dtype=torch.int32, device=device))
+        return self._coded_view(common, layer)
+
+    def _coded_view(self, common: dict, layer: int) -> QuantizedPagesView:
         coded, windowed = self.coded, self.codec.has_window
-        windows = [coded.scratch_window if t.window is None else t.window for t in tables] if windowed else None
         return QuantizedPagesView(
-            **common, codec=self.codec,
+            **common,
             k_fields={k: f[layer] for k, f in coded.fields["k"].items()},
             v_fields={k: f[layer] for k, f in coded.fields["v"].items()},
-            quant_lens=torch.tensor(quant, dtype=torch.int32, device=device), quant_lens_cpu=quant,
-            window_ids=None if windows is None else torch.tensor(windows, dtype=torch.int32, device=device),
-            window_ids_cpu=windows,
             window_k=coded.ring[layer, 0] if windowed else None,
             window_v=coded.ring[layer, 1] if windowed else None,
         )
@@ -429,8 +434,14 @@ class PagedCacheManager(CacheManager):
     def build_layer_views(self, reqs: list[Request], num_new_tokens: list[int]) -> list[PagedView] | None:
         """One view per layer when some request's layers differ in length or the storage is per layer (a
         codec); None when ``build_view`` serves all."""
-        if self.codec is None and all(self._tables[r.request_id].is_uniform() for r in reqs):
+        uniform = all(self._tables[r.request_id].is_uniform() for r in reqs)
+        if self.codec is None and uniform:
             return None
+        if uniform:  # one set of tables and lengths; only the layer's storage differs
+            base = self.build_view(reqs, num_new_tokens)
+            common = {f.name: getattr(base, f.name) for f in fields(QuantizedPagesView)
+                      if f.name not in ("k_fields", "v_fields", "window_k", "window_v")}
+            return [base] + [self._coded_view(common, layer) for layer in range(1, self.spec.num_layers)]
         return [self.build_view(reqs, num_new_tokens, layer) for layer in range(self.spec.num_layers)]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

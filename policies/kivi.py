@@ -34,14 +34,25 @@ def unpack_planes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([(packed >> (p * bits)) & mask for p in range(8 // bits)], dim=-1)
 
 
+def half_step(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """The next fp16 value above (``up``) or below x (finite x), through the bit pattern on any device."""
+    bits = x.view(torch.int16).to(torch.int32)
+    away = bits + 1  # one ulp further from zero (sign-magnitude)
+    toward = bits - 1
+    positive = bits >= 0
+    stepped = torch.where(positive == up, away, toward)
+    stepped = torch.where(x == 0, torch.full_like(bits, 1 if up else -32767), stepped)
+    return stepped.to(torch.int16).view(torch.float16)
+
+
 def asym_params(lo: torch.Tensor, hi: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp16 (scale, zero) with zero <= lo and zero + (2^b - 1) scale >= hi."""
     levels = (1 << bits) - 1
     zero = lo.half()
-    zero = torch.where(zero.float() > lo, torch.nextafter(zero, torch.full_like(zero, -torch.inf)), zero)
+    zero = torch.where(zero.float() > lo, half_step(zero, up=False), zero)
     scale = ((hi - zero.float()) / levels).half()
     short = scale.float() * levels + zero.float() < hi
-    scale = torch.where(short, torch.nextafter(scale, torch.full_like(scale, torch.inf)), scale)
+    scale = torch.where(short, half_step(scale, up=True), scale)
     return scale, zero
 
 

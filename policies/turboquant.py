@@ -62,13 +62,18 @@ def unpack_bitplanes(packed: torch.Tensor, bits: int) -> torch.Tensor:
 class RotatedLloydMax(TensorCodec):
     def __init__(self, bits: int, seed: int):
         self.bits, self.seed = bits, seed
+        self._device_tables: dict[tuple[int, str], tuple[torch.Tensor, ...]] = {}
 
     def fields(self, head_dim: int) -> dict[str, FieldSpec]:
         return {"codes": FieldSpec(head_dim * self.bits // 8, torch.uint8), "norm": FieldSpec(1, torch.float32)}
 
     def _tables(self, dim: int, device: torch.device):
-        levels, bounds = lloyd_max_codebook(dim, self.bits)
-        return rotation(dim, self.seed).to(device), levels.float().to(device), bounds.float().to(device)
+        key = (dim, str(device))
+        if key not in self._device_tables:
+            levels, bounds = lloyd_max_codebook(dim, self.bits)
+            self._device_tables[key] = (rotation(dim, self.seed).to(device), levels.float().to(device),
+                                        bounds.float().to(device))
+        return self._device_tables[key]
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         pi, _, bounds = self._tables(x.shape[-1], x.device)
