@@ -33,9 +33,9 @@ log = logging.getLogger(__name__)
 def build_engine(config: ServerConfig) -> Any:
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
-    from engine.tiny_checkpoint import default_model_dir
+    from agentrt.config import embedded_model_dir
 
-    model = config.model if config.model is not None else default_model_dir()
+    model = config.model if config.model is not None else embedded_model_dir()
     options = {"method": config.method, "method_config": config.method_config, **config.engine_options}
     return LLMEngine(EngineConfig.from_kwargs(model, **options))
 

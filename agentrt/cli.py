@@ -21,9 +21,9 @@ import sys
 
 def _generate(args: argparse.Namespace) -> int:
     from engine import LLM, SamplingParams
-    from engine.tiny_checkpoint import default_model_dir
+    from agentrt.config import embedded_model_dir
 
-    model = args.model or default_model_dir()
+    model = args.model or embedded_model_dir()
     llm = LLM(model, device=args.device, max_num_batched_tokens=args.chunk)
     prompts = args.prompts or ["Once upon a time", "def fibonacci(n):", "The capital of France is"]
     if args.chat:

@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "data" / "qwen3-tiny-trained"
+
+
+def embedded_model_dir() -> Path:
+    """The embedded default model: a tiny Qwen3 trained on long-context retrieval (package data; docs/quality.md)."""
+    return EMBEDDED_MODEL_DIR
+
 
 def default_db_url() -> str:
     base = Path(os.environ.get("AGENTRT_CACHE") or Path.home() / ".cache" / "agentrt")
@@ -30,7 +37,7 @@ class ConfigurationError(ValueError):
 
 @dataclass(slots=True)
 class ServerConfig:
-    model: str | Path | None = None  # None: the embedded tiny model (engine.tiny_checkpoint.default_model_dir)
+    model: str | Path | None = None  # None: the embedded trained tiny model (embedded_model_dir)
     model_name: str | None = None  # the name clients use (default: the model directory's name)
     db_url: str | None = None  # SQLAlchemy async URL; None: a SQLite file under ~/.cache/agentrt
     method: str = "dense"
