@@ -7,6 +7,8 @@ query longer than one token takes the paged prefill/extend kernel, which handles
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from engine.attention_backend import AttentionBackend, quantized_forward
@@ -29,14 +31,28 @@ class TritonBackend(AttentionBackend):
         return codec.kernel_format in FORMATS
 
     def _quantized(self, q, view: QuantizedPagesView, scale: float, return_scores: bool):
-        """Decode steps: the fused dequantizing kernel; prefill chunks and scores: the torch reference."""
-        if not view.is_pure_decode or return_scores:
+        """Decode rows: the fused dequantizing kernel; prefill chunks and scores: the torch reference."""
+        if return_scores:
             return quantized_forward(q, view, scale, return_scores)
         from kernels.triton.quant_decode import quantized_decode_attention
 
-        return quantized_decode_attention(
-            q, view.codec.kernel_format, view.k_fields, view.v_fields, view.block_tables, view.kv_lens,
-            view.quant_lens, view.window_k, view.window_v, view.window_ids, scale), None
+        if view.is_pure_decode:
+            return quantized_decode_attention(
+                q, view.codec.kernel_format, view.k_fields, view.v_fields, view.block_tables, view.kv_lens,
+                view.quant_lens, view.window_k, view.window_v, view.window_ids, scale), None
+        out, start = torch.empty_like(q), 0
+        rows: dict[bool, tuple[list[int], list[int]]] = {True: ([], []), False: ([], [])}
+        for i, n in enumerate(view.query_lens_cpu):
+            rows[n == 1][0].append(i)
+            rows[n == 1][1].extend(range(start, start + n))
+            start += n
+        for decode, (reqs, qrows) in rows.items():
+            if reqs:
+                part = q[torch.tensor(qrows, device=q.device)]
+                sub = _sub_view(view, reqs)
+                o = self._quantized(part, sub, scale, False)[0] if decode else quantized_forward(part, sub, scale)[0]
+                out[torch.tensor(qrows, device=q.device)] = o
+        return out, None
 
     def __init__(self) -> None:
         from kernels.triton import paged_decode_attention, paged_decode_logits, paged_prefill_attention
@@ -84,6 +100,19 @@ def _slot_table(view: SelectedSlotsView) -> torch.Tensor:
     valid = cols[None, :] < view.kv_lens[:, None].to(cols.dtype)
     last = max(view.slot_indices.shape[0] - 1, 0)
     return torch.where(valid, view.slot_indices[flat.clamp(max=last)], 0).to(torch.int32)
+
+
+def _sub_view(view: QuantizedPagesView, reqs: list[int]) -> QuantizedPagesView:
+    """The view of requests ``reqs`` only (their queries packed in order)."""
+    idx = torch.tensor(reqs, device=view.kv_lens.device)
+    qlens = [view.query_lens_cpu[i] for i in reqs]
+    starts = torch.tensor([0] + qlens, dtype=torch.int32).cumsum(0).to(torch.int32).to(idx.device)
+    wids = None if view.window_ids is None else view.window_ids[idx]
+    return dataclasses.replace(
+        view, block_tables=view.block_tables[idx], kv_lens=view.kv_lens[idx], query_start_loc=starts,
+        kv_lens_cpu=[view.kv_lens_cpu[i] for i in reqs], query_lens_cpu=qlens, quant_lens=view.quant_lens[idx],
+        quant_lens_cpu=[view.quant_lens_cpu[i] for i in reqs], window_ids=wids,
+        window_ids_cpu=None if wids is None else [view.window_ids_cpu[i] for i in reqs])
 
 
 class FlashInferBackend(AttentionBackend):

@@ -134,3 +134,31 @@ def test_triton_backend_reads_the_engines_views(name, cfg, tiny_dirs):
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (30, 13)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     assert len(checked) >= 5 * 2  # decode steps x layers
+
+
+def test_triton_backend_mixed_steps_split_decode_rows(tiny_dirs):
+    """A step mixing decode rows and a prefill chunk: decode rows take the kernel, the chunk the torch
+    reference, and the whole answer equals the torch reference."""
+    from engine import LLM, SamplingParams
+    from engine.attention_backend import quantized_forward
+    from engine.contract.view import QuantizedPagesView
+    from engine.gpu_backends import TritonBackend
+
+    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device=DEVICE, page_size=8, num_pages=64, kv_storage="kivi",
+              kv_storage_config={"bits": 4, "group_size": 8, "residual": 8}, max_num_batched_tokens=16)
+    backend, triton_backend = llm.engine.backend, TritonBackend()
+    inner, mixed = backend.forward, []
+
+    def forward(q, k_cache, v_cache, view, scale, return_scores=False):
+        out, scores = inner(q, k_cache, v_cache, view, scale, return_scores)
+        if isinstance(view, QuantizedPagesView) and not view.is_pure_decode and 1 in view.query_lens_cpu:
+            got, _ = triton_backend.forward(q, k_cache, v_cache, view, scale)
+            torch.testing.assert_close(got, quantized_forward(q, view, scale)[0], rtol=2e-5, atol=2e-5)
+            mixed.append(view.query_lens_cpu)
+        return out, scores
+
+    backend.forward = forward
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 40)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    assert mixed
