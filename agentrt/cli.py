@@ -3,6 +3,7 @@
     agentrt generate "Write a haiku about KV caches"    # offline generation on the embedded tiny model
     agentrt bench --shape tiny --batch 1,32              # throughput benchmark (JSON + table)
     agentrt make-tiny --arch llama --out /tmp/tiny       # write a random tiny HF checkpoint
+    agentrt eval --methods snapkv,quest --budgets 0.25   # quality: accuracy per method x budget (docs/quality.md)
     agentrt replay run --sessions 4 --turns 8            # agent-trace replay benchmark (see agentrt replay --help)
     agentrt serve --port 8000                            # the HTTP server (chains, turns, OpenAI routes)
     agentrt demo                                         # a scripted 3-turn agent session against the server
@@ -41,6 +42,13 @@ def _bench(rest: list[str]) -> int:
 
     bench_main(rest)
     return 0
+
+
+def _eval(rest: list[str]) -> int:
+    import importlib
+
+    # quality sits above the server in the import layers, so it is found by name rather than imported
+    return importlib.import_module("quality.eval").main(rest)
 
 
 def _make_tiny(rest: list[str]) -> int:
@@ -152,11 +160,14 @@ def main(argv: list[str] | None = None) -> int:
         return replay_main(argv[1:])
     if argv and argv[0] == "make-tiny":
         return _make_tiny(argv[1:])
+    if argv and argv[0] == "eval":
+        return _eval(argv[1:])
     ap = argparse.ArgumentParser(prog="agentrt", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="throughput benchmark (see agentrt bench --help)")
     sub.add_parser("make-tiny", help="write a random tiny checkpoint (see agentrt make-tiny --help)")
+    sub.add_parser("eval", help="quality: accuracy per method x budget x length x depth (see agentrt eval --help)")
     sub.add_parser("replay", help="agent-trace replay: generate traces, replay them (see agentrt replay --help)")
     gen = sub.add_parser("generate", help="offline generation demo on the embedded tiny model")
     gen.add_argument("prompts", nargs="*")

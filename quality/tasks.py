@@ -67,6 +67,10 @@ def _number(rng: random.Random) -> str:
     return str(rng.randint(10000, 99999))
 
 
+def record_key(rng: random.Random) -> str:
+    return f"{rng.choice(_COLORS)[:3].upper()}-{rng.randint(100, 999)}"
+
+
 def _var_name(rng: random.Random) -> str:
     return "".join(rng.choice(_LETTERS) for _ in range(3))
 
@@ -200,7 +204,7 @@ def tool_lookup(tokenizer, rng: random.Random, length: int, depth: float, num_ro
     head = render(tokenizer, messages, False)
     used, keys, codes = enc.length(head) + 40, [], []
     while (len(keys) < num_rounds) if num_rounds is not None else (used < length or len(keys) < 2):
-        key = f"{rng.choice(_COLORS)[:3].upper()}-{rng.randint(100, 999)}"
+        key = record_key(rng)
         if key in keys:
             continue
         keys.append(key)
