@@ -22,7 +22,7 @@ from engine.contract.cache import CacheSpec
 from engine.contract.codec import CodedCacheSpec, check_composes
 from engine.contract.method import SparseMethod
 from engine.detokenizer import IncrementalDetokenizer
-from engine.errors import CheckpointError, InvalidRequestError, InvalidSamplingParamsError, OutOfPagesError
+from engine.errors import CheckpointError, ConfigError, InvalidRequestError, InvalidSamplingParamsError, OutOfPagesError
 from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
@@ -89,6 +89,9 @@ class LLMEngine:
                                   codec=self.codec, max_windows=windows)
         self.pool = PagePool(self._num_pages(spec))
         self.cache = self.method.make_cache(spec, self.pool, config.enable_prefix_caching)
+        if self.codec is not None and getattr(self.cache, "codec", None) is not self.codec:
+            raise ConfigError(f"method {self.method.name!r} builds a cache that does not store through "
+                              f"kv_storage {self.codec.name!r}")
         self.backend = make_backend(config.attention_backend, self.device, self.method, spec.dtype, self.codec)
         self.chains = ChainManager(self.cache, self.method, mc.num_layers)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,

@@ -483,6 +483,7 @@ class PagedCacheManager(CacheManager):
             key = (req.request_id, n, t.window)
             if self._prefix_plan is None or self._prefix_plan[0] != key:
                 items = [(self.coded.scratch_window if t.window is None else t.window, 0, n, 0)]
-                self._prefix_plan = key, self.coded.plan(items, lambda i, s, m, out: self._slot_list(t.pages, s, m, out))
+                phys = lambda i, s, m, out: self._slot_list(t.pages, s, m, out)  # noqa: E731
+                self._prefix_plan = key, self.coded.plan(items, phys)
             plan = self._prefix_plan[1]
         self.coded.write(layer, k, v, self._slots(t.pages, 0, n), plan)

@@ -2,9 +2,9 @@
 
 A ``KVCodec`` pairs two ``TensorCodec`` s (keys, values). A tensor codec stores one token of one KV head as a
 few fixed-width *fields* (codes, scales, zeros, norms...). A field is either per token or per *token group*
-(``token_group`` consecutive slots share it, e.g. per-channel key scales over a run of tokens); the cache manager keeps each
-field in a page-shaped side tensor ``[num_pages, page_size // g, num_kv_heads, width]`` (g = 1 or
-``token_group``) and moves them together on compaction.
+(``token_group`` consecutive slots share it, e.g. per-channel key scales over a run of tokens); the cache
+manager keeps each field in a page-shaped side tensor ``[num_pages, page_size // g, num_kv_heads, width]``
+(g = 1 or ``token_group``) and moves them together on compaction.
 
 A codec whose groups span tokens, or that keeps recent tokens in full precision (``residual``), has a
 *window*: each running request's slots ``[quant_len(n), n)`` also live in a full-precision ring of

@@ -194,7 +194,8 @@ def _int4_decode_kernel(
         kb = tl.load(kc_ptr + code_row + offs_h[None, :], mask=cmask, other=0).to(tl.int32)
         vb = tl.load(vc_ptr + code_row + offs_h[None, :], mask=cmask, other=0).to(tl.int32)
         krow = (page * s_kp + (off // KGROUP) * s_kg + kvh * s_kh)[:, None]
-        k_lo = (kb & 15).to(tl.float32) * tl.load(ks_ptr + krow + offs_h[None, :], mask=cmask, other=0.0).to(tl.float32) \
+        k_lo = (kb & 15).to(tl.float32) * tl.load(ks_ptr + krow + offs_h[None, :], mask=cmask,
+                                                   other=0.0).to(tl.float32) \
             + tl.load(kz_ptr + krow + offs_h[None, :], mask=cmask, other=0.0).to(tl.float32)
         k_hi = (kb >> 4).to(tl.float32) * tl.load(ks_ptr + krow + HALF + offs_h[None, :], mask=cmask,
                                                    other=0.0).to(tl.float32) \
