@@ -1,9 +1,11 @@
 """Decode CUDA graphs over bucketed batch sizes.
 
 A pure-decode step of B requests replays the graph of the smallest bucket >= B. The graph was captured
-over static buffers (token ids, positions, slot mapping, block tables, kv lengths); padding rows write
-their KV into the cache's scratch page and read one slot of it. Python does not run during replay, so
-only methods whose hooks do no per-step host work (``SparseMethod.cuda_graph_safe``) use graphs.
+over static buffers (token ids, positions, block tables, and per layer the slot mapping and kv lengths);
+padding rows write their KV into the cache's scratch page and read one slot of it. Every layer reads its
+own row of lengths and slots, so steps whose layers hold different physical lengths (eviction with
+per-layer budgets) replay too; the page tables are the same for every layer. Python does not run during
+replay, so a method's per-layer hooks only run for steps it declares ``replayable``.
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ class DecodeGraphs:
         dev = runner.device
         self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=dev)
-        self.slot_mapping = torch.full((max_batch,), self.scratch_slot, dtype=torch.int64, device=dev)
+        layers = runner.cache.spec.num_layers
+        self.slot_mapping = torch.full((layers, max_batch), self.scratch_slot, dtype=torch.int64, device=dev)
         self.block_tables = torch.full((max_batch, max_pages), scratch_page, dtype=torch.int32, device=dev)
-        self.kv_lens = torch.ones(max_batch, dtype=torch.int32, device=dev)
+        self.kv_lens = torch.ones(layers, max_batch, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -39,16 +42,16 @@ class DecodeGraphs:
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
 
-    def _static_batch(self, b: int, template: ForwardBatch | None = None) -> ForwardBatch:
-        view = PagedView(block_tables=self.block_tables[:b], kv_lens=self.kv_lens[:b],
-                         query_start_loc=self.query_start_loc[: b + 1], page_size=self.page_size,
-                         kv_lens_cpu=[1] * b, query_lens_cpu=[1] * b)
+    def _static_batch(self, b: int) -> ForwardBatch:
+        views = [PagedView(block_tables=self.block_tables[:b], kv_lens=self.kv_lens[layer, :b],
+                           query_start_loc=self.query_start_loc[: b + 1], page_size=self.page_size,
+                           kv_lens_cpu=[1] * b, query_lens_cpu=[1] * b)
+                 for layer in range(self.kv_lens.shape[0])]
         return ForwardBatch(
-            requests=template.requests if template else [], num_new_tokens=[1] * b,
-            input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:b],
-            view=view, logits_indices=self.query_start_loc[:b].long(),
-            sample_requests=template.sample_requests if template else [], finished_prompt=[],
-            cache=self.runner.cache,
+            requests=[], num_new_tokens=[1] * b,
+            input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:, :b],
+            view=views[0], layer_views=views, logits_indices=self.query_start_loc[:b].long(),
+            sample_requests=[], finished_prompt=[], cache=self.runner.cache,
         )
 
     def _forward(self, b: int) -> torch.Tensor:
@@ -73,22 +76,40 @@ class DecodeGraphs:
         self.runner._batch = None
         torch.cuda.synchronize()
 
-    def run(self, batch: ForwardBatch) -> torch.Tensor:
-        """Replay the decode step of ``batch``; returns logits [B, vocab] (a view into a static buffer)."""
+    def load(self, batch: ForwardBatch) -> int:
+        """Copy ``batch``'s inputs into the static buffers (padding rows to the bucket); returns the bucket."""
         n = batch.num_tokens
         b = self.bucket_for(n)
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
-        self.slot_mapping[:n].copy_(batch.slot_mapping)
+        self.slot_mapping[:, :n].copy_(batch.slot_mapping.expand(self.slot_mapping.shape[0], n))
         width = batch.view.block_tables.shape[1]
         self.block_tables[:n, :width].copy_(batch.view.block_tables)
-        self.kv_lens[:n].copy_(batch.view.kv_lens)
+        if batch.layer_views is None:
+            self.kv_lens[:, :n].copy_(batch.view.kv_lens.expand(self.kv_lens.shape[0], n))
+        else:
+            self.kv_lens[:, :n].copy_(torch.stack([v.kv_lens for v in batch.layer_views]))
         if b > n:
             self.input_ids[n:b].zero_()
             self.positions[n:b].zero_()
-            self.slot_mapping[n:b].fill_(self.scratch_slot)
+            self.slot_mapping[:, n:b].fill_(self.scratch_slot)
             self.block_tables[n:b, 0].fill_(self.scratch_page)
-            self.kv_lens[n:b].fill_(1)
+            self.kv_lens[:, n:b].fill_(1)
+        return b
+
+    def run(self, batch: ForwardBatch) -> torch.Tensor:
+        """Replay the decode step of ``batch``; returns logits [B, vocab] (a view into a static buffer)."""
+        b = self.load(batch)
         self.graphs[b].replay()
         self.replays += 1
-        return self.logits[b][:n]
+        return self.logits[b][: batch.num_tokens]
+
+    @staticmethod
+    def can_read(batch: ForwardBatch) -> bool:
+        """The static views stand for ``batch``'s: plain paged views, one page table shared by every layer."""
+        views = batch.layer_views
+        if views is None:
+            return type(batch.view) is PagedView
+        first = views[0].block_tables
+        return all(type(v) is PagedView and (v.block_tables is first or v.block_tables.shape == first.shape)
+                   for v in views)

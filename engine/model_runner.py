@@ -46,7 +46,7 @@ class ModelRunner:
 
     def _can_replay(self, batch: ForwardBatch) -> bool:
         g = self.graphs
-        return (g is not None and batch.layer_views is None and batch.view.is_pure_decode
+        return (g is not None and batch.view.is_pure_decode and g.can_read(batch)
                 and not batch.finished_prompt
                 and batch.num_tokens <= g.max_batch and batch.view.block_tables.shape[1] <= g.block_tables.shape[1]
                 and self.method.replayable(batch))

@@ -105,7 +105,9 @@ class CacheManager(ABC):
         """The full resident view of this step's requests, new tokens included (shared by all layers)."""
 
     def build_layer_views(self, reqs: list[Request], num_new_tokens: list[int]) -> list[PagedView] | None:
-        """Per-layer views when layers differ in physical length; None when ``build_view`` serves every layer."""
+        """Per-layer views when layers differ in physical length; None when ``build_view`` serves every layer.
+        The views differ in lengths only: every layer's ``block_tables`` names the same pages (decode CUDA
+        graphs share one page table across layers)."""
         return None
 
     @abstractmethod
