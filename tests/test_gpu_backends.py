@@ -87,3 +87,21 @@ def test_bf16_logits_match_torch_backend(arch, backend, tiny_dirs):
         if not torch.equal(a.argmax(-1), b.argmax(-1)):
             break
     assert compared >= 2
+
+
+@pytest.mark.parametrize("method,cfg", [("pyramidkv", {"budget": 96, "window": 8}), ("kvzip", {"budget": 48})])
+def test_fp32_graphs_with_per_layer_lengths_match_eager(method, cfg, tiny_dirs):
+    """Eviction with per-layer budgets: decode steps replay graphs over per-layer lengths, same tokens."""
+    from engine import LLM, SamplingParams
+
+    outs = []
+    for eager in (True, False):
+        llm = LLM(tiny_dirs["llama"], device="cuda", dtype="float32", attention_backend="triton",
+                  max_num_batched_tokens=64, enforce_eager=eager, max_num_seqs=16, method=method,
+                  method_config=cfg, enable_prefix_caching=False, kv_cache_memory_bytes=256 * 2**20)
+        ps = prompts(llm.engine.model_config.vocab_size)
+        outs.append([o.token_ids for o in llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                           ignore_eos=True))])
+        if not eager:
+            assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0
+    assert outs[0] == outs[1]
