@@ -58,7 +58,8 @@ def run_grid(model, args, engine_options: dict) -> list[dict]:
             start = time.time()
             samples = [s for _, s in pairs]
             prompt_len = round(sum(len(s.prompt_ids) for s in samples) / len(samples))
-            engine = make_engine(model, method, method_config(method, budget, prompt_len), **engine_options)
+            knobs = method_config(method, budget, prompt_len, args.knobs.get(method))
+            engine = make_engine(model, method, knobs, **engine_options)
             correct = run_samples(engine, samples)
             cells = defaultdict(list)
             for (depth, _), ok in zip(pairs, correct):
@@ -154,6 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lengths", type=_ints, default=[512, 1024, 2048])
     p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
     p.add_argument("--samples", type=int, default=2, help="samples per task x length x depth")
+    p.add_argument("--knobs", type=json.loads, default={},
+                   help='per-method knob overrides as JSON, e.g. \'{"snapkv": {"kernel_size": 7}}\'')
     p.add_argument("--heatmap-budget", type=float, default=0.25)
     p.add_argument("--rounds", type=int, default=6, help="tool rounds per lag-test chain")
     p.add_argument("--lags", type=_ints, default=[1, 2, 4])
