@@ -174,11 +174,11 @@ class ChainManager:
 
     def prune(
         self, chain_id: str, intervals: list[tuple[int, int]], scorer: ImportanceScorer | None = None,
-        keep_ratio: float = 0.0, defer: bool = True,
+        keep_ratio: float = 0.0, defer: bool = True, keep_tokens: int | None = None,
     ) -> PruneResult:
-        """Drop KV inside logical intervals ``[L, R)`` of a chain, keeping ``keep_ratio`` of each interval's
-        tokens per (layer, KV head) by ``scorer`` (required when 0 < keep_ratio < 1). The logical history is
-        unchanged, so the next turn with the same tokens still resumes.
+        """Drop KV inside logical intervals ``[L, R)`` of a chain, keeping ``keep_ratio`` of the tokens inside
+        them, or ``keep_tokens`` of them, per (layer, KV head), chosen by ``scorer`` (required when only part
+        is kept). The logical history is unchanged, so the next turn with the same tokens still resumes.
 
         On a chain with a turn in flight the prune is queued (``defer``; else ``ChainBusyError``) and applied
         when the turn ends; the returned result has status ``deferred`` and a ``prune_id`` for
@@ -188,6 +188,13 @@ class ChainManager:
             raise InvalidRequestError(f"keep_ratio must be in [0, 1], got {keep_ratio!r}")
         if scorer is None and 0.0 < keep_ratio < 1.0:
             raise InvalidRequestError("keep_ratio between 0 and 1 needs a scorer to choose the kept tokens")
+        if keep_tokens is not None:
+            if isinstance(keep_tokens, bool) or not isinstance(keep_tokens, int) or keep_tokens < 0:
+                raise InvalidRequestError(f"keep_tokens must be an int >= 0, got {keep_tokens!r}")
+            if keep_ratio:
+                raise InvalidRequestError("give keep_ratio or keep_tokens, not both")
+            if scorer is None and keep_tokens > 0:
+                raise InvalidRequestError("keep_tokens > 0 needs a scorer to choose the kept tokens")
         for lo, hi in intervals:
             if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo < hi):
                 raise InvalidRequestError(f"interval [{lo}, {hi}) must satisfy 0 <= L < R")
@@ -195,10 +202,11 @@ class ChainManager:
             if not defer:
                 raise ChainBusyError(f"chain {chain_id!r} has a turn in flight")
             prune_id = next(self._prune_ids)
-            self._deferred.setdefault(chain_id, []).append((prune_id, list(intervals), scorer, keep_ratio))
+            self._deferred.setdefault(chain_id, []).append((prune_id, list(intervals), scorer, keep_ratio,
+                                                            keep_tokens))
             self._prune_results[prune_id] = PruneResult(0, 0, 0, status="deferred", prune_id=prune_id)
             return self._prune_results[prune_id]
-        return self._prune_idle(state, intervals, scorer, keep_ratio)
+        return self._prune_idle(state, intervals, scorer, keep_ratio, keep_tokens)
 
     def prune_result(self, prune_id: int) -> PruneResult:
         """The outcome of a prune returned as ``deferred``: still ``deferred``, ``applied`` or ``failed``."""
@@ -208,16 +216,16 @@ class ChainManager:
         return result
 
     def _apply_deferred(self, state: ChainState) -> None:
-        for prune_id, intervals, scorer, keep_ratio in self._deferred.pop(state.chain_id, []):
+        for prune_id, intervals, scorer, keep_ratio, keep_tokens in self._deferred.pop(state.chain_id, []):
             try:
-                result = self._prune_idle(state, intervals, scorer, keep_ratio)
+                result = self._prune_idle(state, intervals, scorer, keep_ratio, keep_tokens)
                 result = dataclasses.replace(result, prune_id=prune_id)
             except InvalidRequestError as exc:
                 result = PruneResult(0, 0, 0, status="failed", prune_id=prune_id, error=str(exc))
             self._prune_results[prune_id] = result
 
     def _prune_idle(self, state: ChainState, intervals: list[tuple[int, int]], scorer: ImportanceScorer | None,
-                    keep_ratio: float) -> PruneResult:
+                    keep_ratio: float, keep_tokens: int | None = None) -> PruneResult:
         for lo, hi in intervals:
             if not hi <= state.num_computed:
                 raise InvalidRequestError(
@@ -226,7 +234,8 @@ class ChainManager:
         if table is None or not intervals:
             return PruneResult(0, 0, 0)
         scores = None
-        if scorer is not None and 0.0 < keep_ratio < 1.0:
+        partial = 0.0 < keep_ratio < 1.0 or bool(keep_tokens)
+        if scorer is not None and partial:
             ctx = ScoreContext(self.cache, table, state.token_ids[: state.num_computed], state.num_computed,
                                self.num_layers, self.prober)
             scores = scorer.score_table(ctx)
@@ -237,7 +246,8 @@ class ChainManager:
             inside = torch.zeros_like(positions, dtype=torch.bool)
             for lo, hi in intervals:
                 inside |= (positions >= lo) & (positions < hi)
-            num_drop = round((1.0 - keep_ratio) * int(inside.sum(1).min()))
+            count = int(inside.sum(1).min())
+            num_drop = max(0, count - keep_tokens) if keep_tokens is not None else round((1.0 - keep_ratio) * count)
             # no scorer: drop the latest (all of them when heads hold equal counts)
             rank = positions.float() if scores is None else -scores[layer].float()
             rank = rank.masked_fill(~inside, float("-inf"))  # only slots inside may be dropped

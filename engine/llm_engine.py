@@ -311,11 +311,12 @@ class LLMEngine:
 
     def prune_chain(
         self, chain_id: str, intervals: list[tuple[int, int]], scorer: str | None = None, keep_ratio: float = 0.0,
-        defer: bool = True,
+        defer: bool = True, keep_tokens: int | None = None,
     ) -> PruneResult:
         """Prefix-cache pruning of a chain: see ``ChainManager.prune``; ``scorer`` by registered name. A busy
         chain's prune is queued until its turn ends (status ``deferred``; ``defer=False``: ChainBusyError)."""
-        return self.chains.prune(chain_id, intervals, create_scorer(scorer) if scorer else None, keep_ratio, defer)
+        return self.chains.prune(chain_id, intervals, create_scorer(scorer) if scorer else None, keep_ratio, defer,
+                                 keep_tokens)
 
     def prune_result(self, prune_id: int) -> PruneResult:
         return self.chains.prune_result(prune_id)

@@ -36,8 +36,10 @@ def pruned_visibility(kept, boundary):
     return visible
 
 
-@pytest.mark.parametrize("scorer,keep_ratio", [("knorm", 0.2), (None, 0.0)])
-def test_pruning_frees_exact_pages_and_the_next_turn_resumes_without_the_pruned_kv(tiny_dirs, scorer, keep_ratio):
+@pytest.mark.parametrize("scorer,keep_ratio,keep_tokens", [("knorm", 0.2, None), (None, 0.0, None),
+                                                          ("knorm", 0.0, 13), (None, 0.0, 0)])
+def test_pruning_frees_exact_pages_and_the_next_turn_resumes_without_the_pruned_kv(tiny_dirs, scorer, keep_ratio,
+                                                                                  keep_tokens):
     llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE)
     engine, rng = llm.engine, random.Random(0)
     system, tool, user = ([rng.randrange(3, 500) for _ in range(n)] for n in (20, 40, 6))
@@ -47,8 +49,8 @@ def test_pruning_frees_exact_pages_and_the_next_turn_resumes_without_the_pruned_
     before = engine.chain_info("c")
     assert before.pages_held == -(-computed // PAGE)
 
-    result = engine.prune_chain("c", [(20, 60)], scorer=scorer, keep_ratio=keep_ratio)
-    dropped = round((1 - keep_ratio) * 40)
+    result = engine.prune_chain("c", [(20, 60)], scorer=scorer, keep_ratio=keep_ratio, keep_tokens=keep_tokens)
+    dropped = round((1 - keep_ratio) * 40) if keep_tokens is None else 40 - keep_tokens
     assert result.tokens_freed == dropped and result.tokens_kept == computed - dropped
     assert result.pages_freed == before.pages_held - (-(-(computed - dropped) // PAGE))
     after = engine.chain_info("c")
@@ -71,6 +73,20 @@ def test_pruning_frees_exact_pages_and_the_next_turn_resumes_without_the_pruned_
     assert engine.pool.num_free == engine.pool.num_pages
 
 
+def test_keep_tokens_keeps_what_the_equal_keep_ratio_keeps(tiny_dirs):
+    """keep_tokens = k over an interval of n keeps the same slots as keep_ratio = k / n (one scorer ranking)."""
+    kept = []
+    for kw in ({"keep_ratio": 0.25}, {"keep_tokens": 10}):
+        llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE)
+        engine, rng = llm.engine, random.Random(5)
+        prompt = [rng.randrange(3, 500) for _ in range(70)]
+        turn(engine, "c", prompt)
+        engine.prune_chain("c", [(10, 30), (40, 60)], scorer="knorm", **kw)
+        kept.append(kept_positions(engine, "c"))
+    for a, b in zip(*kept):
+        assert torch.equal(a, b)
+
+
 def test_prune_rejects_bad_input_and_leaves_the_chain_unchanged(tiny_dirs):
     llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE)
     engine = llm.engine
@@ -87,4 +103,9 @@ def test_prune_rejects_bad_input_and_leaves_the_chain_unchanged(tiny_dirs):
     ]:
         with pytest.raises(err, match=words):
             engine.prune_chain("c", intervals, scorer=scorer, keep_ratio=ratio)
+    for kw, words in [({"keep_tokens": -1}, "keep_tokens"), ({"keep_tokens": 2.5}, "keep_tokens"),
+                      ({"keep_tokens": 2, "keep_ratio": 0.5, "scorer": "knorm"}, "not both"),
+                      ({"keep_tokens": 2}, "scorer")]:
+        with pytest.raises(InvalidRequestError, match=words):
+            engine.prune_chain("c", [(4, 8)], **kw)
     assert engine.chain_info("c") == info
