@@ -87,7 +87,7 @@ def prune_event(row: PruneEventRow) -> PruneEvent:
                       after_turn=row.after_turn, intervals=[(int(a), int(b)) for a, b in row.intervals],
                       regions=list(row.regions), scorer=row.scorer, keep_ratio=row.keep_ratio,
                       tokens_kept=row.tokens_kept, tokens_freed=row.tokens_freed, pages_freed=row.pages_freed,
-                      pages_before=row.pages_before, pages_after=row.pages_after)
+                      pages_before=row.pages_before, pages_after=row.pages_after, keep_tokens=row.keep_tokens)
 
 
 def prune_event_row(chain_id: str, event: PruneEvent) -> PruneEventRow:

@@ -85,8 +85,11 @@ class ChainService:
                        tools=tools, meta=data.metadata, num_turns=0, num_tokens=0,
                        prune_policy=None if data.prune_policy is None else msgspec.to_builtins(data.prune_policy),
                        pruned_intervals=[], tenant=tenant)
-        if data.prune_policy is not None and data.prune_policy.scorer is not None:
-            self._check_scorer(data.prune_policy.scorer, "prune_policy.scorer")
+        if data.prune_policy is not None:
+            policy = data.prune_policy
+            if policy.scorer is not None:
+                self._check_scorer(policy.scorer, "prune_policy.scorer")
+            _check_keep(policy.scorer, policy.keep_ratio, policy.keep_tokens, "prune_policy.")
         self.renderer.render([{"role": "system", "content": row.system_prompt}], tools)
         async with self._creating:
             await self._check_quota(tenant)
@@ -183,8 +186,7 @@ class ChainService:
         try:
             if data.scorer is not None:
                 self._check_scorer(data.scorer, "scorer")
-            if data.scorer is None and 0.0 < data.keep_ratio < 1.0:
-                raise bad_field("scorer", "a keep_ratio between 0 and 1 needs a scorer to choose the kept tokens")
+            _check_keep(data.scorer, data.keep_ratio, data.keep_tokens)
             info = await self._engine_call(lambda e: e.chain_info(chain_id))
             computed = int(getattr(info, "computed_tokens", 0) or 0)
             selector = (data.regions, data.kinds, data.tool_names, data.rounds)
@@ -208,10 +210,10 @@ class ChainService:
                     if index >= len(state.regions):
                         raise bad_field(f"regions[{i}]", f"the chain has {len(state.regions)} regions")
                 touched = [r.index for r in state.regions if _selected(r, data)]
-                intervals = _merge([(r.start, min(r.end, computed)) for r in state.regions
-                                    if r.index in touched and r.start < min(r.end, computed)])
+                intervals = _region_intervals([r for r in state.regions if r.index in touched], computed,
+                                              merge=data.keep_tokens is None)
             event, state = await self._prune(state, intervals, touched, data.scorer, data.keep_ratio, "explicit",
-                                             info)
+                                             info, data.keep_tokens)
             self.states[chain_id] = state
         finally:
             self.busy.discard(chain_id)
@@ -234,25 +236,31 @@ class ChainService:
             return [], state
         info = await self._engine_call(lambda e: e.chain_info(state.id))
         computed = int(getattr(info, "computed_tokens", 0) or 0)
-        intervals = _merge([(r.start, min(r.end, computed)) for r in due if r.start < min(r.end, computed)])
+        intervals = _region_intervals(due, computed, merge=policy.keep_tokens is None)
         if info is None or not intervals:
             return [], state
         event, state = await self._prune(state, intervals, [r.index for r in due], policy.scorer, policy.keep_ratio,
-                                         "policy", info)
+                                         "policy", info, policy.keep_tokens)
         return [event], state
 
     async def _prune(self, state: ChainState, intervals: list[tuple[int, int]], touched: list[int],
-                     scorer: str | None, keep_ratio: float, source: str, info: Any) -> tuple[PruneEvent, ChainState]:
+                     scorer: str | None, keep_ratio: float, source: str, info: Any,
+                     keep_tokens: int | None = None) -> tuple[PruneEvent, ChainState]:
+        """With ``keep_tokens`` each interval keeps that many of its tokens (one engine prune per interval);
+        with ``keep_ratio`` one prune keeps that share of them all."""
         chain_id = state.id
         pages_before = int(getattr(info, "pages_held", 0) or 0)
         tokens_kept = tokens_freed = pages_freed = 0
         if info is not None and intervals:
+            calls = [intervals] if keep_tokens is None else [[iv] for iv in intervals]
             try:
-                res = await self.worker.call(lambda e: e.prune_chain(chain_id, intervals, scorer, keep_ratio))
+                for part in calls:
+                    res = await self.worker.call(lambda e, part=part: e.prune_chain(
+                        chain_id, part, scorer, keep_ratio, keep_tokens=keep_tokens))
+                    tokens_kept, tokens_freed = res.tokens_kept, tokens_freed + res.tokens_freed
+                    pages_freed += res.pages_freed
             except UnknownChainError:
-                res = None
-            if res is not None:
-                tokens_kept, tokens_freed, pages_freed = res.tokens_kept, res.tokens_freed, res.pages_freed
+                pass
         after = await self._engine_call(lambda e: e.chain_info(chain_id)) if info is not None else None
         pages_after = int(getattr(after, "pages_held", 0) or 0)
         regions = list(state.regions)
@@ -263,7 +271,13 @@ class ChainService:
                 overlap = sum(max(0, min(hi, r.end) - max(lo, r.start)) for lo, hi in intervals)
                 if overlap == 0:
                     continue
-                kept = max(0, r.kept_tokens - round((1.0 - keep_ratio) * overlap))
+                if keep_tokens is None:
+                    kept = max(0, r.kept_tokens - round((1.0 - keep_ratio) * overlap))
+                else:  # each interval's drop shared by its regions in proportion to their overlap
+                    kept = r.kept_tokens - sum(
+                        round(max(0, (hi - lo) - keep_tokens) * max(0, min(hi, r.end) - max(lo, r.start)) / (hi - lo))
+                        for lo, hi in intervals)
+                    kept = max(0, kept)
                 computed = int(getattr(info, "computed_tokens", 0) or 0)
                 whole = overlap >= min(r.end, computed) - r.start  # all of it that has KV
                 regions[i] = msgspec.structs.replace(r, pruned=r.pruned or whole, kept_tokens=kept)
@@ -275,6 +289,7 @@ class ChainService:
                                    .where(PruneEventRow.chain_id == chain_id)) or 0
             event = PruneEvent(index=index, source=source, created_at=time.time(), after_turn=state.num_turns,  # type: ignore[arg-type]
                                intervals=intervals, regions=touched, scorer=scorer, keep_ratio=keep_ratio,
+                               keep_tokens=keep_tokens,
                                tokens_kept=tokens_kept, tokens_freed=tokens_freed, pages_freed=pages_freed,
                                pages_before=pages_before, pages_after=pages_after)
             s.add(prune_event_row(chain_id, event))
@@ -427,6 +442,20 @@ def _selected(region: Region, data: PruneRequest) -> bool:
             and (data.kinds is None or region.kind in data.kinds)
             and (data.tool_names is None or region.tool_name in data.tool_names)
             and (data.rounds is None or region.round in data.rounds))
+
+
+def _check_keep(scorer: str | None, keep_ratio: float, keep_tokens: int | None, prefix: str = "") -> None:
+    if keep_tokens is not None and keep_ratio:
+        raise bad_field(f"{prefix}keep_tokens", "give keep_ratio or keep_tokens, not both")
+    if scorer is None and (0.0 < keep_ratio < 1.0 or bool(keep_tokens)):
+        raise bad_field(f"{prefix}scorer", "keeping part of a pruned region needs a scorer to choose the kept tokens")
+
+
+def _region_intervals(regions: list[Region], computed: int, merge: bool) -> list[tuple[int, int]]:
+    """The regions' spans that have KV; merged when one prune covers them all (keep_ratio), one per region when
+    each keeps its own token count (keep_tokens)."""
+    spans = sorted((r.start, min(r.end, computed)) for r in regions if r.start < min(r.end, computed))
+    return _merge(spans) if merge else spans
 
 
 def _merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -102,6 +102,7 @@ class PruneEventRow(Base):
     regions: Mapped[list[Any]]
     scorer: Mapped[str | None]
     keep_ratio: Mapped[float] = mapped_column(Float)
+    keep_tokens: Mapped[int | None]
     tokens_kept: Mapped[int]
     tokens_freed: Mapped[int]
     pages_freed: Mapped[int]

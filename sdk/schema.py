@@ -68,6 +68,7 @@ class PrunePolicy(_Input, kw_only=True):
 
     lag: Annotated[int, Meta(ge=0, le=1_000_000)] = 2
     keep_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    keep_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None  # per pruned region, instead of keep_ratio
     scorer: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
     min_tool_tokens: Annotated[int, Meta(ge=0)] = 0
     exclude_tools: list[Annotated[str, Meta(min_length=1, max_length=256)]] = field(default_factory=list)
@@ -112,6 +113,8 @@ class PruneRequest(_Input, kw_only=True):
     rounds: list[Annotated[int, Meta(ge=0)]] | None = None
     scorer: Annotated[str, Meta(min_length=1, max_length=64)] | None = None
     keep_ratio: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
+    # instead of keep_ratio: tokens kept of each selected region (or of each explicit interval)
+    keep_tokens: Annotated[int, Meta(ge=0, le=2**31 - 1)] | None = None
 
 
 class PruneEvent(Struct, kw_only=True):
@@ -128,6 +131,7 @@ class PruneEvent(Struct, kw_only=True):
     pages_freed: int
     pages_before: int  # the chain's pages (ChainInfo.pages_held) just before and just after
     pages_after: int
+    keep_tokens: int | None = None
 
 
 class PruneResult(Struct, kw_only=True):

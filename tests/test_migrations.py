@@ -112,6 +112,7 @@ def test_a_database_made_before_migrations_is_adopted(url):
         Base.metadata.create_all(conn)
         conn.execute(text("DROP INDEX ix_chains_tenant"))
         conn.execute(text("ALTER TABLE chains DROP COLUMN tenant"))
+        conn.execute(text("ALTER TABLE prune_events DROP COLUMN keep_tokens"))  # added by revision 0002
         _insert_first_revision_rows(conn)
 
     on_sync(url, legacy)

@@ -130,6 +130,34 @@ def test_policy_threshold_and_excluded_tools(client):
     assert regions["search"]["pruned"] and not regions["get_weather"]["pruned"]
 
 
+def test_keep_tokens_policy_keeps_that_many_of_each_due_region(client):
+    cid = _create(client, prune_policy={"lag": 0, "keep_tokens": 8, "scorer": "knorm"})
+    _turn(client, cid, [{"role": "user", "content": "go"}])
+    before = _chain(client, cid)
+    result = _turn(client, cid, [_tool("call_a", 0, "get_weather"), _tool("call_b", 0, "search")])
+    (event,) = result["pruned"]
+    chain = _chain(client, cid)
+    tools = [r for r in chain["regions"] if r["kind"] == "tool_result"]
+    assert len(tools) == 2 and tools[0]["end"] == tools[1]["start"]  # adjacent: still pruned one by one
+    assert event["keep_tokens"] == 8 and event["intervals"] == [[r["start"], r["end"]] for r in tools]
+    assert event["tokens_freed"] == sum(r["end"] - r["start"] - 8 for r in tools)
+    assert [(r["pruned"], r["kept_tokens"]) for r in tools] == [(True, 8), (True, 8)]
+    assert event["pages_before"] - event["pages_after"] == event["pages_freed"] > 0
+    kv = chain["kv"]
+    assert kv["physical_tokens_per_layer"] == [kv["computed_tokens"] - event["tokens_freed"]] * len(
+        kv["physical_tokens_per_layer"])
+    assert before["kv"]["computed_tokens"] < kv["computed_tokens"]
+    _resumed_only_new(_turn(client, cid, [{"role": "user", "content": "Next?"}]))
+
+    # explicit: keep 5 of each selected region, by a selector
+    r = client.post(f"/v1/chains/{cid}/prune", json={"kinds": ["user"], "scorer": "knorm", "keep_tokens": 5})
+    assert r.status_code == 200, r.text
+    pruned = r.json()
+    users = [x for x in _chain(client, cid)["regions"] if x["kind"] == "user"]
+    assert pruned["tokens_freed"] == sum(max(0, x["end"] - x["start"] - 5) for x in users)
+    assert all(x["kept_tokens"] == min(5, x["end"] - x["start"]) for x in users)
+
+
 def test_explicit_prune_by_interval_and_by_selector_then_the_next_turn_resumes(client):
     cid = _create(client)
     first = _turn(client, cid, [{"role": "user", "content": "Look this up. " * 30}], assistant_prefix=TOOL_CALL)
@@ -283,6 +311,11 @@ def test_errors_404_409_400(client):
     _error(client.post(prune, json={"kinds": ["robot"]}), 400, "kinds[0]")
     _error(client.post(prune, json={"kinds": ["user"], "keep_ratio": 0.5}), 400, "scorer")
     _error(client.post(prune, json={"kinds": ["user"], "keep_ratio": 2}), 400, "keep_ratio")
+    _error(client.post(prune, json={"kinds": ["user"], "keep_tokens": 3}), 400, "scorer")
+    _error(client.post(prune, json={"kinds": ["user"], "keep_tokens": -3}), 400, "keep_tokens")
+    _error(client.post(prune, json={"kinds": ["user"], "scorer": "knorm", "keep_tokens": 3, "keep_ratio": 0.5}),
+           400, "keep_tokens")
+    _error(client.post("/v1/chains", json={"prune_policy": {"keep_tokens": 4}}), 400, "prune_policy.scorer")
     _error(client.post(prune, json={"kinds": ["user"], "scorer": "no-such-scorer"}), 400, "scorer")
     _error(client.post(prune, json={"kinds": ["user"], "intervalz": []}), 400, "intervalz")
     _error(client.post("/v1/chains", json={"prune_policy": {"lag": -1}}), 400, "prune_policy.lag")
