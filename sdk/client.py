@@ -125,11 +125,11 @@ class Chain:
     def prune(self, intervals: Iterable[tuple[int, int]] | None = None, *, regions: Iterable[int] | None = None,
               kinds: Iterable[str] | None = None, tool_names: Iterable[str] | None = None,
               rounds: Iterable[int] | None = None, scorer: str | None = None,
-              keep_ratio: float | None = None) -> PruneResult:
+              keep_ratio: float | None = None, keep_tokens: int | None = None) -> PruneResult:
         """Explicit ``intervals`` ``[(L, R), ...]``, or a region selector (``regions``, ``kinds``, ...)."""
         body = _base.drop_none(intervals=_list(intervals), regions=_list(regions), kinds=_list(kinds),
                                tool_names=_list(tool_names), rounds=_list(rounds), scorer=scorer,
-                               keep_ratio=keep_ratio)
+                               keep_ratio=keep_ratio, keep_tokens=keep_tokens)
         return self._client.request("POST", f"/v1/chains/{self.id}/prune", json=body, type=PruneResult)
 
     def fork(self, metadata: Mapping[str, Any] | None = None) -> Chain:
