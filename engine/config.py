@@ -34,6 +34,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # GPU: never use decode CUDA graphs
     cuda_graph_max_batch: int | None = None  # largest captured decode batch (default: max_num_seqs)
+    tensor_parallel_size: int = 1  # ranks (GPUs; gloo processes on CPU) the model and its KV heads split over
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -45,7 +46,7 @@ class EngineConfig:
                 torch.device(self.device)
             except RuntimeError as exc:
                 raise ConfigError(f"device {self.device!r} is not a torch device") from exc
-        positive = ["page_size", "max_num_batched_tokens", "max_num_seqs"]
+        positive = ["page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"]
         positive += [n for n in ("num_pages", "kv_cache_memory_bytes", "max_model_len", "cuda_graph_max_batch") if getattr(self, n) is not None]
         for name in positive:
             value = getattr(self, name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from engine.chain_manager import ChainManager, PruneResult
 from engine.config import DEFAULT_CPU_KV_BYTES, DTYPES, EngineConfig
 from engine.contract.cache import CacheSpec
 from engine.contract.codec import CodedCacheSpec, check_composes
+from engine.contract.scorer import ImportanceScorer
 from engine.contract.method import SparseMethod
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CheckpointError, ConfigError, InvalidRequestError, InvalidSamplingParamsError, OutOfPagesError
@@ -27,6 +29,8 @@ from engine.loader import load_model
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.page_pool import PagePool
+from engine.parallel.workers import mirrored
+from engine.parallel.workers import start as start_tensor_parallel
 from engine.probe import Prober
 from engine.registry import create_kv_storage, create_method, create_scorer
 from engine.request import FinishReason, Request
@@ -59,9 +63,12 @@ def load_tokenizer(model_dir: str | Path):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, _tp=None):
+        """``_tp``: (group, link) when built as a tensor-parallel rank > 0 (engine.parallel.workers)."""
         self.config = config
         self.device = config.resolved_device()
+        self.tp, self._tp_link, self.device = start_tensor_parallel(config, self.device, _tp)
+        self._close = weakref.finalize(self, self._tp_link.close)  # stops the other ranks (also at exit)
         self.method = create_method(config.method, config.method_config)  # bad knobs fail before the load
         self.codec = None
         if config.kv_storage is not None:
@@ -69,14 +76,14 @@ class LLMEngine:
             check_composes(self.codec, self.method.name, self.method.view_types)
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
         self.model, self.model_config = load_model(
-            config.model, dtype=dtype, device=self.device, load_format=config.load_format
+            config.model, dtype=dtype, device=self.device, load_format=config.load_format, tp=self.tp
         )
         self.tokenizer = load_tokenizer(config.model)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         spec = CacheSpec(
             num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads,
+            num_kv_heads=mc.num_kv_heads // self.tp.world_size,  # this rank's KV heads
             head_dim=mc.head_dim,
             dtype=next(self.model.parameters()).dtype,
             device=self.device,
@@ -104,6 +111,7 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.last_step: StepTiming | None = None
+        self._tp_link.wait_ready()
         log.info("engine ready: %s, %d pages of %d tokens, method %s", mc.architecture, self.pool.num_pages,
                  config.page_size, self.method.name)
 
@@ -119,6 +127,8 @@ class LLMEngine:
             reasons.append(f"method {self.method.name} does host work per layer")
         if self.codec is not None:
             reasons.append(f"kv_storage {self.codec.name} reads per-layer views")
+        if self.tp.world_size > 1:
+            reasons.append("tensor parallel (collectives are not captured)")
         if not getattr(self.model, "cuda_graph_safe", True):
             reasons.append(f"{self.model_config.architecture} forward syncs with the host")
         if reasons:
@@ -144,13 +154,14 @@ class LLMEngine:
                 "gpu_memory_utilization x total memory minus what is already in use (other engines included): "
                 "lower it or set kv_cache_memory_bytes / num_pages"
             )
-        return num_pages
+        return self._tp_link.agree_min(num_pages)  # every rank's pool the same size: the same schedule
 
     def _on_preempt(self, req: Request) -> None:
         self.method.release(req)
         self.chains.on_preempt(req)
 
     # --- requests -------------------------------------------------------------------------------
+    @mirrored
     def add_request(
         self,
         prompt: str | list[int],
@@ -217,6 +228,7 @@ class LLMEngine:
             )
         return token_ids
 
+    @mirrored
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self._requests.get(request_id)
         if req is None:
@@ -230,6 +242,7 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     # --- one step -------------------------------------------------------------------------------
+    @mirrored
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         plan = self.scheduler.schedule()
@@ -239,6 +252,8 @@ class LLMEngine:
         batch = self.runner.prepare(plan)
         t2 = time.perf_counter()
         sampled = self.runner.execute(batch)
+        if sampled is not None and self.tp.world_size > 1:  # unseeded sampling: every rank takes rank 0's
+            sampled.token_ids = self.tp.broadcast_ints(sampled.token_ids, self.device)
         t3 = time.perf_counter()
         self.scheduler.update(plan)
         self.method.end_step(batch)
@@ -300,27 +315,35 @@ class LLMEngine:
         )
 
     # --- chains ---------------------------------------------------------------------------------
+    @mirrored
     def delete_chain(self, chain_id: str) -> None:
         self.chains.delete(chain_id)
 
+    @mirrored
     def fork_chain(self, chain_id: str, new_chain_id: str) -> None:
         self.chains.fork(chain_id, new_chain_id)
 
+    @mirrored
     def rewind_chain(self, chain_id: str, num_tokens: int) -> None:
         self.chains.rewind(chain_id, num_tokens)
 
+    @mirrored
     def prune_chain(
         self, chain_id: str, intervals: list[tuple[int, int]], scorer: str | None = None, keep_ratio: float = 0.0,
         defer: bool = True, keep_tokens: int | None = None,
     ) -> PruneResult:
         """Prefix-cache pruning of a chain: see ``ChainManager.prune``; ``scorer`` by registered name. A busy
         chain's prune is queued until its turn ends (status ``deferred``; ``defer=False``: ChainBusyError)."""
-        return self.chains.prune(chain_id, intervals, create_scorer(scorer) if scorer else None, keep_ratio, defer,
-                                 keep_tokens)
+        scorer = create_scorer(scorer) if scorer else None
+        if scorer is not None and self.tp.world_size > 1 and type(scorer).score_table is not ImportanceScorer.score_table:
+            raise ConfigError(f"scorer {scorer.name!r} combines the scores of all KV heads, which are split "
+                              "across tensor-parallel ranks: not supported at tensor_parallel_size > 1")
+        return self.chains.prune(chain_id, intervals, scorer, keep_ratio, defer, keep_tokens)
 
     def prune_result(self, prune_id: int) -> PruneResult:
         return self.chains.prune_result(prune_id)
 
+    @mirrored
     def pin_chain(self, chain_id: str, pinned: bool = True) -> None:
         self.chains.set_pinned(chain_id, pinned)
 
@@ -330,5 +353,17 @@ class LLMEngine:
         return self.chains.info(chain_id, busy)
 
     # --- cache ----------------------------------------------------------------------------------
+    @mirrored
     def clear_prefix_cache(self) -> None:
         self.cache.clear_prefix_cache()
+
+    # --- shutdown -------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at tensor_parallel_size 1). Idempotent."""
+        self._close()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

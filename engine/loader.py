@@ -16,6 +16,8 @@ from torch import nn
 from engine.errors import CheckpointError, ConfigError
 from engine.model_config import ModelConfig
 from engine.models.registry import get_model_class
+from engine.parallel.layers import check_model_shards
+from engine.parallel.state import SINGLE, TPGroup, use_group
 
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -31,17 +33,21 @@ def load_model(
     dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     load_format: str = "safetensors",
+    tp: TPGroup = SINGLE,
 ) -> tuple[nn.Module, ModelConfig]:
     """Returns (model in eval mode with frozen parameters, its ModelConfig). dtype None = checkpoint's.
 
     load_format "dummy" skips the weight files and fills parameters with seeded random values (benchmarks).
+    With a tensor-parallel group the model holds this rank's shard: each parameter's loader copies its
+    slice out of the checkpoint tensor, so only the shard reaches ``device``.
     """
     if load_format not in LOAD_FORMATS:
         raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     config = ModelConfig.from_dir(model_dir)
     target_dtype = resolve_dtype(dtype, config.torch_dtype)
     model_class = get_model_class(config.architecture)
-    with torch.device(device), _default_dtype(target_dtype):
+    check_model_shards(config, tp.world_size)
+    with torch.device(device), _default_dtype(target_dtype), use_group(tp):
         model = model_class(config)
     if load_format == "dummy":
         fill_dummy_weights(model)

@@ -18,6 +18,7 @@ the request stops holding the table).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -442,6 +443,14 @@ class PagedCacheManager(CacheManager):
             common = {f.name: getattr(base, f.name) for f in fields(QuantizedPagesView)
                       if f.name not in ("k_fields", "v_fields", "window_k", "window_v")}
             return [base] + [self._coded_view(common, layer) for layer in range(1, self.spec.num_layers)]
+        if self.codec is None:  # lengths differ per layer: one page table, one host->device copy of the lengths
+            base = self.build_view(reqs, num_new_tokens)
+            tables = [self._tables[r.request_id] for r in reqs]
+            lens = [[t.layer_len(layer) + n for t, n in zip(tables, num_new_tokens)]
+                    for layer in range(self.spec.num_layers)]
+            lens_t = torch.tensor(lens, dtype=torch.int32).to(self.spec.device)
+            return [dataclasses.replace(base, kv_lens=lens_t[layer], kv_lens_cpu=lens[layer])
+                    for layer in range(self.spec.num_layers)]
         return [self.build_view(reqs, num_new_tokens, layer) for layer in range(self.spec.num_layers)]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:

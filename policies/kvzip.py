@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.contract import Family, SparseMethod
+from engine.contract import Family, SparseMethod, all_gather, tp_rank
 from engine.errors import InvalidRequestError
 from engine.registry import register_method
 from policies.scoring import check_int, top_k_sorted
@@ -139,7 +139,9 @@ class KVzip(SparseMethod):
                                        self._repeat_ids, cfg.chunk_size)
         for layer, s in enumerate(scores):
             s.masked_fill_(cache.positions_of(req, layer) >= prompt - cfg.window, float("inf"))
-        keep = global_keep(scores, b)
+        heads = scores[0].shape[0]  # this rank's KV heads; the global choice needs every rank's
+        keep = global_keep([all_gather(s, 0) for s in scores], b)
+        keep = [k[tp_rank() * heads:(tp_rank() + 1) * heads] for k in keep]
         if all(k.shape[1] == n for k, n in zip(keep, lens)):
             return True
         return cache.compact(req, keep)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.contract import Family, PagedView, SelectedSlotsView, SparseMethod
+from engine.contract import Family, PagedView, SelectedSlotsView, SparseMethod, all_reduce
 from engine.errors import ConfigError
 from engine.registry import register_method
 from kernels.dispatch import paged_decode_logits
@@ -127,7 +127,7 @@ class OmniKV(SparseMethod):
         logits = paged_decode_logits(qs, k_cache, view.block_tables[rows_t], lens_t.to(torch.int32), lengths,
                                      qs.shape[-1] ** -0.5, width)  # [s, Hq, width], -inf past each length
         probs = torch.softmax(logits, dim=-1)
-        scores = probs.sum(dim=1)  # [s, width]: attention mass over all query heads
+        scores = all_reduce(probs.sum(dim=1), "sum")  # [s, width]: attention mass over all query heads (all ranks)
         newest = lens_t - 1
         scores = scores.masked_fill(positions[None, :] >= newest[:, None], float("-inf"))
         top = scores.topk(budget - 1, dim=1).indices.sort(dim=1).values

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.contract import Family, PagedView, SelectedPagesView, SparseMethod
+from engine.contract import Family, PagedView, SelectedPagesView, SparseMethod, all_reduce
 from engine.errors import ConfigError
 from engine.registry import register_method
 from kernels.dispatch import quest_page_scores
@@ -191,6 +191,7 @@ class Quest(SparseMethod):
         device = view.block_tables.device
         pages = view.block_tables[plan.rows_t, :width].long()  # [s, width] resident pages, logical order
         scores = quest_page_scores(q[plan.query_rows], kmin_l, kmax_l, pages, self.config.aggregate)
+        scores = all_reduce(scores, self.config.aggregate)  # over the query heads of other tensor-parallel ranks
         last = plan.last_page
         candidate = torch.arange(width, device=device)[None, :] < last[:, None]  # every page but the last
         scores = scores.masked_fill(~candidate, float("-inf"))

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.contract import Family, SparseMethod
+from engine.contract import Family, SparseMethod, all_reduce
 from engine.registry import register_method
 from policies.scoring import check_int, gather_keys, keep_all, request_rows, top_k_sorted
 
@@ -90,6 +90,7 @@ class TOVA(SparseMethod):
                     keep.append(keep_all(n, heads, device))
                     continue
                 score = last_query_scores(rows[layer], gather_keys(cache, req, layer, n))
+                score = all_reduce(score.contiguous(), "mean")  # tensor parallel: the mean over every rank's heads
                 keep.append(top_k_sorted(score[None], budget).expand(heads, budget))
                 changed = True
             if changed:

@@ -12,38 +12,44 @@ from torch import nn
 from engine.errors import CheckpointError
 from engine.model_config import ModelConfig
 from engine.models.interface import LayerRunner
-from engine.models.layers import (
-    Linear,
-    MergedLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    VocabEmbedding,
-    default_weight_loader,
-    silu_and_mul,
+from engine.models.layers import RMSNorm, RotaryEmbedding, default_weight_loader, silu_and_mul
+from engine.parallel.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
 )
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 class DenseMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    """SwiGLU MLP; each tensor-parallel rank holds a slice of the intermediate dim. ``reduce_results=False``
+    returns this rank's partial sum (the caller reduces it with others)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False,
+                 reduce_results: bool = True) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size, intermediate_size], bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class Attention(nn.Module):
+    """Attention over this tensor-parallel rank's query and KV heads (all of them at world size 1)."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = MergedLinear(config.hidden_size, self.split_sizes, config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, config.o_proj_bias)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.num_heads, config.num_kv_heads,
+                                          config.head_dim, config.attention_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_local_heads, self.qkv_proj.num_local_kv_heads
+        self.head_dim = config.head_dim
+        self.split_sizes = list(self.qkv_proj.local_sizes)
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
@@ -88,7 +94,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, mlps: list[nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, mlp) for i, mlp in enumerate(mlps))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(
@@ -120,7 +126,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config, [self.make_mlp(config, i) for i in range(config.num_layers)])
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -6,7 +6,7 @@ carry ``weight_loader(param, tensor, shard_id)`` and ``shard_ids`` (the checkpoi
 """
 
 import math
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,8 @@ def new_parameter(*shape: int) -> nn.Parameter:
 
 
 class Linear(nn.Module):
+    """A projection every tensor-parallel rank holds whole (MoE routers, gates); see engine.parallel.layers."""
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = new_parameter(output_size, input_size)
@@ -40,34 +42,6 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
-
-
-class MergedLinear(Linear):
-    """Several projections of one input packed along the output dim; checkpoint shard i fills part i."""
-
-    def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = tuple(output_sizes)
-        self.output_offsets = tuple(sum(output_sizes[:i]) for i in range(len(output_sizes)))
-        for param in (self.weight, self.bias):
-            if param is not None:
-                param.weight_loader = self.load_shard
-                param.shard_ids = tuple(range(len(output_sizes)))
-
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
-        if shard_id is None:
-            copy_into(param.data, loaded)
-        else:
-            copy_into(param.data.narrow(0, self.output_offsets[shard_id], self.output_sizes[shard_id]), loaded)
-
-
-class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int) -> None:
-        super().__init__()
-        self.weight = new_parameter(vocab_size, hidden_size)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
 
 
 class RMSNorm(nn.Module):

@@ -11,19 +11,26 @@ from engine.errors import CheckpointError
 from engine.model_config import ModelConfig
 from engine.models.decoder import DenseMLP
 from engine.models.layers import Linear, copy_into, new_parameter, silu_and_mul
+from engine.parallel.layers import check_divisible
+from engine.parallel.state import current_group
 
 
 class StackedExperts(nn.Module):
     """gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], the transformers-5 layout.
 
     Shard ids: gate_up_proj takes (expert, 0 = gate | 1 = up), down_proj takes expert; None = all experts.
+    Tensor parallel: every rank holds every expert, with a slice of each expert's intermediate dim (I / N
+    gate rows, I / N up rows, I / N down columns), so ``forward`` returns this rank's partial sum.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.tp = current_group()
+        check_divisible("the expert intermediate size", intermediate_size, self.tp.world_size)
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
-        self.gate_up_proj = new_parameter(num_experts, 2 * intermediate_size, hidden_size)
-        self.down_proj = new_parameter(num_experts, hidden_size, intermediate_size)
+        self.local_intermediate = intermediate_size // self.tp.world_size
+        self.gate_up_proj = new_parameter(num_experts, 2 * self.local_intermediate, hidden_size)
+        self.down_proj = new_parameter(num_experts, hidden_size, self.local_intermediate)
         self.gate_up_proj.weight_loader = self.load_gate_up
         self.gate_up_proj.shard_ids = tuple((e, half) for e in range(num_experts) for half in (0, 1))
         self.down_proj.weight_loader = self.load_down
@@ -36,21 +43,34 @@ class StackedExperts(nn.Module):
         if not 0 <= expert < self.num_experts:
             raise CheckpointError(f"expert {expert} out of range [0, {self.num_experts})")
 
+    def _rank_slice(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
+        if loaded.dim() <= dim or loaded.shape[dim] != self.intermediate_size:
+            raise CheckpointError(f"shape {tuple(loaded.shape)}: dim {dim} is not the expert intermediate "
+                                  f"size {self.intermediate_size}")
+        offset, length = self.tp.shard(self.intermediate_size)
+        return loaded.narrow(dim, offset, length)
+
     def load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None) -> None:
-        if shard_id is None:
-            copy_into(param.data, loaded)
+        local = self.local_intermediate
+        if shard_id is None:  # [E, 2I, H]: gate rows, then up rows
+            if loaded.dim() != 3 or loaded.shape[1] != 2 * self.intermediate_size:
+                raise CheckpointError(f"shape {tuple(loaded.shape)} does not match expected "
+                                      f"{(self.num_experts, 2 * self.intermediate_size, param.shape[2])}")
+            for half, part in enumerate(loaded.split(self.intermediate_size, dim=1)):
+                copy_into(param.data.narrow(1, half * local, local), self._rank_slice(part, 1))
             return
         expert, half = shard_id
         self._check_expert(expert)
-        copy_into(param.data[expert].narrow(0, half * self.intermediate_size, self.intermediate_size), loaded)
+        copy_into(param.data[expert].narrow(0, half * local, local), self._rank_slice(loaded, 0))
 
     def load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
         if shard_id is not None:
             self._check_expert(shard_id)
-        copy_into(param.data if shard_id is None else param.data[shard_id], loaded)
+        dst = param.data if shard_id is None else param.data[shard_id]
+        copy_into(dst, self._rank_slice(loaded, loaded.dim() - 1))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H]; topk_ids [T, K] int64; topk_weights [T, K] in x.dtype -> [T, H].
+        """x [T, H]; topk_ids [T, K] int64; topk_weights [T, K] in x.dtype -> [T, H] (this rank's partial sum).
 
         On a GPU the fused Triton kernel runs (no host sync, CUDA-graph capturable); elsewhere a torch loop
         over the experts that received tokens.
@@ -83,12 +103,14 @@ class StackedExperts(nn.Module):
 class SparseMoeBlock(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.tp = current_group()
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts)
         self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
         self.shared_expert = None
         if config.shared_expert_intermediate_size > 0:
-            self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
+                                          reduce_results=False)
             self.shared_expert_gate = Linear(config.hidden_size, 1)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,4 +127,4 @@ class SparseMoeBlock(nn.Module):
         out = self.experts(x, topk_ids, topk_weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.tp.all_reduce(out)  # the ranks' partial sums over their expert slices: one reduction

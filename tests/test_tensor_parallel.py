@@ -1,0 +1,146 @@
+"""Tensor parallelism on CPU: 2 gloo ranks (rank 0 in this process, rank 1 a spawned worker) against the same
+engine at tensor_parallel_size 1 (itself checked against HF transformers in test_engine_vs_hf).
+
+Greedy tokens must be equal; logprobs of the chosen tokens agree to fp32 rounding (the row-parallel all-reduce
+sums the two ranks' partial products in a different order than one matmul does; the measured difference is
+printed). Methods that keep or select per KV head are checked slot by slot: rank 0 holds KV head 0, so its kept
+positions must be exactly row 0 of what the single-rank engine keeps.
+"""
+
+import os
+import shutil
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import ConfigError
+from engine.parallel.workers import TensorParallelError
+
+PROMPTS = [[(7 * i + 3 * j) % 480 + 5 for j in range(n)] for i, n in enumerate([5, 23, 41])]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, logprobs=True, ignore_eos=True)
+COMMON = dict(dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=16, num_pages=256)
+
+
+def engine(model_dir, tp, **options):
+    return LLMEngine(EngineConfig(model_dir, tensor_parallel_size=tp, **COMMON, **options))
+
+
+def generate(eng, prompts, record=None):
+    """Greedy outputs {request id: (tokens, logprobs)}; ``record(eng, req)`` runs once per request right after
+    the step that sampled its first token (its prompt's KV is final)."""
+    ids = [eng.add_request(p, GREEDY) for p in prompts]
+    seen, recorded, out = set(), {}, {}
+    while eng.has_unfinished():
+        for o in eng.step():
+            if o.finished:
+                out[o.request_id] = (o.token_ids, o.logprobs)
+        for rid, req in eng._requests.items():
+            if record is not None and rid not in seen and len(req.output_token_ids) == 1:
+                seen.add(rid)
+                recorded[rid] = record(eng, req)
+    return [out[i] for i in ids], [recorded.get(i) for i in ids]
+
+
+def assert_same_greedy(ref, got):
+    diff = max(abs(a - b) for (_, la), (_, lb) in zip(ref, got) for a, b in zip(la, lb))
+    print(f"max |logprob TP1 - TP2| over the chosen tokens: {diff:.3g}")
+    assert [t for t, _ in got] == [t for t, _ in ref]
+    assert diff < 1e-4
+
+
+def kept_positions(eng, req):
+    return [eng.cache.positions_of(req, layer).clone() for layer in range(eng.model_config.num_layers)]
+
+
+def worker_procs(eng):
+    return list(eng._tp_link.procs)
+
+
+def assert_gone(procs):
+    for p in procs:
+        assert p.exitcode is not None and not os.path.exists(f"/proc/{p.pid}")
+    assert not dist.is_initialized()
+
+
+def test_bad_configs_raise_before_any_process_starts(tiny_dirs, tmp_path):
+    uneven = tmp_path / "three_kv_heads"
+    shutil.copytree(tiny_dirs["qwen3"], uneven)
+    cfg = json.loads((uneven / "config.json").read_text())
+    cfg.update(num_attention_heads=6, num_key_value_heads=3)
+    (uneven / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="must divide the number of KV heads"):
+        engine(uneven, 2)
+    with pytest.raises(ConfigError, match="exceeds the model's 2 KV heads"):
+        engine(tiny_dirs["qwen3"], 4)
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive int"):
+        EngineConfig(tiny_dirs["qwen3"], tensor_parallel_size=0)
+    assert torch.multiprocessing.active_children() == []
+    assert not dist.is_initialized()
+
+
+def test_dense_and_chain_turn_tp2_equal_tp1_then_a_dead_rank_is_named(tiny_dirs):
+    model_dir = tiny_dirs["qwen3"]
+    history = PROMPTS[2]
+
+    def chain_turns(eng):
+        first = eng.add_request(history, GREEDY, chain_id="c")
+        outs = {}
+        while eng.has_unfinished():
+            outs.update({o.request_id: o for o in eng.step() if o.finished})
+        turn2 = history + outs[first].token_ids + [11, 12, 13]
+        second = eng.add_request(turn2, GREEDY, chain_id="c")
+        while eng.has_unfinished():
+            outs.update({o.request_id: o for o in eng.step() if o.finished})
+        return [(outs[r].token_ids, outs[r].logprobs) for r in (first, second)], outs[second].num_resumed_tokens
+
+    ref_eng = engine(model_dir, 1)
+    ref, _ = generate(ref_eng, PROMPTS)
+    ref_chain, ref_resumed = chain_turns(ref_eng)
+    eng = engine(model_dir, 2)
+    procs = worker_procs(eng)
+    try:
+        assert eng.cache.spec.num_kv_heads == 1  # rank 0 holds one of the two KV heads
+        assert eng.model.model.layers[0].self_attn.qkv_proj.weight.shape[0] == (2 + 1 + 1) * 32
+        got, _ = generate(eng, PROMPTS)
+        assert_same_greedy(ref, got)
+        got_chain, resumed = chain_turns(eng)
+        assert resumed == ref_resumed > 0  # the second turn re-attached the chain's retained KV
+        assert_same_greedy(ref_chain, got_chain)
+
+        procs[0].kill()
+        procs[0].join()
+        with pytest.raises(TensorParallelError, match="rank 1 died"):
+            generate(eng, PROMPTS[:1])
+        with pytest.raises(TensorParallelError, match="unusable"):
+            eng.step()
+    finally:
+        eng.close()
+    assert_gone(procs)
+
+
+@pytest.mark.parametrize("arch,method,config", [
+    ("qwen3_moe", "snapkv", {"budget": 12, "window": 4, "kernel_size": 3}),
+    ("llama", "quest", {"token_budget": 8, "dense_layers": 1}),
+    ("qwen2", "omnikv", {"observation_layers": (0,), "token_budget": 10}),
+])
+def test_method_tp2_equals_tp1(tiny_dirs, arch, method, config):
+    """SnapKV (MoE model: experts split over the intermediate dim) keeps per KV head: rank 0 keeps exactly the
+    single rank's head-0 slots. Quest (max over query heads) and OmniKV (sum over query heads) reduce their
+    page / slot scores across ranks, so both ranks select what one rank holding every head selects."""
+    options = dict(method=method, method_config=config)
+    ref_eng = engine(tiny_dirs[arch], 1, **options)
+    ref, ref_kept = generate(ref_eng, PROMPTS, kept_positions)
+    with engine(tiny_dirs[arch], 2, **options) as eng:
+        procs = worker_procs(eng)
+        got, kept = generate(eng, PROMPTS, kept_positions)
+    assert_gone(procs)
+    assert [p.exitcode for p in procs] == [0]
+    assert_same_greedy(ref, got)
+    for ref_layers, layers in zip(ref_kept, kept):
+        for r, g in zip(ref_layers, layers):
+            assert torch.equal(g, r[:1])
+    if method == "snapkv":
+        assert ref_kept[2][0].shape == (2, 12)  # the 41-token prompt was cut to the budget
