@@ -146,13 +146,15 @@ class LLMEngine:
             free, total = torch.cuda.mem_get_info(self.device)
             budget = int(total * self.config.gpu_memory_utilization) - (total - free)
         budget = budget if budget is not None else DEFAULT_CPU_KV_BYTES
-        budget -= getattr(spec, "window_bytes", 0)  # a codec's full-precision windows share the budget
+        windows = getattr(spec, "window_bytes", 0)  # a codec's full-precision windows share the budget
+        budget -= windows
         num_pages = budget // spec.bytes_per_page
         if num_pages < 1:
+            held = f" after {windows} bytes of kv_storage windows (max_num_seqs of them)" if windows else ""
             raise OutOfPagesError(
-                f"KV budget of {budget} bytes holds no page of {spec.bytes_per_page} bytes; on a GPU the budget is "
-                "gpu_memory_utilization x total memory minus what is already in use (other engines included): "
-                "lower it or set kv_cache_memory_bytes / num_pages"
+                f"KV budget of {budget} bytes{held} holds no page of {spec.bytes_per_page} bytes; on a GPU the "
+                "budget is gpu_memory_utilization x total memory minus what is already in use (other engines "
+                "included): lower it or set kv_cache_memory_bytes / num_pages"
             )
         return self._tp_link.agree_min(num_pages)  # every rank's pool the same size: the same schedule
 
