@@ -125,11 +125,15 @@ def test_dense_and_chain_turn_tp2_equal_tp1_then_a_dead_rank_is_named(tiny_dirs)
     ("qwen3_moe", "snapkv", {"budget": 12, "window": 4, "kernel_size": 3}),
     ("llama", "quest", {"token_budget": 8, "dense_layers": 1}),
     ("qwen2", "omnikv", {"observation_layers": (0,), "token_budget": 10}),
+    ("qwen3", "tova", {"budget": 12}),
+    ("llama", "kvzip", {"budget": 12, "window": 4, "chunk_size": 16}),
 ])
 def test_method_tp2_equals_tp1(tiny_dirs, arch, method, config):
-    """SnapKV (MoE model: experts split over the intermediate dim) keeps per KV head: rank 0 keeps exactly the
-    single rank's head-0 slots. Quest (max over query heads) and OmniKV (sum over query heads) reduce their
-    page / slot scores across ranks, so both ranks select what one rank holding every head selects."""
+    """Rank 0 (KV head 0) must keep exactly the single rank's head-0 slots and every token must agree.
+    SnapKV keeps per KV head (on the MoE model: experts split over their intermediate dim). Quest (max over query
+    heads) and OmniKV (sum) reduce page / slot scores across ranks; TOVA averages over all query heads (mean
+    across ranks); KVzip picks its global top scores over every layer and KV head (gathered from all ranks; its
+    reconstruction probe runs the sharded model on both ranks)."""
     options = dict(method=method, method_config=config)
     ref_eng = engine(tiny_dirs[arch], 1, **options)
     ref, ref_kept = generate(ref_eng, PROMPTS, kept_positions)
@@ -142,5 +146,7 @@ def test_method_tp2_equals_tp1(tiny_dirs, arch, method, config):
     for ref_layers, layers in zip(ref_kept, kept):
         for r, g in zip(ref_layers, layers):
             assert torch.equal(g, r[:1])
-    if method == "snapkv":
+    if method in ("snapkv", "tova"):
         assert ref_kept[2][0].shape == (2, 12)  # the 41-token prompt was cut to the budget
+    if method == "kvzip":
+        assert sum(k.shape[1] for k in ref_kept[2]) < 2 * 41  # evicted, with per-layer budgets
