@@ -77,7 +77,8 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(model=args.model, model_name=args.model_name, db_url=args.db, method=args.method,
-                          method_config=method_config, engine_options={"device": args.device}, host=args.host,
+                          method_config=method_config, host=args.host,
+                          engine_options={"device": args.device, "tensor_parallel_size": args.tp},
                           require_auth=args.require_auth, max_body_size=args.max_body_size,
                           max_tokens_per_turn=args.max_tokens_per_turn,
                           max_chains_per_tenant=args.max_chains_per_tenant or None,
@@ -187,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--method", default="dense", help="sparse method for every chain")
     serve.add_argument("--method-config", default="{}", help="the method's knobs as a JSON object")
     serve.add_argument("--device", default="auto")
+    serve.add_argument("--tp", type=int, default=1,
+                       help="tensor-parallel ranks: GPUs (NCCL) from --device on, or gloo processes on CPU")
     serve.add_argument("--require-auth", dest="require_auth", action="store_true", default=None,
                        help="require API keys (the default unless --host is a loopback address)")
     serve.add_argument("--no-auth", dest="require_auth", action="store_false",

@@ -27,6 +27,16 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks (a no-op at tensor_parallel_size 1)."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: list[str] | list[list[int]],

@@ -150,3 +150,11 @@ def test_method_tp2_equals_tp1(tiny_dirs, arch, method, config):
         assert ref_kept[2][0].shape == (2, 12)  # the 41-token prompt was cut to the budget
     if method == "kvzip":
         assert sum(k.shape[1] for k in ref_kept[2]) < 2 * 41  # evicted, with per-layer budgets
+
+
+def test_serve_tp_reaches_the_engine_config(tiny_dirs, capsys):
+    from agentrt.cli import main
+
+    assert main(["serve", "--model", str(tiny_dirs["qwen3"]), "--tp", "3", "--no-auth"]) == 2
+    assert "tensor_parallel_size 3 exceeds the model's 2 KV heads" in capsys.readouterr().err
+    assert torch.multiprocessing.active_children() == []
