@@ -90,7 +90,7 @@ class TOVA(SparseMethod):
                     keep.append(keep_all(n, heads, device))
                     continue
                 score = last_query_scores(rows[layer], gather_keys(cache, req, layer, n))
-                score = all_reduce(score.contiguous(), "mean")  # tensor parallel: the mean over every rank's heads
+                score = all_reduce(score, "mean")  # tensor parallel: the mean over every rank's heads
                 keep.append(top_k_sorted(score[None], budget).expand(heads, budget))
                 changed = True
             if changed:

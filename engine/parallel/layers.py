@@ -114,7 +114,7 @@ class RowParallelLinear(nn.Module):
             return F.linear(x, self.weight, self.bias)
         out = F.linear(x, self.weight)
         if self.reduce_results:
-            self.tp.all_reduce(out)
+            out = self.tp.all_reduce(out)
             if self.bias is not None:
                 out = out + self.bias
         return out

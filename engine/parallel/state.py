@@ -25,15 +25,15 @@ class TPGroup:
     group: Any = None  # the torch.distributed ProcessGroup when world_size > 1
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce ``tensor`` over the ranks (in place, also returned). ``mean`` assumes every rank reduced
-        the same number of terms locally (each rank holds the same number of heads)."""
+        """Reduce ``tensor`` over the ranks and return the result (in place when ``tensor`` is contiguous).
+        ``mean`` assumes every rank reduced the same number of terms locally (each holds as many heads)."""
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
         if self.world_size == 1:
             return tensor
         import torch.distributed as dist
 
-        assert tensor.is_contiguous()
+        tensor = tensor.contiguous()
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=self.group)
         if op == "mean":
             tensor /= self.world_size
@@ -59,12 +59,6 @@ class TPGroup:
         t = torch.tensor(values, dtype=torch.int64, device=device)
         dist.broadcast(t, src=0, group=self.group)
         return t.tolist()
-
-    def min_int(self, value: int, device: torch.device) -> int:
-        if self.world_size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        return int(self.all_reduce(t.neg_(), "max").neg_().item())
 
     def shard(self, size: int) -> tuple[int, int]:
         """(offset, length) of this rank's equal part of ``size`` (divisibility checked by the caller)."""

@@ -101,6 +101,7 @@ class Workers(Local):
         try:
             return conn.recv()
         except (EOFError, OSError):
+            proc.join(1.0)
             self._fail(f"tensor-parallel rank {rank} died (exit code {proc.exitcode}) during {what}")
 
     def _expect(self, rank: int, kind: str, what: str):
