@@ -67,13 +67,13 @@ class LLMEngine:
         """``_tp``: (group, link) when built as a tensor-parallel rank > 0 (engine.parallel.workers)."""
         self.config = config
         self.device = config.resolved_device()
-        self.tp, self._tp_link, self.device = start_tensor_parallel(config, self.device, _tp)
-        self._close = weakref.finalize(self, self._tp_link.close)  # stops the other ranks (also at exit)
         self.method = create_method(config.method, config.method_config)  # bad knobs fail before the load
         self.codec = None
         if config.kv_storage is not None:
             self.codec = create_kv_storage(config.kv_storage, config.kv_storage_config)
             check_composes(self.codec, self.method.name, self.method.view_types)
+        self.tp, self._tp_link, self.device = start_tensor_parallel(config, self.device, _tp)
+        self._close = weakref.finalize(self, self._tp_link.close)  # stops the other ranks (also at exit)
         dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
         self.model, self.model_config = load_model(
             config.model, dtype=dtype, device=self.device, load_format=config.load_format, tp=self.tp

@@ -77,6 +77,8 @@ def test_bad_configs_raise_before_any_process_starts(tiny_dirs, tmp_path):
         engine(tiny_dirs["qwen3"], 4)
     with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive int"):
         EngineConfig(tiny_dirs["qwen3"], tensor_parallel_size=0)
+    with pytest.raises(ConfigError, match="budget"):  # method knobs are checked before the ranks start
+        engine(tiny_dirs["qwen3"], 2, method="snapkv", method_config={"budget": 0})
     assert torch.multiprocessing.active_children() == []
     assert not dist.is_initialized()
 
