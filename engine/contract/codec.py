@@ -17,13 +17,14 @@ read without the ring.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from math import lcm
 from typing import Any, ClassVar
 
 import torch
 
 from engine.contract.cache import CacheSpec
+from engine.contract.options import build_config
 from engine.errors import ConfigError
 
 
@@ -99,16 +100,7 @@ class KVCodec:
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> KVCodec:
-        options = dict(options or {})
-        known = {f.name for f in fields(cls.Config)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(
-                f"kv_storage {cls.name!r} has no option(s) {unknown}; known options: {sorted(known) or 'none'}")
-        try:
-            return cls(cls.Config(**options))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"kv_storage {cls.name!r}: {exc}") from exc
+        return cls(build_config(cls.Config, options, f"kv_storage {cls.name!r}"))
 
     @property
     def group(self) -> int:

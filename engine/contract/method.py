@@ -15,14 +15,14 @@ Order within one step::
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from engine.contract.cache import CacheManager, CacheSpec
+from engine.contract.options import build_config
 from engine.contract.view import PagedView
-from engine.errors import ConfigError
 
 if TYPE_CHECKING:
     from engine.forward_batch import ForwardBatch
@@ -68,18 +68,7 @@ class SparseMethod:
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> SparseMethod:
         """Build from user-supplied knobs; unknown knobs and bad values raise ConfigError."""
-        options = dict(options or {})
-        known = {f.name for f in fields(cls.Config)}
-        unknown = sorted(set(options) - known)
-        if unknown:
-            raise ConfigError(
-                f"method {cls.name!r} has no option(s) {unknown}; known options: {sorted(known) or 'none'}"
-            )
-        try:
-            config = cls.Config(**options)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"method {cls.name!r}: {exc}") from exc
-        return cls(config)
+        return cls(build_config(cls.Config, options, f"method {cls.name!r}"))
 
     # --- representation -------------------------------------------------------------------------
     def make_cache(self, spec: CacheSpec, pool: PagePool, enable_prefix_caching: bool) -> CacheManager:
