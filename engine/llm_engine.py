@@ -337,7 +337,8 @@ class LLMEngine:
         """Prefix-cache pruning of a chain: see ``ChainManager.prune``; ``scorer`` by registered name. A busy
         chain's prune is queued until its turn ends (status ``deferred``; ``defer=False``: ChainBusyError)."""
         scorer = create_scorer(scorer) if scorer else None
-        if scorer is not None and self.tp.world_size > 1 and type(scorer).score_table is not ImportanceScorer.score_table:
+        combines_heads = scorer is not None and type(scorer).score_table is not ImportanceScorer.score_table
+        if combines_heads and self.tp.world_size > 1:
             raise ConfigError(f"scorer {scorer.name!r} combines the scores of all KV heads, which are split "
                               "across tensor-parallel ranks: not supported at tensor_parallel_size > 1")
         return self.chains.prune(chain_id, intervals, scorer, keep_ratio, defer, keep_tokens)

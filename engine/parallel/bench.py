@@ -50,8 +50,9 @@ def run_case(model_dir: Path, args, tp: int) -> dict:
             max_model_len=args.context + args.decode_tokens + 1, enable_prefix_caching=False,
             enforce_eager=args.enforce_eager, num_pages=pages, gpu_memory_utilization=args.gpu_memory_utilization,
             max_num_batched_tokens=args.max_num_batched_tokens))
+        weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         r.update(build_s=round(time.perf_counter() - t0, 1), kv_pages=engine.pool.num_pages,
-                 rank0_weight_gib=round(sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30, 2))
+                 rank0_weight_gib=round(weight_bytes / 2**30, 2))
         run_one(engine, 1, min(args.context, 256), 4, args.seed)  # compile / warm up
         r.update(run_one(engine, args.batch, args.context, args.decode_tokens, args.seed), fits=True)
         if engine.device.type == "cuda":
