@@ -55,9 +55,11 @@ def test_agent_loop_runs_both_tools_and_the_policy_prunes_the_older_result(serve
     assert f"chain {state.id}: 3 turns, finished=True" in out and "-> 26.6" in out
 
 
-def test_agent_loop_without_the_script_is_one_turn_on_the_random_model(server, agent_loop):
+def test_agent_loop_without_the_script_is_one_turn_on_the_default_model(server, agent_loop):
+    """The embedded default model was not trained to call these tools: one turn, at most --max-tokens long."""
     transcript = agent_loop.main(["--url", server.url, "--max-tokens", "8"])
-    assert transcript.finished and len(transcript.turns) == 1 and transcript.turns[0].usage.completion_tokens == 8
+    (turn,) = transcript.turns
+    assert transcript.finished and 1 <= turn.usage.completion_tokens <= 8 and not turn.message.tool_calls
 
 
 def test_agent_loop_runs_as_a_script(server):
