@@ -174,9 +174,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    from quality.plots import accuracy_vs_budget, depth_length_heatmap
+def _plot(grid: list[dict], summary: dict, args) -> None:
+    try:
+        from quality.plots import accuracy_vs_budget, depth_length_heatmap
+        dense = {t: summary["grid"][f"{t}/dense/1"] for t in args.tasks}
+        accuracy_vs_budget(grid, dense, args.out / "accuracy_vs_budget.png")
+        depth_length_heatmap(grid, args.tasks[0], args.heatmap_budget, args.out / "depth_length_heatmap.png")
+    except ImportError as exc:
+        print(f"no plots ({exc}); pip install 'agentrt[quality]'", file=sys.stderr)
 
+
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     model = args.model or str(embedded_model_dir())
     engine_options = {"device": args.device, "dtype": args.dtype}
@@ -192,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.json").write_text(json.dumps(record, indent=1) + "\n")
     _write_csv(args.out / "grid.csv", grid)
     _write_csv(args.out / "lag.csv", lag)
-    dense = {t: summary["grid"][f"{t}/dense/1"] for t in args.tasks}
-    accuracy_vs_budget(grid, dense, args.out / "accuracy_vs_budget.png")
-    depth_length_heatmap(grid, args.tasks[0], args.heatmap_budget, args.out / "depth_length_heatmap.png")
+    _plot(grid, summary, args)
     print(json.dumps({"seconds": record["seconds"], "summary": summary}))
     print(tables(grid, summary, sorted(set(args.budgets) | {1.0})))
     return 0

@@ -54,8 +54,8 @@ class TrainConfig:
 PRESETS = {
     "gpu": (ModelShape(), TrainConfig()),
     "cpu": (ModelShape(hidden_size=128, num_heads=4, num_kv_heads=2, intermediate_size=384),
-            TrainConfig(steps=600, tokens_per_batch=8192, max_len=1024, curriculum=200, lr=2e-3, warmup=50, eval_samples=32,
-                        eval_lengths=(512, 1024))),
+            TrainConfig(steps=400, tokens_per_batch=4096, max_len=768, curriculum=100, lr=2e-3, warmup=40,
+                        eval_samples=16, eval_lengths=(512, 768))),
 }
 
 
@@ -166,7 +166,7 @@ def train(shape: ModelShape, cfg: TrainConfig, out_dir: Path, device: torch.devi
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % 50 == 0:
+        if step % 50 == 0 or step < 5:
             entry = {"step": step, "s": round(elapsed, 1), "len": inputs.shape[1], "loss": round(loss.item(), 4),
                      "answer_loss": round(answer_loss.item(), 4), "lr": opt.param_groups[0]["lr"]}
             log.append(entry)
@@ -196,6 +196,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, help="seconds of training before stopping (and annealing)")
     p.add_argument("--workers", type=int, default=None)
     p.add_argument("--seed", type=int)
+    p.add_argument("--eval-samples", type=int, help="held-out samples per task and length for the final score")
     return p.parse_args(argv)
 
 
@@ -204,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     shape, cfg = PRESETS[args.preset or ("gpu" if device.type == "cuda" else "cpu")]
     overrides = {"steps": args.steps, "tokens_per_batch": args.tokens_per_batch, "max_len": args.max_len,
-                 "lr": args.lr, "time_budget_s": args.time_budget, "seed": args.seed}
+                 "lr": args.lr, "time_budget_s": args.time_budget, "seed": args.seed,
+                 "eval_samples": args.eval_samples}
     cfg = TrainConfig(**{**asdict(cfg), **{k: v for k, v in overrides.items() if v is not None}})
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -127,3 +127,12 @@ def test_task_generators_are_seeded_and_place_the_fact_at_its_depth(dense):
     assert not is_correct(a, a.answer_ids + a.answer_ids[:1], frozenset({end}))
     with pytest.raises(ValueError, match="depth"):
         needle(tok, random.Random(0), 512, 1.5)
+
+
+def test_the_server_defaults_to_the_shipped_checkpoint(model_dir):
+    from agentrt.app import build_engine
+    from agentrt.config import ServerConfig
+
+    engine = build_engine(ServerConfig(engine_options={"device": "cpu", "num_pages": 64}))
+    assert engine.config.model == model_dir and (model_dir / "model.safetensors").is_file()
+    assert engine.model_config.num_layers == 4 and engine.model_config.vocab_size == 512
