@@ -59,7 +59,7 @@ def run_grid(model, args, engine_options: dict) -> list[dict]:
             samples = [s for _, s in pairs]
             prompt_len = round(sum(len(s.prompt_ids) for s in samples) / len(samples))
             knobs = method_config(method, budget, prompt_len, args.knobs.get(method))
-            engine = make_engine(model, method, knobs, **engine_options)
+            engine = make_engine(model, method, knobs, **engine_options, num_pages=_pages(samples, 16))
             correct = run_samples(engine, samples)
             cells = defaultdict(list)
             for (depth, _), ok in zip(pairs, correct):
@@ -73,10 +73,20 @@ def run_grid(model, args, engine_options: dict) -> list[dict]:
     return rows
 
 
+def _pages(samples: list, concurrent: int, page_size: int = 16) -> int:
+    """KV pages for ``concurrent`` of the longest samples at once (an explicit pool: the GPU default would take
+    most of the device's memory for every engine)."""
+    longest = max(len(s.prompt_ids) + len(s.answer_ids) + 2 for s in samples)
+    return (concurrent + 1) * (-(-longest // page_size) + 2)
+
+
 def run_lag_table(model, args, engine_options: dict) -> list[dict]:
-    engine = make_engine(model, **{**engine_options, "max_num_seqs": max(16, args.lag_samples * args.rounds)})
-    chains = [tool_chain(engine.tokenizer, random.Random(f"{args.seed}-lag-{a}-{i}"), args.rounds, a)
+    tokenizer = make_engine(model, **engine_options).tokenizer
+    chains = [tool_chain(tokenizer, random.Random(f"{args.seed}-lag-{a}-{i}"), args.rounds, a)
               for a in range(args.rounds) for i in range(args.lag_samples)]
+    # every chain keeps its KV between its two turns: the pool holds them all, so none is reclaimed unpruned
+    engine = make_engine(model, **engine_options, max_num_seqs=len(chains),
+                         num_pages=_pages([c.sample for c in chains], len(chains)))
     configs = [(None, 1.0)] + [(lag, keep) for lag in args.lags for keep in args.keep_ratios]
     rows = []
     for lag, keep in configs:

@@ -88,7 +88,9 @@ def run_lag(engine, chains: list[ToolChain], lag: int | None, keep_ratio: float,
         rounds = [] if lag is None else pruned_rounds(len(c.round_spans), lag)
         if rounds:
             scorer = SCORER if 0.0 < keep_ratio < 1.0 else None
-            engine.prune_chain(name, [c.round_spans[r] for r in rounds], scorer=scorer, keep_ratio=keep_ratio)
+            result = engine.prune_chain(name, [c.round_spans[r] for r in rounds], scorer=scorer, keep_ratio=keep_ratio)
+            if keep_ratio < 1.0 and result.tokens_freed == 0:
+                raise RuntimeError(f"chain {name} held no KV to prune (reclaimed: give the engine more pages)")
     second = [engine.add_request(c.sample.prompt_ids, answer_params(c.sample), chain_id=n)
               for c, n in zip(chains, names)]
     outputs = _step_all(engine, second)
