@@ -170,3 +170,17 @@ def test_serve_tp_reaches_the_engine_config(tiny_dirs, capsys):
     assert main(["serve", "--model", str(tiny_dirs["qwen3"]), "--tp", "3", "--no-auth"]) == 2
     assert "tensor_parallel_size 3 exceeds the model's 2 KV heads" in capsys.readouterr().err
     assert torch.multiprocessing.active_children() == []
+
+
+def test_a_rank_failure_is_raised_in_rank_0_with_the_rank_and_its_traceback(tiny_dirs):
+    eng = engine(tiny_dirs["qwen3"], 2)
+    procs = worker_procs(eng)
+    try:
+        # rank 0 succeeds, rank 1 fails outside the contract (an AttributeError): reported, and rank 1 exits
+        with pytest.raises(TensorParallelError, match=r"(?s)rank 1 failed in no_such_call:.*AttributeError"):
+            eng._tp_link.call("no_such_call", (), {}, lambda: None)
+        with pytest.raises(TensorParallelError, match="unusable"):
+            eng.add_request([5, 6, 7], GREEDY)
+    finally:
+        eng.close()
+    assert_gone(procs)
