@@ -184,3 +184,4 @@ def test_a_rank_failure_is_raised_in_rank_0_with_the_rank_and_its_traceback(tiny
     finally:
         eng.close()
     assert_gone(procs)
+    assert [p.exitcode for p in procs] == [1]

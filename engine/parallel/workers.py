@@ -15,6 +15,7 @@ that dies is noticed while rank 0 waits for it (its process is polled), never wa
 from __future__ import annotations
 
 import functools
+import os
 import traceback
 from typing import Any, Callable
 
@@ -206,9 +207,6 @@ class Workers(Local):
         destroy_group(_rank0_group[0])
         _rank0_group[0] = SINGLE
 
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
 
 _rank0_group = [SINGLE]  # the group rank 0 of this process joined (one tensor-parallel engine at a time)
 
@@ -250,7 +248,6 @@ def start(config, device: torch.device, worker: tuple[TPGroup, Local] | None) ->
 
 def worker_main(rank: int, world_size: int, port: int, config, conn, num_threads: int, timeout_s: float) -> None:
     torch.set_num_threads(num_threads)
-    group = None
     try:
         from engine.llm_engine import LLMEngine
 
@@ -258,14 +255,11 @@ def worker_main(rank: int, world_size: int, port: int, config, conn, num_threads
         device = rank_device(config.resolved_device(), rank)
         group = init_group(rank, world_size, port, device, timeout_s)
         engine = LLMEngine(config, _tp=(group, RankLink(conn)))
+        conn.send(("ready",))
     except BaseException:
-        conn.send(("error", traceback.format_exc()))
-        return
-    conn.send(("ready",))
-    try:
-        _serve(engine, conn)
-    finally:
-        destroy_group(group)
+        _exit_with(conn, traceback.format_exc())
+    _serve(engine, conn)
+    destroy_group(group)
 
 
 def _serve(engine, conn) -> None:
@@ -282,7 +276,15 @@ def _serve(engine, conn) -> None:
         except EngineError as exc:
             conn.send(("engine_error", repr(exc)))
         except BaseException:
-            conn.send(("error", traceback.format_exc()))
-            return  # exiting breaks any collective the other ranks wait in
+            _exit_with(conn, traceback.format_exc())
         else:
             conn.send(("ok",))
+
+
+def _exit_with(conn, error: str) -> None:
+    """Report ``error`` to rank 0 and exit now: peers blocked in a collective with this rank see it fail, and
+    no collective teardown can hang on them."""
+    try:
+        conn.send(("error", error))
+    finally:
+        os._exit(1)
