@@ -185,3 +185,11 @@ def test_a_rank_failure_is_raised_in_rank_0_with_the_rank_and_its_traceback(tiny
         eng.close()
     assert_gone(procs)
     assert [p.exitcode for p in procs] == [1]
+
+
+def test_every_public_engine_call_but_the_read_only_ones_is_mirrored_to_the_ranks():
+    read_only = {"has_unfinished", "chain_info", "prune_result", "close"}
+    public = {n for n, f in vars(LLMEngine).items() if callable(f) and not n.startswith("_")}
+    mirrored = {n for n in public if hasattr(getattr(LLMEngine, n), "__wrapped__")}
+    assert public - read_only == mirrored
+    assert {"add_request", "step", "abort", "fork_chain", "rewind_chain", "prune_chain", "delete_chain"} <= mirrored
