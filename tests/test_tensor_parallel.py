@@ -7,9 +7,9 @@ printed). Methods that keep or select per KV head are checked slot by slot: rank
 positions must be exactly row 0 of what the single-rank engine keeps.
 """
 
+import json
 import os
 import shutil
-import json
 
 import pytest
 import torch
