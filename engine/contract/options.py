@@ -10,7 +10,7 @@ from engine.errors import ConfigError
 
 
 def build_config(config_cls: type, options: dict[str, Any] | None, what: str) -> Any:
-    """``config_cls(**options)`` for a config dataclass; ``what`` names the owner (e.g. "method 'snapkv'")."""
+    """``config_cls(**options)``; ``what`` names the owner in errors (the kind and registered name)."""
     options = dict(options or {})
     known = {f.name for f in fields(config_cls)}
     unknown = sorted(set(options) - known)
