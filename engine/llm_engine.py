@@ -21,7 +21,6 @@ from engine.chain_manager import ChainManager, PruneResult
 from engine.config import DEFAULT_CPU_KV_BYTES, DTYPES, EngineConfig
 from engine.contract.cache import CacheSpec
 from engine.contract.codec import CodedCacheSpec, check_composes
-from engine.contract.scorer import ImportanceScorer
 from engine.contract.method import SparseMethod
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CheckpointError, ConfigError, InvalidRequestError, InvalidSamplingParamsError, OutOfPagesError
@@ -337,10 +336,6 @@ class LLMEngine:
         """Prefix-cache pruning of a chain: see ``ChainManager.prune``; ``scorer`` by registered name. A busy
         chain's prune is queued until its turn ends (status ``deferred``; ``defer=False``: ChainBusyError)."""
         scorer = create_scorer(scorer) if scorer else None
-        combines_heads = scorer is not None and type(scorer).score_table is not ImportanceScorer.score_table
-        if combines_heads and self.tp.world_size > 1:
-            raise ConfigError(f"scorer {scorer.name!r} combines the scores of all KV heads, which are split "
-                              "across tensor-parallel ranks: not supported at tensor_parallel_size > 1")
         return self.chains.prune(chain_id, intervals, scorer, keep_ratio, defer, keep_tokens)
 
     def prune_result(self, prune_id: int) -> PruneResult:

@@ -9,7 +9,8 @@ w = ``window`` (at most n), queries and keys post-RoPE:
 2. ``vote[l, h, s] = mean over the window queries and the query heads of KV head h of the attention on s``
    (SnapKV sums over the queries: the same ranking);
 3. each (layer, KV head) row is pooled over slot order with a 1D max pool of ``kernel_size`` (SnapKV's);
-4. one score per logical position: the mean of the pooled votes over the (layer, KV head) rows that hold it;
+4. one score per logical position: the mean of the pooled votes over the (layer, KV head) rows that hold it
+   (across tensor-parallel ranks too: each holds some of the KV heads);
    window positions score +inf. Every slot holding a position gets that position's score, so a prune keeps
    the same positions in every layer and head (where they all hold them).
 """
@@ -20,6 +21,7 @@ from typing import ClassVar
 
 import torch
 
+from engine.contract import all_reduce
 from engine.contract.scorer import ImportanceScorer, ScoreContext
 from engine.registry import register_scorer
 from policies.scoring import pool1d
@@ -32,12 +34,14 @@ def per_position(ctx: ScoreContext, scores: list[torch.Tensor], reduce: str) -> 
     flat_pos = torch.cat([p.flatten() for p in positions])
     flat = torch.cat([s.flatten() for s in scores]).float()
     n = ctx.num_computed
-    if reduce == "max":
+    if reduce == "max":  # over this rank's rows, then over the tensor-parallel ranks' (identity at TP=1)
         merged = torch.full((n,), float("-inf"), device=flat.device).scatter_reduce(0, flat_pos, flat, "amax")
+        merged = all_reduce(merged, "max")
     else:
         total = torch.zeros(n, device=flat.device).index_add_(0, flat_pos, flat)
         count = torch.zeros(n, device=flat.device).index_add_(0, flat_pos, torch.ones_like(flat))
-        merged = total / count.clamp(min=1)
+        summed = all_reduce(torch.stack([total, count]), "sum")
+        merged = summed[0] / summed[1].clamp(min=1)
     return [merged[p] for p in positions]
 
 

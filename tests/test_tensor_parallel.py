@@ -98,10 +98,9 @@ def test_dense_and_chain_turn_tp2_equal_tp1_then_a_dead_rank_is_named(tiny_dirs)
         second = eng.add_request(turn2, GREEDY, chain_id="c")
         while eng.has_unfinished():
             outs.update({o.request_id: o for o in eng.step() if o.finished})
-        if eng.tp.world_size > 1:  # one score per position over all heads: refused on every rank alike
-            with pytest.raises(ConfigError, match="not supported at tensor_parallel_size > 1"):
-                eng.prune_chain("c", [(4, 20)], scorer="snapkv_global", keep_ratio=0.5)
         eng.prune_chain("c", [(4, 20)], scorer="knorm", keep_ratio=0.5)  # per (layer, KV head): local
+        # one score per position over every (layer, KV head) row: the ranks reduce their rows together
+        assert eng.prune_chain("c", [(20, 34)], scorer="snapkv_global", keep_ratio=0.5).tokens_freed == 7
         third = eng.add_request(turn2 + outs[second].token_ids + [14, 15], GREEDY, chain_id="c")
         while eng.has_unfinished():
             outs.update({o.request_id: o for o in eng.step() if o.finished})
