@@ -200,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     engine_options = {"device": args.device, "dtype": args.dtype}
     start = time.time()
     grid = run_grid(model, args, engine_options)
+    args.out.mkdir(parents=True, exist_ok=True)
+    _write_csv(args.out / "grid.csv", grid)  # kept if the lag stage fails
     lag = [] if args.no_lag else run_lag_table(model, args, engine_options)
     summary = summarize(grid, lag)
     args.out.mkdir(parents=True, exist_ok=True)
