@@ -6,7 +6,7 @@
     agentrt eval --methods snapkv,quest --budgets 0.25   # quality: accuracy per method x budget (docs/quality.md)
     agentrt replay run --sessions 4 --turns 8            # agent-trace replay benchmark (see agentrt replay --help)
     agentrt serve --port 8000                            # the HTTP server (chains, turns, OpenAI routes)
-    agentrt demo                                         # a scripted 3-turn agent session against the server
+    agentrt demo                                         # a scripted 8-turn agent session, lag-2 pruning
     agentrt keys create --tenant acme [--db URL]         # a new API key for a tenant (printed once)
     agentrt keys list [--tenant acme] / keys revoke KEY_ID
 """
@@ -212,9 +212,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--tenant")
         else:
             p.add_argument("key_id")
-    demo = sub.add_parser("demo", help="a scripted 3-turn agent conversation with a tool call")
+    demo = sub.add_parser("demo", help="a scripted 8-turn tool-using agent session with a lag-2 pruning policy")
     demo.add_argument("--url", help="an agentrt server to talk to (default: start one in-process)")
-    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args(argv)
     if args.command == "serve":
         return _serve(args)
