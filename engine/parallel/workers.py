@@ -24,7 +24,7 @@ import torch
 from engine.errors import EngineError
 from engine.parallel.state import SINGLE, TPGroup, destroy_group, free_port, init_group, rank_device, use_group
 
-JOIN_TIMEOUT_S = 10.0
+JOIN_TIMEOUT_S = 60.0  # a loaded machine can take a while to tear a rank down
 COLLECTIVE_TIMEOUT_S = 300.0  # a collective a peer never joins fails after this (a live but stuck rank)
 
 
@@ -260,6 +260,10 @@ def worker_main(rank: int, world_size: int, port: int, config, conn, num_threads
         _exit_with(conn, traceback.format_exc())
     _serve(engine, conn)
     destroy_group(group)
+    conn.close()
+    # Leave without interpreter teardown: destructors of the collective library's threads racing the exit
+    # can abort the process ("terminate called without an active exception") under load.
+    os._exit(0)
 
 
 def _serve(engine, conn) -> None:
