@@ -27,13 +27,9 @@ from engine.contract import Family, PagedView, SelectedSlotsView, SparseMethod, 
 from engine.errors import ConfigError
 from engine.registry import register_method
 from kernels.dispatch import paged_decode_logits
+from policies.scoring import check_int, view_slots
 
 SCRATCH_KEY = "omnikv"
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -46,11 +42,11 @@ class OmniKVConfig:
         if not isinstance(layers, (tuple, list)) or not layers:
             raise ValueError(f"observation_layers must be a non-empty sequence of layer indices, got {layers!r}")
         for layer in layers:
-            _check_int("each observation layer", layer, 0)
+            check_int("each observation layer", layer, 0)
         if any(a >= b for a, b in zip(layers, layers[1:])):
             raise ValueError(f"observation_layers must be strictly increasing, got {layers!r}")
         object.__setattr__(self, "observation_layers", tuple(layers))
-        _check_int("token_budget", self.token_budget, 1)
+        check_int("token_budget", self.token_budget, 1)
 
     @property
     def dense_layers(self) -> int:
@@ -60,12 +56,6 @@ class OmniKVConfig:
 
 def _is_decode(req, query_len: int) -> bool:
     return query_len == 1 and req.num_computed_tokens >= req.num_prompt_tokens
-
-
-def _request_slots(block_tables: torch.Tensor, row: int | torch.Tensor, positions: torch.Tensor,
-                   page_size: int) -> torch.Tensor:
-    """Flat physical slots of logical ``positions`` of request(s) ``row``."""
-    return block_tables[row, positions // page_size].long() * page_size + positions % page_size
 
 
 @register_method
@@ -119,7 +109,7 @@ class OmniKV(SparseMethod):
         rows_t, lens_t, query_rows_t = packed[:s], packed[s:2 * s], packed[2 * s:3 * s]
         counts_t, indptr_t = packed[3 * s:3 * s + b], packed[3 * s + b:]
         positions = torch.arange(width, device=device)
-        slots = _request_slots(view.block_tables, rows_t[:, None], positions[None, :], ps)  # [s, width]
+        slots = view_slots(view.block_tables, rows_t[:, None], positions[None, :], ps)  # [s, width]
         valid = positions[None, :] < lens_t[:, None]
         slots = torch.where(valid, slots, 0)
         k_cache, _ = batch.cache.layer_kv(layer)
@@ -141,7 +131,7 @@ class OmniKV(SparseMethod):
             selected = dict(zip(rows, chosen_slots))
             for i, length in enumerate(view.kv_lens_cpu):
                 pieces.append(selected[i] if i in selected else
-                              _request_slots(view.block_tables, i, torch.arange(length, device=device), ps))
+                              view_slots(view.block_tables, i, torch.arange(length, device=device), ps))
             slot_indices = torch.cat(pieces)
         return SelectedSlotsView(
             block_tables=view.block_tables,

@@ -36,11 +36,7 @@ from engine.errors import ConfigError
 from engine.registry import register_method
 from kernels.dispatch import quest_page_scores
 from kernels.torch_ref.quest import AGGREGATES, page_key_bounds
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+from policies.scoring import check_int
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,8 +46,8 @@ class QuestConfig:
     aggregate: str = "max"  # how query heads combine into one page score: "max" or "sum"
 
     def __post_init__(self) -> None:
-        _check_int("token_budget", self.token_budget, 1)
-        _check_int("dense_layers", self.dense_layers, 0)
+        check_int("token_budget", self.token_budget, 1)
+        check_int("dense_layers", self.dense_layers, 0)
         if self.aggregate not in AGGREGATES:
             raise ValueError(f"aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
 

@@ -36,15 +36,11 @@ import torch
 
 from engine.contract import Family, SparseMethod
 from engine.registry import register_method
+from policies.scoring import check_int, view_slots
 
 AGGREGATES = ("max", "sum")
 SCRATCH_KEY = "retroinfer_q"
 _ASSIGN_CHUNK = 8192  # keys per distance block (bounds the [H, chunk, C] distance matrix)
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,12 +54,12 @@ class RetroInferConfig:
     aggregate: str = "max"  # how a GQA group's query heads combine into one cluster score
 
     def __post_init__(self) -> None:
-        _check_int("cluster_size", self.cluster_size, 1)
-        _check_int("iters", self.iters, 1)
-        _check_int("exact_clusters", self.exact_clusters, 0)
-        _check_int("estimated_clusters", self.estimated_clusters, 0)
-        _check_int("window", self.window, 0)
-        _check_int("dense_layers", self.dense_layers, 0)
+        check_int("cluster_size", self.cluster_size, 1)
+        check_int("iters", self.iters, 1)
+        check_int("exact_clusters", self.exact_clusters, 0)
+        check_int("estimated_clusters", self.estimated_clusters, 0)
+        check_int("window", self.window, 0)
+        check_int("dense_layers", self.dense_layers, 0)
         if self.aggregate not in AGGREGATES:
             raise ValueError(f"aggregate must be one of {AGGREGATES}, got {self.aggregate!r}")
 
@@ -104,11 +100,6 @@ def _is_decode(req, query_len: int) -> bool:
     return query_len == 1 and req.num_computed_tokens >= req.num_prompt_tokens
 
 
-def _request_slots(block_tables: torch.Tensor, row: int, length: int, page_size: int) -> torch.Tensor:
-    positions = torch.arange(length, device=block_tables.device)
-    return block_tables[row, positions // page_size].long() * page_size + positions % page_size
-
-
 @register_method
 class RetroInfer(SparseMethod):
     name = "retroinfer"
@@ -130,7 +121,7 @@ class RetroInfer(SparseMethod):
                 self._index.pop(req.request_id, None)
                 return
             pages = torch.tensor(cache.table(req).pages, dtype=torch.int32, device=cache.spec.device)
-            slots = _request_slots(pages[None], 0, m, ps)
+            slots = view_slots(pages[None], 0, torch.arange(m, device=pages.device), ps)
             k_cache, v_cache = cache.layer_kv(layer)
             keys = k_cache.flatten(0, 1)[slots].float().transpose(0, 1).contiguous()  # [Hkv, m, D]
             values = v_cache.flatten(0, 1)[slots].float().transpose(0, 1)
@@ -173,7 +164,8 @@ class RetroInfer(SparseMethod):
         for i, (req, n) in enumerate(zip(batch.requests, view.query_lens_cpu)):
             index = self._index.get(req.request_id)
             if index is not None and _is_decode(req, n):
-                slots = _request_slots(view.block_tables, i, view.kv_lens_cpu[i], view.page_size)
+                slots = view_slots(view.block_tables, i, torch.arange(view.kv_lens_cpu[i], device=view.block_tables.device),
+                                   view.page_size)
                 keys = k_cache.flatten(0, 1)[slots].float()
                 values = v_cache.flatten(0, 1)[slots].float()
                 out[row] = self.attend(q[row].float(), keys, values, index[layer - self.config.dense_layers])

@@ -30,6 +30,12 @@ def check_int(name: str, value, minimum: int) -> None:
 
 
 # --- a request's slots and keys -------------------------------------------------------------------
+def view_slots(block_tables: torch.Tensor, row: int | torch.Tensor, positions: torch.Tensor,
+               page_size: int) -> torch.Tensor:
+    """Flat physical slots (``page * page_size + offset``) of slot ``positions`` of view row(s) ``row``."""
+    return block_tables[row, positions // page_size].long() * page_size + positions % page_size
+
+
 def request_slots(cache: PagedCacheManager, req: Request, n: int) -> torch.Tensor:
     """[n] int64 flat slot ids (``page * page_size + offset``) of the request's first ``n`` physical slots."""
     ps = cache.page_size
