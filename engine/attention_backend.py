@@ -37,6 +37,22 @@ class AttentionBackend:
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         raise NotImplementedError
 
+    def forward_received(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: PagedView, scale: float,
+        num_kv_heads: int,
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The attention output and, per request, the [Hkv, kv_len] attention each slot receives (summed over
+        the request's queries and each KV head's query heads). Plain paged views: the chunked torch reference
+        (no full probability matrix); other views: their probabilities, summed."""
+        if type(view) is not PagedView:
+            out, probs = self.forward(q, k_cache, v_cache, view, scale, return_scores=True)
+            return out, [p.sum(dim=1).view(num_kv_heads, -1, p.shape[-1]).sum(dim=1) for p in probs]
+        from kernels.torch_ref.received_attention import received_attention
+
+        out, _ = self.forward(q, k_cache, v_cache, view, scale)
+        return out, received_attention(q, k_cache, view.block_tables, view.kv_lens_cpu, view.query_lens_cpu,
+                                       scale, causal=view.causal)
+
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
 
     def reads_codec(self, codec: KVCodec) -> bool:

@@ -92,6 +92,22 @@ class TritonBackend(AttentionBackend):
                              causal=view.causal, max_query_len=view.max_query_len), None
 
 
+    def forward_received(self, q, k_cache, v_cache, view: PagedView, scale: float, num_kv_heads: int):
+        """Plain paged views: the prefill/extend kernel also writes each row's log-sum-exp, and a second
+        kernel sums the recomputed probabilities per slot, so no probability matrix is held."""
+        if type(view) is not PagedView:
+            return super().forward_received(q, k_cache, v_cache, view, scale, num_kv_heads)
+        from kernels.triton.received_attention import received_attention
+
+        lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
+        out = self._prefill(q, k_cache, v_cache, view.block_tables, view.kv_lens, view.query_start_loc, scale,
+                            causal=view.causal, max_query_len=view.max_query_len, lse=lse)
+        received = received_attention(q, k_cache, view.block_tables, view.kv_lens, view.query_start_loc, lse,
+                                      scale, max(view.kv_lens_cpu, default=0), view.max_query_len,
+                                      causal=view.causal)
+        return out, [received[i, :, :n].clone() for i, n in enumerate(view.kv_lens_cpu)]
+
+
 def _slot_table(view: SelectedSlotsView) -> torch.Tensor:
     """[B, max listed] int32 flat slots per request (a page table over pages of one slot), padded with 0."""
     width = max(view.kv_lens_cpu, default=0)

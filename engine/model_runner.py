@@ -59,9 +59,13 @@ class ModelRunner:
         self.cache.write(layer_idx, k, v, batch.slot_mapping)
         view = method.select(layer_idx, q, batch)
         k_cache, v_cache = self.cache.layer_kv(layer_idx)
-        out, scores = self.backend.forward(
-            q, k_cache, v_cache, view, self.scale, return_scores=method.needs.attention_scores
-        )
+        if method.needs.received_attention:
+            out, scores = self.backend.forward_received(q, k_cache, v_cache, view, self.scale,
+                                                        self.cache.spec.num_kv_heads)
+        else:
+            out, scores = self.backend.forward(
+                q, k_cache, v_cache, view, self.scale, return_scores=method.needs.attention_scores
+            )
         method.after_attention(layer_idx, batch, out, scores)
         return out
 

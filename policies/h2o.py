@@ -105,7 +105,7 @@ class H2O(SparseMethod):
     name = "h2o"
     family = Family.EVICTION
     Config = H2OConfig
-    needs = MethodNeeds(attention_scores=True)
+    needs = MethodNeeds(received_attention=True)  # [Hkv, kv_len] per request: no probability matrices
     cuda_graph_safe = False  # after_attention accumulates every step's scores on the host side
 
     def __init__(self, config: H2OConfig | None = None):
@@ -167,13 +167,11 @@ class H2O(SparseMethod):
 
     def after_attention(self, layer, batch, out, scores):
         num_layers = batch.cache.spec.num_layers
-        heads = batch.cache.spec.num_kv_heads
-        for req, n, probs in zip(batch.requests, batch.num_new_tokens, scores):
+        for req, n, received in zip(batch.requests, batch.num_new_tokens, scores):
             st = self._state(req, num_layers)
             if st.base_logical is None:
                 st.base_logical = req.num_computed_tokens  # before the step's counts advance
-            hq, _, kv_len = probs.shape
-            received = probs.sum(dim=1).view(heads, hq // heads, kv_len).sum(dim=1)  # [Hkv, kv_len]
+            kv_len = received.shape[1]  # received: [Hkv, kv_len] attention per slot, this step's queries
             acc = st.acc[layer]
             old = 0 if acc is None else acc.shape[1]
             assert old == kv_len - n, "accumulated scores out of step with the request's slots"

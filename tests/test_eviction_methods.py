@@ -384,7 +384,7 @@ def test_methods_register_with_family_and_defaults():
         assert m.family is Family.EVICTION and m.name == name
     assert create_method("snapkv").config == policies.snapkv.SnapKVConfig(2048, 32, 7, "max", 0)
     assert create_method("pyramidkv").config.beta == 20
-    assert create_method("h2o").needs.attention_scores
+    assert create_method("h2o").needs.received_attention
     # only StreamingLLM (end_step only) lets decode steps replay CUDA graphs
     assert [create_method(n).cuda_graph_safe for n in ("streaming_llm", "snapkv", "pyramidkv", "h2o")] == \
         [True, False, False, False]

@@ -126,3 +126,51 @@ def test_quest_page_scores_match_reference(dtype, group, aggregate, block_p):
     ref = ref_scores(q, kmin[idx], kmax[idx], aggregate)
     assert got.shape == ref.shape == (3, 37)
     _close(got, ref, (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 2e-3))
+
+
+@pytest.mark.parametrize("dtype,group,page_size,causal", [
+    (torch.float32, 2, 4, True), (torch.float16, 4, 16, True), (torch.float16, 3, 8, True),
+    (torch.float32, 1, 8, False)])
+def test_received_attention_matches_reference(dtype, group, page_size, causal):
+    """Prefill with lse= then the column-sum pass equals the reference's summed probabilities."""
+    from kernels.torch_ref import paged_attention
+    from kernels.torch_ref.received_attention import received_attention as ref_received
+    from kernels.triton import paged_prefill_attention
+    from kernels.triton.received_attention import received_attention
+
+    _seed("received", dtype, group, page_size, causal)
+    kv_lens, query_lens = [37, 16, 70, 9], [37, 5, 20, 1]  # a whole prompt, extends, a decode row
+    q, k, v, view = _setup(kv_lens, page_size, 2, group, 64, dtype, query_lens)
+    lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=DEVICE)
+    out = paged_prefill_attention(q, k, v, view.block_tables, view.kv_lens, view.query_start_loc, 0.125,
+                                  causal=causal, max_query_len=max(query_lens), lse=lse)
+    ref_out, _ = paged_attention(q, k, v, view.block_tables, kv_lens, query_lens, 0.125, causal=causal)
+    _close(out, ref_out, TOL[dtype])
+    got = received_attention(q, k, view.block_tables, view.kv_lens, view.query_start_loc, lse, 0.125,
+                             width=max(kv_lens), max_query_len=max(query_lens), causal=causal, block_n=16)
+    ref = ref_received(q, k, view.block_tables, kv_lens, query_lens, 0.125, causal=causal, chunk=7)
+    _, probs = paged_attention(q, k, v, view.block_tables, kv_lens, query_lens, 0.125, causal=causal,
+                               return_scores=True)  # the full matrices, summed: the definition
+    for r, p in zip(ref, probs):
+        _close(r, p.sum(dim=1).view(2, group, -1).sum(dim=1), (1e-5, 1e-5))
+    for i, r in enumerate(ref):
+        assert torch.all(got[i, :, kv_lens[i]:] == 0)
+        _close(got[i, :, : kv_lens[i]], r, (2e-3, 2e-3) if dtype == torch.float16 else (1e-5, 1e-5))
+        # every query row's probabilities sum to 1: the slots receive query_len * group in all
+        torch.testing.assert_close(r.sum(), torch.tensor(float(query_lens[i] * group * 2)), atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("selected", [False, True])
+def test_backends_agree_on_received_attention(dtype, selected):
+    _seed("forward_received", dtype, selected)
+    kv_lens, query_lens = [3, 37, 16, 70], [3, 1, 9, 1]
+    q, k, v, view = _setup(kv_lens, 8, 2, 2, 64, dtype, query_lens)
+    if selected:
+        view = _selected(view, 0.4, view.query_lens_cpu)
+    out, received = TritonBackend().forward_received(q, k, v, view, 0.125, 2)
+    ref_out, ref_received = TorchReferenceBackend().forward_received(q, k, v, view, 0.125, 2)
+    _close(out, ref_out, TOL[dtype])
+    assert [r.shape for r in received] == [r.shape for r in ref_received] == [(2, n) for n in view.kv_lens_cpu]
+    for r, g in zip(ref_received, received):
+        _close(g, r, (2e-3, 2e-3) if dtype == torch.float16 else (1e-5, 1e-5))

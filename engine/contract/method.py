@@ -42,7 +42,10 @@ class Family(str, enum.Enum):
 class MethodNeeds:
     """What a method asks the runner to hand it beyond q/k/v and the view."""
 
-    attention_scores: bool = False
+    attention_scores: bool = False  # after_attention gets each request's probabilities [Hq, query_len, kv_len]
+    # after_attention gets each request's [Hkv, kv_len] attention received per slot, summed over the step's
+    # queries and the KV head's query heads (backends compute it without holding the probability matrices)
+    received_attention: bool = False
     queries: bool = False
     raw_keys: bool = False
 

@@ -65,7 +65,7 @@ def _attn_tile(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, lens_ptr, qsl_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, lens_ptr, qsl_ptr, lse_ptr,
     scale_log2,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -74,7 +74,7 @@ def _prefill_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     qb = tl.num_programs(0) - 1 - tl.program_id(0)
     b = tl.program_id(1)
@@ -130,6 +130,9 @@ def _prefill_kernel(
     o = acc / l_safe[:, None]
     o_ptrs = o_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(o_ptr.dtype.element_ty), mask=row_mask[:, None] & d_mask[None, :])
+    if STORE_LSE:  # [T, Hq] fp32, log2 domain, of the scaled logits
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(lse_ptr + q_rows * tl.num_programs(2) * GROUP + head, lse, mask=row_mask)
 
 
 def _default_blocks(block_d: int, max_kv_len: int) -> tuple[int, int, int, int]:
@@ -157,12 +160,15 @@ def paged_prefill_attention(
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
     *,
+    lse: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Flash attention of the flattened queries q [T, Hq, D] over each request's paged KV -> [T, Hq, D]."""
+    """Flash attention of the flattened queries q [T, Hq, D] over each request's paged KV -> [T, Hq, D].
+    With ``lse`` (a contiguous [T, Hq] fp32 tensor) each row's log2-sum-exp of ``q . k * scale * log2(e)`` is
+    written there too (what a second pass needs to recompute probabilities tile by tile)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, kd = k_cache.shape
     batch = block_tables.shape[0]
@@ -196,7 +202,7 @@ def paged_prefill_attention(
     upcast, precision = dot_args(_prefill_kernel, q.dtype)
     grid = (triton.cdiv(max_query_len, block_q), batch, num_kv_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, kv_lens, query_start_loc,
+        q, k_cache, v_cache, out, block_tables, kv_lens, query_start_loc, out if lse is None else lse,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -205,7 +211,7 @@ def paged_prefill_attention(
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=page_size, CAUSAL=causal,
-        UPCAST=upcast, PRECISION=precision,
+        UPCAST=upcast, PRECISION=precision, STORE_LSE=lse is not None,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -1,0 +1,108 @@
+"""Received attention on the GPU without materialising probabilities: per request, KV head and slot, the
+attention the slot receives summed over the request's queries and the KV head's query heads.
+
+``received_attention(q, k_cache, block_tables, kv_lens, query_start_loc, lse, scale, width, max_query_len,
+causal=True)``
+    q, k_cache, block_tables, kv_lens, query_start_loc: as ``paged_prefill_attention``
+    lse:    [T, Hq] fp32, each query row's log2-sum-exp of ``q . k * scale * log2(e)`` (the prefill kernel
+            writes it with ``lse=``)
+    width:  host int >= max(kv_lens): columns of the output
+    returns [B, Hkv, width] fp32 (0 past each request's length)
+
+Grid (cdiv(width, BLOCK_N), B, Hkv): a program loads one BLOCK_N-slot key tile of one KV head once and walks
+the request's query tiles (BLOCK_Q tokens x GROUP heads as the rows of one tile, as in the prefill kernel),
+recomputing ``p = exp2(q . k * scale_log2 - lse)`` and summing it over the rows. Causal query tiles that see
+no slot of the key tile are skipped. Its FLOPs equal one more QK^T pass of the prefill; its only output is
+the [B, Hkv, width] sum.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _received_kernel(
+    q_ptr, k_ptr, bt_ptr, lens_ptr, qsl_ptr, lse_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_btb,
+    stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    n0 = tl.program_id(0) * BLOCK_N
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    num_q_heads = tl.num_programs(2) * GROUP
+    kv_len = tl.load(lens_ptr + b)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_len
+    if n0 < kv_len:
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
+        ctx = kv_len - q_len
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        dot_ty = tl.float32 if UPCAST else k_ptr.dtype.element_ty
+        page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_page = (offs_n % PAGE_SIZE).to(tl.int64)
+        k = tl.load(k_ptr + kvh.to(tl.int64) * stride_kh + (page * stride_kp + in_page * stride_ks)[:, None]
+                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
+        head = kvh * GROUP + offs_m % GROUP
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        first = 0
+        if CAUSAL:  # query token t sees slots < ctx + t + 1: tokens before n0 - ctx see none of this tile
+            first = tl.maximum(n0 - ctx, 0) // BLOCK_Q * BLOCK_Q
+        for q0 in range(first, q_len, BLOCK_Q):
+            tok_q = q0 + offs_m // GROUP
+            row_mask = (offs_m < BLOCK_Q * GROUP) & (tok_q < q_len)
+            q_rows = (q_start + tok_q).to(tl.int64)
+            q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                        mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
+            lse = tl.load(lse_ptr + q_rows * num_q_heads + head, mask=row_mask, other=float("inf"))
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            visible = row_mask[:, None] & n_mask[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] < ctx + tok_q[:, None] + 1)
+            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+            total += tl.sum(p, 0)
+        tl.store(out_ptr + b.to(tl.int64) * stride_ob + kvh * stride_oh + offs_n, total, mask=n_mask)
+
+
+def received_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+                       query_start_loc: torch.Tensor, lse: torch.Tensor, scale: float, width: int,
+                       max_query_len: int, causal: bool = True, block_n: int = 64) -> torch.Tensor:
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    batch = block_tables.shape[0]
+    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
+        check_last_dim_contiguous(name, t)
+    assert lse.shape == (num_tokens, num_q_heads) and lse.is_contiguous(), lse.shape
+    out = torch.zeros(batch, num_kv_heads, max(width, 1), dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or batch == 0 or width == 0:
+        return out[:, :, :width]
+    group = num_q_heads // num_kv_heads
+    block_m = max(16, min(64, next_pow2(max(max_query_len, 1) * group)), next_pow2(group))
+    upcast, precision = dot_args(_received_kernel, q.dtype)
+    _received_kernel[(triton.cdiv(width, block_n), batch, num_kv_heads)](
+        q, k_cache, block_tables, kv_lens, query_start_loc, lse, out,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, CAUSAL=causal,
+        UPCAST=upcast, PRECISION=precision,
+    )
+    return out[:, :, :width]
