@@ -67,18 +67,24 @@ def _serve(args: argparse.Namespace) -> int:
     from agentrt.config import ConfigurationError, ServerConfig
     from engine.errors import EngineError
 
-    try:
-        method_config = json.loads(args.method_config)
-    except json.JSONDecodeError as exc:
-        print(f"--method-config is not JSON: {exc}", file=sys.stderr)
-        return 2
-    if not isinstance(method_config, dict):
-        print("--method-config must be a JSON object", file=sys.stderr)
-        return 2
+    configs = {}
+    for flag, text in (("--method-config", args.method_config), ("--kv-storage-config", args.kv_storage_config)):
+        try:
+            configs[flag] = json.loads(text)
+        except json.JSONDecodeError as exc:
+            print(f"{flag} is not JSON: {exc}", file=sys.stderr)
+            return 2
+        if not isinstance(configs[flag], dict):
+            print(f"{flag} must be a JSON object", file=sys.stderr)
+            return 2
+    method_config = configs["--method-config"]
+    engine_options = {"device": args.device, "tensor_parallel_size": args.tp}
+    if args.kv_storage is not None:
+        engine_options.update(kv_storage=args.kv_storage, kv_storage_config=configs["--kv-storage-config"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(model=args.model, model_name=args.model_name, db_url=args.db, method=args.method,
                           method_config=method_config, host=args.host,
-                          engine_options={"device": args.device, "tensor_parallel_size": args.tp},
+                          engine_options=engine_options,
                           require_auth=args.require_auth, max_body_size=args.max_body_size,
                           max_tokens_per_turn=args.max_tokens_per_turn,
                           max_chains_per_tenant=args.max_chains_per_tenant or None,
@@ -187,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--method", default="dense", help="sparse method for every chain")
     serve.add_argument("--method-config", default="{}", help="the method's knobs as a JSON object")
+    serve.add_argument("--kv-storage", help="how retained KV is stored: fp8, kivi, turboquant (default: the model dtype)")
+    serve.add_argument("--kv-storage-config", default="{}", help="the storage's knobs as a JSON object")
     serve.add_argument("--device", default="auto")
     serve.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel ranks: GPUs (NCCL) from --device on, or gloo processes on CPU")
