@@ -94,17 +94,26 @@ def importance(q: torch.Tensor, keys: torch.Tensor, kernel_size: int, gqa_poolin
     return pool1d(torch.softmax(z, dim=-1).mean(dim=1), kernel_size, "max")
 
 
-def redundancy(keys: torch.Tensor, threshold: float) -> torch.Tensor:
-    """keys [n, Hkv, D] -> fp32 [Hkv, n] (step 3)."""
+def redundancy(keys: torch.Tensor, threshold: float, max_elements: int = 2**26) -> torch.Tensor:
+    """keys [n, Hkv, D] -> fp32 [Hkv, n] (step 3). The [Hkv, n, n] similarity is never held whole: rows go in
+    chunks of at most ``max_elements`` entries (the column means need only running sums), so a long prompt's
+    first compression costs O(n^2) time but O(n) memory per row chunk."""
     k = keys.float().transpose(0, 1)  # [Hkv, n, D]
-    n = k.shape[1]
+    heads, n = k.shape[:2]
     unit = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
-    sim = unit @ unit.transpose(1, 2)
-    sim.diagonal(dim1=1, dim2=2).zero_()
-    cols = torch.arange(n, device=k.device).expand_as(sim)
-    spared = torch.where(sim > threshold, cols, torch.zeros_like(cols)).amax(dim=-1, keepdim=True)  # [Hkv, n, 1]
-    sim.scatter_(-1, spared, 0.0)
-    return torch.softmax(sim.mean(dim=1), dim=-1)
+    col_sum = torch.zeros(heads, n, dtype=torch.float32, device=k.device)
+    rows = max(1, max_elements // max(heads * n, 1))
+    for s0 in range(0, n, rows):
+        s1 = min(n, s0 + rows)
+        sim = unit[:, s0:s1] @ unit.transpose(1, 2)  # [Hkv, c, n]
+        idx = torch.arange(s0, s1, device=k.device)
+        sim[:, idx - s0, idx] = 0.0  # the diagonal
+        over = sim > threshold
+        last = n - 1 - over.flip(-1).to(torch.uint8).argmax(dim=-1)  # the most recent similar key of each row
+        spared = torch.where(over.any(dim=-1), last, torch.zeros_like(last))  # [Hkv, c]; 0 when there is none
+        sim.scatter_(-1, spared[..., None], 0.0)
+        col_sum += sim.sum(dim=1)
+    return torch.softmax(col_sum / n, dim=-1)
 
 
 class RollingQueries:

@@ -352,3 +352,23 @@ def test_admission_reserves_what_a_bounded_method_holds_not_the_dense_length(tin
                   method_config=cfg, max_num_batched_tokens=16)
         out = llm.generate([prompt], params)[0]
         assert len(out.token_ids) == 200 and llm.engine.scheduler.num_preemptions == 0
+
+
+def test_rkv_redundancy_in_row_chunks_equals_the_whole_matrix():
+    """The chunked redundancy equals step 3 over the whole [Hkv, n, n] similarity, written out here."""
+    from policies.rkv import redundancy
+
+    torch.manual_seed(0)
+    keys = torch.randn(53, 2, 16)
+    keys[40] = keys[7] * 3  # a repeated direction: similarity 1 with an earlier key
+    k = keys.transpose(0, 1)
+    unit = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    sim = unit @ unit.transpose(1, 2)
+    sim.diagonal(dim1=1, dim2=2).zero_()
+    for h in range(2):
+        for s in range(53):
+            similar = [t for t in range(53) if sim[h, s, t] > 0.5]
+            sim[h, s, max(similar, default=0)] = 0.0
+    ref = torch.softmax(sim.mean(dim=1), dim=-1)
+    for max_elements in (2**26, 2 * 53 * 5, 1):  # one chunk, chunks of 5 rows, one row at a time
+        torch.testing.assert_close(redundancy(keys, 0.5, max_elements), ref, atol=1e-6, rtol=1e-5)
