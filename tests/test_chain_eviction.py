@@ -5,7 +5,7 @@ prompt, then turns adding 3 tokens (user text) or 12-40 random tokens (tool resu
 the whole history plus the new tokens, so a turn resumes the chain's retained -- compacted -- KV and
 prefills only its suffix.
 
-The reference is a dense full-matrix forward (``RecordingRunner`` of tests/test_eviction_methods.py: our model
+The reference is a dense full-matrix forward (``dense_step`` of tests/test_eviction_methods.py: our model
 code, attention over the whole [T, T] matrix under a per-(layer, KV head) visibility mask) that replays the
 engine's schedule over the whole multi-turn history: every query row sees the positions kept when its step
 started plus the step's own earlier tokens, and after every step each method's per-turn rule (the policies'
@@ -26,7 +26,7 @@ from tests.dense_reference import greedy_with_mask
 from tests.chain_helpers import random_tokens, run_chain_turn
 from tests.test_eviction_methods import (
     PAGE,
-    RecordingRunner,
+    dense_step,
     make_llm,
     pool_reference,
     pyramid_reference,
@@ -152,19 +152,10 @@ def simulate_chain(model, turns, rule, num_layers, heads, prune_before=None):
         P, tokens = len(ids), []
         for n in steps:
             e = s + n
-            for layer in range(num_layers):
-                for h in range(heads):
-                    for i in range(s, e):
-                        mask[layer][h, i, kept[layer][h]] = True
-                        mask[layer][h, i, s:i + 1] = True
-            rec = RecordingRunner(mask)
-            hidden = model(torch.tensor(ids[:e]), torch.arange(e), rec)
-            if e == len(ids):
-                tokens.append(int(model.compute_logits(hidden[e - 1:e]).argmax(-1)))
-                ids.append(tokens[-1])
-            for layer in kept:
-                for h in range(heads):
-                    layer[h] = layer[h] + list(range(s, e))
+            rec, token = dense_step(model, ids, s, e, mask, kept)
+            if token is not None:
+                tokens.append(token)
+                ids.append(token)
             rule(rec, s, e, kept, P)
             history.append([[list(row) for row in layer] for layer in kept])
             s = e

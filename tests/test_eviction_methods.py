@@ -82,6 +82,24 @@ class RecordingRunner:
 
 
 @torch.no_grad()
+def dense_step(model, ids, s, e, mask, kept):
+    """One reference step over positions [s, e): each new row sees the kept slots and the step's own causal
+    span; the step's tokens join every kept set. Returns (the recorder, the next greedy token or None)."""
+    for layer, heads in zip(mask, kept):
+        for h, row in enumerate(heads):
+            for i in range(s, e):
+                layer[h, i, row] = True
+                layer[h, i, s:i + 1] = True
+    rec = RecordingRunner(mask)
+    hidden = model(torch.tensor(ids[:e]), torch.arange(e), rec)
+    token = int(model.compute_logits(hidden[e - 1:e]).argmax(-1)) if e == len(ids) else None
+    for heads in kept:
+        for h in range(len(heads)):
+            heads[h] = heads[h] + list(range(s, e))
+    return rec, token
+
+
+@torch.no_grad()
 def simulate(model, prompt, steps, rule, max_new, num_layers, heads):
     """Replay ``steps`` (tokens computed per step) densely; ``rule(rec, s, e, kept)`` edits ``kept[layer][head]``
     (sorted lists of positions) after each step. Returns (tokens, kept after each step, the visibility mask)."""
@@ -92,18 +110,9 @@ def simulate(model, prompt, steps, rule, max_new, num_layers, heads):
     ids, s, history = list(prompt), 0, []
     for n in steps:
         e = s + n
-        for layer in range(num_layers):
-            for h in range(heads):
-                for i in range(s, e):
-                    mask[layer][h, i, kept[layer][h]] = True
-                    mask[layer][h, i, s:i + 1] = True
-        rec = RecordingRunner(mask)
-        hidden = model(torch.tensor(ids[:e]), torch.arange(e), rec)
-        if e == len(ids):
-            ids.append(int(model.compute_logits(hidden[e - 1:e]).argmax(-1)))
-        for layer in range(num_layers):
-            for h in range(heads):
-                kept[layer][h] = kept[layer][h] + list(range(s, e))
+        rec, token = dense_step(model, ids, s, e, mask, kept)
+        if token is not None:
+            ids.append(token)
         rule(rec, s, e, kept)
         history.append([[list(row) for row in layer] for layer in kept])
         s = e
