@@ -67,14 +67,17 @@ def build_forward_batch(plan: StepPlan, cache: CacheManager, device: torch.devic
             sample_requests.append(req)
         if start < req.num_prompt_tokens <= end:
             finished_prompt.append(req)
+    slot_mapping = cache.slot_mapping(plan.requests, plan.num_new_tokens)  # first: it may plan the step's writes
+    # layer 0's view is the step's view (build_view's default layer): built once, not again for ``view``
+    layer_views = cache.build_layer_views(plan.requests, plan.num_new_tokens)
     return ForwardBatch(
         requests=plan.requests,
         num_new_tokens=plan.num_new_tokens,
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        slot_mapping=cache.slot_mapping(plan.requests, plan.num_new_tokens),
-        view=cache.build_view(plan.requests, plan.num_new_tokens),
-        layer_views=cache.build_layer_views(plan.requests, plan.num_new_tokens),
+        slot_mapping=slot_mapping,
+        view=layer_views[0] if layer_views is not None else cache.build_view(plan.requests, plan.num_new_tokens),
+        layer_views=layer_views,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
         sample_requests=sample_requests,
         finished_prompt=finished_prompt,
