@@ -84,7 +84,7 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
         page_size=args.page_size, enable_prefix_caching=False, max_num_seqs=args.max_batch,
         max_model_len=args.context + 4 * args.max_batch + args.decode_steps + 64,
         max_num_batched_tokens=max(args.window, 256), kv_cache_memory_bytes=args.kv_bytes,
-        cuda_graph_max_batch=min(args.max_batch, 256)))
+        cuda_graph_max_batch=min(args.max_batch, 512)))
     rng, gen = random.Random(0), torch.Generator(device=engine.device).manual_seed(0)
     max_tokens = 4 * args.max_batch + args.decode_steps + 32
     admitted = 0
