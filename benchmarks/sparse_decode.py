@@ -4,7 +4,8 @@ A 128K prefill per request would dominate the run, so each request's first ``con
 filled with random KV (seeded normal values) and only its last ``window`` prompt tokens are prefilled for
 real; the method then runs its real selection / eviction code on that KV (SnapKV votes with the window's
 queries at the end of the prompt, Quest builds its page bounds through ``kv_loaded``...). Requests are
-admitted one after another until the pool (or ``--max-batch``) is full, and aggregate decode throughput is
+admitted ``--admit-group`` at a time until the pool (keeping each request the pages it grows by before
+the timing ends) or ``--max-batch`` is full, and aggregate decode throughput is
 timed over steps where every admitted request decodes.
 
     python -m benchmarks.sparse_decode --shape llama-3.1-8b --context 131072 \\
@@ -76,6 +77,17 @@ def add_synthetic(engine: LLMEngine, context: int, window: int, max_tokens: int,
     return True
 
 
+def has_room(engine: LLMEngine, args, admitted: int) -> bool:
+    """Whether one more request's filled KV fits and leaves every request (it included) the pages to grow by
+    the tokens still to come before the timing ends: one per later admission round plus the timed steps.
+    Without that headroom a full pool preempts requests during the timed steps."""
+    n = admitted + 1
+    rounds_left = -(-(args.max_batch - admitted) // args.admit_group)
+    grow = -(-(rounds_left * 2 + args.decode_steps + 8) // args.page_size) + 1
+    fill = -(-args.context // args.page_size)
+    return engine.pool.num_free >= fill + n * grow
+
+
 def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None = None,
                storage_cfg: dict | None = None) -> dict:
     engine = LLMEngine(EngineConfig(
@@ -83,15 +95,22 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
         method_config=cfg, kv_storage=storage, kv_storage_config=storage_cfg or {},
         page_size=args.page_size, enable_prefix_caching=False, max_num_seqs=args.max_batch,
         max_model_len=args.context + 4 * args.max_batch + args.decode_steps + 64,
-        max_num_batched_tokens=max(args.window, 256), kv_cache_memory_bytes=args.kv_bytes,
+        max_num_batched_tokens=max(args.window * args.admit_group, 256), kv_cache_memory_bytes=args.kv_bytes,
         cuda_graph_max_batch=min(args.max_batch, 512)))
     rng, gen = random.Random(0), torch.Generator(device=engine.device).manual_seed(0)
     max_tokens = 4 * args.max_batch + args.decode_steps + 32
     admitted = 0
-    while admitted < args.max_batch and add_synthetic(engine, args.context, args.window, max_tokens, rng, gen):
-        admitted += 1
+    while admitted < args.max_batch:
+        added = 0
+        while added < min(args.admit_group, args.max_batch - admitted) and has_room(engine, args, admitted + added):
+            if not add_synthetic(engine, args.context, args.window, max_tokens, rng, gen):
+                break
+            added += 1
+        if added == 0:
+            break
+        admitted += added
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
-            engine.step()  # finish the new request's window prefill (the others decode meanwhile)
+            engine.step()  # finish the new requests' window prefills (the others decode meanwhile)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     for _ in range(3):
         engine.step()
@@ -145,6 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--kv-storage", default=None, help="NAME[:JSON] for every spec that names no storage")
     ap.add_argument("--match-batch", action="store_true", help="also run the others at the dense batch")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--admit-group", type=int, default=8, help="requests queued per admission round")
     args = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory() as tmp:

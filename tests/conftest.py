@@ -4,14 +4,11 @@ import torch
 torch.set_num_threads(1)
 
 
-@pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory):
-    """One small random checkpoint per supported architecture, written by the project's factory."""
+def _tiny_set(root, initializer_range: float) -> dict:
     from engine.tiny_checkpoint import make_tiny_checkpoint
 
-    root = tmp_path_factory.mktemp("tiny")
     common = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                  vocab_size=512, max_position_embeddings=1024, initializer_range=0.1)
+                  vocab_size=512, max_position_embeddings=1024, initializer_range=initializer_range)
     return {
         "llama": make_tiny_checkpoint(root / "llama", "llama", seed=1, **common,
                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -21,6 +18,20 @@ def tiny_dirs(tmp_path_factory):
         "qwen3_moe": make_tiny_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=4, **common, num_experts=4,
                                           num_experts_per_tok=2, moe_intermediate_size=32),
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """One small random checkpoint per supported architecture, written by the project's factory."""
+    return _tiny_set(tmp_path_factory.mktemp("tiny"), 0.1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs_hf_init(tmp_path_factory):
+    """The same checkpoints drawn at transformers' default initializer_range (0.02). The 0.1 set is so
+    sensitive that a 1e-3 relative perturbation of one attention output moves its bf16 logits by ~1e-2
+    (docs/benchmarks.md, "bf16 agreement"), so bf16 comparisons between backends use this set."""
+    return _tiny_set(tmp_path_factory.mktemp("tiny-hf-init"), 0.02)
 
 
 @pytest.fixture(scope="session")

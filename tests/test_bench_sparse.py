@@ -13,7 +13,9 @@ def test_synthetic_kv_bench_admits_more_requests_under_snapkv():
                     "--decode-steps", "4", "--kv-bytes", "4000000", "--dtype", "float32", "--device", "cpu",
                     "--methods", 'dense;snapkv:{"budget":64,"window":8}'])
     dense, snap = results
-    assert dense["batch"] == 1 and snap["batch"] == 6
+    assert dense["batch"] == 1 and snap["batch"] >= 5  # 6 fit the pool; one's pages are kept as headroom
+    for r in results:  # the headroom kept for growth: every timed step decodes every admitted request
+        assert round(r["decode_tok_s"] * r["step_ms"] / 1e3) == r["batch"]
     assert snap["pages_per_request"] < dense["pages_per_request"] / 4
 
 

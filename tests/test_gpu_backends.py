@@ -74,9 +74,9 @@ def test_fp32_greedy_tokens_match_torch_backend(arch, backend, tiny_dirs):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("backend", backends())
-def test_bf16_logits_match_torch_backend(arch, backend, tiny_dirs):
-    ref_tokens, ref_logits, _ = run(tiny_dirs[arch], "torch", "bfloat16")
-    tokens, logits, _ = run(tiny_dirs[arch], backend, "bfloat16", eager=backend != "triton")
+def test_bf16_logits_match_torch_backend(arch, backend, tiny_dirs_hf_init):
+    ref_tokens, ref_logits, _ = run(tiny_dirs_hf_init[arch], "torch", "bfloat16")
+    tokens, logits, _ = run(tiny_dirs_hf_init[arch], backend, "bfloat16", eager=backend != "triton")
     compared = 0
     for a, b in zip(ref_logits, logits):
         if a.shape != b.shape:

@@ -60,12 +60,15 @@ def _replay_on_server(server_config: Any, traces: list[Trace], config: ReplayCon
 
 
 def run_all(traces: list[Trace], configs: list[ReplayConfig], log: Callable[[str], None] = print,
-            **kw: Any) -> list[RunResult]:
+            on_result: Callable[[RunResult], None] | None = None, **kw: Any) -> list[RunResult]:
+    """Replay every configuration in turn; ``on_result`` sees each result as soon as its run ends."""
     results = []
     for config in configs:
         log(f"replay: {config.name} ({len(traces)} sessions, {sum(t.num_turns for t in traces)} turns)")
         results.append(serve_and_replay(traces, config, **kw))
         log(f"replay: {config.name} done in {results[-1].wall_s:.2f} s")
+        if on_result is not None:
+            on_result(results[-1])
     return results
 
 

@@ -102,8 +102,8 @@ def _run(args: argparse.Namespace) -> int:
         else:
             traces = _generate(args, model_dir)
         log = (lambda m: print(m, file=sys.stderr, flush=True))
-        runs = run_all(traces, [known[n] for n in names], log, model=model_dir, engine_options=engine_options,
-                       think_scale=args.think_scale)
+        runs = run_all(traces, [known[n] for n in names], log, on_result=_partial_writer(args.out),
+                       model=model_dir, engine_options=engine_options, think_scale=args.think_scale)
     summaries = with_speedups([summarize(r) for r in runs], args.baseline)
     report = {"model": args.shape or args.model or "embedded tiny", "engine_options": engine_options,
               "sessions": len(traces), "turns_per_session": [t.num_turns for t in traces],
@@ -122,6 +122,23 @@ def _run(args: argparse.Namespace) -> int:
         except ImportError:
             print("matplotlib is not installed (pip install 'agentrt[replay]'): no plots", file=sys.stderr)
     return 0
+
+
+def _partial_writer(out: str | None):
+    """Append each configuration's summary to ``out/partial.jsonl`` as it ends (kept if a later one dies)."""
+    from agentrt.replay.report import summarize
+
+    if not out:
+        return None
+    path = Path(out) / "partial.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+
+    def write(result) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps(summarize(result)) + "\n")
+
+    return write
 
 
 def _plot(args: argparse.Namespace) -> int:
