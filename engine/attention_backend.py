@@ -54,15 +54,16 @@ class AttentionBackend:
                                        scale, causal=view.causal)
 
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
+    head_dims: ClassVar[tuple[int, ...] | None] = None  # the head sizes its kernels are built for (None: any)
 
     def reads_codec(self, codec: KVCodec) -> bool:
         """Whether a ``QuantizedPagesView`` of this codec is read (the torch reference reads every codec)."""
         return True
 
     def unsupported(self, method: SparseMethod, dtype: torch.dtype | None = None,
-                    codec: KVCodec | None = None) -> list[str]:
-        """Why this backend cannot serve ``method`` on a KV cache of ``dtype`` stored by ``codec`` (empty
-        when it can)."""
+                    codec: KVCodec | None = None, head_dim: int | None = None) -> list[str]:
+        """Why this backend cannot serve ``method`` on a KV cache of ``dtype`` and ``head_dim`` stored by
+        ``codec`` (empty when it can)."""
         view_types = method.view_types if codec is None else (QuantizedPagesView,)
         reasons = [f"the {self.name} backend cannot read {t.__name__}" for t in view_types
                    if not backend_can_read(t, self.accepted_views)]
@@ -70,6 +71,8 @@ class AttentionBackend:
             reasons.append(f"the {self.name} backend has no kernel for kv_storage {codec.name!r}")
         if dtype is not None and dtype not in self.dtypes:
             reasons.append(f"the {self.name} backend does not run {dtype} (it runs {list(self.dtypes)})")
+        if head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
+            reasons.append(f"the {self.name} backend does not run head_dim {head_dim} (it runs {list(self.head_dims)})")
         if method.needs.attention_scores and not self.supports_scores:
             reasons.append(f"the {self.name} backend does not return the attention scores {method.name} needs")
         return reasons
@@ -128,19 +131,19 @@ def _construct(name: str, device: torch.device) -> AttentionBackend:
 
 def make_backend(
     name: str, device: torch.device, method: SparseMethod, dtype: torch.dtype | None = None,
-    codec: KVCodec | None = None,
+    codec: KVCodec | None = None, head_dim: int | None = None,
 ) -> AttentionBackend:
     """The backend by name; ``auto`` takes the Triton kernels on a GPU when they serve ``method``, else torch."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name != "auto":
         backend = _construct(name, device)
-        reasons = backend.unsupported(method, dtype, codec)
+        reasons = backend.unsupported(method, dtype, codec, head_dim)
         if reasons:
             raise ConfigError(f"method {method.name!r} cannot run on attention_backend {name!r}: {'; '.join(reasons)}")
         return backend
     backend = _construct("triton", device) if device.type == "cuda" else TorchReferenceBackend()
-    reasons = backend.unsupported(method, dtype, codec)
+    reasons = backend.unsupported(method, dtype, codec, head_dim)
     if reasons:
         log.info("attention backend auto: not %s (%s)", backend.name, "; ".join(reasons))
         backend = TorchReferenceBackend()

@@ -139,6 +139,7 @@ class FlashInferBackend(AttentionBackend):
 
     name = "flashinfer"  # cuda_graph_safe stays False: it plans on the host every step
     dtypes = (torch.float16, torch.bfloat16)
+    head_dims = (64, 128, 256)  # its prefill kernels fail at run time on others ("Invalid configuration")
     WORKSPACE_BYTES = 256 * 2**20
 
     def __init__(self, device: torch.device) -> None:

@@ -98,7 +98,8 @@ class LLMEngine:
         if self.codec is not None and getattr(self.cache, "codec", None) is not self.codec:
             raise ConfigError(f"method {self.method.name!r} builds a cache that does not store through "
                               f"kv_storage {self.codec.name!r}")
-        self.backend = make_backend(config.attention_backend, self.device, self.method, spec.dtype, self.codec)
+        self.backend = make_backend(config.attention_backend, self.device, self.method, spec.dtype, self.codec,
+                                    spec.head_dim)
         self.chains = ChainManager(self.cache, self.method, mc.num_layers)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
                                    on_preempt=self._on_preempt, reclaim=self.chains.reclaim)

@@ -4,17 +4,19 @@ import torch
 torch.set_num_threads(1)
 
 
-def _tiny_set(root, initializer_range: float) -> dict:
+def _tiny_set(root, initializer_range: float, hidden_size: int = 64) -> dict:
     from engine.tiny_checkpoint import make_tiny_checkpoint
 
-    common = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                  vocab_size=512, max_position_embeddings=1024, initializer_range=initializer_range)
+    common = dict(hidden_size=hidden_size, num_layers=2, num_heads=4, num_kv_heads=2,
+                  intermediate_size=2 * hidden_size, vocab_size=512, max_position_embeddings=1024,
+                  initializer_range=initializer_range)
     return {
         "llama": make_tiny_checkpoint(root / "llama", "llama", seed=1, **common,
                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 256}),
         "qwen2": make_tiny_checkpoint(root / "qwen2", "qwen2", seed=2, **common, tie_word_embeddings=True),
-        "qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3", seed=3, **common, head_dim=32, max_shard_size="100KB"),
+        "qwen3": make_tiny_checkpoint(root / "qwen3", "qwen3", seed=3, **common, head_dim=hidden_size // 2,
+                                      max_shard_size="100KB"),
         "qwen3_moe": make_tiny_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=4, **common, num_experts=4,
                                           num_experts_per_tok=2, moe_intermediate_size=32),
     }
@@ -28,10 +30,11 @@ def tiny_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_dirs_hf_init(tmp_path_factory):
-    """The same checkpoints drawn at transformers' default initializer_range (0.02). The 0.1 set is so
-    sensitive that a 1e-3 relative perturbation of one attention output moves its bf16 logits by ~1e-2
-    (docs/benchmarks.md, "bf16 agreement"), so bf16 comparisons between backends use this set."""
-    return _tiny_set(tmp_path_factory.mktemp("tiny-hf-init"), 0.02)
+    """The same architectures drawn at transformers' default initializer_range (0.02), with 64-wide heads
+    (hidden 256; flashinfer's kernels need head_dim 64/128/256). The 0.1 set is so sensitive that a 1e-3
+    relative perturbation of the attention output moves its bf16 logits by ~1e-2 (docs/benchmarks.md, "bf16
+    agreement"), so bf16 comparisons between backends use this set."""
+    return _tiny_set(tmp_path_factory.mktemp("tiny-hf-init"), 0.02, hidden_size=256)
 
 
 @pytest.fixture(scope="session")

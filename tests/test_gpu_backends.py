@@ -89,6 +89,15 @@ def test_bf16_logits_match_torch_backend(arch, backend, tiny_dirs_hf_init):
     assert compared >= 2
 
 
+def test_flashinfer_refuses_head_dims_its_kernels_lack(tiny_dirs):
+    if "flashinfer" not in backends():
+        pytest.skip("flashinfer is not installed")
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="does not run head_dim 16"):
+        run(tiny_dirs["llama"], "flashinfer", "bfloat16")
+
+
 @pytest.mark.parametrize("method,cfg", [("pyramidkv", {"budget": 96, "window": 8}), ("kvzip", {"budget": 48})])
 def test_fp32_graphs_with_per_layer_lengths_match_eager(method, cfg, tiny_dirs):
     """Eviction with per-layer budgets: decode steps replay graphs over per-layer lengths, same tokens."""

@@ -336,6 +336,12 @@ def test_selected_slots_attention_matches_a_dense_computation():
     assert PagesOnly().unsupported(create_method("quest")) == []
     assert PagesOnly().unsupported(create_method("omnikv")) == ["the torch backend cannot read SelectedSlotsView"]
 
+    class SomeHeads(TorchReferenceBackend):
+        head_dims = (64, 128)
+    assert SomeHeads().unsupported(create_method("quest"), head_dim=128) == []
+    assert SomeHeads().unsupported(create_method("quest"), head_dim=16) == [
+        "the torch backend does not run head_dim 16 (it runs [64, 128])"]
+
 
 def test_quest_page_bounds_and_scores_match_their_definition():
     g = torch.Generator().manual_seed(1)

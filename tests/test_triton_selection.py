@@ -157,7 +157,8 @@ def test_received_attention_matches_reference(dtype, group, page_size, causal):
         assert torch.all(got[i, :, kv_lens[i]:] == 0)
         _close(got[i, :, : kv_lens[i]], r, (2e-3, 2e-3) if dtype == torch.float16 else (1e-5, 1e-5))
         # every query row's probabilities sum to 1: the slots receive query_len * group in all
-        torch.testing.assert_close(r.sum(), torch.tensor(float(query_lens[i] * group * 2)), atol=1e-3, rtol=1e-4)
+        torch.testing.assert_close(r.sum().cpu(), torch.tensor(float(query_lens[i] * group * 2)), atol=1e-3,
+                                   rtol=1e-4)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
