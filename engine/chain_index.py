@@ -38,6 +38,7 @@ class ChainState:
     num_computed: int = 0  # leading tokens of the history whose KV the table holds
     table: PageTable | None = None
     method_state: Any = None
+    method: Any = None  # the SparseMethod whose state the table holds (a resumed turn must use the same)
     last_used: int = 0
     pinned: bool = False
     busy_request: str | None = None

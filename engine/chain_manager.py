@@ -16,7 +16,6 @@ import torch
 
 from engine.chain_index import ChainBusyError, ChainIndex, ChainInfo, ChainState, ResumeStatus
 from engine.contract.cache import CacheManager
-from engine.contract.method import SparseMethod
 from engine.contract.scorer import ImportanceScorer, ScoreContext
 from engine.errors import InvalidRequestError, OutOfPagesError
 from engine.request import FinishReason, Request
@@ -41,10 +40,9 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
 
 
 class ChainManager:
-    def __init__(self, cache: CacheManager, method: SparseMethod, num_layers: int):
+    def __init__(self, cache: CacheManager, num_layers: int):
         self.index = ChainIndex()
         self.cache = cache
-        self.method = method
         self.num_layers = num_layers
         self.prober = None  # engine.probe.Prober, for scorers that probe
         self._deferred: dict[str, list[tuple]] = {}  # chain id -> prunes queued behind its running turn
@@ -62,6 +60,9 @@ class ChainManager:
         state = self.index.get_or_create(chain_id)
         req.chain_id = chain_id
         resumed = 0
+        if state.table is not None and state.method is not req.method:
+            self.cache.release_table(state.table)  # retained by another method: its state does not carry over
+            state.table, state.num_computed, state.method_state = None, 0, None
         if state.table is None:
             status = ResumeStatus.RECOMPUTED if state.token_ids else ResumeStatus.CREATED
         else:
@@ -83,7 +84,7 @@ class ChainManager:
         state.num_computed = resumed  # what survives if this turn fails
         req.num_computed_tokens = resumed
         if resumed:
-            self.method.import_state(req, state.method_state)  # kept on the chain in case the turn aborts
+            req.method.import_state(req, state.method_state)  # kept on the chain in case the turn aborts
         req.num_cached_tokens = resumed if resumed else -1
         req.num_resumed_tokens = resumed
         req.resume_status = status.value
@@ -97,7 +98,7 @@ class ChainManager:
     def retain(self, req: Request, reason: FinishReason) -> None:
         """The turn ended: give its KV back to the chain (or, on abort, what the chain had before it)."""
         state = self.index.get(req.chain_id)
-        exported = None if reason is FinishReason.ABORT else self.method.export_state(req)
+        exported = None if reason is FinishReason.ABORT else req.method.export_state(req)
         table = self.cache.detach(req)
         if reason is FinishReason.ABORT:
             if table is not None and not table.is_compacted and table.num_slots >= state.num_computed > 0:
@@ -112,6 +113,7 @@ class ChainManager:
             state.num_computed = req.num_computed_tokens
             state.table = table
             state.method_state = exported
+            state.method = req.method
         if state.table is None:
             state.num_computed, state.method_state = 0, None
         state.busy_request = None
@@ -153,7 +155,7 @@ class ChainManager:
             raise OutOfPagesError(f"not enough free pages to copy chain {chain_id!r}")
         forked = ChainState(new_chain_id, token_ids=list(state.token_ids),
                             num_computed=state.num_computed if table is not None else 0, table=table,
-                            method_state=copy.deepcopy(state.method_state))
+                            method_state=copy.deepcopy(state.method_state), method=state.method)
         self.index.add(forked)
         self.index.touch(forked)
 

@@ -51,7 +51,7 @@ class DecodeGraphs:
             requests=[], num_new_tokens=[1] * b,
             input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:, :b],
             view=views[0], layer_views=views, logits_indices=self.query_start_loc[:b].long(),
-            sample_requests=[], finished_prompt=[], cache=self.runner.cache,
+            sample_requests=[], finished_prompt=[], cache=self.runner.cache, method=self.runner.method,
         )
 
     def _forward(self, b: int) -> torch.Tensor:

@@ -23,6 +23,9 @@ class ForwardBatch:
     finished_prompt: requests whose prompt's last token is computed in this step.
     scratch: per-step space for a method's own data (e.g. an observation layer's selection).
     probe: runs extra query tokens against a request's KV without committing them (engine/probe.py).
+    method: the SparseMethod of every request here, or None when requests of several methods share the step;
+    then ``groups`` holds one sub-batch per method (requests ordered by group, so each group's query rows
+    are one contiguous range) and each method's hooks see only its own sub-batch.
     """
 
     requests: list[Request]
@@ -38,6 +41,8 @@ class ForwardBatch:
     layer_views: list[PagedView] | None = None
     scratch: dict[str, Any] = field(default_factory=dict)
     probe: Any = None  # engine.probe.Prober: a method may probe a request's KV from a hook (between steps' forwards)
+    method: Any = None
+    groups: list[MethodGroup] | None = None
 
     def view_for(self, layer: int) -> PagedView:
         return self.view if self.layer_views is None else self.layer_views[layer]
@@ -46,8 +51,64 @@ class ForwardBatch:
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
+    def by_method(self) -> list[tuple[Any, ForwardBatch]]:
+        """(method, the part of this step it owns) for each method in the step."""
+        if self.groups is None:
+            return [(self.method, self)]
+        return [(g.method, g.batch) for g in self.groups]
+
+
+@dataclass(slots=True)
+class MethodGroup:
+    """The requests of one method in a step shared by several: query rows ``start:stop`` of the step."""
+
+    method: Any
+    batch: ForwardBatch
+    start: int
+    stop: int
+
+
+def order_by_method(plan: StepPlan) -> list[Any]:
+    """Reorder ``plan`` so that each method's requests are adjacent (first-seen order); returns the methods."""
+    methods: list[Any] = []
+    for req in plan.requests:
+        if all(req.method is not m for m in methods):
+            methods.append(req.method)
+    if len(methods) > 1:
+        rank = {id(m): i for i, m in enumerate(methods)}
+        order = sorted(range(len(plan.requests)), key=lambda i: rank[id(plan.requests[i].method)])
+        plan.requests = [plan.requests[i] for i in order]
+        plan.num_new_tokens = [plan.num_new_tokens[i] for i in order]
+    return methods
+
+
+def _split(batch: ForwardBatch, methods: list[Any], logits_rows: list[int]) -> list[MethodGroup]:
+    groups, i, t = [], 0, 0
+    for method in methods:
+        j = i
+        while j < len(batch.requests) and batch.requests[j].method is method:
+            j += 1
+        stop = t + sum(batch.num_new_tokens[i:j])
+        members = set(map(id, batch.requests[i:j]))
+        sub = ForwardBatch(
+            requests=batch.requests[i:j], num_new_tokens=batch.num_new_tokens[i:j],
+            input_ids=batch.input_ids[t:stop], positions=batch.positions[t:stop],
+            slot_mapping=batch.slot_mapping[..., t:stop],
+            view=batch.view.rows(i, j, t),
+            layer_views=None if batch.layer_views is None else [v.rows(i, j, t) for v in batch.layer_views],
+            logits_indices=torch.tensor([r - t for r in logits_rows if t <= r < stop], dtype=torch.int64,
+                                        device=batch.input_ids.device),
+            sample_requests=[r for r in batch.sample_requests if id(r) in members],
+            finished_prompt=[r for r in batch.finished_prompt if id(r) in members],
+            cache=batch.cache, probe=batch.probe, method=method,
+        )
+        groups.append(MethodGroup(method, sub, t, stop))
+        i, t = j, stop
+    return groups
+
 
 def build_forward_batch(plan: StepPlan, cache: CacheManager, device: torch.device) -> ForwardBatch:
+    methods = order_by_method(plan)
     input_ids: list[int] = []
     positions: list[int] = []
     logits_indices: list[int] = []
@@ -70,7 +131,7 @@ def build_forward_batch(plan: StepPlan, cache: CacheManager, device: torch.devic
     slot_mapping = cache.slot_mapping(plan.requests, plan.num_new_tokens)  # first: it may plan the step's writes
     # layer 0's view is the step's view (build_view's default layer): built once, not again for ``view``
     layer_views = cache.build_layer_views(plan.requests, plan.num_new_tokens)
-    return ForwardBatch(
+    batch = ForwardBatch(
         requests=plan.requests,
         num_new_tokens=plan.num_new_tokens,
         input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
@@ -82,4 +143,8 @@ def build_forward_batch(plan: StepPlan, cache: CacheManager, device: torch.devic
         sample_requests=sample_requests,
         finished_prompt=finished_prompt,
         cache=cache,
+        method=methods[0] if len(methods) == 1 else None,
     )
+    if len(methods) > 1:
+        batch.groups = _split(batch, methods, logits_indices)
+    return batch

@@ -25,6 +25,7 @@ from engine.contract.method import SparseMethod
 from engine.detokenizer import IncrementalDetokenizer
 from engine.errors import CheckpointError, ConfigError, InvalidRequestError, InvalidSamplingParamsError, OutOfPagesError
 from engine.loader import load_model
+from engine.method_set import MethodSet
 from engine.model_runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.page_pool import PagePool
@@ -94,13 +95,16 @@ class LLMEngine:
             spec = CodedCacheSpec(**{f: getattr(spec, f) for f in CacheSpec.__dataclass_fields__},
                                   codec=self.codec, max_windows=windows)
         self.pool = PagePool(self._num_pages(spec))
+        self.method.validate(spec)
         self.cache = self.method.make_cache(spec, self.pool, config.enable_prefix_caching)
         if self.codec is not None and getattr(self.cache, "codec", None) is not self.codec:
             raise ConfigError(f"method {self.method.name!r} builds a cache that does not store through "
                               f"kv_storage {self.codec.name!r}")
+        self.method.bind(self.cache)
         self.backend = make_backend(config.attention_backend, self.device, self.method, spec.dtype, self.codec,
                                     spec.head_dim)
-        self.chains = ChainManager(self.cache, self.method, mc.num_layers)
+        self.methods = MethodSet(self.method, lambda m: self._take_on(m, spec))
+        self.chains = ChainManager(self.cache, mc.num_layers)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
                                    on_preempt=self._on_preempt, reclaim=self.chains.reclaim)
         self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)
@@ -158,8 +162,19 @@ class LLMEngine:
             )
         return self._tp_link.agree_min(num_pages)  # every rank's pool the same size: the same schedule
 
+    def _take_on(self, method: SparseMethod, spec: CacheSpec) -> None:
+        """Check that a method a request names can run here, then hand it the cache (engine.method_set)."""
+        if self.codec is not None:
+            check_composes(self.codec, method.name, method.view_types)
+        reasons = self.backend.unsupported(method, spec.dtype, self.codec, spec.head_dim)
+        if reasons:
+            raise ConfigError(f"method {method.name!r} cannot run on attention backend {self.backend.name!r}: "
+                              + "; ".join(reasons))
+        method.validate(spec)
+        method.bind(self.cache)
+
     def _on_preempt(self, req: Request) -> None:
-        self.method.release(req)
+        req.method.release(req)
         self.chains.on_preempt(req)
 
     # --- requests -------------------------------------------------------------------------------
@@ -170,10 +185,13 @@ class LLMEngine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         chain_id: str | None = None,
+        method: str | None = None,
+        method_config: dict | None = None,
     ) -> str:
         """Queue a request. With ``chain_id``, ``prompt`` is the chain's whole history plus the new tokens:
         the chain's retained KV is re-attached as far as the prompt extends it, and only the rest is
-        prefilled; when the request ends its KV stays with the chain."""
+        prefilled; when the request ends its KV stays with the chain. ``method``/``method_config`` choose
+        the sparse method for this request (default: the engine's); a bad choice raises ConfigError."""
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise InvalidSamplingParamsError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -184,8 +202,9 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        chosen = self.methods.resolve(method, method_config)
         max_new = min(params.max_tokens, self.max_model_len - len(token_ids))
-        held = min(len(token_ids) + max_new, self.method.max_physical_tokens(
+        held = min(len(token_ids) + max_new, chosen.max_physical_tokens(
             len(token_ids), max_new, self.config.max_num_batched_tokens))
         pages = -(-held // self.config.page_size) + (chain_id is not None)  # a forked chain's tail page copy
         if pages > self.pool.num_pages:
@@ -202,6 +221,9 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
             generator=make_generator(params.seed, self.device),
+            method=chosen,
+            prefix_namespace=self.methods.prefix_namespace(chosen),
+            max_prefix_reuse=chosen.prefix_reuse_limit(len(token_ids)),
         )
         if chain_id is not None:
             self.chains.bind(req, chain_id)
@@ -258,7 +280,8 @@ class LLMEngine:
             sampled.token_ids = self.tp.broadcast_ints(sampled.token_ids, self.device)
         t3 = time.perf_counter()
         self.scheduler.update(plan)
-        self.method.end_step(batch)
+        for method, part in batch.by_method():
+            method.end_step(part)
         outputs = []
         if sampled is not None:
             for req, token_id, logprob in zip(batch.sample_requests, sampled.token_ids, sampled.logprobs):
@@ -290,7 +313,7 @@ class LLMEngine:
         if req.chain_id is not None:
             self.chains.retain(req, reason)
         self.scheduler.finish(req, reason)
-        self.method.release(req)
+        req.method.release(req)
 
     def _forget(self, req: Request) -> None:
         del self._requests[req.request_id]

@@ -2,7 +2,9 @@
 
 The runner is the model's ``LayerRunner``: every attention call goes
 before_attention -> cache.write -> method.select -> backend -> after_attention, so the dense path and every
-sparse method take the same way through.
+sparse method take the same way through. A step whose requests use several methods runs each method's
+select / backend / after_attention over its own requests' query rows (``ForwardBatch.groups``); the model's
+other layers run once over all of them.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ class ModelRunner:
         self.device = device
         self.sampler = Sampler()
         self.graphs: DecodeGraphs | None = None
-        self.wants_layer_output = type(method).end_layer is not SparseMethod.end_layer
         self._batch: ForwardBatch | None = None
         self.prober = None  # engine.probe.Prober, handed to methods as ForwardBatch.probe
 
@@ -49,14 +50,25 @@ class ModelRunner:
         return (g is not None and batch.view.is_pure_decode and g.can_read(batch)
                 and not batch.finished_prompt
                 and batch.num_tokens <= g.max_batch and batch.view.block_tables.shape[1] <= g.block_tables.shape[1]
-                and self.method.replayable(batch))
+                and all(m.replayable(b) for m, b in batch.by_method()))
 
     # --- LayerRunner ----------------------------------------------------------------------------
+    @property
+    def wants_layer_output(self) -> bool:
+        methods = [self.method] if self._batch is None else [m for m, _ in self._batch.by_method()]
+        return any(type(m).end_layer is not SparseMethod.end_layer for m in methods)
+
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch = self._batch
-        method = self.method
-        method.before_attention(layer_idx, batch)
+        parts = batch.by_method()
+        for method, part in parts:
+            method.before_attention(layer_idx, part)
         self.cache.write(layer_idx, k, v, batch.slot_mapping)
+        if batch.groups is None:
+            return self._attend(batch.method, layer_idx, q, batch)
+        return torch.cat([self._attend(g.method, layer_idx, q[g.start:g.stop], g.batch) for g in batch.groups])
+
+    def _attend(self, method: SparseMethod, layer_idx: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         view = method.select(layer_idx, q, batch)
         k_cache, v_cache = self.cache.layer_kv(layer_idx)
         if method.needs.received_attention:
@@ -70,7 +82,12 @@ class ModelRunner:
         return out
 
     def end_layer(self, layer_idx: int, hidden: torch.Tensor) -> None:
-        self.method.end_layer(layer_idx, self._batch, hidden)
+        batch = self._batch
+        if batch.groups is None:
+            batch.method.end_layer(layer_idx, batch, hidden)
+            return
+        for g in batch.groups:
+            g.method.end_layer(layer_idx, g.batch, hidden[g.start:g.stop])
 
     # --- one step -------------------------------------------------------------------------------
     def prepare(self, plan: StepPlan) -> ForwardBatch:
@@ -82,7 +99,8 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> SampleOutput | None:
         self._batch = batch
         try:
-            self.method.begin_step(batch)
+            for method, part in batch.by_method():
+                method.begin_step(part)
             if self._can_replay(batch):
                 logits = self.graphs.run(batch)
             else:

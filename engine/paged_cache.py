@@ -100,8 +100,11 @@ class PagedCacheManager(CacheManager):
             return 0
         ps = self.page_size
         tokens = req.token_ids
-        parent: PageKey | None = None
-        for i in range((len(tokens) - 1) // ps):  # always leave >= 1 token to compute for logits
+        parent: PageKey | None = req.prefix_namespace
+        usable = len(tokens) - 1  # always leave >= 1 token to compute for logits
+        if req.max_prefix_reuse is not None:
+            usable = min(usable, req.max_prefix_reuse)
+        for i in range(usable // ps):
             chunk = tokens[i * ps:(i + 1) * ps]
             key = page_key(parent, chunk)
             page = self.prefix_index.lookup(key, parent, chunk)
@@ -252,7 +255,7 @@ class PagedCacheManager(CacheManager):
         tokens = req.token_ids
         while len(t.keys) < num_full:
             i = len(t.keys)
-            parent = t.keys[-1] if t.keys else None
+            parent = t.keys[-1] if t.keys else req.prefix_namespace
             chunk = tokens[i * ps:(i + 1) * ps]
             key = page_key(parent, chunk)
             self.prefix_index.insert(key, parent, chunk, t.pages[i])

@@ -6,6 +6,7 @@ computed. Physical lengths (slots actually held) belong to the cache manager.
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -43,6 +44,9 @@ class Request:
     resume_status: str | None = None  # created | resumed | recomputed, for chain turns
     num_resumed_tokens: int = 0  # tokens whose KV came from the chain
     num_prefilled_tokens: int = 0  # prompt tokens this request computed (recomputation after preemption too)
+    method: Any = None  # the SparseMethod serving it (engine.method_set); set by the engine
+    prefix_namespace: bytes | None = None  # its method's prefix-cache key space (None: the engine's method)
+    max_prefix_reuse: int | None = None  # the most prompt tokens it may take from the prefix cache
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

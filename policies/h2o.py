@@ -113,9 +113,11 @@ class H2O(SparseMethod):
         self._states: dict[str, _State] = {}
         self._cache: PagedCacheManager | None = None
 
-    def make_cache(self, spec, pool, enable_prefix_caching):
-        self._cache = PagedCacheManager(spec, pool, enable_prefix_caching=False)
-        return self._cache  # kept: import_state re-aligns scores with the attached table's positions
+    def bind(self, cache):
+        self._cache = cache  # kept: import_state re-aligns scores with the attached table's positions
+
+    def prefix_reuse_limit(self, num_prompt_tokens: int) -> int:
+        return 0  # accumulated scores need every prompt token's attention
 
     def _state(self, req, num_layers: int) -> _State:
         st = self._states.get(req.request_id)

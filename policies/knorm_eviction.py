@@ -81,11 +81,10 @@ class KnormEviction(SparseMethod):
         super().__init__(config)
         self._pending: set[str] = set()  # requests whose prompt compression has not succeeded yet
 
-    def make_cache(self, spec, pool, enable_prefix_caching):
+    def validate(self, spec):
         bad = [layer for layer in self.config.skip_layers if layer >= spec.num_layers]
         if bad:
             raise ConfigError(f"method 'knorm': skip_layers {bad} out of range for {spec.num_layers} layers")
-        return super().make_cache(spec, pool, enable_prefix_caching)
 
     def release(self, req) -> None:
         self._pending.discard(req.request_id)

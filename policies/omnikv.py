@@ -66,13 +66,12 @@ class OmniKV(SparseMethod):
     view_types = (PagedView, SelectedSlotsView)
     cuda_graph_safe = False  # select() builds its view on the host every step
 
-    def make_cache(self, spec, pool, enable_prefix_caching):
+    def validate(self, spec):
         last = self.config.observation_layers[-1]
         if last >= spec.num_layers:
             raise ConfigError(
                 f"method 'omnikv': observation layer {last} does not exist (the model has {spec.num_layers} layers)"
             )
-        return super().make_cache(spec, pool, enable_prefix_caching)
 
     def select(self, layer: int, q: torch.Tensor, batch):
         view = batch.view_for(layer)

@@ -85,13 +85,12 @@ class Quest(SparseMethod):
         self._kmin: torch.Tensor | None = None  # [num_layers - dense_layers, num_pages, Hkv, D]
         self._kmax: torch.Tensor | None = None
 
-    def make_cache(self, spec, pool, enable_prefix_caching):
+    def validate(self, spec):
         if self.config.token_budget < spec.page_size:
             raise ConfigError(
                 f"method 'quest': token_budget ({self.config.token_budget}) must hold at least one page "
                 f"(page_size {spec.page_size})"
             )
-        return super().make_cache(spec, pool, enable_prefix_caching)
 
     # --- metadata -------------------------------------------------------------------------------
     def kv_loaded(self, req, cache) -> None:

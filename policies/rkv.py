@@ -49,7 +49,7 @@ import torch
 from engine.contract import Family, SparseMethod
 from engine.registry import register_method
 from policies.scoring import (
-    WindowPreservingCache, check_int, gather_keys, keep_all, pool1d, request_rows, top_k_sorted,
+    check_int, gather_keys, keep_all, pool1d, request_rows, top_k_sorted,
 )
 
 GQA_POOLINGS = ("max", "mean")
@@ -165,8 +165,8 @@ class RKV(SparseMethod):
         super().__init__(config)
         self._states: dict[str, _State] = {}
 
-    def make_cache(self, spec, pool, enable_prefix_caching):
-        return WindowPreservingCache(spec, pool, enable_prefix_caching, reserve=self.config.alpha)
+    def prefix_reuse_limit(self, num_prompt_tokens: int) -> int:
+        return max(0, num_prompt_tokens - self.config.alpha)  # the observation queries are always computed
 
     def _state(self, req, num_layers: int) -> _State:
         st = self._states.get(req.request_id)

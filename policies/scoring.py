@@ -177,23 +177,3 @@ def request_rows(batch):
     for req, n in zip(batch.requests, batch.num_new_tokens):
         yield req, start, n, req.num_computed_tokens
         start += n
-
-
-# --- prefix reuse that keeps the observation window computed ---------------------------------------
-class WindowPreservingCache(PagedCacheManager):
-    """A ``PagedCacheManager`` whose ``match_prefix`` reuses at most ``num_prompt_tokens - reserve`` tokens
-    (rounded down to whole pages), so the queries of the prompt's last ``reserve`` tokens are always
-    computed, even when the whole prompt sits in the prefix cache."""
-
-    def __init__(self, spec: CacheSpec, pool: PagePool, enable_prefix_caching: bool, reserve: int):
-        super().__init__(spec, pool, enable_prefix_caching=enable_prefix_caching)
-        self.reserve = reserve
-
-    def match_prefix(self, req: Request) -> int:
-        cached = super().match_prefix(req)
-        limit = max(0, req.num_prompt_tokens - self.reserve)
-        if cached <= limit:
-            return cached
-        t = self.table(req)
-        self.truncate_table(t, limit // self.page_size * self.page_size)
-        return t.num_slots

@@ -57,7 +57,6 @@ from engine.registry import register_method
 from policies.scoring import (
     POOLINGS,
     QueryStash,
-    WindowPreservingCache,
     check_int,
     gather_keys,
     keep_all,
@@ -111,8 +110,8 @@ class SnapKV(SparseMethod):
         super().__init__(config)
         self._states: dict[str, _State] = {}
 
-    def make_cache(self, spec, pool, enable_prefix_caching):
-        return WindowPreservingCache(spec, pool, enable_prefix_caching, reserve=self.config.window)
+    def prefix_reuse_limit(self, num_prompt_tokens: int) -> int:
+        return max(0, num_prompt_tokens - self.config.window)  # the window's queries are always computed
 
     def layer_budgets(self, num_layers: int, prompt_len: int) -> list[int]:
         """Kept slots per layer (window included) for a prompt of ``prompt_len`` tokens."""

@@ -75,9 +75,23 @@ class SparseMethod:
 
     # --- representation -------------------------------------------------------------------------
     def make_cache(self, spec: CacheSpec, pool: PagePool, enable_prefix_caching: bool) -> CacheManager:
+        """The cache of an engine whose configured method this is. A method that overrides it owns a layout
+        of its own and cannot be chosen per request on an engine configured with another method."""
         from engine.paged_cache import PagedCacheManager
 
         return PagedCacheManager(spec, pool, enable_prefix_caching=enable_prefix_caching)
+
+    def validate(self, spec: CacheSpec) -> None:
+        """Raise ConfigError if this configuration cannot serve a model of ``spec`` (e.g. a layer index
+        past the last layer). Runs once, when the engine takes the method on."""
+
+    def bind(self, cache: CacheManager) -> None:
+        """The engine hands the method the cache its requests live in (once, before any request)."""
+
+    def prefix_reuse_limit(self, num_prompt_tokens: int) -> int:
+        """The most prompt tokens a request may take from the prefix cache (the rest is computed). A method
+        that needs the queries of a prompt's last tokens, or attention over the whole prompt, lowers it."""
+        return num_prompt_tokens
 
     def max_physical_tokens(self, num_prompt_tokens: int, max_new_tokens: int, max_chunk_tokens: int) -> int:
         """The most KV slots (per layer) a request may hold at once; admission reserves room for this much.

@@ -7,6 +7,9 @@ Queries of all requests are flattened into one [T, Hq, D] tensor; request ``i`` 
 "query j sees slots < kv_len - query_len + j + 1".
 """
 
+from __future__ import annotations
+
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -34,6 +37,14 @@ class PagedView:
     # A backend that reads the parent view type reads this one correctly (see ``backend_can_read``). False for
     # views whose ``block_tables``/``kv_lens`` alone do not describe what attention reads.
     parent_readable: ClassVar[bool] = True
+    # fields with one entry per request (sliced by ``rows``); every other field is shared by all requests
+    per_request: ClassVar[tuple[str, ...]] = ("block_tables", "kv_lens", "kv_lens_cpu", "query_lens_cpu")
+
+    def rows(self, start: int, stop: int, first_query_row: int) -> PagedView:
+        """The view of requests ``start:stop`` alone, whose queries begin at row ``first_query_row``."""
+        sliced = {f: getattr(self, f)[start:stop] for f in self.per_request if getattr(self, f) is not None}
+        qsl = self.query_start_loc[start:stop + 1] - first_query_row
+        return dataclasses.replace(self, query_start_loc=qsl, **sliced)
 
     @property
     def num_requests(self) -> int:
@@ -111,3 +122,5 @@ class QuantizedPagesView(PagedView):
     window_v: torch.Tensor | None = field(kw_only=True, default=None)
 
     parent_readable: ClassVar[bool] = False
+    per_request: ClassVar[tuple[str, ...]] = PagedView.per_request + (
+        "quant_lens", "quant_lens_cpu", "window_ids", "window_ids_cpu")

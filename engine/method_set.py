@@ -1,0 +1,60 @@
+"""The methods one engine serves: its configured method and any a request names.
+
+One instance per (name, config): requests that ask for the same knobs share it (a method keeps per-request
+state keyed by request id, so sharing is what single-method engines do already). A method taken on per
+request must run on the engine's cache and backend: it may not bring a cache layout of its own
+(``make_cache``), and it must compose with the engine's KV storage and be readable by its backend; each of
+those is checked once, when the method is first asked for, and fails with ConfigError.
+
+Requests of different methods never share prefix-cache pages: each method's pages are keyed under a
+namespace of its own (``prefix_namespace``), because what a method derives from written KV (page
+metadata, scores) exists only for the pages its own requests wrote.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from hashlib import blake2b
+
+from engine.contract.method import SparseMethod
+from engine.errors import ConfigError
+from engine.registry import create_method
+
+
+def method_key(method: SparseMethod) -> tuple[str, str]:
+    return method.name, repr(method.config)
+
+
+class MethodSet:
+    def __init__(self, default: SparseMethod, check: Callable[[SparseMethod], None]):
+        """``check(method)`` raises ConfigError when the engine cannot serve ``method`` (backend, storage,
+        model shape); it runs once per new configuration."""
+        self.default = default
+        self._check = check
+        self._by_key: dict[tuple[str, str], SparseMethod] = {method_key(default): default}
+        self._namespace: dict[int, bytes | None] = {id(default): None}  # the default's keys stay as they were
+
+    def resolve(self, name: str | None, options: dict | None = None) -> SparseMethod:
+        """The instance serving ``name`` with ``options`` (None: the engine's method)."""
+        if name is None:
+            if options:
+                raise ConfigError("method_config was given without a method")
+            return self.default
+        method = create_method(name, options)
+        key = method_key(method)
+        known = self._by_key.get(key)
+        if known is not None:
+            return known
+        if type(method).make_cache is not type(self.default).make_cache:
+            raise ConfigError(f"method {name!r} builds its own cache layout, so it can only be the engine's "
+                              f"configured method (this engine runs {self.default.name!r})")
+        self._check(method)
+        self._by_key[key] = method
+        self._namespace[id(method)] = blake2b(repr(key).encode(), digest_size=16).digest()
+        return method
+
+    def prefix_namespace(self, method: SparseMethod) -> bytes | None:
+        return self._namespace[id(method)]
+
+    def __iter__(self):
+        return iter(self._by_key.values())
