@@ -24,7 +24,7 @@ from agentrt.models import ChainRow, PruneEventRow, RegionRow, TurnRow
 from agentrt.turns import PendingTurn
 from engine.chain_index import UnknownChainError
 from engine.errors import ConfigError, EngineError, InvalidRequestError
-from engine.registry import SCORERS
+from engine.registry import METHODS, SCORERS
 from engine.sampling_params import SamplingParams
 from sdk.schema import (ChainCreate, ChainStatus, ChainList, ChainRead, ChainSummary, ForkRequest, PruneEvent,
                         PruneRequest, PruneResult, Region, RewindRequest, TurnCreate)
@@ -71,15 +71,10 @@ class ChainService:
         engine = self.worker.engine
         if data.model is not None and data.model != self.model_name:
             raise bad_field("model", f"this server serves {self.model_name!r}, not {data.model!r}")
-        if data.method is not None and data.method != engine.method.name:
-            raise bad_field("method", f"this server runs method {engine.method.name!r}; per-chain methods are not "
-                                      f"supported yet (start the server with --method)")
-        if data.method_config is not None and data.method_config != dict(engine.config.method_config):
-            raise bad_field("method_config", "must equal the server's method config (per-chain config is not "
-                                             "supported yet)")
+        method, method_config = await self._chain_method(data.method, data.method_config)
         tools = msgspec.to_builtins(data.tools)
         row = ChainRow(id=f"chain_{uuid.uuid4().hex}", created_at=time.time(), model=self.model_name,
-                       method=engine.method.name, method_config=dict(engine.config.method_config),
+                       method=method, method_config=method_config,
                        system_prompt=data.system_prompt if data.system_prompt is not None
                        else self.config.default_system_prompt,
                        tools=tools, meta=data.metadata, num_turns=0, num_tokens=0,
@@ -153,7 +148,11 @@ class ChainService:
             last = state.token_ids[-1] if state.token_ids else None
             appended = self.renderer.append(state.history, new, state.row.tools, last, data.assistant_prefix)
             prompt = state.token_ids + appended.token_ids
-            stream = await self.worker.submit(prompt, params, chain_id=chain_id)
+            stream = await self.worker.submit(prompt, params, chain_id=chain_id,
+                                              method=(state.row.method, state.row.method_config))
+        except ConfigError as exc:  # the chain's method cannot run on this server (e.g. restarted otherwise)
+            self.busy.discard(chain_id)
+            raise bad_field("method", f"the chain's method {state.row.method!r} cannot run here: {exc}") from None
         except BaseException:
             self.busy.discard(chain_id)
             raise
@@ -392,6 +391,29 @@ class ChainService:
         finally:
             self.busy.discard(chain_id)
         return await self.read(chain_id, tenant=tenant)
+
+    async def _chain_method(self, method: str | None, config: dict | None) -> tuple[str, dict]:
+        """The (method, config) a new chain runs: the server's unless the request names its own, which the
+        engine checks now (400 naming the field at fault) so that no turn fails on it later."""
+        engine = self.worker.engine
+        default = (engine.method.name, dict(engine.config.method_config))
+        if method is None and config is None:
+            return default
+        name = default[0] if method is None else method
+        options = dict(config) if config is not None else (default[1] if name == default[0] else {})
+        if not hasattr(engine, "methods"):  # an engine without per-request methods
+            if (name, options) != default:
+                raise bad_field("method", f"this server runs only method {default[0]!r} with its config")
+            return default
+        try:
+            METHODS.get(name)
+        except ConfigError as exc:
+            raise bad_field("method", str(exc)) from None
+        try:
+            await self.worker.call(lambda e: e.methods.resolve(name, options))
+        except ConfigError as exc:
+            raise bad_field("method_config" if config is not None else "method", str(exc)) from None
+        return name, options
 
     def _check_scorer(self, name: str, key: str) -> None:
         try:

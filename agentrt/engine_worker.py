@@ -87,7 +87,9 @@ class EngineWorker:
         self.inflight: set[str] = set()  # event-loop side: generation requests submitted and not yet finished
         self.on_step = on_step
         self.snapshot = EngineSnapshot()
-        self.accepts_chain_id = "chain_id" in inspect.signature(engine.add_request).parameters
+        accepted = inspect.signature(engine.add_request).parameters
+        self.accepts_chain_id = "chain_id" in accepted
+        self.accepts_method = "method" in accepted
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
@@ -121,14 +123,18 @@ class EngineWorker:
         self._commands.put(run)
         return await fut
 
-    async def submit(self, prompt: list[int], params: SamplingParams, chain_id: str | None = None) -> RequestStream:
-        """Queue a request; raises EngineOverloaded beyond ``max_queue_depth`` requests in flight, and what
-        ``add_request`` raises (engine.errors.InvalidRequestError...)."""
+    async def submit(self, prompt: list[int], params: SamplingParams, chain_id: str | None = None,
+                     method: tuple[str, dict] | None = None) -> RequestStream:
+        """Queue a request (``method``: its (name, config), default the engine's); raises EngineOverloaded
+        beyond ``max_queue_depth`` requests in flight, and what ``add_request`` raises
+        (engine.errors.InvalidRequestError, ConfigError for a method the engine cannot serve...)."""
         if self.max_queue_depth is not None and len(self.inflight) >= self.max_queue_depth:
             raise EngineOverloaded(len(self.inflight), self.max_queue_depth, self.retry_after_s)
         stream = RequestStream(self, f"req-{uuid.uuid4().hex}")
         loop = asyncio.get_running_loop()
         kwargs = {"chain_id": chain_id} if chain_id is not None and self.accepts_chain_id else {}
+        if method is not None and self.accepts_method:
+            kwargs["method"], kwargs["method_config"] = method
 
         def add(engine: Any) -> None:
             engine.add_request(prompt, params, request_id=stream.request_id, **kwargs)
