@@ -68,11 +68,11 @@ class ChainManager:
         else:
             table, state.table = state.table, None
             common = common_prefix_len(req.token_ids, state.token_ids[: state.num_computed])
-            usable = min(common, req.num_tokens - 1)  # at least one token must run to produce logits
-            if usable < state.num_computed and table.is_compacted:
-                usable = 0  # compacted KV cannot be cut at an arbitrary logical point
-            elif usable < state.num_computed and usable > 0:
-                self.cache.truncate_table(table, usable)
+            # at most the common prefix, leaving >= 1 token to run for logits; the method may want to compute
+            # more of the prompt's end (it is cut back as far towards that as the retained state allows)
+            most = min(common, req.num_tokens - 1, state.num_computed)
+            want = min(most, req.method.resume_limit(req.num_prompt_tokens))
+            usable = self.cache.truncate_logical(table, state.num_computed, want, most) if most > 0 else 0
             if usable > 0:
                 self.cache.attach(req, table)
                 resumed = usable

@@ -243,6 +243,27 @@ class PagedCacheManager(CacheManager):
         t.keys = t.keys[: num_slots // self.page_size]
         t.num_slots, t.host_row = num_slots, None
 
+    def truncate_logical(self, t: PageTable, logical_len: int, lo: int, hi: int) -> int:
+        """See ``CacheManager.truncate_logical``. A compacted table can lose only the tokens appended after its
+        last compaction (every layer holds those in order, after its kept slots); under a codec, none."""
+        if not t.is_compacted:
+            return super().truncate_logical(t, logical_len, lo, hi)
+        new_len = max(lo, t.compacted_at) if self.coded is None else logical_len
+        if new_len > hi:
+            return 0
+        drop = logical_len - new_len
+        if drop <= 0:
+            return logical_len
+        assert all(n - drop >= k.shape[1] for n, k in zip(t.layer_lens, t.kept_positions))
+        self._drop_window(t)
+        t.layer_lens = [n - drop for n in t.layer_lens]
+        t.num_slots = max(t.layer_lens)
+        keep = cdiv(t.num_slots, self.page_size)
+        for page in reversed(t.pages[keep:]):
+            self.pool.decref(page)
+        t.pages, t.host_row = t.pages[:keep], None
+        return new_len
+
     def commit(self, req: Request, num_new_tokens: int) -> None:
         t = self.table(req)
         t.num_slots += num_new_tokens

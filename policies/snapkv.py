@@ -25,10 +25,13 @@ P); the request starts with the chain's retained KV, possibly already compacted 
 prefills only the suffix. Each turn is one application of the definition above, at the end of *its* prompt,
 over what the request physically holds:
 
-* the window is again the queries of logical positions [P - w, P). When the turn's suffix is shorter than w,
-  the earlier of them were computed by a previous turn: the request always stashes its last w queries per
-  layer, and ``export_state`` / ``import_state`` carry them with the chain (if the chain's method state was
-  lost -- e.g. after an aborted turn -- the window holds only the queries this turn computed);
+* the window is again the queries of logical positions [P - w, P). The turn computes them itself: its
+  ``resume_limit`` (P - w) makes the chain cut its retained KV back to the window's start and recompute
+  those tokens (their KV comes out as it was: the same tokens over the same retained KV). Retained KV can
+  only be cut after its last compaction; when the window starts before it, its earlier rows are the previous
+  prompt's last queries, which the request stashes per layer during prefill and ``export_state`` /
+  ``import_state`` carry with the chain. Rows that are neither (tokens generated before a prune compacted
+  the chain, or a lost method state) are left out of the vote;
 * the keys are every slot the layer holds (the retained, possibly compacted KV plus the new suffix) at their
   logical positions (``positions_of``); causality inside the window is by logical position;
 * the window slots are the held slots at positions >= P - w (all w of them unless the chain was pruned);
@@ -37,7 +40,8 @@ over what the request physically holds:
   turns whose P is at most ``budget``, keep everything.
 
 The first turn of a chain (and any recomputed one) is exactly the single-request case. Decode queries are
-stashed as well (the rolling last w), which the next turn's window and ``reeval_every`` both use.
+stashed only under ``reeval_every`` (the rolling last w); otherwise decode steps run no per-layer hook once
+the prompt is evicted and replay CUDA graphs, chain turns included.
 
 ``reeval_every = N > 0`` (an extension, off by default): after every N generated tokens, the same vote is
 recomputed with the last w computed queries (the rolling observation window, logical positions
@@ -138,12 +142,15 @@ class SnapKV(SparseMethod):
             queries = QueryStash.load(state["queries"], self.config.window)
             self._states[req.request_id] = _State(req, len(queries.q), self.config.window, queries)
 
+    def resume_limit(self, num_prompt_tokens: int) -> int:
+        return max(0, num_prompt_tokens - self.config.window)  # a chain turn recomputes its whole window
+
     def _done(self, req) -> bool:
-        """No later vote can read this request's next queries: its prompt is evicted, no re-evaluation is
-        configured, and no later chain turn may take its window from them."""
+        """No later vote can read this request's next queries: its prompt is evicted and no re-evaluation is
+        configured (a later chain turn recomputes its window: ``resume_limit``)."""
         st = self._states.get(req.request_id)
         return (st is not None and st.prompt_evicted and st.preemptions == req.num_preemptions
-                and not self.config.reeval_every and req.chain_id is None)
+                and not self.config.reeval_every)
 
     def replayable(self, batch) -> bool:
         return all(self._done(req) for req in batch.requests)

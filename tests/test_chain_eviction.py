@@ -72,23 +72,24 @@ def snap_chain_rule(budget, window, kernel, pooling, budgets_of, reeval_every=0)
     """SnapKV / PyramidKV per turn: at the end of the turn's prompt, the queries of positions [P - w, P) vote over
     every held position; each (layer, head) over its budget keeps its window positions plus the top others."""
 
-    def trim(rec, kept, lo, hi, budgets):
+    def trim(rec, kept, lo, hi, budgets, queries_from=None):
         for layer, b in enumerate(budgets):
             for h, row in enumerate(kept[layer]):
                 if len(row) <= b:
                     continue
                 win = [p for p in row if p >= lo]
                 others = [p for p in row if p < lo]
-                vote = window_vote(rec, layer, h, range(lo, hi), row)[: len(others)]
+                vote = window_vote(rec, layer, h, range(max(lo, queries_from or lo), hi), row)[: len(others)]
                 score = dict(zip(others, pool_reference(vote, kernel, pooling)))
                 kept[layer][h] = top_positions(others, score, b - len(win)) + win
 
     def rule(rec, s, e, kept, P):
         if s < P <= e:  # this step finished the turn's prompt (e == P)
-            if P > budget:
-                trim(rec, kept, P - window, P, budgets_of(P))
+            if P > budget:  # the window's queries are those the engine still holds (rule.queries_from)
+                trim(rec, kept, P - window, P, budgets_of(P), rule.queries_from)
         elif reeval_every and e > P and (e - P) % reeval_every == 0:
             trim(rec, kept, e - window, e, budgets_of(P))
+    rule.window, rule.stashes_decode, rule.queries_from = window, bool(reeval_every), None
     return rule
 
 
@@ -137,19 +138,33 @@ def make_rule(method, cfg, num_layers):
 # --- the reference over the whole history -----------------------------------------------------------------
 @torch.no_grad()
 def simulate_chain(model, turns, rule, num_layers, heads, prune_before=None):
-    """Replay a chain: ``turns`` is a list of (new tokens, steps) with the engine's step sizes; the history is
-    rebuilt from scratch with a dense forward per step under the kept sets. ``prune_before`` maps a turn index
-    to the intervals ``prune_chain`` dropped (keep_ratio 0) before it. Returns (tokens per turn, kept after
-    every step, mask)."""
-    N = sum(len(new) for new, _ in turns) + MAX_NEW * len(turns)
+    """Replay a chain: ``turns`` is a list of (new tokens, steps, first position computed) with the engine's
+    step sizes; the history is rebuilt from scratch with a dense forward per step under the kept sets. A turn
+    that starts before the end of the computed history recomputes the positions from there (the engine cut
+    them back: SnapKV's window). ``prune_before`` maps a turn index to the intervals ``prune_chain`` dropped
+    (keep_ratio 0) before it. Returns (tokens per turn, kept after every step, mask)."""
+    N = sum(len(new) for new, _, _ in turns) + MAX_NEW * len(turns)
     mask = [torch.zeros(heads, N, N, dtype=torch.bool) for _ in range(num_layers)]
     kept = [[[] for _ in range(heads)] for _ in range(num_layers)]
     ids, s, outputs, history = [], 0, [], []
-    for t, (new, steps) in enumerate(turns):
+    stash = None  # (lo, hi): logical positions of the query rows a SnapKV request holds between turns
+    for t, (new, steps, start) in enumerate(turns):
         for lo, hi in (prune_before or {}).get(t, []):
             prune_reference(kept, lo, hi)
         ids += new
         P, tokens = len(ids), []
+        assert start <= s
+        if start < s:  # recomputed: the retained positions >= start are dropped and computed again
+            for layer in kept:
+                for h, row in enumerate(layer):
+                    layer[h] = [p for p in row if p < start]
+            for m in mask:
+                m[:, start:s, :] = False
+            s = start
+        w = getattr(rule, "window", None)
+        if w is not None:  # the stash takes this turn's rows from ``start``, joined to what it held if adjacent
+            lo = start if stash is None or stash[1] < start else min(stash[0], start)
+            rule.queries_from = max(P - w, lo)
         for n in steps:
             e = s + n
             rec, token = dense_step(model, ids, s, e, mask, kept)
@@ -159,6 +174,9 @@ def simulate_chain(model, turns, rule, num_layers, heads, prune_before=None):
             rule(rec, s, e, kept, P)
             history.append([[list(row) for row in layer] for layer in kept])
             s = e
+        if w is not None:  # decode rows are stashed only under re-evaluation; the last w rows are kept
+            hi = s if rule.stashes_decode else P
+            stash = (max(lo, hi - w), hi)
         outputs.append(tokens)
     return outputs, history, mask
 
@@ -206,14 +224,22 @@ def run_chain(llm, seed, prune_before=None):
         new = random_tokens(rng, k)
         prompt = history + new
         first = len(steps)
+        table = engine.chains.index.get("c").table if t else None
+        floor = table.compacted_at if table is not None and table.is_compacted else 0  # (read before the turn)
         out = run_turn(engine, "c", prompt)
         assert len(out.token_ids) == MAX_NEW
         if t == 0:
             assert out.resume_status == "created" and out.num_prefilled_tokens == len(prompt)
-        else:  # (a) only the new tokens and the previous turn's last generated token (it had no KV yet)
+        else:  # (a) only the new tokens and the previous turn's last generated token (it had no KV yet) -- or,
+            # for a method computing each prompt's last ``window`` tokens, back to the window's start as far as
+            # the retained KV can be cut (only tokens appended since its last compaction)
             assert out.resume_status == "resumed"
-            assert out.num_prefilled_tokens == len(new) + 1
-            assert out.num_resumed_tokens == len(history) - 1
+            resumed = len(history) - 1
+            window = engine.method.config.window if engine.method.name in ("snapkv", "pyramidkv") else 0
+            if window:
+                resumed = min(resumed, max(len(prompt) - window, floor))
+            assert out.num_prefilled_tokens == len(prompt) - resumed
+            assert out.num_resumed_tokens == resumed
         assert all(rid == out.request_id for rid, _, _ in steps[first:])
         # (c) the chain holds exactly the pages its longest layer needs
         info = engine.chain_info("c")
@@ -229,8 +255,9 @@ def check_chain_against_reference(llm, method, cfg, turns, steps, prune_before=N
     engine = llm.engine
     model, mc = engine.model, engine.model_config
     rule = make_rule(method, cfg, mc.num_layers)
-    ref_tokens, ref_kept, mask = simulate_chain(model, [(new, n) for _, new, n, _ in turns], rule, mc.num_layers,
-                                                mc.num_kv_heads, prune_before)
+    turns_ref = [(new, n, len(prompt) - out.num_prefilled_tokens) for prompt, new, n, out in turns]
+    ref_tokens, ref_kept, mask = simulate_chain(model, turns_ref, rule, mc.num_layers, mc.num_kv_heads,
+                                                prune_before)
     # (b) the kept positions after every step, and the tokens of every turn
     assert len(ref_kept) == len(steps)
     for i, ((_, _, got), want) in enumerate(zip(steps, ref_kept)):
@@ -309,7 +336,8 @@ def test_an_aborted_turn_gives_the_chain_back_its_kv_and_method_state(case, tiny
     assert engine.chains.index.get("c").method_state is before
     prompt = history + random_tokens(rng, 3)  # 25 tokens > 24: evicts; the SnapKV window [19, 25) reaches back
     out = run_turn(engine, "c", prompt)
-    assert out.resume_status == "resumed" and out.num_prefilled_tokens == 4
+    # H2O: the 3 new tokens + the last generated one; SnapKV recomputes its whole window (uncompacted KV)
+    assert out.resume_status == "resumed" and out.num_prefilled_tokens == (4 if method == "h2o" else SNAP["window"])
     kept = 24 if method == "h2o" else 24 + MAX_NEW - 1  # H2O evicts after every token, SnapKV once
     assert engine.chain_info("c").physical_tokens == [kept] * 2
     engine.delete_chain("c")

@@ -48,8 +48,13 @@ def test_snapkv_replays_only_after_its_prompt_eviction(tiny_dirs):
     assert decode and all(decode)
 
 
+def test_snapkv_chain_turns_replay_after_their_prompt_eviction(tiny_dirs):
+    """A chain's next turn recomputes its window (``resume_limit``), so decode queries are never needed later."""
+    _, seen = _answers(_llm(tiny_dirs["llama"]), chain_id="c")
+    decode = [a for decode, a in seen if decode]
+    assert decode and all(decode) and not any(a for d, a in seen if not d)
+
+
 def test_snapkv_never_replays_when_queries_may_be_needed_later(tiny_dirs):
-    _, seen = _answers(_llm(tiny_dirs["llama"]), chain_id="c")  # a later turn's window may reach back
-    assert not any(a for _, a in seen)
     _, seen = _answers(_llm(tiny_dirs["llama"], reeval_every=2))  # re-evaluation votes with decode queries
     assert not any(a for _, a in seen)

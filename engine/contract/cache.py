@@ -92,6 +92,16 @@ class CacheManager(ABC):
     def truncate_table(self, table: Any, num_slots: int) -> None:
         """Keep the first ``num_slots`` slots (uncompacted state only)."""
 
+    def truncate_logical(self, table: Any, logical_len: int, lo: int, hi: int) -> int:
+        """Cut a table holding ``logical_len`` logical tokens back to the shortest length in ``[lo, hi]`` its
+        state can be cut to, and return that length; 0 (table unchanged) if none. The default cuts
+        uncompacted tables anywhere (``truncate_table``) and compacted ones nowhere."""
+        if getattr(table, "is_compacted", False):
+            return logical_len if lo <= logical_len <= hi else 0
+        if lo < logical_len:
+            self.truncate_table(table, lo)
+        return min(lo, logical_len)
+
     @abstractmethod
     def physical_len(self, req: Request, layer: int = 0) -> int: ...
 

@@ -93,6 +93,13 @@ class SparseMethod:
         that needs the queries of a prompt's last tokens, or attention over the whole prompt, lowers it."""
         return num_prompt_tokens
 
+    def resume_limit(self, num_prompt_tokens: int) -> int:
+        """The most prompt tokens a chain turn may take from the chain's retained KV (the rest, at least the
+        new tokens, is computed: retained tokens past the limit are dropped and recomputed, which leaves
+        their KV as it was). A method that needs the queries of a prompt's last tokens lowers it, so it need
+        not keep queries from one turn for the next."""
+        return num_prompt_tokens
+
     def max_physical_tokens(self, num_prompt_tokens: int, max_new_tokens: int, max_chunk_tokens: int) -> int:
         """The most KV slots (per layer) a request may hold at once; admission reserves room for this much.
         Dense: every token. Methods that bound a request's KV override it (prefill chunks of up to
