@@ -131,7 +131,7 @@ class Kivi(KVCodec):
         self.key = PerChannelKeys(c.bits, c.group_size)
         self.value = PerTokenValues(c.bits, c.group_size)
         self.residual = c.residual
-        self.kernel_format = "int4-asym-kchan-vtok" if c.bits == 4 else None
+        self.kernel_format = f"int{c.bits}-asym-kchan-vtok"
 
     def check(self, spec) -> None:
         super().check(spec)

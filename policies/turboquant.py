@@ -105,6 +105,11 @@ class TurboQuant(KVCodec):
     def __init__(self, config=None):
         super().__init__(config)
         self.key = self.value = RotatedLloydMax(self.config.bits, self.config.seed)
+        self.kernel_format = "lloydmax-rotated-bitplanes"
+
+    def kernel_tables(self, head_dim, device):
+        pi, levels, _ = self.key._tables(head_dim, device)
+        return {"rotation": pi, "levels": levels}
 
     def check(self, spec) -> None:
         super().check(spec)

@@ -68,7 +68,9 @@ def reference(codec, q, kf, vf, block_tables, lens, quant, wk, wv, wids, page_si
     return out
 
 
-CASES = [("fp8", {}), ("kivi", {"bits": 4, "group_size": 8, "residual": 8})]
+CASES = [("fp8", {}), ("kivi", {"bits": 4, "group_size": 8, "residual": 8}),
+         ("kivi", {"bits": 2, "group_size": 8, "residual": 8}), ("turboquant", {"bits": 3}),
+         ("turboquant", {"bits": 2})]
 
 
 @pytest.mark.parametrize("name,cfg", CASES)
@@ -82,7 +84,7 @@ def test_quantized_decode_matches_reference(name, cfg, dtype, group, head_dim, p
     got = quantized_decode_attention(
         q, codec.kernel_format, kf, vf, bt, kv_lens, torch.tensor(quant, dtype=torch.int32, device=DEVICE),
         wk, wv, None if wids is None else torch.tensor(wids, dtype=torch.int32, device=DEVICE), head_dim**-0.5,
-        num_splits=num_splits, block_n=16)
+        num_splits=num_splits, block_n=16, tables=codec.kernel_tables(head_dim, q.device))
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 

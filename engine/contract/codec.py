@@ -125,6 +125,11 @@ class KVCodec:
                      + self.value.bytes_per_token(spec.num_kv_heads, spec.head_dim))
         return per_layer * spec.num_layers
 
+    def kernel_tables(self, head_dim: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Constant tensors the fused decode kernel of ``kernel_format`` reads besides the fields (e.g. a
+        codebook and a rotation); none by default."""
+        return {}
+
     def check(self, spec: CacheSpec) -> None:
         """Raise ConfigError if this codec cannot store ``spec``'s KV."""
         if spec.page_size % self.group:

@@ -14,10 +14,17 @@ window_ids, scale, num_splits=None)``
 Formats:
 * ``e4m3-token-head``: codes uint8 [P, ps, Hkv, D] (E4M3 bits), scale fp32 [P, ps, Hkv, 1]; x = e4m3(code) *
   scale. The scale is applied to the logits (keys) and to the probabilities (values), not to the tiles.
-* ``int4-asym-kchan-vtok``: codes uint8 [P, ps, Hkv, D / 2], byte j = channel j (low nibble) | channel
-  j + D/2 (high nibble); keys: scale / zero fp16 [P, ps / G, Hkv, D] (per channel over G tokens); values:
-  scale / zero fp16 [P, ps, Hkv, D / Gv] (per token over Gv channels); x = code * scale + zero. The two
-  nibble planes are two contiguous channel halves, so Q K^T and P V run as two half-width dots.
+* ``int4-asym-kchan-vtok`` / ``int2-asym-kchan-vtok`` (KIVI): codes uint8 [P, ps, Hkv, D b / 8] in planes,
+  byte j holding channels j + p D b / 8 (p = 0 .. 8 / b - 1) at bit p b; keys: scale / zero fp16 [P, ps / G,
+  Hkv, D] (per channel over G tokens); values: scale / zero fp16 [P, ps, Hkv, D / Gv] (per token over Gv
+  channels); x = code * scale + zero. A tile unpacks every channel from its byte and plane, so Q K^T and
+  P V run as full-width dots.
+
+* ``lloydmax-rotated-bitplanes`` (TurboQuant): codes uint8 [P, ps, Hkv, D b / 8] as b bit planes (plane p,
+  bytes [p D / 8, (p + 1) D / 8), holds bit p of every channel's index, channel c at byte c // 8, bit c % 8),
+  norm fp32 [P, ps, Hkv, 1]; x = norm * (levels[index] @ R) for the codec's rotation R ([D, D]) and
+  Lloyd-Max levels (``tables``). Attention runs in the rotated basis: the query enters as q R^T, each tile
+  is ``norm * levels[index]``, and the output leaves as o R (no window: this codec keeps none).
 
 Grid and split structure as ``decode_attention``: one program per (request, KV head, split) owns the whole
 query-head group; a tile of BLOCK_N slots mixes coded slots and window slots by masked loads; partials are
@@ -33,7 +40,8 @@ import triton.language as tl
 from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms
 from kernels.triton.decode_attention import _decode_combine_kernel, choose_num_splits
 
-FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok")
+FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok", "int2-asym-kchan-vtok", "lloydmax-rotated-bitplanes")
+_INT_BITS = {"int4-asym-kchan-vtok": 4, "int2-asym-kchan-vtok": 2}
 _LOG2E = 1.4426950408889634
 
 
@@ -144,7 +152,7 @@ def _fp8_decode_kernel(
 
 
 @triton.jit
-def _int4_decode_kernel(
+def _intn_decode_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, wk_ptr, wv_ptr, bt_ptr, lens_ptr, qlens_ptr, wid_ptr,
     out_ptr, mid_o_ptr, mid_lse_ptr, scale_log2,
     stride_qb, stride_qh,
@@ -153,7 +161,7 @@ def _int4_decode_kernel(
     s_vp, s_vs, s_vh,  # value scale / zero [P, ps, Hkv, D / Gv]
     s_wn, s_wc, s_wh,
     stride_btb, stride_ob, stride_oh,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr, CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
@@ -166,14 +174,18 @@ def _int4_decode_kernel(
     quant_len = tl.load(qlens_ptr + b)
 
     offs_g = tl.arange(0, BLOCK_G)
-    offs_h = tl.arange(0, HALF)
+    offs_d = tl.arange(0, HEAD_DIM)
     offs_n = tl.arange(0, BLOCK_N)
     head = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    width: tl.constexpr = HEAD_DIM * BITS // 8  # bytes per token: channel c is byte c % width, plane c // width
+    byte = (offs_d % width)[None, :]
+    shift = ((offs_d // width) * BITS)[None, :]
+    vgroup = (offs_d // VGROUP)[None, :]
     dot_ty = tl.float32 if UPCAST else q_ptr.dtype.element_ty
-    q_row = q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh
-    q_lo = tl.load(q_row + offs_h[None, :], mask=g_mask[:, None], other=0.0).to(dot_ty)
-    q_hi = tl.load(q_row + HALF + offs_h[None, :], mask=g_mask[:, None], other=0.0).to(dot_ty)
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0).to(dot_ty)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     wid = 0
     if HAS_WINDOW:
@@ -181,8 +193,7 @@ def _int4_decode_kernel(
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
-    acc_lo = tl.full([BLOCK_G, HALF], 0.0, dtype=tl.float32)
-    acc_hi = tl.full([BLOCK_G, HALF], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, dtype=tl.float32)
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         n_mask = tok < end
@@ -191,45 +202,92 @@ def _int4_decode_kernel(
         off = (tok % PAGE_SIZE).to(tl.int64)
         cmask = coded[:, None]
         code_row = (page * s_cp + off * s_cs + kvh * s_ch)[:, None]
-        kb = tl.load(kc_ptr + code_row + offs_h[None, :], mask=cmask, other=0).to(tl.int32)
-        vb = tl.load(vc_ptr + code_row + offs_h[None, :], mask=cmask, other=0).to(tl.int32)
-        krow = (page * s_kp + (off // KGROUP) * s_kg + kvh * s_kh)[:, None]
-        k_lo = (kb & 15).to(tl.float32) * tl.load(ks_ptr + krow + offs_h[None, :], mask=cmask,
-                                                   other=0.0).to(tl.float32) \
-            + tl.load(kz_ptr + krow + offs_h[None, :], mask=cmask, other=0.0).to(tl.float32)
-        k_hi = (kb >> 4).to(tl.float32) * tl.load(ks_ptr + krow + HALF + offs_h[None, :], mask=cmask,
-                                                   other=0.0).to(tl.float32) \
-            + tl.load(kz_ptr + krow + HALF + offs_h[None, :], mask=cmask, other=0.0).to(tl.float32)
-        vrow = (page * s_vp + off * s_vs + kvh * s_vh)[:, None]
-        g_lo = (offs_h // VGROUP)[None, :]
-        g_hi = ((offs_h + HALF) // VGROUP)[None, :]
-        v_lo = (vb & 15).to(tl.float32) * tl.load(vs_ptr + vrow + g_lo, mask=cmask, other=0.0).to(tl.float32) \
-            + tl.load(vz_ptr + vrow + g_lo, mask=cmask, other=0.0).to(tl.float32)
-        v_hi = (vb >> 4).to(tl.float32) * tl.load(vs_ptr + vrow + g_hi, mask=cmask, other=0.0).to(tl.float32) \
-            + tl.load(vz_ptr + vrow + g_hi, mask=cmask, other=0.0).to(tl.float32)
+        kq = (tl.load(kc_ptr + code_row + byte, mask=cmask, other=0).to(tl.int32) >> shift) & ((1 << BITS) - 1)
+        vq = (tl.load(vc_ptr + code_row + byte, mask=cmask, other=0).to(tl.int32) >> shift) & ((1 << BITS) - 1)
+        krow = (page * s_kp + (off // KGROUP) * s_kg + kvh * s_kh)[:, None] + offs_d[None, :]
+        k = kq.to(tl.float32) * tl.load(ks_ptr + krow, mask=cmask, other=0.0).to(tl.float32) \
+            + tl.load(kz_ptr + krow, mask=cmask, other=0.0).to(tl.float32)
+        vrow = (page * s_vp + off * s_vs + kvh * s_vh)[:, None] + vgroup
+        v = vq.to(tl.float32) * tl.load(vs_ptr + vrow, mask=cmask, other=0.0).to(tl.float32) \
+            + tl.load(vz_ptr + vrow, mask=cmask, other=0.0).to(tl.float32)
         if HAS_WINDOW:
             windowed = (n_mask & (tok >= quant_len))[:, None]
-            wrow = (wid * s_wn + (tok % CAP).to(tl.int64) * s_wc + kvh * s_wh)[:, None]
-            k_lo += tl.load(wk_ptr + wrow + offs_h[None, :], mask=windowed, other=0.0).to(tl.float32)
-            k_hi += tl.load(wk_ptr + wrow + HALF + offs_h[None, :], mask=windowed, other=0.0).to(tl.float32)
-            v_lo += tl.load(wv_ptr + wrow + offs_h[None, :], mask=windowed, other=0.0).to(tl.float32)
-            v_hi += tl.load(wv_ptr + wrow + HALF + offs_h[None, :], mask=windowed, other=0.0).to(tl.float32)
-        qk = tl.dot(q_lo, tl.trans(k_lo.to(dot_ty)), input_precision=PRECISION)
-        qk += tl.dot(q_hi, tl.trans(k_hi.to(dot_ty)), input_precision=PRECISION)
+            wrow = (wid * s_wn + (tok % CAP).to(tl.int64) * s_wc + kvh * s_wh)[:, None] + offs_d[None, :]
+            k += tl.load(wk_ptr + wrow, mask=windowed, other=0.0).to(tl.float32)
+            v += tl.load(wv_ptr + wrow, mask=windowed, other=0.0).to(tl.float32)
+        qk = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision=PRECISION)
         qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        pd = p.to(dot_ty)
-        acc_lo = acc_lo * alpha[:, None] + tl.dot(pd, v_lo.to(dot_ty), input_precision=PRECISION)
-        acc_hi = acc_hi * alpha[:, None] + tl.dot(pd, v_hi.to(dot_ty), input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision=PRECISION)
         m_i = m_new
-    d_mask = offs_h < HALF
-    _finish(acc_lo, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_h, d_mask, split,
-            num_q_heads, stride_ob, stride_oh, 2 * HALF, NUM_SPLITS)
-    _finish(acc_hi, m_i, l_i, out_ptr + HALF, mid_o_ptr + HALF, mid_lse_ptr, b, head, g_mask, offs_h, d_mask,
-            split, num_q_heads, stride_ob, stride_oh, 2 * HALF, NUM_SPLITS)
+    _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
+            num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
+    _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
+
+
+@triton.jit
+def _lloydmax_decode_kernel(
+    q_ptr, kc_ptr, kn_ptr, vc_ptr, vn_ptr, lv_ptr, bt_ptr, lens_ptr,
+    out_ptr, mid_o_ptr, mid_lse_ptr, scale_log2,
+    stride_qb, stride_qh,
+    s_cp, s_cs, s_ch,  # codes (k and v share the layout)
+    s_np, s_ns, s_nh,  # norms [P, ps, Hkv, 1]
+    stride_btb, stride_ob, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    num_q_heads = tl.num_programs(1) * GROUP
+    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    head = kvh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    d_mask = offs_d < HEAD_DIM
+    byte = (offs_d // 8)[None, :]
+    bit = (offs_d % 8)[None, :]
+    dot_ty = tl.float32 if UPCAST else q_ptr.dtype.element_ty
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0).to(dot_ty)  # already rotated: q R^T
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        n_mask = tok < end
+        page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        off = (tok % PAGE_SIZE).to(tl.int64)
+        cmask = n_mask[:, None]
+        code_row = (page * s_cp + off * s_cs + kvh * s_ch)[:, None]
+        k_idx = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.int32)
+        v_idx = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.int32)
+        for p in tl.static_range(BITS):
+            plane = code_row + p * (HEAD_DIM // 8) + byte
+            k_idx += ((tl.load(kc_ptr + plane, mask=cmask, other=0).to(tl.int32) >> bit) & 1) << p
+            v_idx += ((tl.load(vc_ptr + plane, mask=cmask, other=0).to(tl.int32) >> bit) & 1) << p
+        nrow = page * s_np + off * s_ns + kvh * s_nh
+        k = tl.load(lv_ptr + k_idx) * tl.load(kn_ptr + nrow, mask=n_mask, other=0.0)[:, None]
+        v = tl.load(lv_ptr + v_idx) * tl.load(vn_ptr + nrow, mask=n_mask, other=0.0)[:, None]
+        qk = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision=PRECISION)
+        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision=PRECISION)
+        m_i = m_new
+    _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
+            num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
     _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
 
 
@@ -237,8 +295,11 @@ def quantized_decode_attention(
     q: torch.Tensor, fmt: str, k_fields: dict[str, torch.Tensor], v_fields: dict[str, torch.Tensor],
     block_tables: torch.Tensor, kv_lens: torch.Tensor, quant_lens: torch.Tensor,
     window_k: torch.Tensor | None, window_v: torch.Tensor | None, window_ids: torch.Tensor | None,
-    scale: float, num_splits: int | None = None, *, block_n: int = 32, num_warps: int = 4,
+    scale: float, num_splits: int | None = None, *, tables: dict[str, torch.Tensor] | None = None,
+    block_n: int = 32, num_warps: int = 4,
 ) -> torch.Tensor:
+    """See the module docstring; ``tables``: the codec's ``kernel_tables`` (the Lloyd-Max format's rotation
+    and levels)."""
     if fmt not in FORMATS:
         raise ValueError(f"no quantized decode kernel for format {fmt!r}; formats: {FORMATS}")
     batch, num_q_heads, head_dim = q.shape
@@ -276,23 +337,44 @@ def quantized_decode_attention(
             *kc.stride()[:3], *ks.stride()[:3], *wstrides, block_tables.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
             CAP=window_k.shape[1], HAS_WINDOW=has_window, UPCAST=upcast, PRECISION=precision, **common_tail)
-    else:
-        kernel = _int4_decode_kernel
+    elif fmt == "lloydmax-rotated-bitplanes":
+        assert not has_window and head_dim == next_pow2(head_dim) and tables is not None
+        rotation, levels = tables["rotation"], tables["levels"]
+        qr = (q.float() @ rotation.T).to(q.dtype)  # scores in the rotated basis: q . (y R) = (q R^T) . y
+        kernel = _lloydmax_decode_kernel
         upcast, precision = dot_args(kernel, q.dtype)
-        half = head_dim // 2
-        assert half == next_pow2(half), "int4 decode needs a power-of-two head_dim"
+        kn = k_fields["norm"]
+        out_rot = torch.empty(out.shape, dtype=torch.float32, device=q.device)
+        kernel[grid](
+            qr, kc, kn, v_fields["codes"], v_fields["norm"], levels, block_tables, kv_lens,
+            out_rot, mid_o, mid_lse, scale_log2, qr.stride(0), qr.stride(1),
+            *kc.stride()[:3], *kn.stride()[:3], block_tables.stride(0), out_rot.stride(0), out_rot.stride(1),
+            GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BITS=kc.shape[3] * 8 // head_dim,
+            PAGE_SIZE=page_size, UPCAST=upcast, PRECISION=precision, **common_tail)
+        _combine(num_splits, mid_o, mid_lse, out_rot, batch, num_q_heads, head_dim)
+        out.copy_(out_rot @ rotation)  # back to the model's basis
+        return out
+    else:
+        kernel = _intn_decode_kernel
+        upcast, precision = dot_args(kernel, q.dtype)
+        bits = _INT_BITS[fmt]
+        assert head_dim == next_pow2(head_dim), "int decode kernels need a power-of-two head_dim"
         ks, vs = k_fields["scale"], v_fields["scale"]
         kernel[grid](
             q, kc, ks, k_fields["zero"], v_fields["codes"], vs, v_fields["zero"], window_k, window_v, block_tables,
             kv_lens, quant_lens, window_ids, out, mid_o, mid_lse, scale_log2, q.stride(0), q.stride(1),
             *kc.stride()[:3], *ks.stride()[:3], *vs.stride()[:3], *wstrides, block_tables.stride(0),
             out.stride(0), out.stride(1),
-            GROUP=group, BLOCK_G=block_g, HALF=half, PAGE_SIZE=page_size, KGROUP=page_size // ks.shape[1],
-            VGROUP=head_dim // vs.shape[3], CAP=window_k.shape[1], HAS_WINDOW=has_window, UPCAST=upcast,
-            PRECISION=precision, **common_tail)
+            GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BITS=bits, PAGE_SIZE=page_size,
+            KGROUP=page_size // ks.shape[1], VGROUP=head_dim // vs.shape[3], CAP=window_k.shape[1],
+            HAS_WINDOW=has_window, UPCAST=upcast, PRECISION=precision, **common_tail)
+    _combine(num_splits, mid_o, mid_lse, out, batch, num_q_heads, head_dim)
+    return out
+
+
+def _combine(num_splits, mid_o, mid_lse, out, batch, num_q_heads, head_dim) -> None:
     if num_splits > 1:
         _decode_combine_kernel[(batch, num_q_heads)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), NUM_SPLITS=num_splits,
             BLOCK_S=max(2, next_pow2(num_splits)))
-    return out
