@@ -23,6 +23,13 @@ A request reads everything when it has ``<= token_budget`` tokens (new token inc
 than the budget allows; the first ``dense_layers`` layers and every prefill chunk run dense. The returned
 ``SelectedPagesView`` lists the selected pages in increasing logical order, the last page last, with
 ``kv_lens`` = the number of selected slots, so the backend's causal / last-page semantics hold unchanged.
+
+Two implementations of the same selection. Steps with prompt tokens plan on the host (``_plan``: index
+lists, one host->device copy). Steps where every request decodes select on the device alone
+(``_select_decode``: the new key widens its page's bounds in place, every column of the step's page table
+is scored, the per-row top pages are kept with fixed shapes), which is what a decode CUDA graph captures:
+such steps are ``replayable``, and the graph replays the selection. The tests check both against the
+paper-definition reference and against each other.
 """
 
 from __future__ import annotations
@@ -78,7 +85,7 @@ class Quest(SparseMethod):
     family = Family.SELECTION
     Config = QuestConfig
     view_types = (PagedView, SelectedPagesView)
-    cuda_graph_safe = False  # select() builds its view on the host every step
+    cuda_graph_safe = False  # prompt steps plan on the host; pure-decode steps are replayable
 
     def __init__(self, config: QuestConfig | None = None):
         super().__init__(config)
@@ -106,6 +113,19 @@ class Quest(SparseMethod):
             lo, hi = page_key_bounds(k_cache, page_ids, valid)
             kmin_all[layer - self.config.dense_layers][page_ids] = lo
             kmax_all[layer - self.config.dense_layers][page_ids] = hi
+
+    def bind(self, cache) -> None:
+        k_cache, _ = cache.layer_kv(0)
+        self._bounds(cache, k_cache)  # allocated before any decode graph is captured (capture must not allocate)
+
+    def replayable(self, batch) -> bool:
+        return self._all_decode(batch)
+
+    @staticmethod
+    def _all_decode(batch) -> bool:
+        """Every row of the step decodes (a captured graph's static batch has no requests: decode rows)."""
+        return (batch.view.is_pure_decode and not batch.finished_prompt
+                and all(req.num_computed_tokens >= req.num_prompt_tokens for req in batch.requests))
 
     def _bounds(self, cache, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_layers = max(cache.spec.num_layers - self.config.dense_layers, 0)
@@ -172,6 +192,8 @@ class Quest(SparseMethod):
         k_cache, _ = batch.cache.layer_kv(layer)
         kmin_all, kmax_all = self._bounds(batch.cache, k_cache)
         kmin_l, kmax_l = kmin_all[layer - self.config.dense_layers], kmax_all[layer - self.config.dense_layers]
+        if self._all_decode(batch):
+            return self._select_decode(q, view, k_cache, kmin_l, kmax_l)
         plan = self._plan(batch, view)
         if plan.touched_pages.numel():
             lo, hi = page_key_bounds(k_cache, plan.touched_pages, plan.touched_valid)
@@ -201,6 +223,51 @@ class Quest(SparseMethod):
             query_start_loc=view.query_start_loc,
             page_size=ps,
             kv_lens_cpu=plan.kv_lens_cpu,
+            query_lens_cpu=view.query_lens_cpu,
+            causal=view.causal,
+        )
+
+    def _select_decode(self, q, view, k_cache, kmin_l, kmax_l) -> SelectedPagesView:
+        """The selection of a step whose rows all decode, with device ops of fixed shapes only."""
+        ps, budget = view.page_size, self.config.token_budget
+        bt = view.block_tables
+        width = bt.shape[1]
+        lens = view.kv_lens.long()
+        last = (lens - 1) // ps  # [B] logical index of each row's last page
+        page = bt.gather(1, last[:, None]).squeeze(1).long()
+        offset = lens - 1 - last * ps
+        k_new = k_cache[page, offset]  # [B, Hkv, D] the key this step wrote
+        fresh = (offset == 0)[:, None, None]  # a page's first slot resets its bounds
+        kmin_l[page] = torch.where(fresh, k_new, torch.minimum(kmin_l[page], k_new))
+        kmax_l[page] = torch.where(fresh, k_new, torch.maximum(kmax_l[page], k_new))
+
+        max_selected = budget // ps
+        keep = max(-(-budget // ps), max_selected) - 1  # most pages kept besides the last (short rows: all)
+        scores = quest_page_scores(q, kmin_l, kmax_l, bt, self.config.aggregate)
+        scores = all_reduce(scores, self.config.aggregate)
+        cols = torch.arange(width, device=bt.device)
+        scores = scores.masked_fill(cols[None, :] >= last[:, None], float("-inf"))  # candidates: before the last
+        k = min(keep, width)
+        per_row = torch.where(lens <= budget, last, torch.clamp(last, max=max_selected - 1))  # pages kept
+        if k > 0:
+            top = scores.topk(k, dim=1)
+            kept = (torch.arange(k, device=bt.device)[None, :] < per_row[:, None]) & (top.values > float("-inf"))
+            picked = torch.where(kept, top.indices, width + top.indices).sort(dim=1).values  # kept ones first
+            count = kept.sum(dim=1)
+        else:
+            picked = torch.zeros(bt.shape[0], 0, dtype=torch.long, device=bt.device)
+            count = torch.zeros_like(last)
+        chosen = torch.cat([picked, torch.zeros_like(last)[:, None]], dim=1)
+        chosen = torch.where(chosen >= width, 0, chosen)
+        chosen.scatter_(1, count[:, None], last[:, None])  # the last page right after the kept ones
+        new_lens = (count * ps + lens - last * ps).to(view.kv_lens.dtype)
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        return SelectedPagesView(
+            block_tables=bt.gather(1, chosen).to(bt.dtype),
+            kv_lens=new_lens,
+            query_start_loc=view.query_start_loc,
+            page_size=ps,
+            kv_lens_cpu=view.kv_lens_cpu if capturing else new_lens.tolist(),  # GPU decode kernels read none
             query_lens_cpu=view.query_lens_cpu,
             causal=view.causal,
         )

@@ -201,11 +201,19 @@ def check_against_reference(llm, outs, prompts, seen, make_choose):
 
 
 # --- Quest -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("aggregate", ["max", "sum"])
-def test_quest_selects_and_decodes_like_the_dense_reference(model_dir, aggregate):
+@pytest.mark.parametrize("aggregate,path", [("max", "device"), ("sum", "device"), ("max", "host")])
+def test_quest_selects_and_decodes_like_the_dense_reference(model_dir, aggregate, path):
+    """``path``: pure-decode steps select on the device (what a decode graph captures), or, forced, through
+    the host plan that prompt steps use."""
     cfg = {"token_budget": 18, "dense_layers": 1, "aggregate": aggregate}  # 4 pages: 18 is not a page multiple
     llm = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=24,
               method="quest", method_config=cfg)
+    method, device_steps = llm.engine.method, []
+    if path == "host":
+        method._all_decode = lambda batch: False
+    else:
+        inner = method._select_decode
+        method._select_decode = lambda *a: device_steps.append(1) or inner(*a)
     seen = capture_selections(llm)
     prompts = make_prompts()
     outs = llm.generate(prompts, GREEDY)
@@ -218,6 +226,7 @@ def test_quest_selects_and_decodes_like_the_dense_reference(model_dir, aggregate
     short = of_request(seen, outs[0].request_id)
     assert all(len(v) == pos + 1 for (pos, layer), v in short.items() if layer < 1)  # dense layer
     assert all(r == 0 for r in llm.engine.pool.ref_counts)
+    assert (len(device_steps) > 0) == (path == "device")
 
 
 # --- OmniKV ----------------------------------------------------------------------------------------------
