@@ -79,9 +79,12 @@ class TritonBackend(AttentionBackend):
         block_tables = view.block_tables
         if isinstance(view, SelectedSlotsView):
             k_cache, v_cache = k_cache.flatten(0, 1).unsqueeze(1), v_cache.flatten(0, 1).unsqueeze(1)
-            if self._slot_table is None or self._slot_table[0] is not view:
-                self._slot_table = (view, _slot_table(view))
-            block_tables = self._slot_table[1]
+            if view.slot_table is not None:
+                block_tables = view.slot_table
+            else:
+                if self._slot_table is None or self._slot_table[0] is not view:
+                    self._slot_table = (view, _slot_table(view))
+                block_tables = self._slot_table[1]
         if view.is_pure_decode:
             out = self._decode(q, k_cache, v_cache, block_tables, view.kv_lens, scale)
             if not return_scores:

@@ -15,6 +15,11 @@ At a decode step (one new token that is not part of the prompt), per request:
 
 A request with ``<= token_budget`` tokens (new token included) reads everything, and prefill chunks run
 dense. Selection assumes every layer holds the same slots (the default paged cache, no compaction).
+
+Steps with prompt tokens choose on the host (index lists, one host->device copy). Steps where every request
+decodes choose on the device with fixed shapes (``_choose_decode``: every row lists ``token_budget`` slots,
+short rows padded past their count, plus a one-slot-page table for GPU kernels), which is what a decode CUDA
+graph captures: such steps are ``replayable``.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class OmniKV(SparseMethod):
     family = Family.SELECTION
     Config = OmniKVConfig
     view_types = (PagedView, SelectedSlotsView)
-    cuda_graph_safe = False  # select() builds its view on the host every step
+    cuda_graph_safe = False  # prompt steps choose on the host; pure-decode steps are replayable
 
     def validate(self, spec):
         last = self.config.observation_layers[-1]
@@ -73,12 +78,22 @@ class OmniKV(SparseMethod):
                 f"method 'omnikv': observation layer {last} does not exist (the model has {spec.num_layers} layers)"
             )
 
+    def replayable(self, batch) -> bool:
+        return self._all_decode(batch)
+
+    @staticmethod
+    def _all_decode(batch) -> bool:
+        """Every row of the step decodes (a captured graph's static batch has no requests: decode rows)."""
+        return (batch.view.is_pure_decode and not batch.finished_prompt
+                and all(req.num_computed_tokens >= req.num_prompt_tokens for req in batch.requests))
+
     def select(self, layer: int, q: torch.Tensor, batch):
         view = batch.view_for(layer)
         if layer < self.config.dense_layers:
             return view
         if layer in self.config.observation_layers:
-            batch.scratch[SCRATCH_KEY] = self._choose(layer, q, batch, view)
+            choose = self._choose_decode if self._all_decode(batch) else self._choose
+            batch.scratch[SCRATCH_KEY] = choose(layer, q, batch, view)
             return view
         chosen = batch.scratch.get(SCRATCH_KEY)
         return view if chosen is None else chosen
@@ -142,4 +157,48 @@ class OmniKV(SparseMethod):
             causal=view.causal,
             slot_indptr=indptr_t,
             slot_indices=slot_indices,
+        )
+
+    def _choose_decode(self, layer: int, q: torch.Tensor, batch, view) -> SelectedSlotsView:
+        """The choice of a step whose rows all decode, with device ops of fixed shapes only."""
+        budget, ps = self.config.token_budget, view.page_size
+        bt = view.block_tables
+        width = bt.shape[1] * ps
+        rows = bt.shape[0]
+        device = q.device
+        lens = view.kv_lens.long()
+        positions = torch.arange(width, device=device)
+        k_cache, _ = batch.cache.layer_kv(layer)
+        logits = paged_decode_logits(q, k_cache, bt, view.kv_lens, view.kv_lens_cpu, q.shape[-1] ** -0.5, width)
+        scores = all_reduce(torch.softmax(logits, dim=-1).sum(dim=1), "sum")  # [B, width]
+        newest = lens - 1
+        scores = scores.masked_fill(positions[None, :] >= newest[:, None], float("-inf"))
+        k = min(budget - 1, width)
+        per_row = torch.clamp(newest, max=budget - 1)  # others kept: all of a short row's
+        if k > 0:
+            top = scores.topk(k, dim=1)
+            kept = (torch.arange(k, device=device)[None, :] < per_row[:, None]) & (top.values > float("-inf"))
+            picked = torch.where(kept, top.indices, width + top.indices).sort(dim=1).values
+            count = kept.sum(dim=1)
+        else:
+            picked = torch.zeros(rows, 0, dtype=torch.long, device=device)
+            count = torch.zeros_like(newest)
+        chosen = torch.cat([picked, torch.zeros_like(newest)[:, None]], dim=1)  # [B, k + 1] logical positions
+        chosen = torch.where(chosen >= width, 0, chosen)
+        chosen.scatter_(1, count[:, None], newest[:, None])  # the new token right after the kept ones
+        listed = count + 1
+        slots = view_slots(bt, torch.arange(rows, device=device)[:, None], chosen, ps)
+        slots = torch.where(torch.arange(k + 1, device=device)[None, :] < listed[:, None], slots, 0)
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        return SelectedSlotsView(
+            block_tables=bt,
+            kv_lens=listed.to(view.kv_lens.dtype),
+            query_start_loc=view.query_start_loc,
+            page_size=ps,
+            kv_lens_cpu=view.kv_lens_cpu if capturing else listed.tolist(),  # GPU decode kernels read none
+            query_lens_cpu=view.query_lens_cpu,
+            causal=view.causal,
+            slot_indptr=torch.arange(rows + 1, device=device) * (k + 1),
+            slot_indices=slots.flatten(),
+            slot_table=slots.to(torch.int32),
         )

@@ -5,7 +5,8 @@ CUDA graphs need a GPU, but what a replay computes is the captured forward over 
 included; the torch backend also gets the lengths as host lists, which GPU backends never read), so the
 greedy tokens must equal a plain eager run: for dense, for eviction methods whose
 layers hold different lengths after compaction (PyramidKV's per-layer budgets, KVzip's non-uniform ones), and
-for Quest, whose decode-step selection is part of the captured forward (it reads only the static buffers).
+for Quest and OmniKV, whose decode-step selection is part of the captured forward (it reads only the static
+buffers).
 """
 
 import random
@@ -14,12 +15,14 @@ import pytest
 
 import policies.kvzip  # noqa: F401  (registers the methods)
 import policies.pyramidkv  # noqa: F401
+import policies.omnikv  # noqa: F401
 import policies.quest  # noqa: F401
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import DecodeGraphs
 
 METHODS = [("dense", {}), ("pyramidkv", {"budget": 24, "window": 4}), ("kvzip", {"budget": 12, "window": 4}),
-           ("quest", {"token_budget": 16, "dense_layers": 0})]  # Quest's selection runs inside the graph
+           ("quest", {"token_budget": 16, "dense_layers": 0}),  # their selection runs inside the graph
+           ("omnikv", {"observation_layers": [0], "token_budget": 16})]
 
 
 def _run(model_dir, method, cfg, fake_graphs: bool):

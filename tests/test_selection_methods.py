@@ -230,12 +230,19 @@ def test_quest_selects_and_decodes_like_the_dense_reference(model_dir, aggregate
 
 
 # --- OmniKV ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("observation_layers", [(1, 3), (2,)])
-def test_omnikv_selects_and_decodes_like_the_dense_reference(model_dir, observation_layers):
+@pytest.mark.parametrize("observation_layers,path", [((1, 3), "device"), ((2,), "device"), ((1, 3), "host")])
+def test_omnikv_selects_and_decodes_like_the_dense_reference(model_dir, observation_layers, path):
+    """``path``: pure-decode steps choose on the device (what a decode graph captures) or, forced, on the host."""
     budget = 12
     llm = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=16,
               method="omnikv", method_config={"observation_layers": list(observation_layers), "token_budget": budget})
-    assert llm.engine.method.config.observation_layers == observation_layers
+    method, device_steps = llm.engine.method, []
+    assert method.config.observation_layers == observation_layers
+    if path == "host":
+        method._all_decode = lambda batch: False
+    else:
+        inner = method._choose_decode
+        method._choose_decode = lambda *a: device_steps.append(1) or inner(*a)
     seen = capture_selections(llm)
     prompts = make_prompts(2)
     outs = llm.generate(prompts, GREEDY)
@@ -245,6 +252,7 @@ def test_omnikv_selects_and_decodes_like_the_dense_reference(model_dir, observat
             assert len(v) == pos + 1  # dense and observation layers read everything
         else:
             assert len(v) == min(budget, pos + 1)
+    assert (len(device_steps) > 0) == (path == "device")
 
 
 # --- budgets that hold everything reproduce dense ---------------------------------------------------------

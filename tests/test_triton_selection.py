@@ -5,6 +5,7 @@ page-size-1 table, and scores returned at decode and prefill steps. Runs compile
 CPU interpreter (TRITON_INTERPRET=1) at tiny sizes.
 """
 
+import dataclasses
 import math
 import os
 import zlib
@@ -86,15 +87,32 @@ def _selected(view, keep_fraction, query_lens):
         query_lens_cpu=view.query_lens_cpu, slot_indptr=indptr, slot_indices=torch.cat(pieces))
 
 
+def _padded(view: SelectedSlotsView, stride: int) -> SelectedSlotsView:
+    """The same lists laid out with a fixed stride per request (junk past each count) plus the one-slot-page
+    table a method builds on the device (OmniKV's decode path)."""
+    rows = []
+    for i, n in enumerate(view.kv_lens_cpu):
+        a = int(view.slot_indptr[i])
+        row = view.slot_indices[a:a + n]
+        rows.append(torch.cat([row, torch.full((stride - n,), 7, dtype=row.dtype, device=row.device)]))
+    table = torch.stack(rows)
+    valid = torch.arange(stride, device=table.device)[None, :] < view.kv_lens[:, None]
+    return dataclasses.replace(
+        view, slot_indptr=torch.arange(len(rows) + 1, device=table.device) * stride,
+        slot_indices=table.flatten(), slot_table=torch.where(valid, table, 0).to(torch.int32))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("query_lens", [None, [1, 5, 1, 9]])
-@pytest.mark.parametrize("selected", [False, True])
+@pytest.mark.parametrize("selected", [False, True, "padded"])
 def test_triton_backend_matches_torch_backend(dtype, query_lens, selected):
     _seed("backend", dtype, query_lens, selected)
     kv_lens = [3, 37, 16, 70]
     q, k, v, view = _setup(kv_lens, 8, 2, 2, 64, dtype, query_lens)
     if selected:
         view = _selected(view, 0.4, view.query_lens_cpu)
+    if selected == "padded":
+        view = _padded(view, max(view.kv_lens_cpu) + 3)
     for scores in (False, True):
         out, probs = TritonBackend().forward(q, k, v, view, 0.125, return_scores=scores)
         ref_out, ref_probs = TorchReferenceBackend().forward(q, k, v, view, 0.125, return_scores=scores)

@@ -72,11 +72,15 @@ class SelectedPagesView(PagedView):
 class SelectedSlotsView(PagedView):
     """Token-granularity selection: attention reads exactly the listed slots of each request.
 
-    slot_indptr: [B + 1] int64 CSR offsets into ``slot_indices``.
+    slot_indptr: [B + 1] int64 offsets into ``slot_indices``.
     slot_indices: [nnz] int64 flat physical slots (``page * page_size + offset``) of request ``i`` at
-    ``slot_indptr[i]:slot_indptr[i + 1]``, in increasing logical order, so the request's new tokens are its
-    last ``query_len`` entries and causal masking runs over list order: query ``j`` sees the first
-    ``n_i - query_len + j + 1`` listed slots.
+    ``slot_indptr[i]:slot_indptr[i] + n_i``, in increasing logical order, so the request's new tokens are
+    its last ``query_len`` entries and causal masking runs over list order: query ``j`` sees the first
+    ``n_i - query_len + j + 1`` listed slots. Entries past ``n_i`` up to ``slot_indptr[i + 1]`` are padding
+    (a method that lists a fixed number per request on the device).
+    slot_table: optional [B, W >= max n_i] int32, row ``i`` = request ``i``'s listed slots padded with 0: the
+    same lists as a page table of one-slot pages, built on the device by the method (a GPU backend reads it
+    without knowing the counts on the host; without it, backends build it from the lists).
 
     ``kv_lens``/``kv_lens_cpu`` hold the number of listed slots per request (``n_i``); ``block_tables`` still
     names the request's resident pages (what the slots point into). A backend must accept this view type
@@ -85,6 +89,7 @@ class SelectedSlotsView(PagedView):
 
     slot_indptr: torch.Tensor = field(kw_only=True)
     slot_indices: torch.Tensor = field(kw_only=True)
+    slot_table: torch.Tensor | None = field(kw_only=True, default=None)
 
     parent_readable: ClassVar[bool] = False
 

@@ -1,6 +1,7 @@
 """Reference attention over an explicit list of KV slots per request (token-granularity selection).
 
-Request ``i`` attends to the flat physical slots ``slot_indices[slot_indptr[i]:slot_indptr[i + 1]]``
+Request ``i`` attends to the flat physical slots ``slot_indices[slot_indptr[i]:slot_indptr[i] + n_i]``
+(``n_i = slot_counts[i]``, by default ``slot_indptr[i + 1] - slot_indptr[i]``; later entries are padding)
 (``slot = page * page_size + offset`` into ``k_cache.flatten(0, 1)``), listed in increasing logical order.
 Its ``query_lens[i]`` queries are its last listed slots, so with ``causal`` query ``j`` sees the first
 ``n_i - query_len + j + 1`` listed slots (for one query per request: all of them). Math runs in fp32 and the
@@ -47,8 +48,8 @@ def selected_slots_attention(
         _decode_batched(q, k_flat, v_flat, slot_indptr, slot_indices, slot_counts, scale, out)
         return out, None
     scores: list[torch.Tensor] | None = [] if return_scores else None
-    start, offset = 0, 0
-    for n, count in zip(query_lens, slot_counts):
+    start = 0
+    for n, count, offset in zip(query_lens, slot_counts, slot_indptr[:-1].tolist()):
         idx = slot_indices[offset:offset + count].long()
         k, v = k_flat[idx][None], v_flat[idx][None]
         visible = None
@@ -60,7 +61,6 @@ def selected_slots_attention(
         if scores is not None:
             scores.append(p[0])
         start += n
-        offset += count
     return out, scores
 
 
