@@ -98,9 +98,12 @@ def test_flashinfer_refuses_head_dims_its_kernels_lack(tiny_dirs):
         run(tiny_dirs["llama"], "flashinfer", "bfloat16")
 
 
-@pytest.mark.parametrize("method,cfg", [("pyramidkv", {"budget": 96, "window": 8}), ("kvzip", {"budget": 48})])
+@pytest.mark.parametrize("method,cfg", [("pyramidkv", {"budget": 96, "window": 8}), ("kvzip", {"budget": 48}),
+                                        ("quest", {"token_budget": 32, "dense_layers": 0}),
+                                        ("omnikv", {"observation_layers": [0], "token_budget": 32})])
 def test_fp32_graphs_with_per_layer_lengths_match_eager(method, cfg, tiny_dirs):
-    """Eviction with per-layer budgets: decode steps replay graphs over per-layer lengths, same tokens."""
+    """Eviction with per-layer budgets: decode steps replay graphs over per-layer lengths, same tokens.
+    Selection (Quest, OmniKV): the decode graphs capture the selection itself, same tokens."""
     from engine import LLM, SamplingParams
 
     outs = []
