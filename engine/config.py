@@ -29,6 +29,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     method: str = "dense"
     method_config: dict[str, Any] = field(default_factory=dict)
+    max_methods: int = 8  # distinct (method, config) pairs served at once, the configured one included
     kv_storage: str | None = None  # how each kept token is stored (a registered codec); None: the model dtype
     kv_storage_config: dict[str, Any] = field(default_factory=dict)
     attention_backend: str = "auto"
@@ -46,7 +47,7 @@ class EngineConfig:
                 torch.device(self.device)
             except RuntimeError as exc:
                 raise ConfigError(f"device {self.device!r} is not a torch device") from exc
-        positive = ["page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size"]
+        positive = ["page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "max_methods"]
         positive += [n for n in ("num_pages", "kv_cache_memory_bytes", "max_model_len", "cuda_graph_max_batch") if getattr(self, n) is not None]
         for name in positive:
             value = getattr(self, name)

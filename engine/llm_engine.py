@@ -103,7 +103,7 @@ class LLMEngine:
         self.method.bind(self.cache)
         self.backend = make_backend(config.attention_backend, self.device, self.method, spec.dtype, self.codec,
                                     spec.head_dim)
-        self.methods = MethodSet(self.method, lambda m: self._take_on(m, spec))
+        self.methods = MethodSet(self.method, lambda m: self._take_on(m, spec), config.max_methods)
         self.chains = ChainManager(self.cache, mc.num_layers)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
                                    on_preempt=self._on_preempt, reclaim=self.chains.reclaim)

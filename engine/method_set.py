@@ -26,11 +26,14 @@ def method_key(method: SparseMethod) -> tuple[str, str]:
 
 
 class MethodSet:
-    def __init__(self, default: SparseMethod, check: Callable[[SparseMethod], None]):
+    def __init__(self, default: SparseMethod, check: Callable[[SparseMethod], None], max_methods: int = 8):
         """``check(method)`` raises ConfigError when the engine cannot serve ``method`` (backend, storage,
-        model shape); it runs once per new configuration."""
+        model shape); it runs once per new configuration. At most ``max_methods`` configurations are taken
+        on (instances live as long as the engine, and some hold per-page metadata: Quest's bounds cost
+        1 / page_size of the KV memory), so clients cannot grow the set without bound."""
         self.default = default
         self._check = check
+        self.max_methods = max_methods
         self._by_key: dict[tuple[str, str], SparseMethod] = {method_key(default): default}
         self._namespace: dict[int, bytes | None] = {id(default): None}  # the default's keys stay as they were
 
@@ -45,6 +48,9 @@ class MethodSet:
         known = self._by_key.get(key)
         if known is not None:
             return known
+        if len(self._by_key) >= self.max_methods:
+            raise ConfigError(f"this engine already serves {len(self._by_key)} method configurations "
+                              f"(max_methods); use one of them or raise max_methods")
         if type(method).make_cache is not type(self.default).make_cache:
             raise ConfigError(f"method {name!r} builds its own cache layout, so it can only be the engine's "
                               f"configured method (this engine runs {self.default.name!r})")

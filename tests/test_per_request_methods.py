@@ -98,6 +98,16 @@ def test_a_bad_method_fails_at_add_request_and_changes_nothing(tiny_dirs, method
     assert not engine.has_unfinished() and engine.pool.num_used == 0
 
 
+def test_the_number_of_method_configurations_is_bounded(tiny_dirs):
+    engine = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=4, max_methods=3).engine
+    for budget in (24, 32):
+        engine.methods.resolve("snapkv", {"budget": budget, "window": 8})
+    engine.methods.resolve("snapkv", {"budget": 24, "window": 8})  # a known one is still served
+    with pytest.raises(ConfigError, match="already serves 3 method configurations"):
+        engine.add_request([5, 6, 7, 8, 9], PARAMS, method="snapkv", method_config={"budget": 40, "window": 8})
+    assert not engine.has_unfinished()
+
+
 def test_a_method_with_its_own_cache_layout_is_only_an_engine_method(tiny_dirs):
     class OwnLayout(SparseMethod):
         name = "test_own_layout"
