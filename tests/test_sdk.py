@@ -101,6 +101,17 @@ def test_prune_fork_rewind_delete(client):
         fork.delete()
 
 
+def test_a_chain_with_its_own_method(client):
+    chain = client.chains.create(method="snapkv", method_config={"budget": 48, "window": 8})
+    assert chain.info.method == "snapkv"
+    for i in range(2):
+        turn = chain.send(f"question {i}: " + "tell me more " * 20, **FAST)
+    assert turn.resume_status == "resumed"
+    kv = chain.state().kv
+    assert kv.physical_tokens < kv.logical_tokens  # SnapKV compacted the chain's KV
+    chain.delete()
+
+
 def test_typed_errors_rest_and_websocket(client):
     with pytest.raises(NotFound) as err:
         client.chains.get("chain_nope")
@@ -119,6 +130,9 @@ def test_typed_errors_rest_and_websocket(client):
     with pytest.raises(Invalid) as err:
         client.chains.create(prune_policy={"lag": -1})
     assert err.value.field == "prune_policy.lag"
+    with pytest.raises(Invalid) as err:
+        client.chains.create(method="snapkv", method_config={"budget": 8, "window": 16})
+    assert err.value.field == "method_config"
 
     with pytest.raises(Invalid) as err:  # over the WebSocket: the same typed errors
         list(chain.stream("x", max_tokens=0))
