@@ -42,16 +42,23 @@ class LLM:
         prompts: list[str] | list[list[int]],
         params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        methods: tuple[str, dict] | list[tuple[str, dict] | None] | None = None,
     ) -> list[RequestOutput]:
+        """``methods``: one (name, config) for every prompt or a list, one per prompt (None: the engine's),
+        so prompts of several sparse methods share the batch."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"got {len(per_prompt)} SamplingParams for {len(prompts)} prompts")
+        per_method = methods if isinstance(methods, list) else [methods] * len(prompts)
+        if len(per_method) != len(prompts):
+            raise ValueError(f"got {len(per_method)} methods for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompts, per_prompt):
-                ids.append(self.engine.add_request(prompt, p))
+            for prompt, p, m in zip(prompts, per_prompt, per_method):
+                name, config = m if m is not None else (None, None)
+                ids.append(self.engine.add_request(prompt, p, method=name, method_config=config))
         except Exception:
             for rid in ids:
                 self.engine.abort(rid)

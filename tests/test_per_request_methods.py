@@ -77,6 +77,19 @@ def test_mixed_batch_equals_each_method_alone(tiny_dirs, chunk, which):
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
 
 
+def test_llm_generate_takes_a_method_per_prompt(tiny_dirs):
+    llm = make_llm(tiny_dirs["qwen3"])
+    ps = prompts()[:3]
+    methods = [None, ("snapkv", {"budget": 24, "window": 8}), ("quest", {"token_budget": 16, "dense_layers": 1})]
+    outs = llm.generate(ps, PARAMS, methods=methods)
+    for p, m, out in zip(ps, methods, outs):
+        name, cfg = m or ("dense", {})
+        assert out.token_ids == make_llm(tiny_dirs["qwen3"], name, cfg).generate([p], PARAMS)[0].token_ids
+    with pytest.raises(ConfigError):
+        llm.generate(ps, PARAMS, methods=[None, ("nope", {}), None])
+    assert not llm.engine.has_unfinished()  # nothing left queued
+
+
 def test_methods_are_shared_per_configuration_and_checked_once(tiny_dirs):
     engine = make_llm(tiny_dirs["qwen3"]).engine
     a = engine.methods.resolve("snapkv", {"budget": 24, "window": 8})
