@@ -106,8 +106,8 @@ def quantized_forward(q, view: QuantizedPagesView, scale: float, return_scores: 
 
     codec, d = view.codec, q.shape[-1]
     return quantized_paged_attention(
-        q, lambda pages: decode_pages(codec.key, view.k_fields, pages, d),
-        lambda pages: decode_pages(codec.value, view.v_fields, pages, d),
+        q, lambda pages: decode_pages(codec.layer_codec(view.layer, "k"), view.k_fields, pages, d),
+        lambda pages: decode_pages(codec.layer_codec(view.layer, "v"), view.v_fields, pages, d),
         view.block_tables, view.page_size, view.kv_lens_cpu, view.quant_lens_cpu, view.query_lens_cpu, scale,
         window_k=view.window_k, window_v=view.window_v, window_ids=view.window_ids_cpu, causal=view.causal,
         return_scores=return_scores,

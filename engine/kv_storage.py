@@ -96,11 +96,19 @@ class CodedStorage:
                 self.ring[layer, i].flatten(0, 1)[dst] = self.decode_slots(layer, side, phys).to(self.ring.dtype)
 
     # --- encode / decode ------------------------------------------------------------------------
-    def store(self, layer: int, side: str, x: torch.Tensor, slots: torch.Tensor) -> None:
-        """Encode x [N, H, D] (whole groups, in order) and store it at physical ``slots`` [N]."""
-        tc = self.sides[side]
+    def store(self, layer: int, side: str, x: torch.Tensor, slots: torch.Tensor,
+              positions: torch.Tensor | None = None) -> None:
+        """Encode x [N, H, D] (whole groups, in order; logical ``positions`` [N] for codecs that need them) and
+        store it at physical ``slots`` [N]."""
+        tc = self.codec.layer_codec(layer, side)
         specs = tc.fields(self.spec.head_dim)
-        for name, value in tc.encode(x).items():
+        if tc.needs_positions:
+            if positions is None:
+                raise ValueError(f"kv_storage {self.codec.name!r} stores keys by position: none given")
+            encoded = tc.encode(x, positions)
+        else:
+            encoded = tc.encode(x)
+        for name, value in encoded.items():
             dst = self.fields[side][name][layer].flatten(0, 1)
             idx = slots[:: tc.token_group] // tc.token_group if specs[name].per_group else slots
             dst.index_copy_(0, idx, value.to(dst.dtype))
@@ -127,7 +135,7 @@ class CodedStorage:
         return out
 
     def decode_slots(self, layer: int, side: str, slots: torch.Tensor) -> torch.Tensor:
-        return self.sides[side].decode(self.gather_fields(layer, side, slots), self.spec.head_dim)
+        return self.codec.layer_codec(layer, side).decode(self.gather_fields(layer, side, slots), self.spec.head_dim)
 
     # --- a step's writes ------------------------------------------------------------------------
     def plan(self, items: list[tuple[int, int, int, int]], phys) -> WritePlan:
@@ -158,10 +166,10 @@ class CodedStorage:
                          ring_dst=cat(ring_dst), ring_rows=cat(ring_rows))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-              plan: WritePlan | None) -> None:
+              plan: WritePlan | None, positions: torch.Tensor | None = None) -> None:
         if plan is None:
-            self.store(layer, "k", k, slot_mapping)
-            self.store(layer, "v", v, slot_mapping)
+            self.store(layer, "k", k, slot_mapping, positions)
+            self.store(layer, "v", v, slot_mapping, positions)
             return
         for i, (side, x) in enumerate((("k", k), ("v", v))):
             ring = self.ring[layer, i].flatten(0, 1)
@@ -184,7 +192,8 @@ class CodedStorage:
         raw fields to move exactly."""
         slots = phys[keep]
         out = {}
-        for i, (side, tc) in enumerate(self.sides.items()):
+        for i, side in enumerate(self.sides):
+            tc = self.codec.layer_codec(layer, side)
             raw = self.gather_fields(layer, side, slots)
             full = tc.decode(raw, self.spec.head_dim)
             if window is not None:

@@ -79,6 +79,8 @@ class LLMEngine:
             config.model, dtype=dtype, device=self.device, load_format=config.load_format, tp=self.tp
         )
         self.tokenizer = load_tokenizer(config.model)
+        if self.codec is not None:
+            self.codec.bind_model(self.model)
         mc = self.model_config
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         spec = CacheSpec(

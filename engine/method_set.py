@@ -29,8 +29,8 @@ class MethodSet:
     def __init__(self, default: SparseMethod, check: Callable[[SparseMethod], None], max_methods: int = 8):
         """``check(method)`` raises ConfigError when the engine cannot serve ``method`` (backend, storage,
         model shape); it runs once per new configuration. At most ``max_methods`` configurations are taken
-        on (instances live as long as the engine, and some hold per-page metadata: Quest's bounds cost
-        1 / page_size of the KV memory), so clients cannot grow the set without bound."""
+        on (instances live as long as the engine, and some hold per-page metadata worth a fraction of the KV
+        memory), so clients cannot grow the set without bound."""
         self.default = default
         self._check = check
         self.max_methods = max_methods

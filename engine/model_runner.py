@@ -63,7 +63,7 @@ class ModelRunner:
         parts = batch.by_method()
         for method, part in parts:
             method.before_attention(layer_idx, part)
-        self.cache.write(layer_idx, k, v, batch.slot_mapping)
+        self.cache.write(layer_idx, k, v, batch.slot_mapping, batch.positions)
         if batch.groups is None:
             return self._attend(batch.method, layer_idx, q, batch)
         return torch.cat([self._attend(g.method, layer_idx, q[g.start:g.stop], g.batch) for g in batch.groups])

@@ -450,6 +450,7 @@ class PagedCacheManager(CacheManager):
         coded, windowed = self.coded, self.codec.has_window
         return QuantizedPagesView(
             **common,
+            layer=layer,
             k_fields={k: f[layer] for k, f in coded.fields["k"].items()},
             v_fields={k: f[layer] for k, f in coded.fields["v"].items()},
             window_k=coded.ring[layer, 0] if windowed else None,
@@ -465,7 +466,7 @@ class PagedCacheManager(CacheManager):
         if uniform:  # one set of tables and lengths; only the layer's storage differs
             base = self.build_view(reqs, num_new_tokens)
             common = {f.name: getattr(base, f.name) for f in fields(QuantizedPagesView)
-                      if f.name not in ("k_fields", "v_fields", "window_k", "window_v")}
+                      if f.name not in ("k_fields", "v_fields", "window_k", "window_v", "layer")}
             return [base] + [self._coded_view(common, layer) for layer in range(1, self.spec.num_layers)]
         if self.codec is None:  # lengths differ per layer: one page table, one host->device copy of the lengths
             base = self.build_view(reqs, num_new_tokens)
@@ -477,12 +478,13 @@ class PagedCacheManager(CacheManager):
                     for layer in range(self.spec.num_layers)]
         return [self.build_view(reqs, num_new_tokens, layer) for layer in range(self.spec.num_layers)]
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              positions: torch.Tensor | None = None) -> None:
         if slot_mapping.dim() == 2:
             slot_mapping = slot_mapping[layer]
         if self.coded is not None:
             plans = self._write_plans
-            self.coded.write(layer, k, v, slot_mapping, None if plans is None else plans[layer])
+            self.coded.write(layer, k, v, slot_mapping, None if plans is None else plans[layer], positions)
             return
         kv = self.kv[layer]
         if kv.is_cuda:
@@ -519,4 +521,4 @@ class PagedCacheManager(CacheManager):
                 phys = lambda i, s, m, out: self._slot_list(t.pages, s, m, out)  # noqa: E731
                 self._prefix_plan = key, self.coded.plan(items, phys)
             plan = self._prefix_plan[1]
-        self.coded.write(layer, k, v, self._slots(t.pages, 0, n), plan)
+        self.coded.write(layer, k, v, self._slots(t.pages, 0, n), plan, torch.arange(n, device=k.device))

@@ -121,7 +121,10 @@ class CacheManager(ABC):
         return None
 
     @abstractmethod
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+              positions: torch.Tensor | None = None) -> None:
+        """Store the step's new k/v [T, Hkv, D] at ``slot_mapping``; ``positions`` [T]: their logical positions
+        (for storage that needs them)."""
 
     @abstractmethod
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,6 +42,7 @@ class TensorCodec(ABC):
     """Stores one side (K or V) of each token, per KV head."""
 
     token_group: int = 1  # slots sharing the per-group fields
+    needs_positions: ClassVar[bool] = False  # ``encode`` takes the slots' logical positions (e.g. to undo RoPE)
 
     @abstractmethod
     def fields(self, head_dim: int) -> dict[str, FieldSpec]: ...
@@ -49,7 +50,8 @@ class TensorCodec(ABC):
     @abstractmethod
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         """x [N, H, D] (N a multiple of ``token_group``, groups consecutive) -> each field as [N, H, w] or,
-        per group, [N // token_group, H, w]."""
+        per group, [N // token_group, H, w]. With ``needs_positions``: ``encode(x, positions)``, positions
+        [N] int64 the tokens' logical positions."""
 
     @abstractmethod
     def decode(self, fields: dict[str, torch.Tensor], head_dim: int) -> torch.Tensor:
@@ -124,6 +126,15 @@ class KVCodec:
         per_layer = (self.key.bytes_per_token(spec.num_kv_heads, spec.head_dim)
                      + self.value.bytes_per_token(spec.num_kv_heads, spec.head_dim))
         return per_layer * spec.num_layers
+
+    def layer_codec(self, layer: int, side: str) -> TensorCodec:
+        """The tensor codec of ``side`` ("k" or "v") in ``layer``: ``key`` / ``value`` unless the format differs
+        by layer (e.g. a basis computed from each layer's weights). Every layer's fields match ``key`` /
+        ``value``'s."""
+        return self.key if side == "k" else self.value
+
+    def bind_model(self, model: Any) -> None:
+        """Called once with the loaded model, before any KV is stored (a codec derived from the weights)."""
 
     def kernel_tables(self, head_dim: int, device: torch.device) -> dict[str, torch.Tensor]:
         """Constant tensors the fused decode kernel of ``kernel_format`` reads besides the fields (e.g. a

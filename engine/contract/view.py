@@ -117,6 +117,7 @@ class QuantizedPagesView(PagedView):
     """
 
     codec: object = field(kw_only=True)
+    layer: int = field(kw_only=True, default=0)  # the layer the fields belong to (``codec.layer_codec``)
     k_fields: dict[str, torch.Tensor] = field(kw_only=True)
     v_fields: dict[str, torch.Tensor] = field(kw_only=True)
     quant_lens: torch.Tensor = field(kw_only=True)

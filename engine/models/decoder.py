@@ -133,6 +133,31 @@ class DecoderForCausalLM(nn.Module):
     def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return DenseMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
+    def kv_projections(self) -> list[dict[str, torch.Tensor]]:
+        """Per layer, this rank's key and value projections as fp32 weights ``[Hkv, D, hidden]`` (``"k"``: with
+        the per-head key norm's weight folded in, so every cached key before RoPE, less its bias, lies in its
+        column space; ``"v"``) and biases ``[Hkv, D]`` (``"k_bias"``, ``"v_bias"``: None without), for storage
+        derived from the weights (a low-rank basis)."""
+        out = []
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            heads, d = attn.num_kv_heads, attn.head_dim
+            _, k, v = attn.qkv_proj.weight.detach().float().split(attn.split_sizes, dim=0)
+            k = k.view(heads, d, -1)
+            if attn.k_norm is not None:
+                k = k * attn.k_norm.weight.detach().float()[None, :, None]
+            bias = attn.qkv_proj.bias
+            kb = vb = None
+            if bias is not None:
+                _, kb, vb = bias.detach().float().split(attn.split_sizes)
+                kb, vb = kb.view(heads, d), vb.view(heads, d)
+            out.append({"k": k, "v": v.reshape(heads, d, -1), "k_bias": kb, "v_bias": vb})
+        return out
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        return self.model.rotary_emb
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, runner: LayerRunner) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> final-normed hidden [T, hidden_size] in the model dtype."""
         return self.model(input_ids, positions, runner)
