@@ -401,7 +401,7 @@ class ChainService:
             return default
         name = default[0] if method is None else method
         options = dict(config) if config is not None else (default[1] if name == default[0] else {})
-        if not hasattr(engine, "methods"):  # an engine without per-request methods
+        if not hasattr(engine, "check_method"):  # an engine without per-request methods
             if (name, options) != default:
                 raise bad_field("method", f"this server runs only method {default[0]!r} with its config")
             return default
@@ -410,7 +410,7 @@ class ChainService:
         except ConfigError as exc:
             raise bad_field("method", str(exc)) from None
         try:
-            await self.worker.call(lambda e: e.methods.resolve(name, options))
+            await self.worker.call(lambda e: e.check_method(name, options))
         except ConfigError as exc:
             raise bad_field("method_config" if config is not None else "method", str(exc)) from None
         return name, options

@@ -181,6 +181,12 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------------
     @mirrored
+    def check_method(self, method: str | None, method_config: dict | None = None) -> str:
+        """Take on ``method`` with ``method_config`` now, on every rank, so that requests naming it later
+        cannot fail on it; ConfigError if this engine cannot serve it. Returns the method's name."""
+        return self.methods.resolve(method, method_config).name
+
+    @mirrored
     def add_request(
         self,
         prompt: str | list[int],

@@ -163,6 +163,28 @@ def test_method_tp2_equals_tp1(tiny_dirs, arch, method, config):
         assert sum(k.shape[1] for k in ref_kept[2]) < 2 * 41  # evicted, with per-layer budgets
 
 
+def test_per_request_methods_at_tp2(tiny_dirs):
+    """Requests of several methods in one batch at TP=2 emit what each emits alone at TP=1 under its method;
+    a method taken on ahead (``check_method``, as the server does at chain creation) exists on every rank."""
+    snap = ("snapkv", {"budget": 12, "window": 4, "kernel_size": 3})
+    quest = ("quest", {"token_budget": 8, "dense_layers": 1})
+    choice = [None, snap, quest]
+    refs = []
+    for prompt, m in zip(PROMPTS, choice):
+        options = {} if m is None else dict(method=m[0], method_config=m[1])
+        refs.append(generate(engine(tiny_dirs["llama"], 1, **options), [prompt])[0][0])
+    with engine(tiny_dirs["llama"], 2) as eng:
+        procs = worker_procs(eng)
+        assert eng.check_method(*quest) == "quest"
+        ids = [eng.add_request(p, GREEDY, method=None if m is None else m[0],
+                               method_config=None if m is None else m[1]) for p, m in zip(PROMPTS, choice)]
+        out = {}
+        while eng.has_unfinished():
+            out.update({o.request_id: (o.token_ids, o.logprobs) for o in eng.step() if o.finished})
+    assert_gone(procs)
+    assert_same_greedy(refs, [out[i] for i in ids])
+
+
 def test_serve_tp_reaches_the_engine_config(tiny_dirs, capsys):
     from agentrt.cli import main
 
