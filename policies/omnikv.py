@@ -32,7 +32,7 @@ from engine.contract import Family, PagedView, SelectedSlotsView, SparseMethod, 
 from engine.errors import ConfigError
 from engine.registry import register_method
 from kernels.dispatch import paged_decode_logits
-from policies.scoring import check_int, view_slots
+from policies.scoring import all_rows_decode, check_int, view_slots
 
 SCRATCH_KEY = "omnikv"
 
@@ -81,11 +81,7 @@ class OmniKV(SparseMethod):
     def replayable(self, batch) -> bool:
         return self._all_decode(batch)
 
-    @staticmethod
-    def _all_decode(batch) -> bool:
-        """Every row of the step decodes (a captured graph's static batch has no requests: decode rows)."""
-        return (batch.view.is_pure_decode and not batch.finished_prompt
-                and all(req.num_computed_tokens >= req.num_prompt_tokens for req in batch.requests))
+    _all_decode = staticmethod(all_rows_decode)
 
     def select(self, layer: int, q: torch.Tensor, batch):
         view = batch.view_for(layer)

@@ -43,7 +43,7 @@ from engine.errors import ConfigError
 from engine.registry import register_method
 from kernels.dispatch import quest_page_scores
 from kernels.torch_ref.quest import AGGREGATES, page_key_bounds
-from policies.scoring import check_int
+from policies.scoring import all_rows_decode, check_int
 
 
 @dataclass(slots=True, frozen=True)
@@ -121,11 +121,7 @@ class Quest(SparseMethod):
     def replayable(self, batch) -> bool:
         return self._all_decode(batch)
 
-    @staticmethod
-    def _all_decode(batch) -> bool:
-        """Every row of the step decodes (a captured graph's static batch has no requests: decode rows)."""
-        return (batch.view.is_pure_decode and not batch.finished_prompt
-                and all(req.num_computed_tokens >= req.num_prompt_tokens for req in batch.requests))
+    _all_decode = staticmethod(all_rows_decode)
 
     def _bounds(self, cache, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         num_layers = max(cache.spec.num_layers - self.config.dense_layers, 0)

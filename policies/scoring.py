@@ -177,3 +177,11 @@ def request_rows(batch):
     for req, n in zip(batch.requests, batch.num_new_tokens):
         yield req, start, n, req.num_computed_tokens
         start += n
+
+
+def all_rows_decode(batch) -> bool:
+    """Every row of the step decodes: one query past its prompt (a captured decode graph's static batch has
+    no requests and only decode rows). Selection methods choose on the device with fixed shapes then, which
+    is what makes those steps replayable."""
+    return (batch.view.is_pure_decode and not batch.finished_prompt
+            and all(req.num_computed_tokens >= req.num_prompt_tokens for req in batch.requests))

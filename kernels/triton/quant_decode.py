@@ -85,6 +85,18 @@ def _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_S
 
 
 @triton.jit
+def _online_update(qk, v, n_mask, m_i, l_i, acc, DOT_TY: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of the online softmax: scaled logits qk [G, N] (log2 domain), values v [N, D]."""
+    qk = tl.where(n_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _fp8_decode_kernel(
     q_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, wk_ptr, wv_ptr, bt_ptr, lens_ptr, qlens_ptr, wid_ptr,
     out_ptr, mid_o_ptr, mid_lse_ptr, scale_log2,
@@ -139,13 +151,7 @@ def _fp8_decode_kernel(
             k += tl.load(wk_ptr + wrow[:, None] + offs_d[None, :], mask=wmask, other=0.0).to(tl.float32)
             v += tl.load(wv_ptr + wrow[:, None] + offs_d[None, :], mask=wmask, other=0.0).to(tl.float32)
         qk = tl.dot(q.to(dot_ty), tl.trans(k.to(dot_ty)), input_precision=PRECISION) * scale_log2
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision=PRECISION)
-        m_i = m_new
+        acc, m_i, l_i = _online_update(qk, v, n_mask, m_i, l_i, acc, dot_ty, PRECISION)
     _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
             num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
     _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
@@ -215,14 +221,8 @@ def _intn_decode_kernel(
             wrow = (wid * s_wn + (tok % CAP).to(tl.int64) * s_wc + kvh * s_wh)[:, None] + offs_d[None, :]
             k += tl.load(wk_ptr + wrow, mask=windowed, other=0.0).to(tl.float32)
             v += tl.load(wv_ptr + wrow, mask=windowed, other=0.0).to(tl.float32)
-        qk = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision=PRECISION)
-        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision=PRECISION)
-        m_i = m_new
+        qk = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision=PRECISION) * scale_log2
+        acc, m_i, l_i = _online_update(qk, v, n_mask, m_i, l_i, acc, dot_ty, PRECISION)
     _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
             num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
     _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
@@ -278,14 +278,8 @@ def _lloydmax_decode_kernel(
         nrow = page * s_np + off * s_ns + kvh * s_nh
         k = tl.load(lv_ptr + k_idx) * tl.load(kn_ptr + nrow, mask=n_mask, other=0.0)[:, None]
         v = tl.load(lv_ptr + v_idx) * tl.load(vn_ptr + nrow, mask=n_mask, other=0.0)[:, None]
-        qk = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision=PRECISION)
-        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v.to(dot_ty), input_precision=PRECISION)
-        m_i = m_new
+        qk = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision=PRECISION) * scale_log2
+        acc, m_i, l_i = _online_update(qk, v, n_mask, m_i, l_i, acc, dot_ty, PRECISION)
     _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
             num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
     _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
