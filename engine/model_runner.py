@@ -50,7 +50,15 @@ class ModelRunner:
         return (g is not None and batch.view.is_pure_decode and g.can_read(batch)
                 and not batch.finished_prompt
                 and batch.num_tokens <= g.max_batch and batch.view.block_tables.shape[1] <= g.block_tables.shape[1]
-                and all(m.replayable(b) for m, b in batch.by_method()))
+                and all(self._replays(m, b) for m, b in batch.by_method()))
+
+    def _replays(self, method: SparseMethod, part: ForwardBatch) -> bool:
+        """The graphs were captured with the engine's method: they serve another method's rows only when
+        neither method's hooks are part of the captured work."""
+        captured = self.method
+        if (method.graph_hooks or captured.graph_hooks) and method is not captured:
+            return False
+        return method.replayable(part)
 
     # --- LayerRunner ----------------------------------------------------------------------------
     @property

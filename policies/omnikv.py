@@ -69,6 +69,7 @@ class OmniKV(SparseMethod):
     family = Family.SELECTION
     Config = OmniKVConfig
     view_types = (PagedView, SelectedSlotsView)
+    graph_hooks = True  # pure-decode steps select inside the captured graph
     cuda_graph_safe = False  # prompt steps choose on the host; pure-decode steps are replayable
 
     def validate(self, spec):

@@ -85,6 +85,7 @@ class Quest(SparseMethod):
     family = Family.SELECTION
     Config = QuestConfig
     view_types = (PagedView, SelectedPagesView)
+    graph_hooks = True  # pure-decode steps select inside the captured graph
     cuda_graph_safe = False  # prompt steps plan on the host; pure-decode steps are replayable
 
     def __init__(self, config: QuestConfig | None = None):

@@ -25,9 +25,11 @@ METHODS = [("dense", {}), ("pyramidkv", {"budget": 24, "window": 4}), ("kvzip", 
            ("omnikv", {"observation_layers": [0], "token_budget": 16})]
 
 
-def _run(model_dir, method, cfg, fake_graphs: bool):
+def _run(model_dir, method, cfg, fake_graphs: bool, per_request: bool = False):
+    """``per_request``: the engine runs dense and the requests ask for ``method``."""
+    engine_method = ("dense", {}) if per_request else (method, cfg)
     llm = LLM(model_dir, dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=64, num_pages=256,
-              method=method, method_config=cfg, max_num_seqs=8)
+              method=engine_method[0], method_config=engine_method[1], max_num_seqs=8)
     runner = llm.engine.runner
     replays, layered = [], []
     if fake_graphs:
@@ -51,7 +53,8 @@ def _run(model_dir, method, cfg, fake_graphs: bool):
         runner.graphs = graphs
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 500) for _ in range(n)] for n in (40, 57, 33)]  # 3 requests: bucket 4 pads
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                        methods=(method, cfg) if per_request else None)
     return [o.token_ids for o in outs], replays, layered
 
 
@@ -63,3 +66,13 @@ def test_static_buffers_reproduce_eager_decode(tiny_dirs, method, cfg):
     assert replays and 4 in replays  # three requests decode in the padded bucket of four
     if method in ("pyramidkv", "kvzip"):
         assert any(layered), "no replayed step had per-layer lengths"
+
+
+@pytest.mark.parametrize("method,cfg", [METHODS[1], METHODS[3]])
+def test_graphs_of_another_method_serve_a_request_only_without_captured_hooks(tiny_dirs, method, cfg):
+    """Graphs captured with the engine's (dense) method: a per-request PyramidKV replays them (its replayable
+    steps run no hook), a per-request Quest must not (its selection would be the dense capture's)."""
+    ref, _, _ = _run(tiny_dirs["llama"], method, cfg, fake_graphs=False, per_request=True)
+    got, replays, _ = _run(tiny_dirs["llama"], method, cfg, fake_graphs=True, per_request=True)
+    assert got == ref
+    assert bool(replays) == (method == "pyramidkv")

@@ -64,6 +64,9 @@ class SparseMethod:
     needs: ClassVar[MethodNeeds] = MethodNeeds()
     view_types: ClassVar[tuple[type, ...]] = (PagedView,)  # every view type select() may return
     cuda_graph_safe: ClassVar[bool] = True  # per-layer hooks do no host work, so decode steps may replay graphs
+    # True when the per-layer hooks of its replayable steps are device work that the decode graphs capture
+    # (a selection computed inside the graph): only graphs captured with this very instance then serve it
+    graph_hooks: ClassVar[bool] = False
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.Config()
@@ -131,7 +134,8 @@ class SparseMethod:
         """Whether this pure-decode step may replay a captured CUDA graph. A replay runs attention over the
         step's shared view with no per-layer hook (begin_step and end_step still run). A method that is not
         ``cuda_graph_safe`` in general may still allow it for steps where its per-layer hooks would do nothing
-        (e.g. an eviction method that is done evicting); overriding this makes the engine capture graphs."""
+        (e.g. an eviction method that is done evicting), or, with ``graph_hooks``, for steps whose hooks are
+        pure device work the graphs captured; overriding this makes the engine capture graphs."""
         return self.cuda_graph_safe
 
     def kv_loaded(self, req: Request, cache: CacheManager) -> None:
