@@ -159,7 +159,7 @@ class RKV(SparseMethod):
         return max(num_prompt_tokens + 1, self.config.budget + self.config.buffer)
     family = Family.EVICTION
     Config = RKVConfig
-    cuda_graph_safe = False  # select stashes the observation queries on the host side
+    cuda_graph_safe = False  # select stashes the observation queries on the host side (see ``replayable``)
 
     def __init__(self, config: RKVConfig | None = None):
         super().__init__(config)
@@ -176,6 +176,20 @@ class RKV(SparseMethod):
 
     def release(self, req) -> None:
         self._states.pop(req.request_id, None)
+
+    def replayable(self, batch) -> bool:
+        """A decode step's queries are read only by a compression within the next ``alpha`` steps (the window
+        is the last ``alpha`` computed tokens): a step where every request is further from its next
+        compression needs no stash and may replay a decode graph (``buffer - alpha`` of every ``buffer``
+        steps in steady state)."""
+        cfg, cache = self.config, batch.cache
+        limit = cfg.budget + cfg.buffer
+        for req in batch.requests:
+            if req.num_computed_tokens < req.num_prompt_tokens:
+                return False
+            if limit - cache.table(req).num_slots <= cfg.alpha:  # the longest layer's slots before the step
+                return False
+        return True
 
     # --- hooks ------------------------------------------------------------------------------------
     def select(self, layer, q, batch):

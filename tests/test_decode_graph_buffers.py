@@ -17,12 +17,14 @@ import policies.kvzip  # noqa: F401  (registers the methods)
 import policies.pyramidkv  # noqa: F401
 import policies.omnikv  # noqa: F401
 import policies.quest  # noqa: F401
+import policies.rkv  # noqa: F401
 from engine import LLM, SamplingParams
 from engine.cuda_graphs import DecodeGraphs
 
 METHODS = [("dense", {}), ("pyramidkv", {"budget": 24, "window": 4}), ("kvzip", {"budget": 12, "window": 4}),
            ("quest", {"token_budget": 16, "dense_layers": 0}),  # their selection runs inside the graph
-           ("omnikv", {"observation_layers": [0], "token_budget": 16})]
+           ("omnikv", {"observation_layers": [0], "token_budget": 16}),
+           ("rkv", {"budget": 24, "buffer": 8, "alpha": 2})]  # replays only steps far from a compression
 
 
 def _run(model_dir, method, cfg, fake_graphs: bool, per_request: bool = False):
