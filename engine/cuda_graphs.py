@@ -5,7 +5,9 @@ over static buffers (token ids, positions, block tables, and per layer the slot 
 padding rows write their KV into the cache's scratch page and read one slot of it. Every layer reads its
 own row of lengths and slots, so steps whose layers hold different physical lengths (eviction with
 per-layer budgets) replay too; the page tables are the same for every layer. Python does not run during
-replay, so a method's per-layer hooks only run for steps it declares ``replayable``.
+replay, so a method's per-layer hooks only run for steps it declares ``replayable``. Under a KV storage codec
+without a full-precision window (token-local codes: fp8, TurboQuant), the static views are the layers'
+``QuantizedPagesView`` s over the codec's side tensors, every slot read from codes.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from engine.contract.view import PagedView
+from engine.contract.view import PagedView, QuantizedPagesView
 from engine.forward_batch import ForwardBatch
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -43,16 +45,26 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= batch_size), None)
 
     def _static_batch(self, b: int) -> ForwardBatch:
-        views = [PagedView(block_tables=self.block_tables[:b], kv_lens=self.kv_lens[layer, :b],
-                           query_start_loc=self.query_start_loc[: b + 1], page_size=self.page_size,
-                           kv_lens_cpu=[1] * b, query_lens_cpu=[1] * b)
-                 for layer in range(self.kv_lens.shape[0])]
+        views = [self._static_view(layer, b) for layer in range(self.kv_lens.shape[0])]
         return ForwardBatch(
             requests=[], num_new_tokens=[1] * b,
             input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:, :b],
             view=views[0], layer_views=views, logits_indices=self.query_start_loc[:b].long(),
             sample_requests=[], finished_prompt=[], cache=self.runner.cache, method=self.runner.method,
         )
+
+    def _static_view(self, layer: int, b: int) -> PagedView:
+        common = dict(block_tables=self.block_tables[:b], kv_lens=self.kv_lens[layer, :b],
+                      query_start_loc=self.query_start_loc[: b + 1], page_size=self.page_size,
+                      kv_lens_cpu=[1] * b, query_lens_cpu=[1] * b)
+        coded = getattr(self.runner.cache, "coded", None)
+        if coded is None:
+            return PagedView(**common)
+        return QuantizedPagesView(  # no window: every slot from codes, quant lengths = lengths
+            **common, codec=coded.codec, layer=layer,
+            k_fields={k: f[layer] for k, f in coded.fields["k"].items()},
+            v_fields={k: f[layer] for k, f in coded.fields["v"].items()},
+            quant_lens=self.kv_lens[layer, :b], quant_lens_cpu=[1] * b)
 
     def _forward(self, b: int) -> torch.Tensor:
         runner = self.runner
@@ -106,10 +118,11 @@ class DecodeGraphs:
 
     @staticmethod
     def can_read(batch: ForwardBatch) -> bool:
-        """The static views stand for ``batch``'s: plain paged views, one page table shared by every layer."""
+        """The static views stand for ``batch``'s: plain paged views (or windowless coded ones), one page table
+        shared by every layer."""
         views = batch.layer_views
         if views is None:
             return type(batch.view) is PagedView
         first = views[0].block_tables
-        return all(type(v) is PagedView and (v.block_tables is first or v.block_tables.shape == first.shape)
-                   for v in views)
+        return all((type(v) is PagedView or (type(v) is QuantizedPagesView and v.window_k is None))
+                   and (v.block_tables is first or v.block_tables.shape == first.shape) for v in views)

@@ -19,6 +19,7 @@ import policies.omnikv  # noqa: F401
 import policies.quest  # noqa: F401
 import policies.rkv  # noqa: F401
 from engine import LLM, SamplingParams
+from engine.contract.view import QuantizedPagesView
 from engine.cuda_graphs import DecodeGraphs
 
 METHODS = [("dense", {}), ("pyramidkv", {"budget": 24, "window": 4}), ("kvzip", {"budget": 12, "window": 4}),
@@ -27,11 +28,13 @@ METHODS = [("dense", {}), ("pyramidkv", {"budget": 24, "window": 4}), ("kvzip", 
            ("rkv", {"budget": 24, "buffer": 8, "alpha": 2})]  # replays only steps far from a compression
 
 
-def _run(model_dir, method, cfg, fake_graphs: bool, per_request: bool = False):
-    """``per_request``: the engine runs dense and the requests ask for ``method``."""
+def _run(model_dir, method, cfg, fake_graphs: bool, per_request: bool = False, storage=None):
+    """``per_request``: the engine runs dense and the requests ask for ``method``; ``storage``: a KV codec."""
     engine_method = ("dense", {}) if per_request else (method, cfg)
     llm = LLM(model_dir, dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=64, num_pages=256,
-              method=engine_method[0], method_config=engine_method[1], max_num_seqs=8)
+              method=engine_method[0], method_config=engine_method[1], max_num_seqs=8,
+              kv_storage=None if storage is None else storage[0],
+              kv_storage_config={} if storage is None else storage[1])
     runner = llm.engine.runner
     replays, layered = [], []
     if fake_graphs:
@@ -45,6 +48,8 @@ def _run(model_dir, method, cfg, fake_graphs: bool, per_request: bool = False):
             static = graphs._static_batch(b)
             for layer, view in enumerate(static.layer_views):  # the torch backend reads host lengths too
                 view.kv_lens_cpu = graphs.kv_lens[layer, :b].tolist()
+                if isinstance(view, QuantizedPagesView):
+                    view.quant_lens_cpu = view.kv_lens_cpu
             saved, runner._batch = runner._batch, static
             try:
                 return graphs._forward(b)[: batch.num_tokens]
@@ -78,3 +83,14 @@ def test_graphs_of_another_method_serve_a_request_only_without_captured_hooks(ti
     got, replays, _ = _run(tiny_dirs["llama"], method, cfg, fake_graphs=True, per_request=True)
     assert got == ref
     assert bool(replays) == (method == "pyramidkv")
+
+
+@pytest.mark.parametrize("method,cfg,storage", [
+    ("dense", {}, ("fp8", {})), ("snapkv", {"budget": 24, "window": 4}, ("turboquant", {"bits": 3}))])
+def test_static_buffers_reproduce_eager_decode_over_windowless_codes(tiny_dirs, method, cfg, storage):
+    """Codecs without a full-precision window store every slot as codes: the static views are the layers'
+    coded views, and the replayed steps write and read codes like eager ones."""
+    ref, _, _ = _run(tiny_dirs["llama"], method, cfg, fake_graphs=False, storage=storage)
+    got, replays, layered = _run(tiny_dirs["llama"], method, cfg, fake_graphs=True, storage=storage)
+    assert got == ref
+    assert replays and 4 in replays and all(layered)
