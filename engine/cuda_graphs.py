@@ -6,7 +6,7 @@ padding rows write their KV into the cache's scratch page and read one slot of i
 own row of lengths and slots, so steps whose layers hold different physical lengths (eviction with
 per-layer budgets) replay too; the page tables are the same for every layer. Python does not run during
 replay, so a method's per-layer hooks only run for steps it declares ``replayable``. Under a KV storage codec
-without a full-precision window (token-local codes: fp8, TurboQuant), the static views are the layers'
+without a full-precision window (token-local codes), the static views are the layers'
 ``QuantizedPagesView`` s over the codec's side tensors, every slot read from codes.
 """
 
