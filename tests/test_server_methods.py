@@ -98,3 +98,24 @@ def test_bad_methods_are_400_naming_the_field_and_create_nothing(client, body, k
     assert r.status_code == 400, r.text
     assert key in [d.get("key") for d in r.json().get("extra") or []], r.json()
     assert client.get("/v1/chains").json() == before
+
+
+def test_a_chain_whose_method_cannot_run_after_a_restart_is_a_400_and_keeps_its_turns(tmp_path):
+    """Created with Quest on a plain server; restarted on fp8 KV storage, which Quest's page selection cannot
+    read: the next turn is a 400 naming ``method`` and the chain is as it was."""
+    db = f"sqlite+aiosqlite:///{tmp_path / 'restart.db'}"
+    quest = {"method": "quest", "method_config": {"token_budget": 32, "dense_layers": 1}}
+    app = create_app(ServerConfig(model=default_model_dir(), db_url=db, engine_options=ENGINE_OPTIONS))
+    with TestClient(app=app, timeout=120) as c:
+        cid = _create(c, **quest)["id"]
+        _turn(c, cid, "hello " * 10)
+        before = c.get(f"/v1/chains/{cid}", params={"include_tokens": True}).json()
+    options = {**ENGINE_OPTIONS, "kv_storage": "fp8"}
+    app = create_app(ServerConfig(model=default_model_dir(), db_url=db, engine_options=options))
+    with TestClient(app=app, timeout=120) as c:
+        r = c.post(f"/v1/chains/{cid}/turns", json={"messages": [{"role": "user", "content": "again"}],
+                                                   "sampling": SAMPLING})
+        assert r.status_code == 400, r.text
+        assert "method" in [d.get("key") for d in r.json().get("extra") or []]
+        after = c.get(f"/v1/chains/{cid}", params={"include_tokens": True}).json()
+    assert after["turns"] == before["turns"] and after["token_ids"] == before["token_ids"]
