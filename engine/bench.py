@@ -50,12 +50,15 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
     sync()
     t1 = time.perf_counter()
     overheads, steps = [], 0
+    phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "execute": [], "update": []}
     while engine.has_unfinished():
         engine.step()
         steps += 1
         timing = engine.last_step
         if timing is not None and timing.num_requests == batch:
             overheads.append(timing.schedule_s + timing.prepare_s)
+            for name, values in phases.items():
+                values.append(getattr(timing, f"{name}_s"))
     sync()
     t2 = time.perf_counter()
     decoded = batch * (decode_tokens - 1)
@@ -77,6 +80,9 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
         "decode_tok_s": decoded / (t2 - t1) if decoded else 0.0,
         "decode_step_ms": 1e3 * (t2 - t1) / max(steps, 1),
         "sched_prep_ms_per_decode_step": 1e3 * statistics.median(overheads) if overheads else None,
+        # median wall ms of each part of a full-batch decode step: execute = forward (graph replay) + sampling,
+        # synchronised by the sampled ids' copy to the host; update = outputs, detokenization, finishing
+        "step_phase_ms": {k: 1e3 * statistics.median(v) for k, v in phases.items() if v},
         "graph_replay_ms": replay_ms,
     }
 
