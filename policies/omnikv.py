@@ -186,13 +186,12 @@ class OmniKV(SparseMethod):
         listed = count + 1
         slots = view_slots(bt, torch.arange(rows, device=device)[:, None], chosen, ps)
         slots = torch.where(torch.arange(k + 1, device=device)[None, :] < listed[:, None], slots, 0)
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         return SelectedSlotsView(
             block_tables=bt,
             kv_lens=listed.to(view.kv_lens.dtype),
             query_start_loc=view.query_start_loc,
             page_size=ps,
-            kv_lens_cpu=view.kv_lens_cpu if capturing else listed.tolist(),  # GPU decode kernels read none
+            kv_lens_cpu=[min(n, budget) for n in view.kv_lens_cpu],  # ``listed`` on the host, no sync
             query_lens_cpu=view.query_lens_cpu,
             causal=view.causal,
             slot_indptr=torch.arange(rows + 1, device=device) * (k + 1),

@@ -189,7 +189,10 @@ class Quest(SparseMethod):
         k_cache, _ = batch.cache.layer_kv(layer)
         kmin_all, kmax_all = self._bounds(batch.cache, k_cache)
         kmin_l, kmax_l = kmin_all[layer - self.config.dense_layers], kmax_all[layer - self.config.dense_layers]
-        if self._all_decode(batch):
+        decode = batch.scratch.get("quest_decode")
+        if decode is None:  # one answer per step, not per layer
+            decode = batch.scratch["quest_decode"] = self._all_decode(batch)
+        if decode:
             return self._select_decode(q, view, k_cache, kmin_l, kmax_l)
         plan = self._plan(batch, view)
         if plan.touched_pages.numel():
@@ -258,13 +261,20 @@ class Quest(SparseMethod):
         chosen = torch.where(chosen >= width, 0, chosen)
         chosen.scatter_(1, count[:, None], last[:, None])  # the last page right after the kept ones
         new_lens = (count * ps + lens - last * ps).to(view.kv_lens.dtype)
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         return SelectedPagesView(
             block_tables=bt.gather(1, chosen).to(bt.dtype),
             kv_lens=new_lens,
             query_start_loc=view.query_start_loc,
             page_size=ps,
-            kv_lens_cpu=view.kv_lens_cpu if capturing else new_lens.tolist(),  # GPU decode kernels read none
+            kv_lens_cpu=[self._selected_len(n, ps) for n in view.kv_lens_cpu],  # ``new_lens`` on the host, no sync
             query_lens_cpu=view.query_lens_cpu,
             causal=view.causal,
         )
+
+    def _selected_len(self, n: int, ps: int) -> int:
+        """Slots a decode row of ``n`` slots reads: every page before its last kept (all of them for a row of at
+        most ``token_budget`` tokens, else ``token_budget // page_size - 1``), plus the last page's slots."""
+        budget = self.config.token_budget
+        last = (n - 1) // ps
+        kept = last if n <= budget else min(last, budget // ps - 1)
+        return kept * ps + n - last * ps

@@ -142,8 +142,7 @@ class SnapKV(SparseMethod):
             queries = QueryStash.load(state["queries"], self.config.window)
             self._states[req.request_id] = _State(req, len(queries.q), self.config.window, queries)
 
-    def resume_limit(self, num_prompt_tokens: int) -> int:
-        return max(0, num_prompt_tokens - self.config.window)  # a chain turn recomputes its whole window
+    resume_limit = prefix_reuse_limit  # a chain turn recomputes its whole window too
 
     def _done(self, req) -> bool:
         """No later vote can read this request's next queries: its prompt is evicted and no re-evaluation is
