@@ -401,10 +401,6 @@ class ChainService:
             return default
         name = default[0] if method is None else method
         options = dict(config) if config is not None else (default[1] if name == default[0] else {})
-        if not hasattr(engine, "check_method"):  # an engine without per-request methods
-            if (name, options) != default:
-                raise bad_field("method", f"this server runs only method {default[0]!r} with its config")
-            return default
         try:
             METHODS.get(name)
         except ConfigError as exc:

@@ -87,9 +87,7 @@ class EngineWorker:
         self.inflight: set[str] = set()  # event-loop side: generation requests submitted and not yet finished
         self.on_step = on_step
         self.snapshot = EngineSnapshot()
-        accepted = inspect.signature(engine.add_request).parameters
-        self.accepts_chain_id = "chain_id" in accepted
-        self.accepts_method = "method" in accepted
+        self.accepts_chain_id = "chain_id" in inspect.signature(engine.add_request).parameters
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
@@ -133,7 +131,7 @@ class EngineWorker:
         stream = RequestStream(self, f"req-{uuid.uuid4().hex}")
         loop = asyncio.get_running_loop()
         kwargs = {"chain_id": chain_id} if chain_id is not None and self.accepts_chain_id else {}
-        if method is not None and self.accepts_method:
+        if method is not None:
             kwargs["method"], kwargs["method_config"] = method
 
         def add(engine: Any) -> None:
