@@ -40,7 +40,7 @@ class TritonBackend(AttentionBackend):
             return quantized_decode_attention(
                 q, view.codec.kernel_format, view.k_fields, view.v_fields, view.block_tables, view.kv_lens,
                 view.quant_lens, view.window_k, view.window_v, view.window_ids, scale,
-                tables=view.codec.kernel_tables(q.shape[-1], q.device)), None
+                tables=view.codec.kernel_tables(q.shape[-1], q.device, view.layer)), None
         out, start = torch.empty_like(q), 0
         rows: dict[bool, tuple[list[int], list[int]]] = {True: ([], []), False: ([], [])}
         for i, n in enumerate(view.query_lens_cpu):

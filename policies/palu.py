@@ -18,7 +18,9 @@ Fields per token and KV head: keys ``latent`` (``r`` values, ``latent_dtype``) +
 Bytes against bf16 at ``rank_ratio = 0.5``, fp16 latents, D = 128: keys 132 / 256, values 128 / 256.
 Reconstruction is exact at ``rank_ratio = 1`` (up to the latent dtype) and for projections of rank <= r.
 The bases depend on the weights, so the codec is bound to a model (``bind_model``) before it stores
-anything. No fused GPU kernel: the torch reference backend reads it (``auto`` picks it and logs why).
+anything. On a GPU the Triton backend's fused decode kernel (``kernels.triton.lowrank_decode``) reads the
+latents and reconstructs keys (basis, bias, RoPE) and values (once per split, in the latent space) inside
+the attention loop; prefill chunks take the torch reference, a block of pages at a time.
 """
 
 from __future__ import annotations
@@ -117,10 +119,12 @@ class PaluConfig:
 class Palu(KVCodec):
     name = "palu"
     Config = PaluConfig
+    kernel_format = "lowrank-latent-rope"
 
     def __init__(self, config=None):
         super().__init__(config)
         self._layers: list[tuple[LowRank, LowRank]] = []
+        self._kernel_tables: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         self.key = self.value = None  # set by check: the rank depends on the head size
 
     def rank(self, head_dim: int) -> int:
@@ -135,12 +139,28 @@ class Palu(KVCodec):
     def bind_model(self, model) -> None:
         rotary = _RotaryTables(model.rotary)
         dtype = LATENT_DTYPES[self.config.latent_dtype]
-        self._layers = []
+        self._layers, self._kernel_tables = [], {}
         for proj in model.kv_projections():
             r = self.rank(proj["k"].shape[1])
             self._layers.append((
                 LowRank(r, dtype, True, head_bases(proj["k"], r), proj["k_bias"], rotary),
                 LowRank(r, dtype, False, head_bases(proj["v"], r), proj["v_bias"])))
+
+    def kernel_tables(self, head_dim: int, device: torch.device, layer: int = 0) -> dict[str, torch.Tensor]:
+        """The layer's bases [Hkv, D, r], biases [Hkv, D] (zeros without) and RoPE tables, on ``device``."""
+        key = (layer, str(device))
+        if key not in self._kernel_tables:
+            k, v = self._layers[layer]
+            basis = k._bound()
+
+            def bias(b):
+                return torch.zeros(basis.shape[:2]) if b is None else b
+
+            tables = {"k_basis": basis, "v_basis": v._bound(), "k_bias": bias(k.bias), "v_bias": bias(v.bias),
+                      "cos": k.rotary.cos, "sin": k.rotary.sin}
+            self._kernel_tables[key] = {n: t.to(device=device, dtype=torch.float32).contiguous()
+                                        for n, t in tables.items()}
+        return self._kernel_tables[key]
 
     def layer_codec(self, layer: int, side: str) -> TensorCodec:
         if not self._layers:

@@ -107,7 +107,7 @@ class TurboQuant(KVCodec):
         self.key = self.value = RotatedLloydMax(self.config.bits, self.config.seed)
         self.kernel_format = "lloydmax-rotated-bitplanes"
 
-    def kernel_tables(self, head_dim, device):
+    def kernel_tables(self, head_dim, device, layer=0):
         pi, levels, _ = self.key._tables(head_dim, device)
         return {"rotation": pi, "levels": levels}
 

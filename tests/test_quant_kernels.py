@@ -89,6 +89,63 @@ def test_quantized_decode_matches_reference(name, cfg, dtype, group, head_dim, p
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+class _Rope:
+    """A model-like rotary table: cos/sin [max_pos, D / 2] of standard RoPE (base 10000), scaled by ``attn``."""
+
+    def __init__(self, head_dim, max_pos=256, attn=1.0):
+        inv = 1.0 / 10000 ** (torch.arange(0, head_dim, 2).float() / head_dim)
+        angles = torch.arange(max_pos).float()[:, None] * inv[None, :]
+        self.cos_cache, self.sin_cache = angles.cos() * attn, angles.sin() * attn
+
+
+@pytest.mark.parametrize("dtype,latent_dtype,group,head_dim,rank,page_size,num_splits,bias", [
+    (torch.float32, torch.float32, 2, 32, 16, 8, 1, True), (torch.float16, torch.float16, 4, 64, 24, 16, 3, False),
+    (torch.float32, torch.float32, 1, 16, 5, 16, 2, True), (torch.bfloat16, torch.bfloat16, 2, 32, 32, 8, 2, True)])
+def test_lowrank_decode_matches_reference(dtype, latent_dtype, group, head_dim, rank, page_size, num_splits, bias):
+    """Palu's latents (keys rotated back by position, a rank-r basis, a bias) decoded by the fused kernel equal
+    the torch reference over the codec's own reconstruction (basis, bias, RoPE forward at each stored position;
+    a YaRN-like attention scale in the tables)."""
+    from policies.palu import LowRank, _RotaryTables
+
+    g = torch.Generator().manual_seed(head_dim + rank)
+    hkv, lens = 2, [37, 8, 64, 1]
+    rotary = _RotaryTables(_Rope(head_dim, attn=1.1))
+    bases = [torch.linalg.qr(torch.randn(hkv, head_dim, head_dim, generator=g))[0][..., :rank] for _ in "kv"]
+    biases = [torch.randn(hkv, head_dim, generator=g) if bias else None for _ in "kv"]
+    k_codec = LowRank(rank, latent_dtype, True, bases[0].contiguous(), biases[0], rotary)
+    v_codec = LowRank(rank, latent_dtype, False, bases[1].contiguous(), biases[1])
+    batch, max_pages = len(lens), max(-(-n // page_size) for n in lens)
+    num_pages = batch * max_pages + 1
+    n_slots = num_pages * page_size
+    positions = torch.randperm(200, generator=g)[:n_slots] if n_slots <= 200 else torch.randint(0, 256, (n_slots,), generator=g)
+    k = torch.randn(n_slots, hkv, head_dim, generator=g)
+    v = torch.randn(n_slots, hkv, head_dim, generator=g)
+
+    def paged(fields, rows):
+        return {n: t.reshape(num_pages, rows, *t.shape[1:]).contiguous().to(DEVICE) for n, t in fields.items()}
+
+    kf = paged(k_codec.encode(k, positions), page_size)
+    vf = paged(v_codec.encode(v), page_size)
+    perm = torch.randperm(num_pages - 1, generator=g)[: batch * max_pages].view(batch, max_pages) + 1
+    bt = perm.to(torch.int32).to(DEVICE)
+    q = torch.randn(batch, hkv * group, head_dim, generator=g).to(dtype).to(DEVICE)
+    d = head_dim
+    want, _ = quantized_paged_attention(
+        q.float(), lambda p: decode_pages(k_codec, kf, p, d), lambda p: decode_pages(v_codec, vf, p, d), bt,
+        page_size, lens, lens, [1] * batch, d**-0.5, pages_per_block=2)
+    zeros = torch.zeros(hkv, head_dim)
+    tables = {"k_basis": bases[0].contiguous(), "v_basis": bases[1].contiguous(),
+              "k_bias": biases[0] if bias else zeros, "v_bias": biases[1] if bias else zeros,
+              "cos": rotary.cos, "sin": rotary.sin}
+    tables = {n: t.float().contiguous().to(DEVICE) for n, t in tables.items()}
+    got = quantized_decode_attention(
+        q, "lowrank-latent-rope", kf, vf, bt, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
+        torch.tensor(lens, dtype=torch.int32, device=DEVICE), None, None, None, d**-0.5, num_splits=num_splits,
+        block_n=16, tables=tables)
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
 def test_reference_equals_dense_attention_over_decoded_kv():
     """The blockwise online-softmax reference is attention over the decoded context."""
     codec, q, kf, vf, bt, kv_lens, quant, wk, wv, wids = make_case(
@@ -106,7 +163,7 @@ def test_reference_equals_dense_attention_over_decoded_kv():
         torch.testing.assert_close(got[i], want[0], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name,cfg", CASES)
+@pytest.mark.parametrize("name,cfg", CASES + [("palu", {"rank_ratio": 0.5, "latent_dtype": "float32"})])
 def test_triton_backend_reads_the_engines_views(name, cfg, tiny_dirs):
     """Every decode step of a CPU engine run: the Triton backend's answer on the engine's own quantized view
     (codes, scales and windows as the cache manager wrote them) equals the torch backend's."""

@@ -136,9 +136,10 @@ class KVCodec:
     def bind_model(self, model: Any) -> None:
         """Called once with the loaded model, before any KV is stored (a codec derived from the weights)."""
 
-    def kernel_tables(self, head_dim: int, device: torch.device) -> dict[str, torch.Tensor]:
-        """Constant tensors the fused decode kernel of ``kernel_format`` reads besides the fields (e.g. a
-        codebook and a rotation); none by default."""
+    def kernel_tables(self, head_dim: int, device: torch.device, layer: int = 0) -> dict[str, torch.Tensor]:
+        """Constant tensors the fused decode kernel of ``kernel_format`` reads besides ``layer``'s fields (e.g.
+        a codebook and a rotation, or a layer's own bases); none by default. Called at every decode step (and
+        captured into CUDA graphs): return the same tensors each time."""
         return {}
 
     def check(self, spec: CacheSpec) -> None:

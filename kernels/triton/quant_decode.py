@@ -25,6 +25,8 @@ Formats:
   norm fp32 [P, ps, Hkv, 1]; x = norm * (levels[index] @ R) for the codec's rotation R ([D, D]) and
   Lloyd-Max levels (``tables``). Attention runs in the rotated basis: the query enters as q R^T, each tile
   is ``norm * levels[index]``, and the output leaves as o R (no window: this codec keeps none).
+* ``lowrank-latent-rope`` (Palu): latents and positions, reconstructed inside the loop by
+  ``kernels.triton.lowrank_decode`` (its own kernel; ``tables`` holds the layer's bases, biases and RoPE).
 
 Grid and split structure as ``decode_attention``: one program per (request, KV head, split) owns the whole
 query-head group; a tile of BLOCK_N slots mixes coded slots and window slots by masked loads; partials are
@@ -40,7 +42,8 @@ import triton.language as tl
 from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms
 from kernels.triton.decode_attention import _decode_combine_kernel, choose_num_splits
 
-FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok", "int2-asym-kchan-vtok", "lloydmax-rotated-bitplanes")
+FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok", "int2-asym-kchan-vtok", "lloydmax-rotated-bitplanes",
+           "lowrank-latent-rope")
 _INT_BITS = {"int4-asym-kchan-vtok": 4, "int2-asym-kchan-vtok": 2}
 _LOG2E = 1.4426950408889634
 
@@ -296,6 +299,12 @@ def quantized_decode_attention(
     and levels)."""
     if fmt not in FORMATS:
         raise ValueError(f"no quantized decode kernel for format {fmt!r}; formats: {FORMATS}")
+    if fmt == "lowrank-latent-rope":
+        from kernels.triton.lowrank_decode import lowrank_decode_attention
+
+        assert window_k is None, "the low-rank format keeps no full-precision window"
+        return lowrank_decode_attention(q, k_fields, v_fields, block_tables, kv_lens, scale, tables, num_splits,
+                                        block_n=block_n, num_warps=num_warps)
     batch, num_q_heads, head_dim = q.shape
     kc = k_fields["codes"]
     num_kv_heads = kc.shape[2]
