@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract.codec import CodedCacheSpec, KVCodec, TensorCodec
+from engine.kv_memory import zeroed
 
 
 def cdiv(a: int, b: int) -> int:
@@ -62,15 +63,15 @@ class CodedStorage:
         self.fields: dict[str, dict[str, torch.Tensor]] = {}
         for side, tc in self.sides.items():
             self.fields[side] = {
-                name: torch.zeros((spec.num_layers, num_pages, spec.page_size // (tc.token_group if f.per_group else 1),
-                                   spec.num_kv_heads, f.width), dtype=f.dtype, device=spec.device)
+                name: zeroed((spec.num_layers, num_pages, spec.page_size // (tc.token_group if f.per_group else 1),
+                              spec.num_kv_heads, f.width), f.dtype, spec.device)
                 for name, f in tc.fields(spec.head_dim).items()}
         self.capacity = codec.window_capacity
         self.ring: torch.Tensor | None = None
         self._free_windows: list[int] = []
         if codec.has_window:
-            self.ring = torch.zeros((spec.num_layers, 2, spec.max_windows + 1, self.capacity, spec.num_kv_heads,
-                                     spec.head_dim), dtype=spec.dtype, device=spec.device)
+            self.ring = zeroed((spec.num_layers, 2, spec.max_windows + 1, self.capacity, spec.num_kv_heads,
+                                spec.head_dim), spec.dtype, spec.device)
             self._free_windows = list(range(spec.max_windows))
 
     # --- windows --------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import torch
 
 from engine.contract.cache import CacheManager, CacheSpec
 from engine.contract.view import PagedView, QuantizedPagesView
+from engine.kv_memory import zeroed
 from engine.kv_storage import CodedStorage, DecodedPages, WritePlan
 from engine.page_pool import PagePool
 from engine.prefix_index import PageKey, PrefixIndex, page_key
@@ -77,11 +78,9 @@ class PagedCacheManager(CacheManager):
             self.coded = CodedStorage(spec, pool.num_pages + 1)
             self.kv = None
         else:
-            self.kv = torch.zeros(
+            self.kv = zeroed(
                 (spec.num_layers, 2, pool.num_pages + 1, spec.page_size, spec.num_kv_heads, spec.head_dim),
-                dtype=spec.dtype,
-                device=spec.device,
-            )
+                spec.dtype, spec.device)
         self._tables: dict[str, PageTable] = {}
         self._write_plans: list[WritePlan] | None = None
         self._prefix_plan: tuple | None = None  # write_prefix's plan, shared by the layers of one request
