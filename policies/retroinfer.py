@@ -25,7 +25,10 @@ Decode step (one new token past the prompt), query ``q`` of the GQA group of KV 
 
 Storage is untouched and prefill runs dense. The computation runs in ``after_attention``, which overwrites
 the backend's output rows of the decode requests that have an index (``select`` returns the plain view and
-stashes ``q``). It is a torch reference: it reads every slot of the request (no kernel, no bandwidth saved).
+stashes ``q``). On the CPU it is the torch reference above over every slot of the request (``attend``); on a
+GPU (``attend_paged``) the exact part is ``kernels.triton.cluster_decode``, which reads only the chosen
+clusters' member slots (the index keeps each head's slots grouped by cluster: ``members``, ``offsets``) and
+the recent range, and its per-split log-sum-exps are merged with the estimated clusters in torch.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class ClusterIndex:
     centroids: torch.Tensor  # [Hkv, C, D] fp32
     counts: torch.Tensor  # [Hkv, C] fp32 members per cluster
     value_sum: torch.Tensor  # [Hkv, C, D] fp32
+    members: torch.Tensor  # [Hkv, m] int32 clustered slots grouped by cluster (ascending slots within one)
+    offsets: torch.Tensor  # [Hkv, C + 1] int32 cluster c of head h is members[h, offsets[h, c]:offsets[h, c + 1]]
 
 
 def _nearest(keys: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
@@ -128,7 +133,9 @@ class RetroInfer(SparseMethod):
             assign, centroids, counts = kmeans(keys, -(-m // cfg.cluster_size), cfg.iters)
             d = values.shape[-1]
             value_sum = values.new_zeros(centroids.shape).scatter_add_(1, assign[..., None].expand(-1, -1, d), values)
-            layers.append(ClusterIndex(m, assign, centroids, counts, value_sum))
+            members = assign.argsort(dim=1, stable=True).to(torch.int32)
+            offsets = torch.nn.functional.pad(counts.long().cumsum(1), (1, 0)).to(torch.int32)
+            layers.append(ClusterIndex(m, assign, centroids, counts, value_sum, members, offsets))
         self._index[req.request_id] = layers
 
     def end_step(self, batch) -> None:
@@ -164,37 +171,71 @@ class RetroInfer(SparseMethod):
         for i, (req, n) in enumerate(zip(batch.requests, view.query_lens_cpu)):
             index = self._index.get(req.request_id)
             if index is not None and _is_decode(req, n):
-                slots = view_slots(view.block_tables, i, torch.arange(view.kv_lens_cpu[i], device=view.block_tables.device),
-                                   view.page_size)
-                keys = k_cache.flatten(0, 1)[slots].float()
-                values = v_cache.flatten(0, 1)[slots].float()
-                out[row] = self.attend(q[row].float(), keys, values, index[layer - self.config.dense_layers])
+                layer_index = index[layer - self.config.dense_layers]
+                if q.is_cuda:
+                    out[row] = self.attend_paged(q[row], k_cache, v_cache, view.block_tables[i],
+                                                 view.kv_lens_cpu[i], layer_index)
+                else:
+                    slots = view_slots(view.block_tables, i, torch.arange(view.kv_lens_cpu[i], device=q.device),
+                                       view.page_size)
+                    keys = k_cache.flatten(0, 1)[slots].float()
+                    values = v_cache.flatten(0, 1)[slots].float()
+                    out[row] = self.attend(q[row].float(), keys, values, layer_index)
             row += n
 
-    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: ClusterIndex) -> torch.Tensor:
-        """One decode query ``q`` [Hq, D] over a request's ``keys``/``values`` [n, Hkv, D] -> [Hq, D] fp32."""
+    def _rank(self, qg: torch.Tensor, index: ClusterIndex) -> tuple[torch.Tensor, torch.Tensor]:
+        """(exact [Hkv, X], estimated [Hkv, E]) cluster ids for the query groups ``qg`` [Hkv, G, D] fp32."""
         cfg = self.config
-        n, hkv, d = keys.shape
-        qg = q.view(hkv, -1, d)
-        scale = d**-0.5
         per_head = torch.einsum("hgd,hcd->hgc", qg, index.centroids)
         cluster_score = per_head.amax(1) if cfg.aggregate == "max" else per_head.sum(1)
         cluster_score = cluster_score.masked_fill(index.counts == 0, float("-inf"))
-        num_clusters = index.counts.shape[1]
         order = cluster_score.sort(dim=1, descending=True, stable=True).indices
-        n_exact = min(cfg.exact_clusters, num_clusters)
-        estimated = order[:, n_exact:n_exact + cfg.estimated_clusters]  # [Hkv, E]
-        exact = torch.zeros(hkv, num_clusters, dtype=torch.bool, device=q.device)
-        exact.scatter_(1, order[:, :n_exact], True)
+        n_exact = min(cfg.exact_clusters, order.shape[1])
+        return order[:, :n_exact], order[:, n_exact:n_exact + cfg.estimated_clusters]
+
+    @staticmethod
+    def _estimates(qg: torch.Tensor, index: ClusterIndex, estimated: torch.Tensor, scale: float):
+        """Estimated clusters as pseudo-tokens: (logits [Hkv, G, E], mean values [Hkv, E, D])."""
+        d = qg.shape[-1]
+        count = index.counts.gather(1, estimated)  # [Hkv, E]
+        centroid = index.centroids.gather(1, estimated[..., None].expand(-1, -1, d))
+        mean_value = index.value_sum.gather(1, estimated[..., None].expand(-1, -1, d)) / count.clamp(min=1)[..., None]
+        return torch.einsum("hgd,hed->hge", qg, centroid) * scale + count.log()[:, None, :], mean_value
+
+    def attend_paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_table: torch.Tensor, kv_len: int, index: ClusterIndex) -> torch.Tensor:
+        """``attend`` reading the paged cache in place: the exact clusters and the recent range through the
+        cluster-gather kernel (Triton; the interpreter on CPU), merged with the estimates -> [Hq, D] fp32."""
+        from kernels.triton.cluster_decode import cluster_decode_partials
+
+        hkv, d = index.centroids.shape[0], q.shape[-1]
+        scale = d**-0.5
+        qg = q.float().view(hkv, -1, d)
+        exact, estimated = self._rank(qg, index)
+        o, lse = cluster_decode_partials(q.contiguous(), k_cache, v_cache, block_table, index.members,
+                                         index.offsets, exact.to(torch.int32).contiguous(), index.num_clustered,
+                                         kv_len, scale)
+        est_logits, mean_value = self._estimates(qg, index, estimated, scale)
+        parts = torch.cat([lse, est_logits.reshape(q.shape[0], -1)], dim=1)  # [Hq, splits + E]
+        weights = (parts - parts.amax(1, keepdim=True)).exp()  # the recent range is never empty: finite max
+        w_split, w_est = weights[:, : lse.shape[1]], weights[:, lse.shape[1]:]
+        est_out = torch.einsum("hge,hed->hgd", w_est.reshape(hkv, q.shape[0] // hkv, -1), mean_value).reshape(-1, d)
+        return ((w_split[..., None] * o).sum(1) + est_out) / weights.sum(1, keepdim=True)
+
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, index: ClusterIndex) -> torch.Tensor:
+        """One decode query ``q`` [Hq, D] over a request's ``keys``/``values`` [n, Hkv, D] -> [Hq, D] fp32."""
+        n, hkv, d = keys.shape
+        qg = q.view(hkv, -1, d)
+        scale = d**-0.5
+        exact_ids, estimated = self._rank(qg, index)
+        exact = torch.zeros(hkv, index.counts.shape[1], dtype=torch.bool, device=q.device)
+        exact.scatter_(1, exact_ids, True)
         visible = torch.ones(hkv, n, dtype=torch.bool, device=q.device)
         visible[:, : index.num_clustered] = exact.gather(1, index.assign)
 
         logits = torch.einsum("hgd,nhd->hgn", qg, keys) * scale
         logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-        count = index.counts.gather(1, estimated)  # [Hkv, E]
-        centroid = index.centroids.gather(1, estimated[..., None].expand(-1, -1, d))
-        mean_value = index.value_sum.gather(1, estimated[..., None].expand(-1, -1, d)) / count.clamp(min=1)[..., None]
-        est_logits = torch.einsum("hgd,hed->hge", qg, centroid) * scale + count.log()[:, None, :]
+        est_logits, mean_value = self._estimates(qg, index, estimated, scale)
         probs = torch.softmax(torch.cat([logits, est_logits], dim=-1), dim=-1)
         o = torch.einsum("hgn,nhd->hgd", probs[..., :n], values)
         o = o + torch.einsum("hge,hed->hgd", probs[..., n:], mean_value)
