@@ -25,8 +25,9 @@ Decode step (one new token past the prompt), query ``q`` of the GQA group of KV 
 
 Storage is untouched and prefill runs dense. The computation runs in ``after_attention``, which overwrites
 the backend's output rows of the decode requests that have an index (``select`` returns the plain view and
-stashes ``q``). On the CPU it is the torch reference above over every slot of the request (``attend``); on a
-GPU (``attend_paged``) the exact part is ``kernels.triton.cluster_decode``, which reads only the chosen
+stashes ``q``; when every row of a step is such a decode row it returns a view of each request's newest
+slot only, so the backend's pass, which is overwritten, reads almost nothing). On the CPU it is the torch
+reference above over every slot of the request (``attend``); on a GPU (``attend_paged``) the exact part is ``kernels.triton.cluster_decode``, which reads only the chosen
 clusters' member slots (the index keeps each head's slots grouped by cluster: ``members``, ``offsets``) and
 the recent range, and its per-split log-sum-exps are merged with the estimated clusters in torch.
 """
@@ -38,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, SparseMethod
+from engine.contract.view import PagedView, SelectedSlotsView
 from engine.registry import register_method
 from policies.scoring import check_int, view_slots
 
@@ -105,11 +107,25 @@ def _is_decode(req, query_len: int) -> bool:
     return query_len == 1 and req.num_computed_tokens >= req.num_prompt_tokens
 
 
+def _newest_slot_view(view: PagedView) -> SelectedSlotsView:
+    """The backend's pass over only each request's newest slot (one-slot lists built on the device)."""
+    rows = len(view.kv_lens_cpu)
+    device = view.block_tables.device
+    newest = (view.kv_lens.long() - 1)[:, None]
+    slots = view_slots(view.block_tables, torch.arange(rows, device=device)[:, None], newest, view.page_size)
+    return SelectedSlotsView(
+        block_tables=view.block_tables, kv_lens=torch.ones_like(view.kv_lens), query_start_loc=view.query_start_loc,
+        page_size=view.page_size, kv_lens_cpu=[1] * rows, query_lens_cpu=view.query_lens_cpu, causal=view.causal,
+        slot_indptr=torch.arange(rows + 1, device=device), slot_indices=slots.flatten(),
+        slot_table=slots.to(torch.int32))
+
+
 @register_method
 class RetroInfer(SparseMethod):
     name = "retroinfer"
     family = Family.SELECTION
     Config = RetroInferConfig
+    view_types = (PagedView, SelectedSlotsView)  # SelectedSlotsView: the newest slot only, when all rows are rewritten
     cuda_graph_safe = False  # after_attention recomputes decode rows in a per-request host loop
 
     def __init__(self, config: RetroInferConfig | None = None):
@@ -159,7 +175,20 @@ class RetroInfer(SparseMethod):
     # --- decode ---------------------------------------------------------------------------------
     def select(self, layer: int, q: torch.Tensor, batch):
         batch.scratch[SCRATCH_KEY] = q
-        return batch.view_for(layer)
+        view = batch.view_for(layer)
+        if layer < self.config.dense_layers or not self._all_rows_overwritten(batch, view):
+            return view
+        return _newest_slot_view(view)
+
+    def _all_rows_overwritten(self, batch, view) -> bool:
+        """Whether every row of the step is a decode row with an index (``after_attention`` rewrites them
+        all, so the backend need only attend to each request's newest slot); decided once per step."""
+        key = SCRATCH_KEY + "_all"
+        if key not in batch.scratch:
+            batch.scratch[key] = all(
+                req.request_id in self._index and _is_decode(req, n)
+                for req, n in zip(batch.requests, view.query_lens_cpu))
+        return batch.scratch[key]
 
     def after_attention(self, layer, batch, out, scores) -> None:
         if layer < self.config.dense_layers or not self._index:

@@ -103,8 +103,16 @@ def test_engine_decode_rows_take_the_same_answer_through_the_kernel(tiny_dirs):
                 checked.append(req.request_id)
             row += n
 
-    method.after_attention = after_attention
+    select, views = method.select, []
+
+    def counting_select(layer, q, batch):
+        view = select(layer, q, batch)
+        views.append(type(view).__name__)
+        return view
+
+    method.after_attention, method.select = after_attention, counting_select
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (20, 45, 70)]
     llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(checked) == 3 * 3 * (cache.spec.num_layers - 1)
+    assert "SelectedSlotsView" in views  # all-decode steps: the backend's (overwritten) pass reads one slot

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The GPU measurements docs/benchmarks.md reports, as named steps, each under its own time limit:
+#
+#   OUT=/tmp/out bash benchmarks/h200_session.sh tests dense moe
+#
+# Every step writes $OUT/<step>.txt (and JSON where the benchmark writes one) and prints its tail. Steps:
+#   tests      GPU backend and kernel tests (compiled Triton kernels against their torch references)
+#   dense      Llama-3.1-8B shape decode roofline at bs1@4K, bs8@4K, bs4@32K, HF transformers in the same run
+#   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step
+#   select     Quest / OmniKV vs dense at 128K, matched batch (decode graphs capture the selection)
+#   evict      KVzip / R-KV vs dense at 4K: matched batch 32, then each at its largest batch
+#   quant32k   fp8, KIVI-4, SnapKV(4096), SnapKV(4096)+KIVI-4, Palu vs dense at 32K (largest and matched batch)
+#   quant128k  the same at 128K
+#   retro      RetroInfer (cluster-gather kernel) vs dense at 32K, matched batch
+#   replay     16 agent sessions x 30 turns: dense + prefix cache, SnapKV + Chain Cache, dense + lag pruning
+set -uo pipefail
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+SPARSE="python -m benchmarks.sparse_decode --shape llama-3.1-8b --decode-steps 16"
+
+run() {  # run NAME LIMIT_S COMMAND...
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s) $(date -u +%FT%TZ)"
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    echo "=== $name rc=$? $(date -u +%FT%TZ)"
+    grep -v "capturing\|it/s\]" "$OUT/$name.txt" | tail -n 25
+}
+
+for step in "$@"; do
+    case $step in
+    tests)
+        run tests 240 python -m pytest -q -n 8 --tb=short -rA -p no:cacheprovider tests/test_gpu_backends.py \
+            tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py \
+            tests/test_triton_kernels.py ;;
+    dense)
+        run dense 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+            --max-num-batched-tokens 16384 --hf --json "$OUT/dense.json" ;;
+    moe)
+        run moe 200 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
+            --max-num-batched-tokens 16384 --json "$OUT/moe.json" ;;
+    select)
+        run select 300 $SPARSE --context 128000 --max-batch 16 \
+            --methods 'dense;quest:{"token_budget":4096};omnikv:{"token_budget":4096}' --json "$OUT/select.json" ;;
+    evict)
+        run evict_matched 200 $SPARSE --context 4096 --max-batch 32 --admit-group 16 \
+            --methods 'dense;kvzip:{"budget":1024};rkv:{"budget":1024,"buffer":128}' --json "$OUT/evict_matched.json"
+        run evict_largest 400 $SPARSE --context 4096 --max-batch 512 --admit-group 64 \
+            --methods 'kvzip:{"budget":1024};rkv:{"budget":1024,"buffer":128}' --json "$OUT/evict_largest.json" ;;
+    quant32k | quant128k)
+        context=32768; [ "$step" = quant128k ] && context=128000
+        run "$step" 560 $SPARSE --context $context --max-batch 256 --page-size 32 --admit-group 16 --match-batch \
+            --methods 'dense;dense+fp8;dense+kivi:{"bits":4};snapkv:{"budget":4096};snapkv:{"budget":4096}+kivi:{"bits":4};dense+palu' \
+            --json "$OUT/$step.json" ;;
+    retro)
+        run retro 300 $SPARSE --context 32768 --max-batch 8 \
+            --methods 'dense;retroinfer:{}' --json "$OUT/retro.json" ;;
+    replay)
+        run replay 560 python -c 'import sys; from agentrt.cli import main; sys.exit(main())' replay run \
+            --shape llama-3.1-8b --load-format dummy --sessions 16 --turns 30,30 --think-scale 0 \
+            --max-num-batched-tokens 8192 --configs dense-prefix,snapkv-chain,dense-chain-lag \
+            --snapkv-config '{"budget": 4096}' --out "$OUT/replay" ;;
+    *)
+        echo "unknown step $step" >&2
+        exit 2 ;;
+    esac
+done
