@@ -9,8 +9,10 @@
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step
 #   select     Quest / OmniKV vs dense at 128K, matched batch (decode graphs capture the selection)
 #   evict      KVzip / R-KV vs dense at 4K: matched batch 32, then each at its largest batch
-#   quant32k   fp8, KIVI-4, SnapKV(4096), SnapKV(4096)+KIVI-4, Palu vs dense at 32K (largest and matched batch)
-#   quant128k  the same at 128K
+#   codec32k   fp8, KIVI-4, Palu vs dense at 32K (each at its largest batch, then at dense's batch)
+#   snapcodec32k  SnapKV(4096) and SnapKV(4096) + KIVI-4 vs dense at 32K (largest and matched batch)
+#   codec128k, snapcodec128k  the same at 128K
+# Each benchmark prints one JSON line per finished run, so a step cut by its limit keeps what finished.
 #   retro      RetroInfer (cluster-gather kernel) vs dense at 32K, matched batch
 #   replay     16 agent sessions x 30 turns: dense + prefix cache, SnapKV + Chain Cache, dense + lag pruning
 set -uo pipefail
@@ -47,11 +49,14 @@ for step in "$@"; do
             --methods 'dense;kvzip:{"budget":1024};rkv:{"budget":1024,"buffer":128}' --json "$OUT/evict_matched.json"
         run evict_largest 400 $SPARSE --context 4096 --max-batch 512 --admit-group 64 \
             --methods 'kvzip:{"budget":1024};rkv:{"budget":1024,"buffer":128}' --json "$OUT/evict_largest.json" ;;
-    quant32k | quant128k)
-        context=32768; [ "$step" = quant128k ] && context=128000
-        run "$step" 560 $SPARSE --context $context --max-batch 256 --page-size 32 --admit-group 16 --match-batch \
-            --methods 'dense;dense+fp8;dense+kivi:{"bits":4};snapkv:{"budget":4096};snapkv:{"budget":4096}+kivi:{"bits":4};dense+palu' \
-            --json "$OUT/$step.json" ;;
+    codec32k | codec128k)
+        context=32768; [ "$step" = codec128k ] && context=128000
+        run "$step" 500 $SPARSE --context $context --max-batch 256 --page-size 32 --admit-group 16 --match-batch \
+            --methods 'dense;dense+fp8;dense+kivi:{"bits":4};dense+palu' --json "$OUT/$step.json" ;;
+    snapcodec32k | snapcodec128k)
+        context=32768; [ "$step" = snapcodec128k ] && context=128000
+        run "$step" 500 $SPARSE --context $context --max-batch 256 --page-size 32 --admit-group 16 --match-batch \
+            --methods 'dense;snapkv:{"budget":4096};snapkv:{"budget":4096}+kivi:{"bits":4}' --json "$OUT/$step.json" ;;
     retro)
         run retro 300 $SPARSE --context 32768 --max-batch 8 \
             --methods 'dense;retroinfer:{}' --json "$OUT/retro.json" ;;
