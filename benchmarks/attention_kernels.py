@@ -1,6 +1,7 @@
 """GPU micro-benchmark: paged decode / prefill attention, Triton vs flashinfer vs the copy roofline, one run.
 
     python benchmarks/attention_kernels.py [--quick] [--json out.json]
+    python benchmarks/attention_kernels.py --sweep --json sweep.json   # launch configurations of our kernels
 
 Measures in the same process: device-to-device copy bandwidth (bytes read + written), the bf16 matmul rate,
 Triton paged decode (ours) and flashinfer's BatchDecodeWithPagedKVCacheWrapper with and without tensor cores
@@ -134,12 +135,85 @@ def prefill_case(ctx: int, with_flashinfer: bool, gen) -> dict:
     return row
 
 
+DECODE_SWEEP = {"block_n": (32, 64), "num_warps": (4, 8), "num_stages": (2, 3, 4), "split_factor": (1, 2)}
+PREFILL_SWEEP = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
+
+
+def _grid(space: dict) -> list[dict]:
+    configs = [{}]
+    for name, values in space.items():
+        configs = [{**c, name: v} for c in configs for v in values]
+    return configs
+
+
+def sweep(gen) -> list[dict]:
+    """Time the Triton kernels over a grid of launch configurations (each checked against the default
+    configuration's output first); one row per shape with every configuration and the fastest."""
+    from kernels.triton import choose_num_splits
+
+    rows = []
+    for batch, ctx in [(8, 32768), (1, 4096), (1, 131072), (64, 4096)]:
+        k, v, bt, lens = make_paged(batch, ctx, gen)
+        q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda", generator=gen)
+        scale = D**-0.5
+        kv_bytes = 2 * batch * ctx * HKV * D * DTYPE.itemsize
+        base = paged_decode_attention(q, k, v, bt, lens, scale)
+        default_splits = choose_num_splits(batch, HKV, bt.shape[1] * PAGE, torch.cuda.get_device_properties(0).multi_processor_count)
+        timings = []
+        for cfg in _grid(DECODE_SWEEP):
+            kw = {n: cfg[n] for n in ("block_n", "num_warps", "num_stages")}
+            kw["num_splits"] = min(64, default_splits * cfg["split_factor"])
+            out = paged_decode_attention(q, k, v, bt, lens, scale, **kw)
+            err = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
+            t = bench(lambda: paged_decode_attention(q, k, v, bt, lens, scale, **kw))
+            timings.append({**kw, "ms": t * 1e3, "tb_s": kv_bytes / t / 1e12, "rel_diff": err})
+        t_default = bench(lambda: paged_decode_attention(q, k, v, bt, lens, scale))
+        best = min(timings, key=lambda r: r["ms"])
+        rows.append({"kernel": "decode-sweep", "batch": batch, "context": ctx, "default_ms": t_default * 1e3,
+                     "default_splits": default_splits, "best": best, "configs": timings})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
+        del k, v
+        torch.cuda.empty_cache()
+    for ctx in (8192, 32768):
+        k, v, bt, lens = make_paged(1, ctx, gen)
+        q = torch.randn(ctx, HQ, D, dtype=DTYPE, device="cuda", generator=gen)
+        qsl = torch.tensor([0, ctx], dtype=torch.int32, device="cuda")
+        scale, flops = D**-0.5, 4 * HQ * D * ctx * ctx / 2
+
+        def run(**kw):
+            return paged_prefill_attention(q, k, v, bt, lens, qsl, scale, causal=True, max_query_len=ctx, **kw)
+
+        base, timings = run(), []
+        for kw in _grid(PREFILL_SWEEP):
+            try:
+                out = run(**kw)
+            except Exception as exc:  # noqa: BLE001 (a configuration the compiler rejects: out of shared memory)
+                timings.append({**kw, "error": type(exc).__name__})
+                continue
+            err = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
+            t = bench(lambda: run(**kw), reps=20)
+            timings.append({**kw, "ms": t * 1e3, "tflop_s": flops / t / 1e12, "rel_diff": err})
+        t_default = bench(run, reps=20)
+        best = min((r for r in timings if "ms" in r), key=lambda r: r["ms"])
+        rows.append({"kernel": "prefill-sweep", "context": ctx, "default_ms": t_default * 1e3,
+                     "default_tflop_s": flops / t_default / 1e12, "best": best, "configs": timings})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="time the Triton kernels over launch configurations")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.sweep:
+        rows = sweep(torch.Generator(device="cuda").manual_seed(0))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     with_fi = not args.no_flashinfer
     if with_fi:
         try:

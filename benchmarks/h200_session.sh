@@ -5,6 +5,8 @@
 #
 # Every step writes $OUT/<step>.txt (and JSON where the benchmark writes one) and prints its tail. Steps:
 #   tests      GPU backend and kernel tests (compiled Triton kernels against their torch references)
+#   kernels    Triton vs flashinfer paged decode / prefill against the copy and matmul rates
+#   sweep      our decode / prefill kernels over a grid of launch configurations (which to make the default)
 #   dense      Llama-3.1-8B shape decode roofline at bs1@4K, bs8@4K, bs4@32K, HF transformers in the same run
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step
 #   select     Quest / OmniKV vs dense at 128K, matched batch (decode graphs capture the selection)
@@ -35,6 +37,10 @@ for step in "$@"; do
         run tests 240 python -m pytest -q -n 8 --tb=short -rA -p no:cacheprovider tests/test_gpu_backends.py \
             tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py \
             tests/test_triton_kernels.py ;;
+    kernels)
+        run kernels 200 python benchmarks/attention_kernels.py --json "$OUT/kernels.json" ;;
+    sweep)
+        run sweep 400 python benchmarks/attention_kernels.py --sweep --json "$OUT/sweep.json" ;;
     dense)
         run dense 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --hf --json "$OUT/dense.json" ;;
