@@ -51,11 +51,15 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
     t1 = time.perf_counter()
     overheads, steps = [], 0
     phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "execute": [], "update": []}
+    full_steps: list[float] = []  # wall time of each step in which every request decodes
     while engine.has_unfinished():
+        ts = time.perf_counter()
         engine.step()
+        te = time.perf_counter()
         steps += 1
         timing = engine.last_step
         if timing is not None and timing.num_requests == batch:
+            full_steps.append(te - ts)
             overheads.append(timing.schedule_s + timing.prepare_s)
             for name, values in phases.items():
                 values.append(getattr(timing, f"{name}_s"))
@@ -83,6 +87,9 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
         # median wall ms of each part of a full-batch decode step: execute = forward (graph replay) + sampling,
         # synchronised by the sampled ids' copy to the host; update = outputs, detokenization, finishing
         "step_phase_ms": {k: 1e3 * statistics.median(v) for k, v in phases.items() if v},
+        # decode_tok_s divides every token decoded after the last first token by the time since; this one is
+        # one full-batch step's median wall time (no tail of a shrinking batch, no prefill-era tokens)
+        "full_batch_step_ms": 1e3 * statistics.median(full_steps) if full_steps else None,
         "graph_replay_ms": replay_ms,
     }
 
@@ -114,6 +121,8 @@ def add_roofline(r: dict, engine: LLMEngine, copy_bw: float, matmul: float) -> N
     prefill_flops = r["batch"] * (2 * params * r["context"] + attn_flops)
     r.update(weight_gb=w_bytes / 1e9, bytes_per_step_gb=step_bytes / 1e9, copy_tb_s=copy_bw / 1e12,
              roofline_tok_s=roofline_tok_s, roofline_fraction=r["decode_tok_s"] / roofline_tok_s,
+             full_batch_roofline_fraction=(r["batch"] / (r["full_batch_step_ms"] * 1e-3) / roofline_tok_s
+                                           if r.get("full_batch_step_ms") else None),
              achieved_tb_s=r["decode_tok_s"] / r["batch"] * step_bytes / 1e12,
              prefill_tflop_s=prefill_flops / (r["batch"] * r["context"] / r["prefill_tok_s"]) / 1e12,
              matmul_tflop_s=matmul / 1e12)
@@ -215,6 +224,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         extra = ""
         if "roofline_fraction" in r:
             extra = f"  roofline {r['roofline_fraction']:.2f} ({r['achieved_tb_s']:.2f} TB/s)  prefill {r['prefill_tflop_s']:.0f} TFLOP/s"
+            if r.get("full_batch_roofline_fraction") is not None:
+                extra += (f"  full-batch step {r['full_batch_step_ms']:.2f} ms, roofline "
+                          f"{r['full_batch_roofline_fraction']:.2f}")
         if "speedup_vs_hf" in r:
             extra += f"  HF {r['hf_decode_tok_s']:.1f} tok/s ({r['speedup_vs_hf']:.1f}x)"
         print(f"{r['batch']:>5} {r['context']:>7} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
