@@ -30,6 +30,13 @@ def bench(fn, reps: int = 50) -> float:
     return triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median") * 1e-3
 
 
+def bench_graph(fn, reps: int = 50) -> float:
+    """Median seconds per call replayed from a CUDA graph: no launch overhead, as inside a decode graph (a
+    10-30 us kernel launched from Python is otherwise timed at its launch cost)."""
+    fn()  # compile outside the capture
+    return triton.testing.do_bench_cudagraph(fn, rep=reps, return_mode="median") * 1e-3
+
+
 def copy_bandwidth() -> float:
     x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
@@ -136,6 +143,8 @@ def prefill_case(ctx: int, with_flashinfer: bool, gen) -> dict:
 
 
 DECODE_SWEEP = {"block_n": (32, 64), "num_warps": (4, 8), "num_stages": (2, 3, 4), "split_factor": (1, 2)}
+# a decode graph's grid: the splits of the longest context (131072 tokens), whatever the request's length
+GRAPH_SPLITS, GRAPH_MIN_SPLIT = 64, (0, 128, 256, 512)
 PREFILL_SWEEP = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
 
@@ -165,9 +174,15 @@ def sweep(gen) -> list[dict]:
             kw["num_splits"] = min(64, default_splits * cfg["split_factor"])
             out = paged_decode_attention(q, k, v, bt, lens, scale, **kw)
             err = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
-            t = bench(lambda: paged_decode_attention(q, k, v, bt, lens, scale, **kw))
+            t = bench_graph(lambda: paged_decode_attention(q, k, v, bt, lens, scale, **kw))
             timings.append({**kw, "ms": t * 1e3, "tb_s": kv_bytes / t / 1e12, "rel_diff": err})
-        t_default = bench(lambda: paged_decode_attention(q, k, v, bt, lens, scale))
+        for min_split in GRAPH_MIN_SPLIT:  # the graph's grid, with a floor on each split's length
+            kw = {"num_splits": GRAPH_SPLITS, "min_split_tokens": min_split}
+            out = paged_decode_attention(q, k, v, bt, lens, scale, **kw)
+            err = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
+            t = bench_graph(lambda: paged_decode_attention(q, k, v, bt, lens, scale, **kw))
+            timings.append({**kw, "ms": t * 1e3, "tb_s": kv_bytes / t / 1e12, "rel_diff": err})
+        t_default = bench_graph(lambda: paged_decode_attention(q, k, v, bt, lens, scale))
         best = min(timings, key=lambda r: r["ms"])
         rows.append({"kernel": "decode-sweep", "batch": batch, "context": ctx, "default_ms": t_default * 1e3,
                      "default_splits": default_splits, "best": best, "configs": timings})

@@ -84,7 +84,7 @@ def test_quantized_decode_matches_reference(name, cfg, dtype, group, head_dim, p
     got = quantized_decode_attention(
         q, codec.kernel_format, kf, vf, bt, kv_lens, torch.tensor(quant, dtype=torch.int32, device=DEVICE),
         wk, wv, None if wids is None else torch.tensor(wids, dtype=torch.int32, device=DEVICE), head_dim**-0.5,
-        num_splits=num_splits, block_n=16, tables=codec.kernel_tables(head_dim, q.device))
+        num_splits=num_splits, block_n=16, tables=codec.kernel_tables(head_dim, q.device), min_split_tokens=32)
     tol = 2e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
@@ -141,7 +141,7 @@ def test_lowrank_decode_matches_reference(dtype, latent_dtype, group, head_dim, 
     got = quantized_decode_attention(
         q, "lowrank-latent-rope", kf, vf, bt, torch.tensor(lens, dtype=torch.int32, device=DEVICE),
         torch.tensor(lens, dtype=torch.int32, device=DEVICE), None, None, None, d**-0.5, num_splits=num_splits,
-        block_n=16, tables=tables)
+        block_n=16, tables=tables, min_split_tokens=32)
     tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 

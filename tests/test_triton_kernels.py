@@ -128,8 +128,9 @@ DECODE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("min_split", [0, 32])  # 32: long requests split, short ones fill one or two splits
 @pytest.mark.parametrize("dtype,group,head_dim,page_size,num_splits,block_n", DECODE_CASES)
-def test_paged_decode_attention(dtype, group, head_dim, page_size, num_splits, block_n):
+def test_paged_decode_attention(dtype, group, head_dim, page_size, num_splits, block_n, min_split):
     _seed("decode", dtype, group, head_dim, page_size, num_splits, block_n)
     hkv = 2
     hq = hkv * group
@@ -141,7 +142,7 @@ def test_paged_decode_attention(dtype, group, head_dim, page_size, num_splits, b
     scale = head_dim**-0.5
     out = torch.full_like(q, float("nan"))
     got = paged_decode_attention(q, k_cache, v_cache, bt, _i32(kv_lens), scale, num_splits=num_splits,
-                                 out=out, block_n=block_n)
+                                 out=out, block_n=block_n, min_split_tokens=min_split)
     assert got is out
     ref, _ = paged_attention(q, k_cache, v_cache, bt, kv_lens, [1] * len(kv_lens), scale)
     _close(out, ref, ATTN_TOL[dtype])
@@ -190,6 +191,22 @@ def test_paged_decode_attention_cuda_graph():
         graph.replay()
         ref, _ = paged_attention(q, k_cache, v_cache, bt, kv_lens, [1] * batch, 0.1)
         _close(out, ref, ATTN_TOL[dtype])
+
+
+def test_a_grid_sized_for_long_contexts_serves_short_ones():
+    """As in a decode graph captured for the longest context: 64 splits, requests of 1 to 300 slots, a
+    256-token minimum split length (most splits empty for the short ones) equals the reference."""
+    _seed("decode-many-splits")
+    dtype, hkv, group, d, page_size = torch.float16, 2, 4, 64, 16
+    kv_lens = [1, 40, 300, 257]
+    num_pages = sum(math.ceil(n / page_size) for n in kv_lens) + 3
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
+    bt = _block_tables(kv_lens, page_size, num_pages)
+    q = _randn(len(kv_lens), hkv * group, d, dtype=dtype)
+    got = paged_decode_attention(q, k_cache, v_cache, bt, _i32(kv_lens), 0.125, num_splits=64, block_n=16,
+                                 min_split_tokens=256)
+    ref, _ = paged_attention(q, k_cache, v_cache, bt, kv_lens, [1] * len(kv_lens), 0.125)
+    _close(got, ref, ATTN_TOL[dtype])
 
 
 def test_choose_num_splits():

@@ -15,8 +15,9 @@ with zero rows to >= 16 (tl.dot's minimum M), and each step reads BLOCK_N contex
 the page table (any page size; a tile may span pages), computing S = Q K^T ([BLOCK_G, BLOCK_N]) and
 P V with tl.dot (fp16/bf16 operands, fp32 accumulation) and an online softmax in base 2. The split's
 token range is derived on the device from kv_len: every request is cut into ``num_splits`` equal,
-BLOCK_N-aligned ranges, so short and long requests both use all splits and empty tail splits just emit
-an empty partial. Partial results are (acc / l, log2-sum-exp) in fp32.
+BLOCK_N-aligned ranges of at least ``min_split_tokens`` (so a short request in a grid sized for long ones,
+as in a CUDA graph captured for the longest context, uses few full splits instead of many one-tile ones),
+and empty tail splits just emit an empty partial. Partial results are (acc / l, log2-sum-exp) in fp32.
 
 Kernel 2, grid (B, Hq): merges the num_splits partials with max-rescaling. With num_splits == 1 kernel 1
 normalises and writes the output directly and kernel 2 is not launched.
@@ -36,6 +37,11 @@ from kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, ne
 
 _LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
+# The device-side floor on a split's length (``min_split_tokens``). 0 keeps every request cut into all
+# ``num_splits`` ranges, which is what decode graphs (captured with the splits of the longest context) did
+# when the H200 figures in docs/benchmarks.md were measured; ``attention_kernels.py --sweep`` times
+# alternatives on the GPU before this default changes.
+DEFAULT_MIN_SPLIT_TOKENS = 0
 MAX_SPLITS = 64
 
 
@@ -50,7 +56,7 @@ def _decode_split_kernel(
     stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -60,6 +66,7 @@ def _decode_split_kernel(
 
     kv_len = tl.load(lens_ptr + b)
     per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    per_split = tl.maximum(per_split, MIN_SPLIT)
     start = split * per_split
     end = tl.minimum(start + per_split, kv_len)
 
@@ -169,6 +176,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
 ) -> torch.Tensor:
     """q [B, Hq, D] attends to the first kv_lens[b] slots of request b's pages -> [B, Hq, D]."""
     batch, num_q_heads, head_dim = q.shape
@@ -209,7 +217,7 @@ def paged_decode_attention(
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
         UPCAST=upcast, PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms
-from kernels.triton.decode_attention import choose_num_splits
+from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, choose_num_splits
 from kernels.triton.quant_decode import _combine, _finish, _online_update, _split_range, _store_lse
 
 FORMAT = "lowrank-latent-rope"
@@ -48,14 +48,14 @@ def _lowrank_decode_kernel(
     stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, RANK: tl.constexpr, BLOCK_R: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, LAT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
-    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N)
+    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_h = tl.arange(0, BLOCK_H)
@@ -119,6 +119,7 @@ def lowrank_decode_attention(
     q: torch.Tensor, k_fields: dict[str, torch.Tensor], v_fields: dict[str, torch.Tensor],
     block_tables: torch.Tensor, kv_lens: torch.Tensor, scale: float, tables: dict[str, torch.Tensor],
     num_splits: int | None = None, *, block_n: int = 32, num_warps: int = 4,
+    min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
 ) -> torch.Tensor:
     """See the module docstring."""
     batch, num_q_heads, head_dim = q.shape
@@ -149,7 +150,8 @@ def lowrank_decode_attention(
         cos.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=max(16, next_pow2(group)), HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         HALF=head_dim // 2, BLOCK_H=max(16, next_pow2(head_dim // 2)), RANK=rank, BLOCK_R=max(16, next_pow2(rank)),
-        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, UPCAST=upcast, PRECISION=precision,
+        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
+        UPCAST=upcast, PRECISION=precision,
         LAT_PRECISION=lat_precision, num_warps=num_warps)
     _combine(num_splits, mid_o, mid_lse, out, batch, num_q_heads, head_dim)
     return out

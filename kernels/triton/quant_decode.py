@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms
-from kernels.triton.decode_attention import _decode_combine_kernel, choose_num_splits
+from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, _decode_combine_kernel, choose_num_splits
 
 FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok", "int2-asym-kchan-vtok", "lloydmax-rotated-bitplanes",
            "lowrank-latent-rope")
@@ -58,9 +58,10 @@ def _e4m3_to_f32(b):
 
 
 @triton.jit
-def _split_range(lens_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def _split_range(lens_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
     kv_len = tl.load(lens_ptr + b)
     per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    per_split = tl.maximum(per_split, MIN_SPLIT)  # see decode_attention: few full splits for short requests
     start = split * per_split
     return start, tl.minimum(start + per_split, kv_len)
 
@@ -109,13 +110,13 @@ def _fp8_decode_kernel(
     stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
-    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N)
+    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     quant_len = tl.load(qlens_ptr + b)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -172,14 +173,14 @@ def _intn_decode_kernel(
     stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr, CAP: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
-    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N)
+    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     quant_len = tl.load(qlens_ptr + b)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -240,14 +241,14 @@ def _lloydmax_decode_kernel(
     s_np, s_ns, s_nh,  # norms [P, ps, Hkv, 1]
     stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
-    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N)
+    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -293,7 +294,7 @@ def quantized_decode_attention(
     block_tables: torch.Tensor, kv_lens: torch.Tensor, quant_lens: torch.Tensor,
     window_k: torch.Tensor | None, window_v: torch.Tensor | None, window_ids: torch.Tensor | None,
     scale: float, num_splits: int | None = None, *, tables: dict[str, torch.Tensor] | None = None,
-    block_n: int = 32, num_warps: int = 4,
+    block_n: int = 32, num_warps: int = 4, min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
 ) -> torch.Tensor:
     """See the module docstring; ``tables``: the codec's ``kernel_tables`` (the Lloyd-Max format's rotation
     and levels)."""
@@ -304,7 +305,7 @@ def quantized_decode_attention(
 
         assert window_k is None, "the low-rank format keeps no full-precision window"
         return lowrank_decode_attention(q, k_fields, v_fields, block_tables, kv_lens, scale, tables, num_splits,
-                                        block_n=block_n, num_warps=num_warps)
+                                        block_n=block_n, num_warps=num_warps, min_split_tokens=min_split_tokens)
     batch, num_q_heads, head_dim = q.shape
     kc = k_fields["codes"]
     num_kv_heads = kc.shape[2]
@@ -328,7 +329,8 @@ def quantized_decode_attention(
         mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     grid = (batch, num_kv_heads, num_splits)
     scale_log2 = scale * _LOG2E
-    common_tail = dict(BLOCK_N=block_n, NUM_SPLITS=num_splits, num_warps=num_warps)
+    common_tail = dict(BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
+                       num_warps=num_warps)
     wstrides = window_k.stride()[:3]
     if fmt == FORMATS[0]:
         kernel = _fp8_decode_kernel
