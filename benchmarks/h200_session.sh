@@ -8,7 +8,9 @@
 #   kernels    Triton vs flashinfer paged decode / prefill against the copy and matmul rates
 #   sweep      our decode / prefill kernels over a grid of launch configurations (which to make the default)
 #   dense      Llama-3.1-8B shape decode roofline at bs1@4K, bs8@4K, bs4@32K, HF transformers in the same run
-#   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step
+#   dense8     the dense cases with --decode-steps 8 (8 decode steps per schedule, one host sync)
+#   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
+#              the same with --decode-steps 8
 #   select     Quest / OmniKV vs dense at 128K, matched batch (decode graphs capture the selection)
 #   evict      KVzip / R-KV vs dense at 4K: matched batch 32, then each at its largest batch
 #   codec32k   fp8, KIVI-4, Palu vs dense at 32K (each at its largest batch, then at dense's batch)
@@ -44,9 +46,14 @@ for step in "$@"; do
     dense)
         run dense 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --hf --json "$OUT/dense.json" ;;
+    dense8)  # the same cases with 8 decode steps back to back per schedule (host work off the GPU's path)
+        run dense8 200 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+            --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/dense8.json" ;;
     moe)
         run moe 200 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
-            --max-num-batched-tokens 16384 --json "$OUT/moe.json" ;;
+            --max-num-batched-tokens 16384 --json "$OUT/moe.json"
+        run moe8 200 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
+            --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/moe8.json" ;;
     select)
         run select 300 $SPARSE --context 128000 --max-batch 16 \
             --methods 'dense;quest:{"token_budget":4096};omnikv:{"token_budget":4096}' --json "$OUT/select.json" ;;

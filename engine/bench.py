@@ -56,13 +56,14 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
         ts = time.perf_counter()
         engine.step()
         te = time.perf_counter()
-        steps += 1
         timing = engine.last_step
-        if timing is not None and timing.num_requests == batch:
-            full_steps.append(te - ts)
-            overheads.append(timing.schedule_s + timing.prepare_s)
+        k = timing.decode_steps if timing is not None else 1  # a step() may run several decode steps
+        steps += k
+        if timing is not None and timing.num_requests == batch:  # per decode step from here on
+            full_steps.append((te - ts) / k)
+            overheads.append((timing.schedule_s + timing.prepare_s) / k)
             for name, values in phases.items():
-                values.append(getattr(timing, f"{name}_s"))
+                values.append(getattr(timing, f"{name}_s") / k)
     sync()
     t2 = time.perf_counter()
     decoded = batch * (decode_tokens - 1)
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--decode-steps", type=int, default=1,
+                    help="decode steps run back to back per schedule (EngineConfig.decode_steps)")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate (GPU) in the same run")
     ap.add_argument("--cases", help="batch@context pairs, e.g. 1@4096,8@4096,4@32768 (overrides --batch/--context)")
     ap.add_argument("--json", help="write the results here too")
@@ -184,6 +187,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             max_model_len=max(tokens_per_req + 1, 64), enable_prefix_caching=False,
             num_pages=max(b * (-(-(c + args.decode_tokens) // 16) + 1) for b, c in cases),
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+            decode_steps=args.decode_steps,
         )
         engine = LLMEngine(config)
         on_gpu = engine.device.type == "cuda"
@@ -197,7 +201,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for b, ctx in cases:
             r = run_one(engine, b, ctx, args.decode_tokens, args.seed)
             r.update(shape=args.model or args.shape, device=str(engine.device), dtype=str(engine.cache.spec.dtype),
-                     backend=engine.backend.name, cuda_graphs=engine.runner.graphs is not None)
+                     backend=engine.backend.name, cuda_graphs=engine.runner.graphs is not None,
+                     decode_steps=args.decode_steps)
             if on_gpu:
                 if engine.model_config.num_experts:
                     from engine.roofline import measure_routed_experts

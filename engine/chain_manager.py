@@ -109,6 +109,8 @@ class ChainManager:
                     self.cache.release_table(table)
                 state.num_computed = 0
         else:
+            if table is not None:
+                self.cache.release_tail(table)
             state.token_ids = list(req.token_ids)
             state.num_computed = req.num_computed_tokens
             state.table = table

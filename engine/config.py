@@ -35,6 +35,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # GPU: never use decode CUDA graphs
     cuda_graph_max_batch: int | None = None  # largest captured decode batch (default: max_num_seqs)
+    # decode steps run back to back on the device per schedule when every request decodes with a hookless
+    # method, single rank, no codec: tokens reach the host once per this many steps (1: every step)
+    decode_steps: int = 1
     tensor_parallel_size: int = 1  # ranks (GPUs; gloo processes on CPU) the model and its KV heads split over
 
     def __post_init__(self) -> None:
@@ -47,7 +50,8 @@ class EngineConfig:
                 torch.device(self.device)
             except RuntimeError as exc:
                 raise ConfigError(f"device {self.device!r} is not a torch device") from exc
-        positive = ["page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "max_methods"]
+        positive = ["page_size", "max_num_batched_tokens", "max_num_seqs", "tensor_parallel_size", "max_methods",
+                    "decode_steps"]
         positive += [n for n in ("num_pages", "kv_cache_memory_bytes", "max_model_len", "cuda_graph_max_batch") if getattr(self, n) is not None]
         for name in positive:
             value = getattr(self, name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,3 +149,18 @@ def build_forward_batch(plan: StepPlan, cache: CacheManager, device: torch.devic
     if len(methods) > 1:
         batch.groups = _split(batch, methods, logits_indices)
     return batch
+
+
+def next_decode_step(batch: ForwardBatch, tokens: torch.Tensor) -> ForwardBatch:
+    """The decode step after ``batch`` (every row one decoding request), built on the device from the tokens
+    ``batch`` sampled (``tokens`` [B] int64): each request's next token at the next logical position, written
+    to its next physical slot through its page table (whose pages must already cover it). No host sync; the
+    host-side lengths advance by one."""
+    view = batch.view
+    ps = view.page_size
+    rows = torch.arange(tokens.shape[0], device=tokens.device)
+    nxt = view.kv_lens.long()  # physical index of the next slot (== its logical position unless compacted)
+    slot_mapping = view.block_tables[rows, nxt // ps].long() * ps + nxt % ps
+    view = dataclasses.replace(view, kv_lens=view.kv_lens + 1, kv_lens_cpu=[n + 1 for n in view.kv_lens_cpu])
+    return dataclasses.replace(batch, input_ids=tokens, positions=batch.positions + 1, slot_mapping=slot_mapping,
+                               view=view, scratch={})

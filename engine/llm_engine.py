@@ -36,7 +36,7 @@ from engine.registry import create_kv_storage, create_method, create_scorer
 from engine.request import FinishReason, Request
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ class StepTiming:
     prepare_s: float
     execute_s: float
     update_s: float
+    decode_steps: int = 1  # decode steps this step() ran back to back (EngineConfig.decode_steps)
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -280,9 +281,12 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        k = self._decode_steps(plan)
         t1 = time.perf_counter()
         batch = self.runner.prepare(plan)
         t2 = time.perf_counter()
+        if k > 1:
+            return self._run_decode_steps(plan, batch, k, t0, t1, t2)
         sampled = self.runner.execute(batch)
         if sampled is not None and self.tp.world_size > 1:  # unseeded sampling: every rank takes rank 0's
             sampled.token_ids = self.tp.broadcast_ints(sampled.token_ids, self.device)
@@ -298,10 +302,59 @@ class LLMEngine:
                                     time.perf_counter() - t3)
         return outputs
 
+    def _decode_steps(self, plan) -> int:
+        """How many decode steps this plan may run back to back on the device (``config.decode_steps`` at
+        most; 1 unless every request decodes one token with a hookless method on one rank without a codec,
+        and each has the length and the pages left for them: pages for the extra steps are allocated here)."""
+        k = self.config.decode_steps
+        if k == 1 or plan.preempted or self.tp.world_size > 1 or self.codec is not None:
+            return 1
+        for req, n in zip(plan.requests, plan.num_new_tokens):
+            if n != 1 or req.num_computed_tokens < req.num_prompt_tokens or not req.method.is_hookless():
+                return 1
+            k = min(k, req.params.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens)
+        if k < 2 or not all(self.cache.allocate(req, k) for req in plan.requests):
+            return 1  # pages some requests took ahead stay theirs: later steps use them
+        return k
+
+    def _run_decode_steps(self, plan, batch, k: int, t0: float, t1: float, t2: float) -> list[RequestOutput]:
+        """Run ``k`` decode steps of ``batch``, then take their tokens in order as ``k`` single steps would:
+        a request that stops (or reaches its length) at step ``j`` keeps nothing after it. One output per
+        request with every token it took."""
+        steps = self.runner.execute_decode_steps(batch, k)
+        tokens = torch.stack([t for t, _ in steps]).tolist()  # the one device sync of the k steps
+        logprobs = (torch.stack([lp for _, lp in steps]).tolist() if steps[0][1] is not None
+                    else [[None] * len(plan.requests)] * k)
+        t3 = time.perf_counter()
+        reqs = batch.sample_requests
+        taken: dict[str, list[int]] = {req.request_id: [] for req in reqs}
+        text_before = {req.request_id: len(self._detokenizers[req.request_id].text) for req in reqs}
+        stops: dict[str, str | int | None] = {}
+        live = list(range(len(reqs)))
+        for j in range(k):
+            self.scheduler.update(StepPlan([reqs[i] for i in live], [1] * len(live)))
+            for i in live:
+                req = reqs[i]
+                lp = logprobs[j][i] if req.params.logprobs else None
+                stops[req.request_id] = self._accept_token(req, tokens[j][i], lp)
+                taken[req.request_id].append(tokens[j][i])
+            live = [i for i in live if not reqs[i].is_finished]
+            if not live:
+                break
+        outputs = [self._emit(req, taken[req.request_id], text_before[req.request_id], stops[req.request_id])
+                   for req in reqs]
+        self.last_step = StepTiming(len(plan.requests), plan.num_tokens, t1 - t0, t2 - t1, t3 - t2,
+                                    time.perf_counter() - t3, decode_steps=k)
+        return outputs
+
     def _append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestOutput:
+        before = len(self._detokenizers[req.request_id].text)
+        return self._emit(req, [token_id], before, self._accept_token(req, token_id, logprob))
+
+    def _accept_token(self, req: Request, token_id: int, logprob: float | None) -> str | int | None:
+        """Append one sampled token; finish the request if it stops or reaches its length (its stop reason)."""
         req.append_output(token_id, logprob)
         detok = self._detokenizers[req.request_id]
-        before = len(detok.text)
         delta = detok.update(req.token_ids)
         stop_reason: str | int | None = None
         if req.stop_by_token(token_id):
@@ -312,7 +365,10 @@ class LLMEngine:
             self._finish(req, FinishReason.STOP)
         elif req.reached_length_limit():
             self._finish(req, FinishReason.LENGTH)
-        out = self._output(req, [token_id], detok.text[before:], stop_reason)
+        return stop_reason
+
+    def _emit(self, req: Request, new_ids: list[int], text_before: int, stop_reason) -> RequestOutput:
+        out = self._output(req, new_ids, self._detokenizers[req.request_id].text[text_before:], stop_reason)
         if req.is_finished:
             self._forget(req)
         return out

@@ -15,7 +15,7 @@ from engine.attention_backend import TorchReferenceBackend
 from engine.contract.cache import CacheManager
 from engine.contract.method import SparseMethod
 from engine.cuda_graphs import DecodeGraphs
-from engine.forward_batch import ForwardBatch, build_forward_batch
+from engine.forward_batch import ForwardBatch, build_forward_batch, next_decode_step
 from engine.sampler import SampleOutput, Sampler
 from engine.scheduler import StepPlan
 
@@ -121,3 +121,28 @@ class ModelRunner:
                                        [r.forced_next_token() for r in reqs])
         finally:
             self._batch = None
+
+    @torch.inference_mode()
+    def execute_decode_steps(self, batch: ForwardBatch, k: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """``k`` decode steps of a pure-decode batch of hookless methods, back to back on the device: step
+        ``j + 1`` reads the tokens step ``j`` sampled (``next_decode_step``), so the host never waits between
+        them. Returns each step's (tokens, logprobs) tensors, still on the device."""
+        assert batch.groups is None and batch.view.is_pure_decode
+        reqs = batch.sample_requests
+        params, generators = [r.params for r in reqs], [r.generator for r in reqs]
+        steps = []
+        for j in range(k):
+            if j:
+                batch = next_decode_step(batch, steps[-1][0])
+            self._batch = batch
+            try:
+                if self._can_replay(batch):
+                    logits = self.graphs.run(batch)
+                else:
+                    hidden = self.model(batch.input_ids, batch.positions, self)
+                    logits = self.model.compute_logits(hidden[batch.logits_indices])
+                forced = [r.forced_next_token(j) for r in reqs]
+                steps.append(self.sampler.sample_tensors(logits, params, generators, forced))
+            finally:
+                self._batch = None
+        return steps

@@ -242,6 +242,13 @@ class PagedCacheManager(CacheManager):
         t.keys = t.keys[: num_slots // self.page_size]
         t.num_slots, t.host_row = num_slots, None
 
+    def release_tail(self, t: PageTable) -> None:
+        keep = cdiv(t.num_slots, self.page_size)
+        if len(t.pages) > keep:
+            for page in reversed(t.pages[keep:]):
+                self.pool.decref(page)
+            t.pages, t.host_row = t.pages[:keep], None
+
     def truncate_logical(self, t: PageTable, logical_len: int, lo: int, hi: int) -> int:
         """See ``CacheManager.truncate_logical``. A compacted table can lose only the tokens appended after its
         last compaction (every layer holds those in order, after its kept slots); under a codec, none."""

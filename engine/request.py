@@ -75,9 +75,10 @@ class Request:
     def is_prefilling(self) -> bool:
         return self.num_computed_tokens < self.num_tokens - 1
 
-    def forced_next_token(self) -> int | None:
+    def forced_next_token(self, ahead: int = 0) -> int | None:
+        """The forced token of the output ``ahead`` tokens after the next one (None: sample it)."""
         forced = self.params.forced_token_ids
-        n = self.num_output_tokens
+        n = self.num_output_tokens + ahead
         return forced[n] if n < len(forced) else None
 
     def append_output(self, token_id: int, logprob: float | None) -> None:

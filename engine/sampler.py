@@ -45,6 +45,12 @@ def _filter_mask(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor 
     return torch.empty_like(keep).scatter_(1, order, keep)
 
 
+def to_host(tokens: torch.Tensor, logprobs: torch.Tensor | None, params: list[SamplingParams]) -> SampleOutput:
+    """One step's sampled tensors as host lists (the step's one device sync); logprobs only where asked."""
+    lps = logprobs.tolist() if logprobs is not None else [None] * len(params)
+    return SampleOutput(token_ids=tokens.tolist(), logprobs=[lp if p.logprobs else None for lp, p in zip(lps, params)])
+
+
 class Sampler:
     def sample(
         self,
@@ -55,6 +61,18 @@ class Sampler:
     ) -> SampleOutput:
         """``forced[i]``, when not None, is emitted for row i instead of a sample (its logprob is still the
         model's)."""
+        tokens, logprobs = self.sample_tensors(logits, params, generators, forced)
+        return to_host(tokens, logprobs, params)
+
+    def sample_tensors(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+        forced: list[int | None] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``sample`` without the copy to the host: (tokens [n] int64, logprobs [n] fp32 of the emitted tokens,
+        or None when no row asks for them), on the logits' device, with no host sync."""
         n = logits.shape[0]
         assert logits.dim() == 2 and len(params) == n and len(generators) == n
         logits = logits.float()
@@ -78,15 +96,9 @@ class Sampler:
             rows = [i for i, f in enumerate(forced) if f is not None]
             tokens[torch.tensor(rows, device=logits.device)] = torch.tensor(
                 [forced[i] for i in rows], device=logits.device, dtype=tokens.dtype)
-        token_list = tokens.tolist()
-        lp_rows = [i for i in range(n) if params[i].logprobs]
-        logprobs: list[float | None] = [None] * n
-        if lp_rows:
-            li = torch.tensor(lp_rows, device=logits.device)
-            lp = torch.log_softmax(logits[li], dim=-1).gather(1, tokens[li, None]).squeeze(1)
-            for i, v in zip(lp_rows, lp.tolist()):
-                logprobs[i] = v
-        return SampleOutput(token_ids=token_list, logprobs=logprobs)
+        if not any(p.logprobs for p in params):
+            return tokens, None
+        return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
 
     @staticmethod
     def _sample_random(

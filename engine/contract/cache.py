@@ -92,6 +92,10 @@ class CacheManager(ABC):
     def truncate_table(self, table: Any, num_slots: int) -> None:
         """Keep the first ``num_slots`` slots (uncompacted state only)."""
 
+    def release_tail(self, table: Any) -> None:
+        """Give back the pages a table holds past its last slot (taken ahead for steps a request did not
+        keep); none by default."""
+
     def truncate_logical(self, table: Any, logical_len: int, lo: int, hi: int) -> int:
         """Cut a table holding ``logical_len`` logical tokens back to the shortest length in ``[lo, hi]`` its
         state can be cut to, and return that length; 0 (table unchanged) if none. The default cuts

@@ -138,6 +138,15 @@ class SparseMethod:
         pure device work the graphs captured; overriding this makes the engine capture graphs."""
         return self.cuda_graph_safe
 
+    STEP_HOOKS: ClassVar[tuple[str, ...]] = ("begin_step", "before_attention", "select", "after_attention",
+                                             "end_layer", "end_step", "replayable")
+
+    @classmethod
+    def is_hookless(cls) -> bool:
+        """True when the class overrides none of the per-step and per-layer hooks: its decode steps are the
+        model's forward alone, so several may run back to back on the device (``EngineConfig.decode_steps``)."""
+        return all(getattr(cls, h) is getattr(SparseMethod, h) for h in SparseMethod.STEP_HOOKS)
+
     def kv_loaded(self, req: Request, cache: CacheManager) -> None:
         """The cache wrote ``req``'s KV outside a forward step (a restore, a benchmark's synthetic fill):
         rebuild whatever metadata the method derives from written KV."""

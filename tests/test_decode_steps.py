@@ -1,0 +1,147 @@
+"""Back-to-back decode steps (``EngineConfig.decode_steps``): k decode steps run on the device per schedule,
+each reading the tokens the previous one sampled, and the host takes their tokens once.
+
+Reference: the same engine with ``decode_steps=1`` (one host round trip per token), which the engine tests
+check against HF transformers. Every output must be the same (tokens, log-probabilities, text, finish and
+stop reasons), whatever step inside a window a request stops at; and the k-step path must really run.
+"""
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.errors import ConfigError
+
+COMMON = dict(dtype="float32", device="cpu", page_size=4)
+
+
+def prompts(seed=0, lens=(5, 23, 41, 17)):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
+
+
+def run(model_dir, items, decode_steps, **options):
+    """items: (prompt, params[, chain_id]); returns (outputs in order, step() outputs per request, k per step)."""
+    engine = LLMEngine(EngineConfig(model_dir, decode_steps=decode_steps, **COMMON, **options))
+    ids = [engine.add_request(p, sp, chain_id=c) for p, sp, c in ((*i, None)[:3] for i in items)]
+    final, streamed, ks = {}, {i: [] for i in ids}, []
+    while engine.has_unfinished():
+        outs = engine.step()
+        if engine.last_step is not None:
+            ks.append(engine.last_step.decode_steps)
+        assert len({o.request_id for o in outs}) == len(outs)  # one output per request per step
+        for o in outs:
+            streamed[o.request_id] += o.new_token_ids
+            if o.finished:
+                final[o.request_id] = o
+    return [final[i] for i in ids], [streamed[i] for i in ids], ks
+
+
+def assert_same(ref, got):
+    for a, b in zip(ref, got):
+        assert b.token_ids == a.token_ids
+        assert b.text == a.text
+        assert (b.finish_reason, b.stop_reason) == (a.finish_reason, a.stop_reason)
+        if a.logprobs is not None:
+            torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-6)
+
+
+def test_greedy_mixed_lengths_equal_single_steps(tiny_dirs):
+    items = [(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=True))
+             for p, m in zip(prompts(), (7, 13, 3, 20))]
+    ref, _, ref_ks = run(tiny_dirs["qwen3"], items, 1)
+    got, streamed, ks = run(tiny_dirs["qwen3"], items, 4)
+    assert_same(ref, got)
+    assert [s for s in streamed] == [o.token_ids for o in got]  # the streamed deltas add up
+    assert set(ref_ks) == {1} and max(ks) == 4 and 2 in ks or 3 in ks  # full windows and shortened ones
+    assert len(ks) < len(ref_ks)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_stop_tokens_and_strings_inside_a_window(tiny_dirs, arch):
+    base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    (free,), _, _ = run(tiny_dirs[arch], [(prompts(1, (30,))[0], base)], 1)
+    stop_token = free.token_ids[5]  # the 6th token: inside the second window of 4
+    by_token = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop_token])
+    text = free.text
+    stop_str = text[len(text) // 2: len(text) // 2 + 2] or text[-1:]
+    by_string = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, stop=[stop_str])
+    items = [(prompts(1, (30,))[0], by_token), (prompts(1, (30,))[0], by_string), (prompts(2, (9,))[0], base)]
+    ref, _, _ = run(tiny_dirs[arch], items, 1)
+    got, _, ks = run(tiny_dirs[arch], items, 4)
+    assert ref[0].finish_reason == "stop" and ref[0].token_ids[-1] == stop_token
+    assert_same(ref, got)
+    assert max(ks) == 4
+
+
+def test_seeded_sampling_and_forced_tokens_equal_single_steps(tiny_dirs):
+    forced = [11, 12, 13, 14, 15, 16]
+    items = [
+        (prompts(3)[0], SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=11,
+                                       ignore_eos=True, logprobs=True)),
+        (prompts(3)[1], SamplingParams(temperature=1.0, min_p=0.05, seed=3, max_tokens=9, ignore_eos=True)),
+        (prompts(3)[2], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=True,
+                                       forced_token_ids=forced)),
+    ]
+    ref, _, _ = run(tiny_dirs["qwen2"], items, 1)
+    got, _, ks = run(tiny_dirs["qwen2"], items, 3)
+    assert got[2].token_ids[:6] == forced
+    assert_same(ref, got)
+    assert max(ks) == 3
+
+
+def test_chain_turns_resume_the_same_state(tiny_dirs):
+    """Two turns of a chain: the k-step turn leaves the chain's KV exactly as single steps do (the second
+    turn resumes the same number of tokens and generates the same tokens)."""
+    free = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    (ref_free,), _, _ = run(tiny_dirs["llama"], [(prompts(4, (21,))[0], free)], 1)
+    # the first turn stops on a token inside a window (pages taken ahead go back), the second at its length
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=[ref_free.token_ids[5]])
+
+    def turns(k):
+        engine = LLMEngine(EngineConfig(tiny_dirs["llama"], decode_steps=k, **COMMON))
+        history, out, infos = prompts(4, (21,))[0], [], []
+        fields = ("logical_tokens", "computed_tokens", "physical_tokens", "pages_held")
+        for t in range(2):
+            rid = engine.add_request(list(history), params, chain_id="c")
+            while engine.has_unfinished():
+                for o in engine.step():
+                    if o.finished and o.request_id == rid:
+                        out.append((o.token_ids, o.finish_reason, o.num_resumed_tokens, o.num_prefilled_tokens))
+            info = engine.chain_info("c")
+            infos.append([getattr(info, f) for f in fields])
+            history += out[-1][0] + [7, 8, 9]
+        return out, infos
+
+    (ref, ref_infos), (got, infos) = turns(1), turns(4)
+    assert got == ref and ref[0][1] == "stop" and ref[1][2] > 0
+    assert infos == ref_infos  # no page taken ahead stays with the chain
+
+
+def test_a_pool_too_small_for_the_extra_steps_falls_back(tiny_dirs):
+    """Pages for the window are taken ahead; when the pool cannot give them the step runs alone."""
+    items = [(p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)) for p in prompts(5, (15, 15))]
+    ref, _, _ = run(tiny_dirs["qwen3"], items, 1, num_pages=12)
+    got, _, ks = run(tiny_dirs["qwen3"], items, 8, num_pages=12)
+    assert_same(ref, got)
+    assert 1 in ks[2:] and max(ks) > 1  # some windows could not be allocated, others could
+
+
+def test_methods_with_hooks_never_run_windows(tiny_dirs):
+    items = [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)) for p in prompts(6)]
+    options = dict(method="snapkv", method_config={"budget": 16, "window": 4})
+    ref, _, _ = run(tiny_dirs["qwen3"], items, 1, **options)
+    got, _, ks = run(tiny_dirs["qwen3"], items, 4, **options)
+    assert_same(ref, got)
+    assert set(ks) == {1}
+
+
+def test_llm_generate_and_bad_values(tiny_dirs):
+    ps = prompts(7)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ref = LLM(tiny_dirs["qwen3"], **COMMON).generate(ps, params)
+    got = LLM(tiny_dirs["qwen3"], decode_steps=5, **COMMON).generate(ps, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ConfigError, match="decode_steps must be a positive int"):
+            EngineConfig(tiny_dirs["qwen3"], decode_steps=bad)
