@@ -38,7 +38,7 @@ for step in "$@"; do
     tests)
         run tests 240 python -m pytest -q -n 8 --tb=short -rA -p no:cacheprovider tests/test_gpu_backends.py \
             tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py \
-            tests/test_triton_kernels.py ;;
+            tests/test_triton_kernels.py tests/test_decode_steps.py ;;
     kernels)
         run kernels 200 python benchmarks/attention_kernels.py --json "$OUT/kernels.json" ;;
     sweep)

@@ -53,7 +53,7 @@ def test_greedy_mixed_lengths_equal_single_steps(tiny_dirs):
     got, streamed, ks = run(tiny_dirs["qwen3"], items, 4)
     assert_same(ref, got)
     assert [s for s in streamed] == [o.token_ids for o in got]  # the streamed deltas add up
-    assert set(ref_ks) == {1} and max(ks) == 4 and 2 in ks or 3 in ks  # full windows and shortened ones
+    assert set(ref_ks) == {1} and max(ks) == 4 and (2 in ks or 3 in ks)  # full windows and shortened ones
     assert len(ks) < len(ref_ks)
 
 
@@ -145,3 +145,25 @@ def test_llm_generate_and_bad_values(tiny_dirs):
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ConfigError, match="decode_steps must be a positive int"):
             EngineConfig(tiny_dirs["qwen3"], decode_steps=bad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_gpu_windows_replay_graphs_and_equal_single_steps(tiny_dirs, arch):
+    """On a GPU the window's steps replay the decode CUDA graphs back to back (fp32: tokens equal)."""
+    items = [(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=True))
+             for p, m in zip(prompts(8), (9, 17, 4, 12))]
+    gpu = dict(dtype="float32", device="cuda", page_size=16, attention_backend="triton", max_num_seqs=8)
+    engines = []
+    for k in (1, 4):
+        engine = LLMEngine(EngineConfig(tiny_dirs[arch], decode_steps=k, **gpu))
+        ids = [engine.add_request(p, sp) for p, sp in items]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        engines.append(([done[i] for i in ids], engine.runner.graphs.replays))
+    (ref, ref_replays), (got, replays) = engines
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-5)
+    assert replays >= ref_replays > 0
