@@ -3,7 +3,8 @@
 #
 #   OUT=/tmp/out bash benchmarks/h200_session.sh tests dense moe
 #
-# Every step writes $OUT/<step>.txt (and JSON where the benchmark writes one) and prints its tail. Steps:
+# On a fresh device machine run `setup` first (installs carried wheels from .whl/ and .whl-replay/, then
+# this checkout). Every step writes $OUT/<step>.txt (and JSON where the benchmark writes one) and prints its tail. Steps:
 #   tests      GPU backend and kernel tests (compiled Triton kernels against their torch references)
 #   kernels    Triton vs flashinfer paged decode / prefill against the copy and matmul rates
 #   sweep      our decode / prefill kernels over a grid of launch configurations (which to make the default)
@@ -35,6 +36,12 @@ run() {  # run NAME LIMIT_S COMMAND...
 
 for step in "$@"; do
     case $step in
+    setup)  # the device image lacks the server's packages and flashinfer: wheels carried beside the checkout
+        for dir in .whl .whl-replay; do
+            ls $dir/*.whl > /dev/null 2>&1 && python -m pip install -q --no-deps $dir/*.whl
+        done
+        python -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$OUT/setup.txt" 2>&1
+        echo "=== setup rc=$?" ;;
     tests)
         run tests 240 python -m pytest -q -n 8 --tb=short -rA -p no:cacheprovider tests/test_gpu_backends.py \
             tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py \
