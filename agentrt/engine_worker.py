@@ -79,7 +79,7 @@ class RequestStream:
 
 
 class EngineWorker:
-    def __init__(self, engine: Any, on_step: Callable[[float, list[RequestOutput]], None] | None = None,
+    def __init__(self, engine: Any, on_step: Callable[[float, list[RequestOutput], Any], None] | None = None,
                  max_queue_depth: int | None = None, retry_after_s: int = 2):
         self.engine = engine
         self.max_queue_depth = max_queue_depth  # None: unbounded
@@ -191,7 +191,7 @@ class EngineWorker:
             self._fail_all(exc)
             return
         if self.on_step is not None:
-            self.on_step(time.perf_counter() - t0, outputs)
+            self.on_step(time.perf_counter() - t0, outputs, self.engine.last_step)  # StepTiming, or None
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestOutput | BaseException]]] = {}
         for out in outputs:
             entry = self._streams.get(out.request_id)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from agentrt.engine_worker import EngineWorker
 from engine.outputs import RequestOutput
 
+STEP_KINDS = ("decode-graph", "decode-eager", "mixed", "prefill")
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
@@ -33,11 +35,22 @@ class Metrics:
                                       buckets=STEP_BUCKETS, registry=r)
         self.step_requests = Histogram("agentrt_engine_step_requests", "requests that got a token in one step",
                                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
+        self.steps_by_kind = Counter("agentrt_engine_steps", "engine forward steps by kind (decode-graph, "
+                                     "decode-eager, mixed, prefill)", ["kind"], registry=r)
+        self.step_seconds_by_kind = Counter("agentrt_engine_step_seconds_by_kind", "wall seconds of engine steps "
+                                            "by kind", ["kind"], registry=r)
+        for kind in STEP_KINDS:
+            self.steps_by_kind.labels(kind)
+            self.step_seconds_by_kind.labels(kind)
 
-    def observe_step(self, seconds: float, outputs: list[RequestOutput]) -> None:
+    def observe_step(self, seconds: float, outputs: list[RequestOutput], timing: Any = None) -> None:
+        """``timing``: the engine's ``StepTiming`` of that step (its kind, and how many decode steps it ran)."""
         self.step_seconds.observe(seconds)
         if outputs:
             self.step_requests.observe(len(outputs))
+        if timing is not None:
+            self.steps_by_kind.labels(timing.kind).inc(timing.decode_steps)
+            self.step_seconds_by_kind.labels(timing.kind).inc(seconds)
 
     def record_request(self, prefilled: int, resumed: int, cached: int, generated: int) -> None:
         self.tokens_prefilled.inc(prefilled)

@@ -52,6 +52,21 @@ class StepTiming:
     execute_s: float
     update_s: float
     decode_steps: int = 1  # decode steps this step() ran back to back (EngineConfig.decode_steps)
+    prefill_tokens: int = 0  # of num_tokens, those of prompts (the rest decode)
+    replayed: bool = False  # the forward replayed decode CUDA graphs
+
+    @property
+    def kind(self) -> str:
+        """decode-graph | decode-eager | mixed (prompt chunks and decodes) | prefill."""
+        if self.prefill_tokens == 0:
+            return "decode-graph" if self.replayed else "decode-eager"
+        return "prefill" if self.prefill_tokens == self.num_tokens else "mixed"
+
+
+def _prefill_tokens(plan) -> int:
+    """Prompt tokens among the plan's scheduled tokens (before ``Scheduler.update`` advances the counts)."""
+    return sum(max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
+               for req, n in zip(plan.requests, plan.num_new_tokens))
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -278,10 +293,12 @@ class LLMEngine:
     @mirrored
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.last_step = None
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
         k = self._decode_steps(plan)
+        prefill_tokens = _prefill_tokens(plan)
         t1 = time.perf_counter()
         batch = self.runner.prepare(plan)
         t2 = time.perf_counter()
@@ -299,7 +316,8 @@ class LLMEngine:
             for req, token_id, logprob in zip(batch.sample_requests, sampled.token_ids, sampled.logprobs):
                 outputs.append(self._append_token(req, token_id, logprob))
         self.last_step = StepTiming(len(plan.requests), plan.num_tokens, t1 - t0, t2 - t1, t3 - t2,
-                                    time.perf_counter() - t3)
+                                    time.perf_counter() - t3, prefill_tokens=prefill_tokens,
+                                    replayed=self.runner.last_replayed)
         return outputs
 
     def _decode_steps(self, plan) -> int:
@@ -344,7 +362,7 @@ class LLMEngine:
         outputs = [self._emit(req, taken[req.request_id], text_before[req.request_id], stops[req.request_id])
                    for req in reqs]
         self.last_step = StepTiming(len(plan.requests), plan.num_tokens, t1 - t0, t2 - t1, t3 - t2,
-                                    time.perf_counter() - t3, decode_steps=k)
+                                    time.perf_counter() - t3, decode_steps=k, replayed=self.runner.last_replayed)
         return outputs
 
     def _append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestOutput:

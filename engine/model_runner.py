@@ -40,6 +40,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self._batch: ForwardBatch | None = None
         self.prober = None  # engine.probe.Prober, handed to methods as ForwardBatch.probe
+        self.last_replayed = False  # the last execute replayed decode graphs (every step of a window)
 
     def capture_decode_graphs(self, max_batch: int, max_pages: int, show_progress: bool = True) -> None:
         self.graphs = DecodeGraphs(self, max_batch, max_pages, self.cache.scratch_page, self.cache.spec.page_size)
@@ -109,7 +110,8 @@ class ModelRunner:
         try:
             for method, part in batch.by_method():
                 method.begin_step(part)
-            if self._can_replay(batch):
+            self.last_replayed = self._can_replay(batch)
+            if self.last_replayed:
                 logits = self.graphs.run(batch)
             else:
                 hidden = self.model(batch.input_ids, batch.positions, self)
@@ -130,7 +132,7 @@ class ModelRunner:
         assert batch.groups is None and batch.view.is_pure_decode
         reqs = batch.sample_requests
         params, generators = [r.params for r in reqs], [r.generator for r in reqs]
-        steps = []
+        steps, self.last_replayed = [], True
         for j in range(k):
             if j:
                 batch = next_decode_step(batch, steps[-1][0])
@@ -139,6 +141,7 @@ class ModelRunner:
                 if self._can_replay(batch):
                     logits = self.graphs.run(batch)
                 else:
+                    self.last_replayed = False
                     hidden = self.model(batch.input_ids, batch.positions, self)
                     logits = self.model.compute_logits(hidden[batch.logits_indices])
                 forced = [r.forced_next_token(j) for r in reqs]

@@ -167,3 +167,23 @@ def test_gpu_windows_replay_graphs_and_equal_single_steps(tiny_dirs, arch):
     for a, b in zip(ref, got):
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-5)
     assert replays >= ref_replays > 0
+
+
+def test_step_kinds_are_counted_exactly(tiny_dirs):
+    """StepTiming: prompt tokens per step and the step's kind (what the server's per-kind counters add up)."""
+    engine = LLMEngine(EngineConfig(tiny_dirs["qwen3"], max_num_batched_tokens=16, decode_steps=3, **COMMON))
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    engine.add_request(prompts(9, (40,))[0], params)
+    seen = []
+    while engine.has_unfinished():
+        engine.step()
+        t = engine.last_step
+        seen.append((t.kind, t.prefill_tokens, t.num_tokens, t.decode_steps))
+        if len(seen) == 4:
+            engine.add_request(prompts(10, (20,))[0], params)  # joins while the first decodes
+    # 40 prompt tokens in chunks of 16 (the last samples the first token); a window of 3; the second
+    # request's 20-token prompt in two steps shared with the first's decodes (15 + 1, 5 + 1); a step of both
+    # (the first has one token left: no window); the second alone: windows of 3 and 2 (its 5 last tokens)
+    assert seen == [("prefill", 16, 16, 1), ("prefill", 16, 16, 1), ("prefill", 8, 8, 1), ("decode-eager", 0, 1, 3),
+                    ("mixed", 15, 16, 1), ("mixed", 5, 6, 1), ("decode-eager", 0, 2, 1), ("decode-eager", 0, 1, 3),
+                    ("decode-eager", 0, 1, 2)]

@@ -81,7 +81,7 @@ def _gen(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from agentrt.replay.bench import run_all, standard_configs
-    from agentrt.replay.report import summarize, table, with_speedups
+    from agentrt.replay.report import steps_table, summarize, table, with_speedups
 
     known = standard_configs(json.loads(args.snapkv_config), {"lag": args.lag})
     names = [n for n in args.configs.split(",") if n]
@@ -110,6 +110,8 @@ def _run(args: argparse.Namespace) -> int:
               "think_scale": args.think_scale, "results": summaries}
     print(json.dumps(report, indent=1))
     print(table(summaries))
+    print("\nengine steps by kind (count / wall s):")
+    print(steps_table(summaries))
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

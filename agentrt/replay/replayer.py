@@ -88,17 +88,22 @@ def _message(m: TraceMessage) -> dict[str, Any]:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Unlabelled samples of a Prometheus text exposition (``name value`` lines)."""
+    """The samples of a Prometheus text exposition: ``name`` for unlabelled ones, ``name|k=v,...`` else."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     out = {}
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
-            out[parts[0]] = float(parts[1])
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            out[f"{sample.name}|{labels}" if labels else sample.name] = sample.value
     return out
 
 
+STEP_KINDS = ("decode-graph", "decode-eager", "mixed", "prefill")
 COUNTERS = ("agentrt_tokens_prefilled_total", "agentrt_tokens_resumed_total", "agentrt_tokens_prefix_cached_total",
-            "agentrt_tokens_generated_total", "agentrt_tokens_pruned_total")
+            "agentrt_tokens_generated_total", "agentrt_tokens_pruned_total",
+            *(f"agentrt_engine_steps_total|kind={k}" for k in STEP_KINDS),
+            *(f"agentrt_engine_step_seconds_by_kind_total|kind={k}" for k in STEP_KINDS))
 
 
 class Replayer:

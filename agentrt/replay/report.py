@@ -6,7 +6,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from agentrt.replay.replayer import RunResult
+from agentrt.replay.replayer import STEP_KINDS, RunResult
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -47,6 +47,10 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "prefilled_per_turn": [round(x, 1) for x in per_turn(run, "prefilled_tokens")],
         "kv_pages_per_turn": [round(x, 1) for x in per_turn(run, "pages_peak")],
         "ttft_per_turn_s": [round(x, 5) for x in per_turn(run, "ttft")],
+        # the engine's forward steps by kind, and the wall seconds they took (where the run's time went)
+        "engine_steps": {k: int(c.get(f"agentrt_engine_steps_total|kind={k}", 0)) for k in STEP_KINDS},
+        "engine_step_seconds": {k: round(c.get(f"agentrt_engine_step_seconds_by_kind_total|kind={k}", 0.0), 3)
+                                for k in STEP_KINDS},
     }
 
 
@@ -69,6 +73,17 @@ COLUMNS = [("config", "config", "{}"), ("wall_s", "wall s", "{:.2f}"), ("speedup
            ("prefilled_tokens", "prefilled", "{}"), ("prefix_cached_tokens", "prefix hit", "{}"),
            ("resumed_tokens", "resumed", "{}"), ("generated_tokens", "generated", "{}"),
            ("peak_kv_pages", "peak pages", "{}")]
+
+
+def steps_table(summaries: list[dict[str, Any]]) -> str:
+    """Engine steps per kind: count and wall seconds, per configuration."""
+    head = ["config"] + [f"{k} (n / s)" for k in STEP_KINDS]
+    rows = [head] + [[s["config"]] + [f"{s['engine_steps'][k]} / {s['engine_step_seconds'][k]:.1f}"
+                                      for k in STEP_KINDS] for s in summaries if "engine_steps" in s]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
 
 
 def table(summaries: list[dict[str, Any]]) -> str:
