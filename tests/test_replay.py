@@ -156,5 +156,12 @@ def test_chain_cache_prefills_5x_fewer_tokens_than_dense_without_prefix_cache(to
     assert summaries[1]["prefill_reduction"] == round(dense_prefilled / chain_prefilled, 3)
     assert len(summaries[0]["prefilled_per_turn"]) == 7 and summaries[0]["peak_kv_pages"] > 0
     assert "chain-noprefix" in table(summaries)
+    for run, summary in zip((dense, chain), summaries):  # the engine's steps by kind (CPU: no graphs)
+        steps, seconds = summary["engine_steps"], summary["engine_step_seconds"]
+        assert steps["decode-graph"] == 0 and seconds["decode-graph"] == 0
+        assert steps["prefill"] + steps["mixed"] >= 7  # every turn's prompt; two sessions may share a step
+        # every token but a turn's first comes from a decode row; at most two sessions decode per step
+        assert steps["decode-eager"] + steps["mixed"] >= (generated - 14) / 2
+        assert 0 < sum(seconds.values()) <= run.wall_s
     pngs = write_plots(summaries, tmp_path)
     assert [p.read_bytes()[:8] for p in pngs] == [b"\x89PNG\r\n\x1a\n"] * 2
