@@ -28,13 +28,14 @@ METHODS = [("dense", {}), ("pyramidkv", {"budget": 24, "window": 4}), ("kvzip", 
            ("rkv", {"budget": 24, "buffer": 8, "alpha": 2})]  # replays only steps far from a compression
 
 
-def _run(model_dir, method, cfg, fake_graphs: bool, per_request: bool = False, storage=None):
-    """``per_request``: the engine runs dense and the requests ask for ``method``; ``storage``: a KV codec."""
+def _run(model_dir, method, cfg, fake_graphs: bool, per_request: bool = False, storage=None, decode_steps=1):
+    """``per_request``: the engine runs dense and the requests ask for ``method``; ``storage``: a KV codec;
+    ``decode_steps``: windows of back-to-back decode steps."""
     engine_method = ("dense", {}) if per_request else (method, cfg)
     llm = LLM(model_dir, dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=64, num_pages=256,
               method=engine_method[0], method_config=engine_method[1], max_num_seqs=8,
               kv_storage=None if storage is None else storage[0],
-              kv_storage_config={} if storage is None else storage[1])
+              kv_storage_config={} if storage is None else storage[1], decode_steps=decode_steps)
     runner = llm.engine.runner
     replays, layered = [], []
     if fake_graphs:
@@ -94,3 +95,23 @@ def test_static_buffers_reproduce_eager_decode_over_windowless_codes(tiny_dirs, 
     got, replays, layered = _run(tiny_dirs["llama"], method, cfg, fake_graphs=True, storage=storage)
     assert got == ref
     assert replays and 4 in replays and all(layered)
+
+
+def test_windows_of_decode_steps_replay_the_static_buffers(tiny_dirs, monkeypatch):
+    """Back-to-back decode steps (``decode_steps``) feed each replay the batch built on the device from the
+    previous replay's tokens: the same greedy tokens as eager single steps, every window step replayed."""
+    from engine.model_runner import ModelRunner
+
+    ref, _, _ = _run(tiny_dirs["qwen3"], "dense", {}, fake_graphs=False)
+    windows, inner = [], ModelRunner.execute_decode_steps
+
+    def counting(self, batch, k):
+        windows.append(k)
+        return inner(self, batch, k)
+
+    monkeypatch.setattr(ModelRunner, "execute_decode_steps", counting)
+    got, replays, _ = _run(tiny_dirs["qwen3"], "dense", {}, fake_graphs=True, decode_steps=4)
+    assert windows and max(windows) == 4
+    _, single_replays, _ = _run(tiny_dirs["qwen3"], "dense", {}, fake_graphs=True)
+    assert got == ref
+    assert len(replays) == len(single_replays) and 4 in replays  # one replay per decode step either way
