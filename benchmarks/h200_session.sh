@@ -67,8 +67,8 @@ for step in "$@"; do
     evict)
         run evict_matched 200 $SPARSE --context 4096 --max-batch 32 --admit-group 16 \
             --methods 'dense;kvzip:{"budget":1024};rkv:{"budget":1024,"buffer":128}' --json "$OUT/evict_matched.json"
-        run kvzip_largest 240 $SPARSE --context 4096 --max-batch 512 --admit-group 64 \
-            --methods 'kvzip:{"budget":1024}' --json "$OUT/kvzip_largest.json"
+        run kvzip_largest 300 $SPARSE --context 4096 --max-batch 512 --admit-group 64 \
+            --methods 'dense;kvzip:{"budget":1024}' --json "$OUT/kvzip_largest.json"
         run rkv_largest 240 $SPARSE --context 4096 --max-batch 512 --admit-group 64 \
             --methods 'rkv:{"budget":1024,"buffer":128}' --json "$OUT/rkv_largest.json" ;;
     codec32k | codec128k)
