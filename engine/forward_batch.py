@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from engine.contract.cache import CacheManager
-from engine.contract.view import PagedView
+from engine.contract.view import PagedView, QuantizedPagesView
 from engine.request import Request
 from engine.scheduler import StepPlan
 
@@ -154,13 +154,27 @@ def build_forward_batch(plan: StepPlan, cache: CacheManager, device: torch.devic
 def next_decode_step(batch: ForwardBatch, tokens: torch.Tensor) -> ForwardBatch:
     """The decode step after ``batch`` (every row one decoding request), built on the device from the tokens
     ``batch`` sampled (``tokens`` [B] int64): each request's next token at the next logical position, written
-    to its next physical slot through its page table (whose pages must already cover it). No host sync; the
-    host-side lengths advance by one."""
-    view = batch.view
-    ps = view.page_size
+    to its next physical slot in every layer through its page table (whose pages must already cover it). No
+    host sync; the host-side lengths advance by one. Per-layer views (layers of different lengths, a codec's
+    layers) advance each; a coded view reads its new slot from codes (no full-precision window)."""
     rows = torch.arange(tokens.shape[0], device=tokens.device)
-    nxt = view.kv_lens.long()  # physical index of the next slot (== its logical position unless compacted)
-    slot_mapping = view.block_tables[rows, nxt // ps].long() * ps + nxt % ps
-    view = dataclasses.replace(view, kv_lens=view.kv_lens + 1, kv_lens_cpu=[n + 1 for n in view.kv_lens_cpu])
+
+    def next_slots(view: PagedView) -> torch.Tensor:
+        nxt = view.kv_lens.long()  # physical index of the next slot (== its logical position unless compacted)
+        return view.block_tables[rows, nxt // view.page_size].long() * view.page_size + nxt % view.page_size
+
+    def advance(view: PagedView) -> PagedView:
+        fields = {"kv_lens": view.kv_lens + 1, "kv_lens_cpu": [n + 1 for n in view.kv_lens_cpu]}
+        if isinstance(view, QuantizedPagesView):
+            assert view.window_k is None, "a codec's full-precision window is planned on the host per step"
+            fields.update(quant_lens=view.quant_lens + 1, quant_lens_cpu=[n + 1 for n in view.quant_lens_cpu])
+        return dataclasses.replace(view, **fields)
+
+    if batch.slot_mapping.dim() == 2:  # layers of different physical lengths
+        slot_mapping = torch.stack([next_slots(v) for v in batch.layer_views])
+    else:
+        slot_mapping = next_slots(batch.view)
+    layer_views = None if batch.layer_views is None else [advance(v) for v in batch.layer_views]
+    view = layer_views[0] if layer_views is not None else advance(batch.view)
     return dataclasses.replace(batch, input_ids=tokens, positions=batch.positions + 1, slot_mapping=slot_mapping,
-                               view=view, scratch={})
+                               view=view, layer_views=layer_views, scratch={})

@@ -322,10 +322,11 @@ class LLMEngine:
 
     def _decode_steps(self, plan) -> int:
         """How many decode steps this plan may run back to back on the device (``config.decode_steps`` at
-        most; 1 unless every request decodes one token with a hookless method on one rank without a codec,
-        and each has the length and the pages left for them: pages for the extra steps are allocated here)."""
+        most; 1 unless every request decodes one token with a hookless method on one rank, under no codec or
+        one without a full-precision window (whose writes are planned on the host per step), and each has the
+        length and the pages left for them: pages for the extra steps are allocated here)."""
         k = self.config.decode_steps
-        if k == 1 or plan.preempted or self.tp.world_size > 1 or self.codec is not None:
+        if k == 1 or plan.preempted or self.tp.world_size > 1 or (self.codec is not None and self.codec.has_window):
             return 1
         for req, n in zip(plan.requests, plan.num_new_tokens):
             if n != 1 or req.num_computed_tokens < req.num_prompt_tokens or not req.method.is_hookless():

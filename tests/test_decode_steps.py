@@ -187,3 +187,18 @@ def test_step_kinds_are_counted_exactly(tiny_dirs):
     assert seen == [("prefill", 16, 16, 1), ("prefill", 16, 16, 1), ("prefill", 8, 8, 1), ("decode-eager", 0, 1, 3),
                     ("mixed", 15, 16, 1), ("mixed", 5, 6, 1), ("decode-eager", 0, 2, 1), ("decode-eager", 0, 1, 3),
                     ("decode-eager", 0, 1, 2)]
+
+
+@pytest.mark.parametrize("storage,cfg,windowed", [("fp8", {}, True), ("turboquant", {"bits": 3}, True),
+                                                  ("palu", {"rank_ratio": 0.75}, True),
+                                                  ("kivi", {"bits": 4, "group_size": 4, "residual": 4}, False)])
+def test_codecs_without_a_window_run_windows(tiny_dirs, storage, cfg, windowed):
+    """Windowless codecs (every slot read from codes; Palu with positions) take back-to-back steps and equal
+    single steps; KIVI's full-precision window is planned per step on the host, so it never does."""
+    items = [(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=True))
+             for p, m in zip(prompts(11), (9, 6, 12, 4))]
+    options = dict(kv_storage=storage, kv_storage_config=cfg)
+    ref, _, _ = run(tiny_dirs["qwen3"], items, 1, **options)
+    got, _, ks = run(tiny_dirs["qwen3"], items, 4, **options)
+    assert_same(ref, got)
+    assert (max(ks) > 1) is windowed
