@@ -90,9 +90,11 @@ def test_seeded_sampling_and_forced_tokens_equal_single_steps(tiny_dirs):
     assert max(ks) == 3
 
 
-def test_chain_turns_resume_the_same_state(tiny_dirs):
-    """Two turns of a chain: the k-step turn leaves the chain's KV exactly as single steps do (the second
-    turn resumes the same number of tokens and generates the same tokens)."""
+@pytest.mark.parametrize("prune", [False, True], ids=["plain", "pruned"])
+def test_chain_turns_resume_the_same_state(tiny_dirs, prune):
+    """Three turns of a chain: a k-step turn leaves the chain's KV exactly as single steps do (the next turn
+    resumes the same number of tokens and generates the same tokens); ``pruned``: an interval of the chain is
+    pruned after the first turn (a compacted table: the window's slots follow its physical length)."""
     free = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     (ref_free,), _, _ = run(tiny_dirs["llama"], [(prompts(4, (21,))[0], free)], 1)
     # the first turn stops on a token inside a window (pages taken ahead go back), the second at its length
@@ -102,7 +104,9 @@ def test_chain_turns_resume_the_same_state(tiny_dirs):
         engine = LLMEngine(EngineConfig(tiny_dirs["llama"], decode_steps=k, **COMMON))
         history, out, infos = prompts(4, (21,))[0], [], []
         fields = ("logical_tokens", "computed_tokens", "physical_tokens", "pages_held")
-        for t in range(2):
+        for t in range(3):
+            if prune and t == 1:
+                assert engine.prune_chain("c", [(4, 14)], defer=False).status == "applied"
             rid = engine.add_request(list(history), params, chain_id="c")
             while engine.has_unfinished():
                 for o in engine.step():
@@ -116,6 +120,8 @@ def test_chain_turns_resume_the_same_state(tiny_dirs):
     (ref, ref_infos), (got, infos) = turns(1), turns(4)
     assert got == ref and ref[0][1] == "stop" and ref[1][2] > 0
     assert infos == ref_infos  # no page taken ahead stays with the chain
+    if prune:
+        assert all(n < ref_infos[1][0] for n in ref_infos[1][2])  # fewer physical than logical tokens
 
 
 def test_a_pool_too_small_for_the_extra_steps_falls_back(tiny_dirs):
