@@ -20,7 +20,7 @@ from engine.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "torch", "triton", "flashinfer")
+BACKEND_NAMES = ("auto", "torch", "triton", "flashinfer", "triton+flashinfer")
 
 
 class AttentionBackend:
@@ -124,9 +124,11 @@ def _construct(name: str, device: torch.device) -> AttentionBackend:
     if name == "triton":
         return gpu_backends.TritonBackend()
     try:
+        if name == "triton+flashinfer":
+            return gpu_backends.TritonFlashInferBackend(device)
         return gpu_backends.FlashInferBackend(device)
     except ImportError as exc:
-        raise ConfigError(f"attention_backend 'flashinfer' needs flashinfer-python installed: {exc}") from exc
+        raise ConfigError(f"attention_backend {name!r} needs flashinfer-python installed: {exc}") from exc
 
 
 def make_backend(

@@ -180,3 +180,22 @@ class FlashInferBackend(AttentionBackend):
         wrapper = self._decode if decode else self._prefill
         return wrapper.run(q, (k_cache, v_cache)), None
 
+
+
+class TritonFlashInferBackend(TritonBackend):
+    """The Triton backend, with flashinfer's paged prefill for the steps it is faster at: prompt chunks and
+    mixed steps over plain paged views in fp16/bf16 with a head size flashinfer runs (1.5x our prefill kernel
+    at 8K-32K on an H200, docs/benchmarks.md). Decode steps stay on Triton, so decode CUDA graphs still
+    replay; selections, coded views, scores and fp32 stay on Triton too."""
+
+    name = "triton+flashinfer"
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self._flashinfer = FlashInferBackend(device)
+
+    def forward(self, q, k_cache, v_cache, view: PagedView, scale: float, return_scores: bool = False):
+        if (type(view) is PagedView and not view.is_pure_decode and not return_scores
+                and q.dtype in FlashInferBackend.dtypes and q.shape[-1] in FlashInferBackend.head_dims):
+            return self._flashinfer.forward(q, k_cache, v_cache, view, scale)
+        return super().forward(q, k_cache, v_cache, view, scale, return_scores)

@@ -1,0 +1,28 @@
+"""Choosing the attention backend on a machine without a GPU: auto takes the torch reference; a GPU backend
+named explicitly, or an unknown name, is a ConfigError naming the option."""
+
+import re
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine
+from engine.errors import ConfigError
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine")
+
+
+def test_auto_is_torch_on_cpu(tiny_dirs):
+    engine = LLMEngine(EngineConfig(tiny_dirs["qwen3"], device="cpu", attention_backend="auto"))
+    assert engine.backend.name == "torch"
+
+
+@pytest.mark.parametrize("name", ["triton", "flashinfer", "triton+flashinfer"])
+def test_gpu_backends_need_a_gpu(tiny_dirs, name):
+    with pytest.raises(ConfigError, match=re.escape(f"attention_backend '{name}' needs a CUDA device")):
+        LLMEngine(EngineConfig(tiny_dirs["qwen3"], device="cpu", attention_backend=name))
+
+
+def test_unknown_backend_names_the_choices(tiny_dirs):
+    with pytest.raises(ConfigError, match=r"attention_backend must be one of .*'triton\+flashinfer'"):
+        LLMEngine(EngineConfig(tiny_dirs["qwen3"], device="cpu", attention_backend="cudnn"))
