@@ -9,6 +9,7 @@
 #   kernels    Triton vs flashinfer paged decode / prefill against the copy and matmul rates
 #   sweep      our decode / prefill kernels over a grid of launch configurations (which to make the default)
 #   dense      Llama-3.1-8B shape decode roofline at bs1@4K, bs8@4K, bs4@32K, HF transformers in the same run
+#   prefill    prefill TFLOP/s of a 32K prompt (and 4 x 8K): triton vs triton+flashinfer
 #   dense8     the dense cases with --decode-steps 8 (8 decode steps per schedule, one host sync)
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
@@ -53,6 +54,12 @@ for step in "$@"; do
     dense)
         run dense 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --hf --json "$OUT/dense.json" ;;
+    prefill)  # a 32K prompt's prefill, Triton's kernel against flashinfer's (triton+flashinfer), one process each
+        for backend in triton triton+flashinfer; do
+            run "prefill_$backend" 200 python -m engine.bench --shape llama-3.1-8b --cases 1@32768,4@8192 \
+                --decode-tokens 8 --max-num-batched-tokens 16384 --attention-backend $backend \
+                --json "$OUT/prefill_$backend.json"
+        done ;;
     dense8)  # the same cases with 8 decode steps back to back per schedule (host work off the GPU's path)
         run dense8 200 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/dense8.json" ;;
