@@ -56,9 +56,9 @@ for step in "$@"; do
             --max-num-batched-tokens 16384 --hf --json "$OUT/dense.json" ;;
     prefill)  # a 32K prompt's prefill, Triton's kernel against flashinfer's (triton+flashinfer), one process each
         for backend in triton triton+flashinfer; do
-            run "prefill_$backend" 200 python -m engine.bench --shape llama-3.1-8b --cases 1@32768,4@8192 \
-                --decode-tokens 8 --max-num-batched-tokens 16384 --attention-backend $backend \
-                --json "$OUT/prefill_$backend.json"
+            tag=prefill_${backend//+/_}  # plain file names
+            run "$tag" 200 python -m engine.bench --shape llama-3.1-8b --cases 1@32768,4@8192 \
+                --decode-tokens 8 --max-num-batched-tokens 16384 --attention-backend $backend --json "$OUT/$tag.json"
         done ;;
     dense8)  # the same cases with 8 decode steps back to back per schedule (host work off the GPU's path)
         run dense8 200 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
