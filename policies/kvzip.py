@@ -113,6 +113,9 @@ class KVzip(SparseMethod):
     def release(self, req) -> None:
         self._pending.discard(req.request_id)
 
+    def decode_window_safe(self, req) -> bool:
+        return req.request_id not in self._pending  # end_step has nothing left to evict for it
+
     def end_step(self, batch) -> None:
         for req in batch.finished_prompt:
             self._pending.add(req.request_id)

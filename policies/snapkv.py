@@ -154,6 +154,9 @@ class SnapKV(SparseMethod):
     def replayable(self, batch) -> bool:
         return all(self._done(req) for req in batch.requests)
 
+    def decode_window_safe(self, req) -> bool:
+        return self._done(req)  # select stashes nothing and end_step evicts nothing for it any more
+
     # --- hooks ------------------------------------------------------------------------------------
     def select(self, layer, q, batch):
         w = self.config.window

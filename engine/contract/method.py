@@ -147,6 +147,13 @@ class SparseMethod:
         model's forward alone, so several may run back to back on the device (``EngineConfig.decode_steps``)."""
         return all(getattr(cls, h) is getattr(SparseMethod, h) for h in SparseMethod.STEP_HOOKS)
 
+    def decode_window_safe(self, req: Request) -> bool:
+        """Whether this request's next decode steps may run back to back on the device (k of them, with no
+        step hook between them and the host-side counts advancing only afterwards): its step and layer hooks
+        must do nothing on those steps. Default: the method overrides no hook (``is_hookless``); an eviction
+        method whose request is evicted for good answers True too."""
+        return self.is_hookless()
+
     def kv_loaded(self, req: Request, cache: CacheManager) -> None:
         """The cache wrote ``req``'s KV outside a forward step (a restore, a benchmark's synthetic fill):
         rebuild whatever metadata the method derives from written KV."""
