@@ -19,6 +19,7 @@
 #   snapcodec32k  SnapKV(4096) and SnapKV(4096) + KIVI-4 vs dense at 32K (largest and matched batch)
 #   codec128k, snapcodec128k  the same at 128K
 # Each benchmark prints one JSON line per finished run, so a step cut by its limit keeps what finished.
+#   snapwin    SnapKV(4096) vs dense at 128K, each at its largest batch, with --decode-window 8
 #   retro      RetroInfer (cluster-gather kernel) vs dense at 32K, matched batch
 #   replay     16 agent sessions x 30 turns: dense + prefix cache, SnapKV + Chain Cache, dense + lag pruning
 set -uo pipefail
@@ -86,6 +87,9 @@ for step in "$@"; do
         context=32768; [ "$step" = snapcodec128k ] && context=128000
         run "$step" 500 $SPARSE --context $context --max-batch 256 --page-size 32 --admit-group 16 --match-batch \
             --methods 'dense;snapkv:{"budget":4096};snapkv:{"budget":4096}+kivi:{"bits":4}' --json "$OUT/$step.json" ;;
+    snapwin)  # SnapKV(4096) vs dense at 128K, largest batch, 8 decode steps per schedule for both
+        run snapwin 500 $SPARSE --context 128000 --max-batch 256 --admit-group 16 --decode-window 8 \
+            --methods 'dense;snapkv:{"budget":4096}' --json "$OUT/snapwin.json" ;;
     retro)
         run retro 300 $SPARSE --context 32768 --max-batch 8 \
             --methods 'dense;retroinfer:{}' --json "$OUT/retro.json" ;;

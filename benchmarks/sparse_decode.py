@@ -96,7 +96,7 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
         page_size=args.page_size, enable_prefix_caching=False, max_num_seqs=args.max_batch,
         max_model_len=args.context + 4 * args.max_batch + args.decode_steps + 64,
         max_num_batched_tokens=max(args.window * args.admit_group, 256), kv_cache_memory_bytes=args.kv_bytes,
-        cuda_graph_max_batch=min(args.max_batch, 512)))
+        cuda_graph_max_batch=min(args.max_batch, 512), decode_steps=args.decode_window))
     rng, gen = random.Random(0), torch.Generator(device=engine.device).manual_seed(0)
     max_tokens = 4 * args.max_batch + args.decode_steps + 32
     admitted = 0
@@ -118,8 +118,8 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
     replays_before = 0 if engine.runner.graphs is None else engine.runner.graphs.replays
     t0, steps, tokens = time.perf_counter(), 0, 0
     while steps < args.decode_steps:
-        tokens += len(engine.step())
-        steps += 1
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        steps += engine.last_step.decode_steps if engine.last_step is not None else 1  # a window runs several
     sync()
     elapsed = time.perf_counter() - t0
     graphs = engine.runner.graphs
@@ -130,7 +130,8 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
               "kv_bytes_per_token": engine.cache.spec.bytes_per_token, "batch": admitted, "context": args.context,
               "decode_tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / steps,
               "pages_per_request": sum(held) / max(len(held), 1), "pool_pages": engine.pool.num_pages,
-              "backend": engine.backend.name, "graph_replayed_steps": replayed, "timed_steps": steps}
+              "backend": engine.backend.name, "graph_replayed_steps": replayed, "timed_steps": steps,
+              "decode_window": args.decode_window}
     for rid in list(engine._requests):
         engine.abort(rid)
     del engine
@@ -156,7 +157,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--window", type=int, default=64, help="prompt tokens prefilled for real")
     ap.add_argument("--methods", default='dense;snapkv:{"budget":4096}')
     ap.add_argument("--max-batch", type=int, default=256)
-    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--decode-steps", type=int, default=32, help="decode steps timed")
+    ap.add_argument("--decode-window", type=int, default=1,
+                    help="decode steps run back to back per schedule (EngineConfig.decode_steps)")
     ap.add_argument("--kv-bytes", type=int, default=None, help="KV budget (default: GPU memory / 512 MiB CPU)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
