@@ -323,16 +323,17 @@ class LLMEngine:
     def _decode_steps(self, plan) -> int:
         """How many decode steps this plan may run back to back on the device (``config.decode_steps`` at
         most; 1 unless every request decodes one token with a method whose hooks would do nothing on those
-        steps (``SparseMethod.decode_window_safe``) on one rank, under no codec or
+        steps (``SparseMethod.max_decode_window``) on one rank, under no codec or
         one without a full-precision window (whose writes are planned on the host per step), and each has the
         length and the pages left for them: pages for the extra steps are allocated here)."""
         k = self.config.decode_steps
         if k == 1 or plan.preempted or self.tp.world_size > 1 or (self.codec is not None and self.codec.has_window):
             return 1
         for req, n in zip(plan.requests, plan.num_new_tokens):
-            if n != 1 or req.num_computed_tokens < req.num_prompt_tokens or not req.method.decode_window_safe(req):
+            if n != 1 or req.num_computed_tokens < req.num_prompt_tokens:
                 return 1
-            k = min(k, req.params.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens)
+            k = min(k, req.params.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens,
+                    req.method.max_decode_window(req))
         if k < 2 or not all(self.cache.allocate(req, k) for req in plan.requests):
             return 1  # pages some requests took ahead stay theirs: later steps use them
         return k

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, SparseMethod, all_gather, tp_rank
+from engine.contract.method import UNBOUNDED_WINDOW
 from engine.errors import InvalidRequestError
 from engine.registry import register_method
 from policies.scoring import check_int, top_k_sorted
@@ -113,8 +114,8 @@ class KVzip(SparseMethod):
     def release(self, req) -> None:
         self._pending.discard(req.request_id)
 
-    def decode_window_safe(self, req) -> bool:
-        return req.request_id not in self._pending  # end_step has nothing left to evict for it
+    def max_decode_window(self, req) -> int:
+        return 1 if req.request_id in self._pending else UNBOUNDED_WINDOW  # else end_step has nothing to evict
 
     def end_step(self, batch) -> None:
         for req in batch.finished_prompt:

@@ -177,6 +177,17 @@ class RKV(SparseMethod):
     def release(self, req) -> None:
         self._states.pop(req.request_id, None)
 
+    def bind(self, cache) -> None:
+        self._cache = cache
+
+    def max_decode_window(self, req) -> int:
+        """The steps before the stash matters again (see ``replayable``): while the longest layer holds fewer
+        than ``budget + buffer - alpha`` slots a step needs no stash and no compression follows it."""
+        cfg = self.config
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            return 1
+        return max(1, cfg.budget + cfg.buffer - cfg.alpha - self._cache.table(req).num_slots)
+
     def replayable(self, batch) -> bool:
         """A decode step's queries are read only by a compression within the next ``alpha`` steps (the window
         is the last ``alpha`` computed tokens): a step where every request is further from its next

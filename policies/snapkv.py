@@ -57,6 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.contract import Family, SparseMethod
+from engine.contract.method import UNBOUNDED_WINDOW
 from engine.registry import register_method
 from policies.scoring import (
     POOLINGS,
@@ -154,8 +155,8 @@ class SnapKV(SparseMethod):
     def replayable(self, batch) -> bool:
         return all(self._done(req) for req in batch.requests)
 
-    def decode_window_safe(self, req) -> bool:
-        return self._done(req)  # select stashes nothing and end_step evicts nothing for it any more
+    def max_decode_window(self, req) -> int:
+        return UNBOUNDED_WINDOW if self._done(req) else 1  # done: select stashes and end_step evicts nothing
 
     # --- hooks ------------------------------------------------------------------------------------
     def select(self, layer, q, batch):

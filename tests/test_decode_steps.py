@@ -139,9 +139,10 @@ def test_a_pool_too_small_for_the_extra_steps_falls_back(tiny_dirs):
     ("kvzip", {"budget": 12, "window": 4}, True),  # non-uniform budgets across layers and heads
     ("snapkv", {"budget": 16, "window": 4, "reeval_every": 3}, False),  # re-evaluates: never windowed
     ("h2o", {"heavy_budget": 8, "recent_budget": 8}, False),  # scores every decode step
+    ("rkv", {"budget": 16, "buffer": 8, "alpha": 2}, True),  # windows end before each compression's window
 ])
 def test_eviction_methods_window_only_once_their_hooks_are_idle(tiny_dirs, method, cfg, windowed):
-    items = [(p, SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True, logprobs=True))
+    items = [(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=True))
              for p in prompts(6)]
     options = dict(method=method, method_config=cfg)
     ref, _, _ = run(tiny_dirs["qwen3"], items, 1, **options)

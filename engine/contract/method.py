@@ -55,6 +55,9 @@ class NoConfig:
     pass
 
 
+UNBOUNDED_WINDOW = 1 << 30  # max_decode_window: no limit from the method
+
+
 class SparseMethod:
     """Subclasses that override a per-layer hook with host-side work must set ``cuda_graph_safe = False``."""
 
@@ -147,12 +150,13 @@ class SparseMethod:
         model's forward alone, so several may run back to back on the device (``EngineConfig.decode_steps``)."""
         return all(getattr(cls, h) is getattr(SparseMethod, h) for h in SparseMethod.STEP_HOOKS)
 
-    def decode_window_safe(self, req: Request) -> bool:
-        """Whether this request's next decode steps may run back to back on the device (k of them, with no
-        step hook between them and the host-side counts advancing only afterwards): its step and layer hooks
-        must do nothing on those steps. Default: the method overrides no hook (``is_hookless``); an eviction
-        method whose request is evicted for good answers True too."""
-        return self.is_hookless()
+    def max_decode_window(self, req: Request) -> int:
+        """How many of this request's next decode steps may run back to back on the device (``decode_steps``:
+        no step hook between them, the host-side counts advancing only afterwards): its step and layer hooks
+        must do nothing on all of them. Default: unbounded when the method overrides no hook (``is_hookless``),
+        else 1 (no window). An eviction method whose request is evicted for good answers unbounded; one that
+        compresses periodically, the steps left before its hooks matter again."""
+        return UNBOUNDED_WINDOW if self.is_hookless() else 1
 
     def kv_loaded(self, req: Request, cache: CacheManager) -> None:
         """The cache wrote ``req``'s KV outside a forward step (a restore, a benchmark's synthetic fill):
