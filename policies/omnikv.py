@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, PagedView, SelectedSlotsView, SparseMethod, all_reduce
+from engine.contract.method import UNBOUNDED_WINDOW
 from engine.errors import ConfigError
 from engine.registry import register_method
 from kernels.dispatch import paged_decode_logits
@@ -81,6 +82,9 @@ class OmniKV(SparseMethod):
 
     def replayable(self, batch) -> bool:
         return self._all_decode(batch)
+
+    def max_decode_window(self, req) -> int:
+        return UNBOUNDED_WINDOW  # a decode step's selection is device work over the batch alone
 
     _all_decode = staticmethod(all_rows_decode)
 

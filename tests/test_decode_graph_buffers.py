@@ -97,13 +97,15 @@ def test_static_buffers_reproduce_eager_decode_over_windowless_codes(tiny_dirs, 
     assert replays and 4 in replays and all(layered)
 
 
-@pytest.mark.parametrize("storage", [None, ("fp8", {})], ids=["model-dtype", "fp8"])
-def test_windows_of_decode_steps_replay_the_static_buffers(tiny_dirs, monkeypatch, storage):
+@pytest.mark.parametrize("method,cfg,storage", [("dense", {}, None), ("dense", {}, ("fp8", {})), METHODS[3] + (None,),
+                                                ("kvzip", {"budget": 12, "window": 4}, None)],
+                         ids=["dense", "dense-fp8", "quest", "kvzip"])
+def test_windows_of_decode_steps_replay_the_static_buffers(tiny_dirs, monkeypatch, method, cfg, storage):
     """Back-to-back decode steps (``decode_steps``) feed each replay the batch built on the device from the
     previous replay's tokens: the same greedy tokens as eager single steps, every window step replayed."""
     from engine.model_runner import ModelRunner
 
-    ref, _, _ = _run(tiny_dirs["qwen3"], "dense", {}, fake_graphs=False, storage=storage)
+    ref, _, _ = _run(tiny_dirs["qwen3"], method, cfg, fake_graphs=False, storage=storage)
     windows, inner = [], ModelRunner.execute_decode_steps
 
     def counting(self, batch, k):
@@ -111,8 +113,8 @@ def test_windows_of_decode_steps_replay_the_static_buffers(tiny_dirs, monkeypatc
         return inner(self, batch, k)
 
     monkeypatch.setattr(ModelRunner, "execute_decode_steps", counting)
-    got, replays, _ = _run(tiny_dirs["qwen3"], "dense", {}, fake_graphs=True, decode_steps=4, storage=storage)
+    got, replays, _ = _run(tiny_dirs["qwen3"], method, cfg, fake_graphs=True, decode_steps=4, storage=storage)
     assert windows and max(windows) == 4
-    _, single_replays, _ = _run(tiny_dirs["qwen3"], "dense", {}, fake_graphs=True, storage=storage)
+    _, single_replays, _ = _run(tiny_dirs["qwen3"], method, cfg, fake_graphs=True, storage=storage)
     assert got == ref
     assert len(replays) == len(single_replays) and 4 in replays  # one replay per decode step either way

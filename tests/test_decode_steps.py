@@ -140,8 +140,10 @@ def test_a_pool_too_small_for_the_extra_steps_falls_back(tiny_dirs):
     ("snapkv", {"budget": 16, "window": 4, "reeval_every": 3}, False),  # re-evaluates: never windowed
     ("h2o", {"heavy_budget": 8, "recent_budget": 8}, False),  # scores every decode step
     ("rkv", {"budget": 16, "buffer": 8, "alpha": 2}, True),  # windows end before each compression's window
+    ("quest", {"token_budget": 16, "dense_layers": 1}, True),  # selection: device work over each step's batch
+    ("omnikv", {"token_budget": 16}, True),
 ])
-def test_eviction_methods_window_only_once_their_hooks_are_idle(tiny_dirs, method, cfg, windowed):
+def test_methods_window_only_when_their_hooks_allow(tiny_dirs, method, cfg, windowed):
     items = [(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=True))
              for p in prompts(6)]
     options = dict(method=method, method_config=cfg)

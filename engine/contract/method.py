@@ -151,11 +151,14 @@ class SparseMethod:
         return all(getattr(cls, h) is getattr(SparseMethod, h) for h in SparseMethod.STEP_HOOKS)
 
     def max_decode_window(self, req: Request) -> int:
-        """How many of this request's next decode steps may run back to back on the device (``decode_steps``:
-        no step hook between them, the host-side counts advancing only afterwards): its step and layer hooks
-        must do nothing on all of them. Default: unbounded when the method overrides no hook (``is_hookless``),
-        else 1 (no window). An eviction method whose request is evicted for good answers unbounded; one that
-        compresses periodically, the steps left before its hooks matter again."""
+        """How many of this decoding request's next steps may run back to back on the device (``decode_steps``):
+        ``begin_step``/``end_step`` are not called inside a window and the host-side counts (computed tokens,
+        token ids) advance only after it, so the step hooks must have nothing to do on those steps and the
+        layer hooks only device work over the batch (each step's batch is built on the device; its scratch
+        is fresh). Default: unbounded when the method overrides no hook (``is_hookless``), else 1 (no
+        window). A selection computed on the device from the batch answers unbounded; an eviction method
+        whose request is evicted for good, unbounded; one that compresses periodically, the steps left
+        before its hooks matter again."""
         return UNBOUNDED_WINDOW if self.is_hookless() else 1
 
     def kv_loaded(self, req: Request, cache: CacheManager) -> None:
