@@ -14,6 +14,7 @@
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
 #   select     Quest / OmniKV vs dense at 128K, matched batch (decode graphs capture the selection)
+#   selectwin  the same with --decode-window 8 (8 decode steps per schedule) for all three
 #   evict      KVzip / R-KV vs dense at 4K: matched batch 32, then each at its largest batch
 #   codec32k   fp8, KIVI-4, Palu vs dense at 32K (each at its largest batch, then at dense's batch)
 #   snapcodec32k  SnapKV(4096) and SnapKV(4096) + KIVI-4 vs dense at 32K (largest and matched batch)
@@ -72,6 +73,9 @@ for step in "$@"; do
     select)
         run select 300 $SPARSE --context 128000 --max-batch 16 \
             --methods 'dense;quest:{"token_budget":4096};omnikv:{"token_budget":4096}' --json "$OUT/select.json" ;;
+    selectwin)  # the same with 8 decode steps per schedule for all three
+        run selectwin 300 $SPARSE --context 128000 --max-batch 16 --decode-window 8 \
+            --methods 'dense;quest:{"token_budget":4096};omnikv:{"token_budget":4096}' --json "$OUT/selectwin.json" ;;
     evict)
         run evict_matched 200 $SPARSE --context 4096 --max-batch 32 --admit-group 16 \
             --methods 'dense;kvzip:{"budget":1024};rkv:{"budget":1024,"buffer":128}' --json "$OUT/evict_matched.json"
