@@ -78,7 +78,7 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"{flag} must be a JSON object", file=sys.stderr)
             return 2
     method_config = configs["--method-config"]
-    engine_options = {"device": args.device, "tensor_parallel_size": args.tp}
+    engine_options = {"device": args.device, "tensor_parallel_size": args.tp, "decode_steps": args.decode_steps}
     if args.kv_storage is not None:
         engine_options.update(kv_storage=args.kv_storage, kv_storage_config=configs["--kv-storage-config"])
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -193,11 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--method", default="dense", help="sparse method for every chain")
     serve.add_argument("--method-config", default="{}", help="the method's knobs as a JSON object")
-    serve.add_argument("--kv-storage", help="how retained KV is stored: fp8, kivi, turboquant (default: the model dtype)")
+    serve.add_argument("--kv-storage", help="how retained KV is stored: fp8, kivi, turboquant, palu (default: the model dtype)")
     serve.add_argument("--kv-storage-config", default="{}", help="the storage's knobs as a JSON object")
     serve.add_argument("--device", default="auto")
     serve.add_argument("--tp", type=int, default=1,
                        help="tensor-parallel ranks: GPUs (NCCL) from --device on, or gloo processes on CPU")
+    serve.add_argument("--decode-steps", type=int, default=1,
+                       help="decode steps run back to back on the device per schedule (deltas of up to N tokens)")
     serve.add_argument("--require-auth", dest="require_auth", action="store_true", default=None,
                        help="require API keys (the default unless --host is a loopback address)")
     serve.add_argument("--no-auth", dest="require_auth", action="store_false",
