@@ -6,8 +6,10 @@ padding rows write their KV into the cache's scratch page and read one slot of i
 own row of lengths and slots, so steps whose layers hold different physical lengths (eviction with
 per-layer budgets) replay too; the page tables are the same for every layer. Python does not run during
 replay, so a method's per-layer hooks only run for steps it declares ``replayable``. Under a KV storage codec
-without a full-precision window (token-local codes), the static views are the layers'
-``QuantizedPagesView`` s over the codec's side tensors, every slot read from codes.
+the static views are the layers' ``QuantizedPagesView`` s over the codec's side tensors; a codec with a
+full-precision window also gets each row's window id and codes length in static buffers, and its
+writes (the new row into the ring, the open group re-encoded) are planned on the device from the static
+buffers inside the graph (``CodedStorage.plan_decode``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,12 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((layers, max_batch), self.scratch_slot, dtype=torch.int64, device=dev)
         self.block_tables = torch.full((max_batch, max_pages), scratch_page, dtype=torch.int32, device=dev)
         self.kv_lens = torch.ones(layers, max_batch, dtype=torch.int32, device=dev)
+        coded = getattr(runner.cache, "coded", None)
+        self.windowed = coded is not None and coded.codec.has_window
+        if self.windowed:  # a codec's full-precision windows: each row's ring and how many slots codes hold
+            self.scratch_window = coded.scratch_window
+            self.window_ids = torch.full((max_batch,), self.scratch_window, dtype=torch.int32, device=dev)
+            self.quant_lens = torch.ones(layers, max_batch, dtype=torch.int32, device=dev)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -60,14 +68,18 @@ class DecodeGraphs:
         coded = getattr(self.runner.cache, "coded", None)
         if coded is None:
             return PagedView(**common)
-        return QuantizedPagesView(  # no window: every slot from codes, quant lengths = lengths
-            **common, codec=coded.codec, layer=layer,
-            k_fields={k: f[layer] for k, f in coded.fields["k"].items()},
-            v_fields={k: f[layer] for k, f in coded.fields["v"].items()},
-            quant_lens=self.kv_lens[layer, :b], quant_lens_cpu=[1] * b)
+        fields = dict(codec=coded.codec, layer=layer, k_fields={k: f[layer] for k, f in coded.fields["k"].items()},
+                      v_fields={k: f[layer] for k, f in coded.fields["v"].items()}, quant_lens_cpu=[1] * b)
+        if not self.windowed:  # every slot from codes: quant lengths = lengths
+            return QuantizedPagesView(**common, **fields, quant_lens=self.kv_lens[layer, :b])
+        return QuantizedPagesView(**common, **fields, quant_lens=self.quant_lens[layer, :b],
+                                  window_ids=self.window_ids[:b], window_ids_cpu=[self.scratch_window] * b,
+                                  window_k=coded.ring[layer, 0], window_v=coded.ring[layer, 1])
 
     def _forward(self, b: int) -> torch.Tensor:
         runner = self.runner
+        if self.windowed:  # the step's window and group writes, planned from the static buffers on the device
+            runner.cache.plan_decode_writes(self.kv_lens[:, :b], self.window_ids[:b], self.block_tables[:b])
         hidden = runner.model(self.input_ids[:b], self.positions[:b], runner)
         return runner.model.compute_logits(hidden)
 
@@ -101,12 +113,18 @@ class DecodeGraphs:
             self.kv_lens[:, :n].copy_(batch.view.kv_lens.expand(self.kv_lens.shape[0], n))
         else:
             self.kv_lens[:, :n].copy_(torch.stack([v.kv_lens for v in batch.layer_views]))
+        if self.windowed:
+            self.window_ids[:n].copy_(batch.view.window_ids)
+            self.quant_lens[:, :n].copy_(torch.stack([v.quant_lens for v in batch.layer_views]))
         if b > n:
             self.input_ids[n:b].zero_()
             self.positions[n:b].zero_()
             self.slot_mapping[:, n:b].fill_(self.scratch_slot)
             self.block_tables[n:b, 0].fill_(self.scratch_page)
             self.kv_lens[:, n:b].fill_(1)
+            if self.windowed:
+                self.window_ids[n:b].fill_(self.scratch_window)
+                self.quant_lens[:, n:b].fill_(1)
         return b
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:
@@ -118,11 +136,11 @@ class DecodeGraphs:
 
     @staticmethod
     def can_read(batch: ForwardBatch) -> bool:
-        """The static views stand for ``batch``'s: plain paged views (or windowless coded ones), one page table
-        shared by every layer."""
+        """The static views stand for ``batch``'s: plain paged views or coded ones, one page table shared by
+        every layer (and, with a codec's windows, one window per request)."""
         views = batch.layer_views
         if views is None:
             return type(batch.view) is PagedView
         first = views[0].block_tables
-        return all((type(v) is PagedView or (type(v) is QuantizedPagesView and v.window_k is None))
+        return all((type(v) is PagedView or type(v) is QuantizedPagesView)
                    and (v.block_tables is first or v.block_tables.shape == first.shape) for v in views)

@@ -166,6 +166,32 @@ class CodedStorage:
                          group_slots=torch.tensor(slots, dtype=torch.int64, device=device),
                          ring_dst=cat(ring_dst), ring_rows=cat(ring_rows))
 
+    def plan_decode(self, kv_lens: torch.Tensor, window_ids: torch.Tensor, block_tables: torch.Tensor,
+                    page_size: int) -> list[WritePlan]:
+        """``plan`` of a pure-decode step for every layer at once (``kv_lens`` [L, B], lengths after the step;
+        request ``i``'s one new row is row ``i``), built on the device with fixed shapes (per layer ``B *
+        group`` group slots and ``B`` ring writes) so a decode CUDA graph can capture it. A new row the window
+        does not keep (already past the codes' edge) is written to the scratch window instead."""
+        codec, cap, g = self.codec, self.capacity, self.codec.group
+        num_layers, b = kv_lens.shape
+        device = kv_lens.device
+        new = kv_lens.long()  # [L, B]
+        old = new - 1
+        rows = torch.arange(b, device=device)
+        first = old // g * g
+        pos = first[..., None] + torch.arange(g, device=device)  # [L, B, g] the open group's slots
+        p = torch.minimum(pos, old[..., None])  # slots past the new row repeat it (re-encoded as the group fills)
+        w = window_ids.long()
+        group_slots = block_tables[rows[:, None], pos // page_size].long() * page_size + pos % page_size
+        quant = torch.clamp((new - codec.residual) // g * g, min=0)
+        ring_dst = torch.where(quant <= old, w * cap + old % cap, self.scratch_window * cap)  # [L, B]
+        from_ring = (p < old[..., None]).flatten(1)
+        ring_src = (w[:, None] * cap + p % cap).flatten(1)
+        group_slots = group_slots.flatten(1)
+        row_src = rows[:, None].expand(b, g).flatten()
+        return [WritePlan(from_ring=from_ring[i], ring_src=ring_src[i], row_src=row_src, group_slots=group_slots[i],
+                          ring_dst=ring_dst[i], ring_rows=rows) for i in range(num_layers)]
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               plan: WritePlan | None, positions: torch.Tensor | None = None) -> None:
         if plan is None:

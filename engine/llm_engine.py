@@ -147,8 +147,6 @@ class LLMEngine:
             reasons.append(f"backend {self.backend.name} is not graph-safe")
         if not self.method.cuda_graph_safe and type(self.method).replayable is SparseMethod.replayable:
             reasons.append(f"method {self.method.name} does host work per layer")
-        if self.codec is not None and self.codec.has_window:
-            reasons.append(f"kv_storage {self.codec.name} keeps a full-precision window (planned per step)")
         if self.tp.world_size > 1:
             reasons.append("tensor parallel (collectives are not captured)")
         if not getattr(self.model, "cuda_graph_safe", True):

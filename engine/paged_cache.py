@@ -484,6 +484,11 @@ class PagedCacheManager(CacheManager):
                     for layer in range(self.spec.num_layers)]
         return [self.build_view(reqs, num_new_tokens, layer) for layer in range(self.spec.num_layers)]
 
+    def plan_decode_writes(self, kv_lens: torch.Tensor, window_ids: torch.Tensor, block_tables: torch.Tensor) -> None:
+        """A pure-decode step's writes under a codec with a window, planned on the device (``kv_lens`` [L, B]
+        after the step): what a decode graph captures instead of ``slot_mapping``'s host plan."""
+        self._write_plans = self.coded.plan_decode(kv_lens, window_ids, block_tables, self.page_size)
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               positions: torch.Tensor | None = None) -> None:
         if slot_mapping.dim() == 2:

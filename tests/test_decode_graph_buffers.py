@@ -50,7 +50,9 @@ def _run(model_dir, method, cfg, fake_graphs: bool, per_request: bool = False, s
             for layer, view in enumerate(static.layer_views):  # the torch backend reads host lengths too
                 view.kv_lens_cpu = graphs.kv_lens[layer, :b].tolist()
                 if isinstance(view, QuantizedPagesView):
-                    view.quant_lens_cpu = view.kv_lens_cpu
+                    view.quant_lens_cpu = view.quant_lens.tolist()
+                    if view.window_ids is not None:
+                        view.window_ids_cpu = view.window_ids.tolist()
             saved, runner._batch = runner._batch, static
             try:
                 return graphs._forward(b)[: batch.num_tokens]
@@ -86,11 +88,17 @@ def test_graphs_of_another_method_serve_a_request_only_without_captured_hooks(ti
     assert bool(replays) == (method == "pyramidkv")
 
 
+KIVI = ("kivi", {"bits": 4, "group_size": 4, "residual": 4})
+
+
 @pytest.mark.parametrize("method,cfg,storage", [
-    ("dense", {}, ("fp8", {})), ("snapkv", {"budget": 24, "window": 4}, ("turboquant", {"bits": 3}))])
-def test_static_buffers_reproduce_eager_decode_over_windowless_codes(tiny_dirs, method, cfg, storage):
-    """Codecs without a full-precision window store every slot as codes: the static views are the layers'
-    coded views, and the replayed steps write and read codes like eager ones."""
+    ("dense", {}, ("fp8", {})), ("snapkv", {"budget": 24, "window": 4}, ("turboquant", {"bits": 3})),
+    ("dense", {}, KIVI), ("snapkv", {"budget": 24, "window": 4}, KIVI), ("dense", {}, ("kivi", {"bits": 2, "group_size": 4, "residual": 8}))],
+    ids=["fp8", "snapkv-turboquant", "kivi4", "snapkv-kivi4", "kivi2"])
+def test_static_buffers_reproduce_eager_decode_over_codes(tiny_dirs, method, cfg, storage):
+    """Under a codec the static views are the layers' coded views, and the replayed steps write and read
+    codes like eager ones; with KIVI's full-precision window the replay also reads each row's ring and codes
+    length from the static buffers and plans its writes (ring row, open group re-encoded) on the device."""
     ref, _, _ = _run(tiny_dirs["llama"], method, cfg, fake_graphs=False, storage=storage)
     got, replays, layered = _run(tiny_dirs["llama"], method, cfg, fake_graphs=True, storage=storage)
     assert got == ref
