@@ -118,3 +118,26 @@ def test_fp32_graphs_with_per_layer_lengths_match_eager(method, cfg, tiny_dirs):
         if not eager:
             assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("storage,cfg", [("fp8", {}), ("kivi", {"bits": 4, "group_size": 16, "residual": 32}),
+                                         ("kivi", {"bits": 2, "group_size": 16, "residual": 16}),
+                                         ("turboquant", {"bits": 3}), ("palu", {"rank_ratio": 1.0})])
+def test_fp32_graphs_over_coded_kv_match_eager(storage, cfg, tiny_dirs_hf_init):
+    """Coded KV: decode steps replay graphs whose static views are the coded views (KIVI: with its windows,
+    the writes planned on the device inside the graph), the fused decode kernels compiled; same tokens as
+    eager steps, and with 4 decode steps per schedule too."""
+    from engine import LLM, SamplingParams
+
+    outs = []
+    for eager, steps in ((True, 1), (False, 1), (False, 4)):
+        llm = LLM(tiny_dirs_hf_init["llama"], device="cuda", dtype="float32", attention_backend="triton",
+                  max_num_batched_tokens=64, enforce_eager=eager, max_num_seqs=16, kv_storage=storage,
+                  kv_storage_config=cfg, enable_prefix_caching=False, kv_cache_memory_bytes=256 * 2**20,
+                  decode_steps=steps)
+        ps = prompts(llm.engine.model_config.vocab_size)
+        outs.append([o.token_ids for o in llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=12,
+                                                                           ignore_eos=True))])
+        if not eager:
+            assert llm.engine.runner.graphs is not None and llm.engine.runner.graphs.replays > 0
+    assert outs[0] == outs[1] == outs[2]
