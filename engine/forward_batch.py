@@ -156,7 +156,8 @@ def next_decode_step(batch: ForwardBatch, tokens: torch.Tensor) -> ForwardBatch:
     ``batch`` sampled (``tokens`` [B] int64): each request's next token at the next logical position, written
     to its next physical slot in every layer through its page table (whose pages must already cover it). No
     host sync; the host-side lengths advance by one. Per-layer views (layers of different lengths, a codec's
-    layers) advance each; a coded view reads its new slot from codes (no full-precision window)."""
+    layers) advance each; under a codec with windows the codes' lengths follow ``quant_len`` (and the cache
+    plans the step's window writes: ``CacheManager.plan_next_decode``)."""
     rows = torch.arange(tokens.shape[0], device=tokens.device)
 
     def next_slots(view: PagedView) -> torch.Tensor:
@@ -166,8 +167,11 @@ def next_decode_step(batch: ForwardBatch, tokens: torch.Tensor) -> ForwardBatch:
     def advance(view: PagedView) -> PagedView:
         fields = {"kv_lens": view.kv_lens + 1, "kv_lens_cpu": [n + 1 for n in view.kv_lens_cpu]}
         if isinstance(view, QuantizedPagesView):
-            assert view.window_k is None, "a codec's full-precision window is planned on the host per step"
-            fields.update(quant_lens=view.quant_lens + 1, quant_lens_cpu=[n + 1 for n in view.quant_lens_cpu])
+            if view.window_k is None:  # every slot from codes
+                fields.update(quant_lens=fields["kv_lens"], quant_lens_cpu=fields["kv_lens_cpu"])
+            else:  # a decoding request holds a window: its codes reach quant_len(n)
+                fields.update(quant_lens=view.codec.quant_lens(fields["kv_lens"]),
+                              quant_lens_cpu=[view.codec.quant_len(n) for n in fields["kv_lens_cpu"]])
         return dataclasses.replace(view, **fields)
 
     if batch.slot_mapping.dim() == 2:  # layers of different physical lengths

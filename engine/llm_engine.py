@@ -321,11 +321,10 @@ class LLMEngine:
     def _decode_steps(self, plan) -> int:
         """How many decode steps this plan may run back to back on the device (``config.decode_steps`` at
         most; 1 unless every request decodes one token with a method whose hooks would do nothing on those
-        steps (``SparseMethod.max_decode_window``) on one rank, under no codec or
-        one without a full-precision window (whose writes are planned on the host per step), and each has the
-        length and the pages left for them: pages for the extra steps are allocated here)."""
+        steps (``SparseMethod.max_decode_window``) on one rank, and each has the length and the pages left for
+        them: pages for the extra steps are allocated here)."""
         k = self.config.decode_steps
-        if k == 1 or plan.preempted or self.tp.world_size > 1 or (self.codec is not None and self.codec.has_window):
+        if k == 1 or plan.preempted or self.tp.world_size > 1:
             return 1
         for req, n in zip(plan.requests, plan.num_new_tokens):
             if n != 1 or req.num_computed_tokens < req.num_prompt_tokens:

@@ -489,6 +489,12 @@ class PagedCacheManager(CacheManager):
         after the step): what a decode graph captures instead of ``slot_mapping``'s host plan."""
         self._write_plans = self.coded.plan_decode(kv_lens, window_ids, block_tables, self.page_size)
 
+    def plan_next_decode(self, batch) -> None:
+        if self.codec is not None and self.codec.has_window:
+            views = batch.layer_views or [batch.view]
+            self.plan_decode_writes(torch.stack([v.kv_lens for v in views]), views[0].window_ids,
+                                    views[0].block_tables)
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               positions: torch.Tensor | None = None) -> None:
         if slot_mapping.dim() == 2:

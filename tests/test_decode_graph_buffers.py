@@ -26,6 +26,7 @@ METHODS = [("dense", {}), ("pyramidkv", {"budget": 24, "window": 4}), ("kvzip", 
            ("quest", {"token_budget": 16, "dense_layers": 0}),  # their selection runs inside the graph
            ("omnikv", {"observation_layers": [0], "token_budget": 16}),
            ("rkv", {"budget": 24, "buffer": 8, "alpha": 2})]  # replays only steps far from a compression
+KIVI = ("kivi", {"bits": 4, "group_size": 4, "residual": 4})
 
 
 def _run(model_dir, method, cfg, fake_graphs: bool, per_request: bool = False, storage=None, decode_steps=1):
@@ -88,9 +89,6 @@ def test_graphs_of_another_method_serve_a_request_only_without_captured_hooks(ti
     assert bool(replays) == (method == "pyramidkv")
 
 
-KIVI = ("kivi", {"bits": 4, "group_size": 4, "residual": 4})
-
-
 @pytest.mark.parametrize("method,cfg,storage", [
     ("dense", {}, ("fp8", {})), ("snapkv", {"budget": 24, "window": 4}, ("turboquant", {"bits": 3})),
     ("dense", {}, KIVI), ("snapkv", {"budget": 24, "window": 4}, KIVI), ("dense", {}, ("kivi", {"bits": 2, "group_size": 4, "residual": 8}))],
@@ -106,8 +104,8 @@ def test_static_buffers_reproduce_eager_decode_over_codes(tiny_dirs, method, cfg
 
 
 @pytest.mark.parametrize("method,cfg,storage", [("dense", {}, None), ("dense", {}, ("fp8", {})), METHODS[3] + (None,),
-                                                ("kvzip", {"budget": 12, "window": 4}, None)],
-                         ids=["dense", "dense-fp8", "quest", "kvzip"])
+                                                ("kvzip", {"budget": 12, "window": 4}, None), ("dense", {}, KIVI)],
+                         ids=["dense", "dense-fp8", "quest", "kvzip", "dense-kivi"])
 def test_windows_of_decode_steps_replay_the_static_buffers(tiny_dirs, monkeypatch, method, cfg, storage):
     """Back-to-back decode steps (``decode_steps``) feed each replay the batch built on the device from the
     previous replay's tokens: the same greedy tokens as eager single steps, every window step replayed."""

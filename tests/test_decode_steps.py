@@ -208,10 +208,11 @@ def test_step_kinds_are_counted_exactly(tiny_dirs):
 
 @pytest.mark.parametrize("storage,cfg,windowed", [("fp8", {}, True), ("turboquant", {"bits": 3}, True),
                                                   ("palu", {"rank_ratio": 0.75}, True),
-                                                  ("kivi", {"bits": 4, "group_size": 4, "residual": 4}, False)])
-def test_codecs_without_a_window_run_windows(tiny_dirs, storage, cfg, windowed):
-    """Windowless codecs (every slot read from codes; Palu with positions) take back-to-back steps and equal
-    single steps; KIVI's full-precision window is planned per step on the host, so it never does."""
+                                                  ("kivi", {"bits": 4, "group_size": 4, "residual": 4}, True),
+                                                  ("kivi", {"bits": 2, "group_size": 4, "residual": 8}, True)])
+def test_codecs_run_windows(tiny_dirs, storage, cfg, windowed):
+    """Under every codec back-to-back steps equal single steps: windowless ones read every slot from codes
+    (Palu with positions); KIVI's window writes (ring row, open group) are planned on the device each step."""
     items = [(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=True))
              for p, m in zip(prompts(11), (9, 6, 12, 4))]
     options = dict(kv_storage=storage, kv_storage_config=cfg)

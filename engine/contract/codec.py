@@ -122,6 +122,12 @@ class KVCodec:
             return n
         return max(0, (n - self.residual) // self.group * self.group)
 
+    def quant_lens(self, n: torch.Tensor) -> torch.Tensor:
+        """``quant_len`` of each of the lengths ``n`` (a tensor, on its device)."""
+        if not self.has_window:
+            return n
+        return torch.clamp((n - self.residual) // self.group * self.group, min=0).to(n.dtype)
+
     def bytes_per_token(self, spec: CacheSpec) -> float:
         per_layer = (self.key.bytes_per_token(spec.num_kv_heads, spec.head_dim)
                      + self.value.bytes_per_token(spec.num_kv_heads, spec.head_dim))
