@@ -504,3 +504,33 @@ def test_every_eviction_method_composes_with_every_codec(method, name, cfg, tiny
         if storage is not None and eng.codec.has_window:
             assert len(eng.cache.coded._free_windows) == eng.config.max_num_seqs
     assert lens[None] == lens[name]
+
+
+@pytest.mark.parametrize("cfg", [{"bits": 4, "group_size": 4, "residual": 8}, {"bits": 2, "group_size": 8, "residual": 0}])
+def test_device_decode_plan_equals_the_host_plan(cfg):
+    """``CodedStorage.plan_decode`` (device, fixed shapes, what decode graphs capture) writes what the host
+    ``plan`` of the same decode step writes: the same group slots from the same ring or row sources, and the
+    new row into the same ring slot (or, where the host writes none, into the scratch window)."""
+    from engine.kv_storage import CodedStorage
+
+    codec = create_kv_storage("kivi", cfg)
+    ps, windows, cap = 8, 6, codec.window_capacity
+    spec = CodedCacheSpec(num_layers=2, num_kv_heads=2, head_dim=16, dtype=torch.float32, device=torch.device("cpu"),
+                          page_size=ps, codec=codec, max_windows=windows)
+    storage = CodedStorage(spec, num_pages=48)
+    g = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 60, (2, 5), generator=g)  # [layers, requests] lengths after the step
+    wids = torch.randperm(windows, generator=g)[:5]
+    tables = torch.randperm(47, generator=g)[:5 * 8].view(5, 8) + 1
+    plans = storage.plan_decode(lens.to(torch.int32), wids.to(torch.int32), tables.to(torch.int32), ps)
+    for layer, dev in enumerate(plans):
+        def phys(i, start, n, out):
+            out.extend((tables[i, s // ps] * ps + s % ps).item() for s in range(start, start + n))
+
+        host = storage.plan([(wids[i].item(), lens[layer, i].item() - 1, 1, i) for i in range(5)], phys)
+        assert torch.equal(dev.group_slots, host.group_slots)
+        assert torch.equal(dev.from_ring, host.from_ring)
+        assert torch.equal(dev.ring_src[host.from_ring], host.ring_src[host.from_ring])
+        assert torch.equal(dev.row_src[~host.from_ring], host.row_src[~host.from_ring])
+        written = dev.ring_dst != storage.scratch_window * cap
+        assert torch.equal(dev.ring_dst[written], host.ring_dst) and torch.equal(dev.ring_rows[written], host.ring_rows)
