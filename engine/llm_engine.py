@@ -321,14 +321,16 @@ class LLMEngine:
     def _decode_steps(self, plan) -> int:
         """How many decode steps this plan may run back to back on the device (``config.decode_steps`` at
         most; 1 unless every request decodes one token with a method whose hooks would do nothing on those
-        steps (``SparseMethod.max_decode_window``) on one rank, and each has the length and the pages left for
-        them: pages for the extra steps are allocated here)."""
+        steps (``SparseMethod.max_decode_window``), on several ranks only greedy or seeded ones, and each has
+        the length and the pages left for them: pages for the extra steps are allocated here)."""
         k = self.config.decode_steps
-        if k == 1 or plan.preempted or self.tp.world_size > 1:
+        if k == 1 or plan.preempted:
             return 1
         for req, n in zip(plan.requests, plan.num_new_tokens):
             if n != 1 or req.num_computed_tokens < req.num_prompt_tokens:
                 return 1
+            if self.tp.world_size > 1 and not (req.params.is_greedy or req.params.seed is not None):
+                return 1  # every rank must sample the same tokens on its own: unseeded draws differ
             k = min(k, req.params.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens,
                     req.method.max_decode_window(req))
         if k < 2 or not all(self.cache.allocate(req, k) for req in plan.requests):
@@ -341,6 +343,9 @@ class LLMEngine:
         request with every token it took."""
         steps = self.runner.execute_decode_steps(batch, k)
         tokens = torch.stack([t for t, _ in steps]).tolist()  # the one device sync of the k steps
+        if self.tp.world_size > 1:  # the ranks sampled alike (greedy / seeded); take rank 0's to be sure
+            flat = self.tp.broadcast_ints([t for row in tokens for t in row], self.device)
+            tokens = [flat[j * len(row):(j + 1) * len(row)] for j, row in enumerate(tokens)]
         logprobs = (torch.stack([lp for _, lp in steps]).tolist() if steps[0][1] is not None
                     else [[None] * len(plan.requests)] * k)
         t3 = time.perf_counter()

@@ -214,3 +214,23 @@ def test_every_public_engine_call_but_the_read_only_ones_is_mirrored_to_the_rank
     mirrored = {n for n in public if hasattr(getattr(LLMEngine, n), "__wrapped__")}
     assert public - read_only == mirrored
     assert {"add_request", "step", "abort", "fork_chain", "rewind_chain", "prune_chain", "delete_chain"} <= mirrored
+
+
+def test_decode_windows_at_tp2_equal_single_steps_at_tp1(tiny_dirs):
+    """Back-to-back decode steps on two ranks: each samples the window's greedy tokens on its own (the
+    logits agree after the all-reduce), rank 0's are taken; tokens and log-probs equal TP=1 single steps."""
+    ref, _ = generate(engine(tiny_dirs["qwen3"], 1), PROMPTS)
+    with engine(tiny_dirs["qwen3"], 2, decode_steps=3) as eng:
+        procs = worker_procs(eng)
+        windows, step = [], eng.step
+
+        def counting():
+            outs = step()
+            windows.append(eng.last_step.decode_steps if eng.last_step else 1)
+            return outs
+
+        eng.step = counting
+        got, _ = generate(eng, PROMPTS)
+    assert_gone(procs)
+    assert_same_greedy(ref, got)
+    assert max(windows) == 3
