@@ -46,7 +46,7 @@ for step in "$@"; do
         python -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$OUT/setup.txt" 2>&1
         echo "=== setup rc=$?" ;;
     tests)
-        run tests 240 python -m pytest -q -n 8 --tb=short -rA -p no:cacheprovider tests/test_gpu_backends.py \
+        run tests 400 python -m pytest -q -n 8 --tb=short -rA -p no:cacheprovider tests/test_gpu_backends.py \
             tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py \
             tests/test_triton_kernels.py tests/test_decode_steps.py ;;
     kernels)
