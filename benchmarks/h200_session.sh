@@ -4,7 +4,8 @@
 #   OUT=/tmp/out bash benchmarks/h200_session.sh tests dense moe
 #
 # On a fresh device machine run `setup` first (installs carried wheels from .whl/ and .whl-replay/, then
-# this checkout). Every step writes $OUT/<step>.txt (and JSON where the benchmark writes one) and prints its tail. Steps:
+# this checkout, and unpacks a carried .triton-cache.tgz); end a call with `save-cache` to get Triton's
+# compiled kernels back for the next call. Every step writes $OUT/<step>.txt (and JSON where the benchmark writes one) and prints its tail. Steps:
 #   tests      GPU backend and kernel tests (compiled Triton kernels against their torch references)
 #   kernels    Triton vs flashinfer paged decode / prefill against the copy and matmul rates
 #   sweep      our decode / prefill kernels over a grid of launch configurations (which to make the default)
@@ -44,7 +45,13 @@ for step in "$@"; do
             ls $dir/*.whl > /dev/null 2>&1 && python -m pip install -q --no-deps $dir/*.whl
         done
         python -m pip install -q --no-deps --no-index --no-build-isolation -e . > "$OUT/setup.txt" 2>&1
-        echo "=== setup rc=$?" ;;
+        echo "=== setup rc=$?"
+        # Triton's compiled kernels from an earlier call (same image and GPU), carried as .triton-cache.tgz
+        if [ -f .triton-cache.tgz ]; then mkdir -p ~/.triton && tar xzf .triton-cache.tgz -C ~/.triton; fi ;;
+    save-cache)  # Triton's kernel cache for the next call (carry it back as .triton-cache.tgz), if small enough
+        tar czf /tmp/triton-cache.tgz -C ~/.triton cache 2>/dev/null \
+            && [ "$(stat -c %s /tmp/triton-cache.tgz)" -lt 15000000 ] && cp /tmp/triton-cache.tgz "$OUT/"
+        ls -la "$OUT"/triton-cache.tgz 2>/dev/null || echo "no Triton cache saved" ;;
     tests)
         run tests 400 python -m pytest -q -n 8 --tb=short -rA -p no:cacheprovider tests/test_gpu_backends.py \
             tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py \
