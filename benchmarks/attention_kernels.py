@@ -155,6 +155,43 @@ def _grid(space: dict) -> list[dict]:
     return configs
 
 
+def lowrank_sweep(gen, batch: int = 8, ctx: int = 32768, rank: int = 64) -> dict:
+    """Palu's fused decode kernel (fp16 latents of rank 64 + positions) over launch configurations, against
+    the dense bf16 decode kernel on the same shape (replayed from CUDA graphs)."""
+    from kernels.triton.lowrank_decode import lowrank_decode_attention
+
+    pages_per = math.ceil(ctx / PAGE)
+    num_pages = batch * pages_per + 1
+    lat = dict(device="cuda", dtype=torch.float16)
+    k_fields = {"latent": torch.randn(num_pages, PAGE, HKV, rank, generator=gen, **lat),
+                "pos": torch.randint(0, ctx, (num_pages, PAGE, HKV, 1), generator=gen, device="cuda",
+                                     dtype=torch.int32)}
+    v_fields = {"latent": torch.randn(num_pages, PAGE, HKV, rank, generator=gen, **lat)}
+    basis = torch.linalg.qr(torch.randn(HKV, D, D, generator=gen, device="cuda"))[0][..., :rank].contiguous()
+    angles = torch.arange(ctx, device="cuda")[:, None] * (1e4 ** (-torch.arange(0, D, 2, device="cuda") / D))[None]
+    tables = {"k_basis": basis, "v_basis": basis.clone(), "k_bias": torch.zeros(HKV, D, device="cuda"),
+              "v_bias": torch.zeros(HKV, D, device="cuda"), "cos": angles.cos().contiguous(),
+              "sin": angles.sin().contiguous()}
+    perm = torch.randperm(num_pages - 1, device="cuda", generator=gen)[: batch * pages_per] + 1
+    bt = perm.view(batch, pages_per).to(torch.int32)
+    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda", generator=gen)
+    latent_bytes = batch * ctx * HKV * (2 * rank * 2 + 4)
+    base = lowrank_decode_attention(q, k_fields, v_fields, bt, lens, D**-0.5, tables)
+    timings = []
+    for block_n in (16, 32, 64):
+        for warps in (4, 8):
+            kw = dict(block_n=block_n, num_warps=warps)
+            out = lowrank_decode_attention(q, k_fields, v_fields, bt, lens, D**-0.5, tables, **kw)
+            err = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
+            t = bench_graph(lambda: lowrank_decode_attention(q, k_fields, v_fields, bt, lens, D**-0.5, tables, **kw))
+            timings.append({**kw, "ms": t * 1e3, "latent_tb_s": latent_bytes / t / 1e12, "rel_diff": err})
+    k, v, bt_d, lens_d = make_paged(batch, ctx, gen)
+    t_dense = bench_graph(lambda: paged_decode_attention(q, k, v, bt_d, lens_d, D**-0.5))
+    return {"kernel": "palu-decode-sweep", "batch": batch, "context": ctx, "rank": rank,
+            "dense_bf16_ms": t_dense * 1e3, "best": min(timings, key=lambda r: r["ms"]), "configs": timings}
+
+
 def sweep(gen) -> list[dict]:
     """Time the Triton kernels over a grid of launch configurations (each checked against the default
     configuration's output first); one row per shape with every configuration and the fastest."""
@@ -189,6 +226,8 @@ def sweep(gen) -> list[dict]:
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
         del k, v
         torch.cuda.empty_cache()
+    rows.append(lowrank_sweep(gen))
+    print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
     for ctx in (8192, 32768):
         k, v, bt, lens = make_paged(1, ctx, gen)
         q = torch.randn(ctx, HQ, D, dtype=DTYPE, device="cuda", generator=gen)
