@@ -142,7 +142,7 @@ def prefill_case(ctx: int, with_flashinfer: bool, gen) -> dict:
     return row
 
 
-DECODE_SWEEP = {"block_n": (32, 64), "num_warps": (4, 8), "num_stages": (2, 3, 4), "split_factor": (1, 2)}
+DECODE_SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "split_factor": (1, 2)}
 # a decode graph's grid: the splits of the longest context (131072 tokens), whatever the request's length
 GRAPH_SPLITS, GRAPH_MIN_SPLIT = 64, (0, 128, 256, 512)
 PREFILL_SWEEP = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
