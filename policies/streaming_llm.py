@@ -75,6 +75,15 @@ class StreamingLLM(SparseMethod):
     family = Family.EVICTION
     Config = StreamingLLMConfig
 
+    def bind(self, cache) -> None:
+        self._cache = cache
+
+    def max_decode_window(self, req) -> int:
+        """Steps until the next compaction: ``end_step`` does nothing while every layer holds at most
+        ``sink + window + slack`` slots."""
+        c = self.config
+        return max(1, c.sink_tokens + c.window + c.slack - self._cache.table(req).num_slots)
+
     def end_step(self, batch):
         cache = batch.cache
         sink, window = self.config.sink_tokens, self.config.window

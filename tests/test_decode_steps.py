@@ -140,6 +140,9 @@ def test_a_pool_too_small_for_the_extra_steps_falls_back(tiny_dirs):
     ("snapkv", {"budget": 16, "window": 4, "reeval_every": 3}, False),  # re-evaluates: never windowed
     ("h2o", {"heavy_budget": 8, "recent_budget": 8}, False),  # scores every decode step
     ("rkv", {"budget": 16, "buffer": 8, "alpha": 2}, True),  # windows end before each compression's window
+    ("streaming_llm", {"sink_tokens": 4, "window": 12, "slack": 6}, True),  # windows end at each compaction
+    ("knorm", {"budget": 16}, True),  # compresses once, after the prompt
+    ("knorm", {"budget": 16, "evict_every": 5, "slack": 2}, True),  # windows end before each check
     ("quest", {"token_budget": 16, "dense_layers": 1}, True),  # selection: device work over each step's batch
     ("omnikv", {"token_budget": 16}, True),
 ])
