@@ -78,8 +78,7 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         runner = self.runner
-        if self.windowed:  # the step's window and group writes, planned from the static buffers on the device
-            runner.cache.plan_decode_writes(self.kv_lens[:, :b], self.window_ids[:b], self.block_tables[:b])
+        runner.cache.plan_decode_writes(runner._batch)  # a codec's window writes, from the static buffers
         hidden = runner.model(self.input_ids[:b], self.positions[:b], runner)
         return runner.model.compute_logits(hidden)
 

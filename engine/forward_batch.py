@@ -157,7 +157,7 @@ def next_decode_step(batch: ForwardBatch, tokens: torch.Tensor) -> ForwardBatch:
     to its next physical slot in every layer through its page table (whose pages must already cover it). No
     host sync; the host-side lengths advance by one. Per-layer views (layers of different lengths, a codec's
     layers) advance each; under a codec with windows the codes' lengths follow ``quant_len`` (and the cache
-    plans the step's window writes: ``CacheManager.plan_next_decode``)."""
+    plans the step's window writes: ``CacheManager.plan_decode_writes``)."""
     rows = torch.arange(tokens.shape[0], device=tokens.device)
 
     def next_slots(view: PagedView) -> torch.Tensor:

@@ -183,8 +183,7 @@ class CodedStorage:
         p = torch.minimum(pos, old[..., None])  # slots past the new row repeat it (re-encoded as the group fills)
         w = window_ids.long()
         group_slots = block_tables[rows[:, None], pos // page_size].long() * page_size + pos % page_size
-        quant = torch.clamp((new - codec.residual) // g * g, min=0)
-        ring_dst = torch.where(quant <= old, w * cap + old % cap, self.scratch_window * cap)  # [L, B]
+        ring_dst = torch.where(codec.quant_lens(new) <= old, w * cap + old % cap, self.scratch_window * cap)  # [L, B]
         from_ring = (p < old[..., None]).flatten(1)
         ring_src = (w[:, None] * cap + p % cap).flatten(1)
         group_slots = group_slots.flatten(1)

@@ -143,7 +143,7 @@ class ModelRunner:
                 else:
                     self.last_replayed = False
                     if j:
-                        self.cache.plan_next_decode(batch)
+                        self.cache.plan_decode_writes(batch)
                     hidden = self.model(batch.input_ids, batch.positions, self)
                     logits = self.model.compute_logits(hidden[batch.logits_indices])
                 forced = [r.forced_next_token(j) for r in reqs]

@@ -484,16 +484,13 @@ class PagedCacheManager(CacheManager):
                     for layer in range(self.spec.num_layers)]
         return [self.build_view(reqs, num_new_tokens, layer) for layer in range(self.spec.num_layers)]
 
-    def plan_decode_writes(self, kv_lens: torch.Tensor, window_ids: torch.Tensor, block_tables: torch.Tensor) -> None:
-        """A pure-decode step's writes under a codec with a window, planned on the device (``kv_lens`` [L, B]
-        after the step): what a decode graph captures instead of ``slot_mapping``'s host plan."""
-        self._write_plans = self.coded.plan_decode(kv_lens, window_ids, block_tables, self.page_size)
-
-    def plan_next_decode(self, batch) -> None:
+    def plan_decode_writes(self, batch) -> None:
+        """Under a codec with a window: the new rows into the rings and the open groups re-encoded, planned
+        from the views' lengths (after the step), window ids and page tables on the device."""
         if self.codec is not None and self.codec.has_window:
             views = batch.layer_views or [batch.view]
-            self.plan_decode_writes(torch.stack([v.kv_lens for v in views]), views[0].window_ids,
-                                    views[0].block_tables)
+            self._write_plans = self.coded.plan_decode(torch.stack([v.kv_lens for v in views]), views[0].window_ids,
+                                                       views[0].block_tables, self.page_size)
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
               positions: torch.Tensor | None = None) -> None:

@@ -92,10 +92,10 @@ class CacheManager(ABC):
     def truncate_table(self, table: Any, num_slots: int) -> None:
         """Keep the first ``num_slots`` slots (uncompacted state only)."""
 
-    def plan_next_decode(self, batch: Any) -> None:
-        """Before an eager forward of a decode step built on the device (``next_decode_step``): plan its
-        writes from the batch's tensors where ``slot_mapping`` would have planned them on the host; nothing
-        by default."""
+    def plan_decode_writes(self, batch: Any) -> None:
+        """Plan a pure-decode step's writes from ``batch``'s device tensors, where ``slot_mapping`` would plan
+        them on the host: for a step built on the device (``next_decode_step``) and inside a decode graph (its
+        static buffers). Nothing by default."""
 
     def release_tail(self, table: Any) -> None:
         """Give back the pages a table holds past its last slot (taken ahead for steps a request did not
