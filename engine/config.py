@@ -35,8 +35,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     enforce_eager: bool = False  # GPU: never use decode CUDA graphs
     cuda_graph_max_batch: int | None = None  # largest captured decode batch (default: max_num_seqs)
-    # decode steps run back to back on the device per schedule when every request decodes with a hookless
-    # method, single rank, no codec: tokens reach the host once per this many steps (1: every step)
+    # decode steps run back to back on the device per schedule when every request of a step decodes and its
+    # method allows it (SparseMethod.max_decode_window): tokens reach the host once per window (1: every step)
     decode_steps: int = 1
     tensor_parallel_size: int = 1  # ranks (GPUs; gloo processes on CPU) the model and its KV heads split over
 

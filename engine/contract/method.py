@@ -142,7 +142,7 @@ class SparseMethod:
         return self.cuda_graph_safe
 
     STEP_HOOKS: ClassVar[tuple[str, ...]] = ("begin_step", "before_attention", "select", "after_attention",
-                                             "end_layer", "end_step", "replayable")
+                                             "end_layer", "end_step")
 
     @classmethod
     def is_hookless(cls) -> bool:
