@@ -96,9 +96,15 @@ class Sampler:
             rows = [i for i, f in enumerate(forced) if f is not None]
             tokens[torch.tensor(rows, device=logits.device)] = torch.tensor(
                 [forced[i] for i in rows], device=logits.device, dtype=tokens.dtype)
-        if not any(p.logprobs for p in params):
+        lp_rows = [i for i, p in enumerate(params) if p.logprobs]
+        if not lp_rows:
             return tokens, None
-        return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        if len(lp_rows) == n:
+            return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+        li = torch.tensor(lp_rows, device=logits.device)
+        logprobs = torch.zeros(n, dtype=torch.float32, device=logits.device)  # rows that do not ask: unused
+        logprobs[li] = torch.log_softmax(logits[li], dim=-1).gather(1, tokens[li, None]).squeeze(1)
+        return tokens, logprobs
 
     @staticmethod
     def _sample_random(
