@@ -148,6 +148,23 @@ GRAPH_SPLITS, GRAPH_MIN_SPLIT = 64, (0, 128, 256, 512)
 PREFILL_SWEEP = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
 
+def _timed(run, base: torch.Tensor, kw: dict, timer, work: float, unit: str) -> dict:
+    """One launch configuration ``kw`` of ``run``: its output against ``base``, then its time by ``timer``
+    (``work`` bytes or FLOPs per call, reported as ``unit`` in tera-units per second); a configuration the
+    compiler rejects (out of shared memory) is recorded, not fatal."""
+    try:
+        out = run(**kw)
+    except Exception as exc:  # noqa: BLE001
+        return {**kw, "error": type(exc).__name__}
+    err = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
+    t = timer(lambda: run(**kw))
+    return {**kw, "ms": t * 1e3, unit: work / t / 1e12, "rel_diff": err}
+
+
+def _fastest(timings: list[dict]) -> dict:
+    return min((r for r in timings if "ms" in r), key=lambda r: r["ms"])
+
+
 def _grid(space: dict) -> list[dict]:
     configs = [{}]
     for name, values in space.items():
@@ -177,19 +194,17 @@ def lowrank_sweep(gen, batch: int = 8, ctx: int = 32768, rank: int = 64) -> dict
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda", generator=gen)
     latent_bytes = batch * ctx * HKV * (2 * rank * 2 + 4)
-    base = lowrank_decode_attention(q, k_fields, v_fields, bt, lens, D**-0.5, tables)
-    timings = []
-    for block_n in (16, 32, 64):
-        for warps in (4, 8):
-            kw = dict(block_n=block_n, num_warps=warps)
-            out = lowrank_decode_attention(q, k_fields, v_fields, bt, lens, D**-0.5, tables, **kw)
-            err = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
-            t = bench_graph(lambda: lowrank_decode_attention(q, k_fields, v_fields, bt, lens, D**-0.5, tables, **kw))
-            timings.append({**kw, "ms": t * 1e3, "latent_tb_s": latent_bytes / t / 1e12, "rel_diff": err})
+
+    def run(**kw):
+        return lowrank_decode_attention(q, k_fields, v_fields, bt, lens, D**-0.5, tables, **kw)
+
+    base = run()
+    timings = [_timed(run, base, kw, bench_graph, latent_bytes, "latent_tb_s")
+               for kw in _grid({"block_n": (16, 32, 64), "num_warps": (4, 8)})]
     k, v, bt_d, lens_d = make_paged(batch, ctx, gen)
     t_dense = bench_graph(lambda: paged_decode_attention(q, k, v, bt_d, lens_d, D**-0.5))
     return {"kernel": "palu-decode-sweep", "batch": batch, "context": ctx, "rank": rank,
-            "dense_bf16_ms": t_dense * 1e3, "best": min(timings, key=lambda r: r["ms"]), "configs": timings}
+            "dense_bf16_ms": t_dense * 1e3, "best": _fastest(timings), "configs": timings}
 
 
 def sweep(gen) -> list[dict]:
@@ -203,28 +218,19 @@ def sweep(gen) -> list[dict]:
         q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda", generator=gen)
         scale = D**-0.5
         kv_bytes = 2 * batch * ctx * HKV * D * DTYPE.itemsize
-        base = paged_decode_attention(q, k, v, bt, lens, scale)
+
+        def run(**kw):
+            return paged_decode_attention(q, k, v, bt, lens, scale, **kw)
+
+        base = run()
         default_splits = choose_num_splits(batch, HKV, bt.shape[1] * PAGE, torch.cuda.get_device_properties(0).multi_processor_count)
-        timings = []
-        for cfg in _grid(DECODE_SWEEP):
-            kw = {n: cfg[n] for n in ("block_n", "num_warps", "num_stages")}
-            kw["num_splits"] = min(64, default_splits * cfg["split_factor"])
-            try:
-                out = paged_decode_attention(q, k, v, bt, lens, scale, **kw)
-            except Exception as exc:  # noqa: BLE001 (a configuration the compiler rejects: out of shared memory)
-                timings.append({**kw, "error": type(exc).__name__})
-                continue
-            err = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
-            t = bench_graph(lambda: paged_decode_attention(q, k, v, bt, lens, scale, **kw))
-            timings.append({**kw, "ms": t * 1e3, "tb_s": kv_bytes / t / 1e12, "rel_diff": err})
-        for min_split in GRAPH_MIN_SPLIT:  # the graph's grid, with a floor on each split's length
-            kw = {"num_splits": GRAPH_SPLITS, "min_split_tokens": min_split}
-            out = paged_decode_attention(q, k, v, bt, lens, scale, **kw)
-            err = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
-            t = bench_graph(lambda: paged_decode_attention(q, k, v, bt, lens, scale, **kw))
-            timings.append({**kw, "ms": t * 1e3, "tb_s": kv_bytes / t / 1e12, "rel_diff": err})
-        t_default = bench_graph(lambda: paged_decode_attention(q, k, v, bt, lens, scale))
-        best = min((r for r in timings if "ms" in r), key=lambda r: r["ms"])
+        configs = [{**{n: c[n] for n in ("block_n", "num_warps", "num_stages")},
+                    "num_splits": min(64, default_splits * c["split_factor"])} for c in _grid(DECODE_SWEEP)]
+        # and the decode graph's grid (the longest context's splits), with a floor on each split's length
+        configs += [{"num_splits": GRAPH_SPLITS, "min_split_tokens": m} for m in GRAPH_MIN_SPLIT]
+        timings = [_timed(run, base, kw, bench_graph, kv_bytes, "tb_s") for kw in configs]
+        t_default = bench_graph(run)
+        best = _fastest(timings)
         rows.append({"kernel": "decode-sweep", "batch": batch, "context": ctx, "default_ms": t_default * 1e3,
                      "default_splits": default_splits, "best": best, "configs": timings})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
@@ -241,18 +247,11 @@ def sweep(gen) -> list[dict]:
         def run(**kw):
             return paged_prefill_attention(q, k, v, bt, lens, qsl, scale, causal=True, max_query_len=ctx, **kw)
 
-        base, timings = run(), []
-        for kw in _grid(PREFILL_SWEEP):
-            try:
-                out = run(**kw)
-            except Exception as exc:  # noqa: BLE001 (a configuration the compiler rejects: out of shared memory)
-                timings.append({**kw, "error": type(exc).__name__})
-                continue
-            err = ((out.float() - base.float()).abs().max() / base.float().abs().max()).item()
-            t = bench(lambda: run(**kw), reps=20)
-            timings.append({**kw, "ms": t * 1e3, "tflop_s": flops / t / 1e12, "rel_diff": err})
+        base = run()
+        timings = [_timed(run, base, kw, lambda fn: bench(fn, reps=20), flops, "tflop_s")
+                   for kw in _grid(PREFILL_SWEEP)]
         t_default = bench(run, reps=20)
-        best = min((r for r in timings if "ms" in r), key=lambda r: r["ms"])
+        best = _fastest(timings)
         rows.append({"kernel": "prefill-sweep", "context": ctx, "default_ms": t_default * 1e3,
                      "default_tflop_s": flops / t_default / 1e12, "best": best, "configs": timings})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
