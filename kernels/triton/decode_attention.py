@@ -159,6 +159,35 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, sm_count: 
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
+def split_partials(out: torch.Tensor, num_kv_heads: int, max_kv_len: int,
+                   num_splits: int | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(splits, mid_o [B, Hq, S, D] fp32, mid_lse [B, Hq, S] fp32) for a split decode kernel writing ``out``
+    [B, Hq, D]: the splits by ``choose_num_splits`` unless given; with one split the kernel writes ``out``
+    itself and both buffers are ``out`` (unused)."""
+    batch, num_q_heads, head_dim = out.shape
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_kv_len, num_sms(out.device))
+    num_splits = max(1, int(num_splits))
+    if num_splits == 1:
+        return 1, out, out
+    mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=out.device)
+    mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=out.device)
+    return num_splits, mid_o, mid_lse
+
+
+def combine_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge ``split_partials``' buffers into ``out`` (nothing to do with one split)."""
+    batch, num_q_heads, head_dim = out.shape
+    if mid_o.dim() != 4:  # one split: the kernel wrote its output itself
+        return
+    num_splits, block_d = mid_o.shape[2], next_pow2(head_dim)
+    _decode_combine_kernel[(batch, num_q_heads)](
+        mid_o, mid_lse, out, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
+        num_warps=4 if block_d * next_pow2(num_splits) >= 2048 else 2,
+    )
+
+
 def _default_block_n(block_d: int) -> int:
     return 64 if block_d <= 128 else 32
 
@@ -198,16 +227,8 @@ def paged_decode_attention(
     block_g = max(16, next_pow2(group))
     block_d = next_pow2(head_dim)
     block_n = block_n or _default_block_n(block_d)
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, num_sms(q.device))
-    num_splits = max(1, int(num_splits))
+    num_splits, mid_o, mid_lse = split_partials(out, num_kv_heads, block_tables.shape[1] * page_size, num_splits)
     upcast, precision = dot_args(_decode_split_kernel, q.dtype)
-
-    if num_splits > 1:
-        mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        mid_o = mid_lse = out  # unused
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, kv_lens, out, mid_o, mid_lse,
         scale * _LOG2E,
@@ -221,10 +242,5 @@ def paged_decode_attention(
         UPCAST=upcast, PRECISION=precision,
         num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1:
-        _decode_combine_kernel[(batch, num_q_heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits),
-            num_warps=4 if block_d * next_pow2(num_splits) >= 2048 else 2,
-        )
+    combine_splits(mid_o, mid_lse, out)
     return out

@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms
-from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, choose_num_splits
-from kernels.triton.quant_decode import _combine, _finish, _online_update, _split_range, _store_lse
+from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2
+from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, combine_splits, split_partials
+from kernels.triton.quant_decode import _finish, _online_update, _split_range, _store_lse
 
 FORMAT = "lowrank-latent-rope"
 _LOG2E = 1.4426950408889634
@@ -134,12 +134,7 @@ def lowrank_decode_attention(
     if batch == 0:
         return out
     group = num_q_heads // num_kv_heads
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, num_sms(q.device))
-    mid_o = mid_lse = out
-    if num_splits > 1:
-        mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
+    num_splits, mid_o, mid_lse = split_partials(out, num_kv_heads, block_tables.shape[1] * page_size, num_splits)
     kernel = _lowrank_decode_kernel
     upcast, precision = dot_args(kernel, q.dtype)
     lat_precision = "ieee" if k_lat.dtype == torch.float32 else "tf32"
@@ -153,5 +148,5 @@ def lowrank_decode_attention(
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
         UPCAST=upcast, PRECISION=precision,
         LAT_PRECISION=lat_precision, num_warps=num_warps)
-    _combine(num_splits, mid_o, mid_lse, out, batch, num_q_heads, head_dim)
+    combine_splits(mid_o, mid_lse, out)
     return out

@@ -39,8 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms
-from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, _decode_combine_kernel, choose_num_splits
+from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2
+from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, combine_splits, split_partials
 
 FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok", "int2-asym-kchan-vtok", "lloydmax-rotated-bitplanes",
            "lowrank-latent-rope")
@@ -317,16 +317,11 @@ def quantized_decode_attention(
     page_size = kc.shape[1]
     group = num_q_heads // num_kv_heads
     block_g = max(16, next_pow2(group))
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1] * page_size, num_sms(q.device))
+    num_splits, mid_o, mid_lse = split_partials(out, num_kv_heads, block_tables.shape[1] * page_size, num_splits)
     has_window = window_k is not None
     if not has_window:
         window_k = window_v = q.new_zeros(1, 1, 1, 1)
         window_ids = kv_lens
-    mid_o = mid_lse = out
-    if num_splits > 1:
-        mid_o = torch.empty((batch, num_q_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        mid_lse = torch.empty((batch, num_q_heads, num_splits), dtype=torch.float32, device=q.device)
     grid = (batch, num_kv_heads, num_splits)
     scale_log2 = scale * _LOG2E
     common_tail = dict(BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
@@ -356,7 +351,7 @@ def quantized_decode_attention(
             *kc.stride()[:3], *kn.stride()[:3], block_tables.stride(0), out_rot.stride(0), out_rot.stride(1),
             GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BITS=kc.shape[3] * 8 // head_dim,
             PAGE_SIZE=page_size, UPCAST=upcast, PRECISION=precision, **common_tail)
-        _combine(num_splits, mid_o, mid_lse, out_rot, batch, num_q_heads, head_dim)
+        combine_splits(mid_o, mid_lse, out_rot)
         out.copy_(out_rot @ rotation)  # back to the model's basis
         return out
     else:
@@ -373,13 +368,5 @@ def quantized_decode_attention(
             GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BITS=bits, PAGE_SIZE=page_size,
             KGROUP=page_size // ks.shape[1], VGROUP=head_dim // vs.shape[3], CAP=window_k.shape[1],
             HAS_WINDOW=has_window, UPCAST=upcast, PRECISION=precision, **common_tail)
-    _combine(num_splits, mid_o, mid_lse, out, batch, num_q_heads, head_dim)
+    combine_splits(mid_o, mid_lse, out)
     return out
-
-
-def _combine(num_splits, mid_o, mid_lse, out, batch, num_q_heads, head_dim) -> None:
-    if num_splits > 1:
-        _decode_combine_kernel[(batch, num_q_heads)](
-            mid_o, mid_lse, out, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), NUM_SPLITS=num_splits,
-            BLOCK_S=max(2, next_pow2(num_splits)))
