@@ -13,7 +13,7 @@ import msgspec
 from sqlalchemy import delete, func, inspect, select, update
 
 from agentrt.chain_state import (ChainState, chain_read, chain_summary, kv_accounting, message_dict, policy_of,
-                                 prune_event, prune_event_row, region_from_row, state_from_rows)
+                                 prune_event_row, state_from_rows)
 from agentrt.chat import ChatRenderer
 from agentrt.config import ServerConfig
 from agentrt.db import Database
@@ -68,7 +68,6 @@ class ChainService:
             raise TooManyChains(tenant, limit)
 
     async def create(self, data: ChainCreate, *, tenant: str) -> ChainRead:
-        engine = self.worker.engine
         if data.model is not None and data.model != self.model_name:
             raise bad_field("model", f"this server serves {self.model_name!r}, not {data.model!r}")
         method, method_config = await self._chain_method(data.method, data.method_config)

@@ -16,8 +16,6 @@ import torch.nn.functional as F
 from engine.paged_cache import PagedCacheManager
 
 if TYPE_CHECKING:
-    from engine.contract.cache import CacheSpec
-    from engine.page_pool import PagePool
     from engine.request import Request
 
 POOLINGS = ("max", "avg")
