@@ -16,7 +16,8 @@
 #              the same with --decode-steps 8
 #   select     Quest / OmniKV vs dense at 128K, matched batch (decode graphs capture the selection)
 #   selectwin  the same with --decode-window 8 (8 decode steps per schedule) for all three
-#   evict      KVzip / R-KV vs dense at 4K: matched batch 32, then each at its largest batch
+#   evict      KVzip / R-KV vs dense at 4K, matched batch 32
+#   evictmax   KVzip (with dense) and R-KV at 4K, each at its largest batch
 #   codec32k   fp8, KIVI-4, Palu vs dense at 32K (each at its largest batch, then at dense's batch)
 #   snapcodec32k  SnapKV(4096) and SnapKV(4096) + KIVI-4 vs dense at 32K (largest and matched batch)
 #   codec128k, snapcodec128k  the same at 128K
@@ -30,7 +31,8 @@ mkdir -p "$OUT"
 SPARSE="python -m benchmarks.sparse_decode --shape llama-3.1-8b --decode-steps 16"
 
 run() {  # run NAME LIMIT_S COMMAND...
-    local name=$1 limit=$2
+    local name=$1 limit=$2 override=LIMIT_$1
+    limit=${!override:-$limit}  # LIMIT_<name>=SECONDS in the environment overrides a run's limit
     shift 2
     echo "=== $name (limit ${limit}s) $(date -u +%FT%TZ)"
     timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
@@ -85,7 +87,8 @@ for step in "$@"; do
             --methods 'dense;quest:{"token_budget":4096};omnikv:{"token_budget":4096}' --json "$OUT/selectwin.json" ;;
     evict)
         run evict_matched 200 $SPARSE --context 4096 --max-batch 32 --admit-group 16 \
-            --methods 'dense;kvzip:{"budget":1024};rkv:{"budget":1024,"buffer":128}' --json "$OUT/evict_matched.json"
+            --methods 'dense;kvzip:{"budget":1024};rkv:{"budget":1024,"buffer":128}' --json "$OUT/evict_matched.json" ;;
+    evictmax)
         run kvzip_largest 300 $SPARSE --context 4096 --max-batch 512 --admit-group 64 \
             --methods 'dense;kvzip:{"budget":1024}' --json "$OUT/kvzip_largest.json"
         run rkv_largest 240 $SPARSE --context 4096 --max-batch 512 --admit-group 64 \
