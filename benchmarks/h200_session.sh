@@ -37,7 +37,7 @@ run() {  # run NAME LIMIT_S COMMAND...
     echo "=== $name (limit ${limit}s) $(date -u +%FT%TZ)"
     timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
     echo "=== $name rc=$? $(date -u +%FT%TZ)"
-    grep -v "capturing\|it/s\]" "$OUT/$name.txt" | tail -n 25
+    grep -v "capturing\|it/s\]\| PASSED \|PytestBenchmark\|warner(" "$OUT/$name.txt" | tail -n 25
 }
 
 for step in "$@"; do
@@ -55,7 +55,7 @@ for step in "$@"; do
             && [ "$(stat -c %s /tmp/triton-cache.tgz)" -lt 15000000 ] && cp /tmp/triton-cache.tgz "$OUT/"
         ls -la "$OUT"/triton-cache.tgz 2>/dev/null || echo "no Triton cache saved" ;;
     tests)
-        run tests 400 python -m pytest -q -n 8 --tb=short -rA -p no:cacheprovider tests/test_gpu_backends.py \
+        run tests 400 python -m pytest -v -n 8 --tb=short -rf --timeout 120 -p no:cacheprovider tests/test_gpu_backends.py \
             tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py \
             tests/test_triton_kernels.py tests/test_decode_steps.py ;;
     kernels)
