@@ -56,8 +56,9 @@ class AttentionBackend:
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     head_dims: ClassVar[tuple[int, ...] | None] = None  # the head sizes its kernels are built for (None: any)
 
-    def reads_codec(self, codec: KVCodec) -> bool:
-        """Whether a ``QuantizedPagesView`` of this codec is read (the torch reference reads every codec)."""
+    def reads_codec(self, codec: KVCodec, head_dim: int | None = None) -> bool:
+        """Whether a ``QuantizedPagesView`` of this codec (at ``head_dim``, when known) is read (the torch
+        reference reads every codec)."""
         return True
 
     def unsupported(self, method: SparseMethod, dtype: torch.dtype | None = None,
@@ -67,8 +68,9 @@ class AttentionBackend:
         view_types = method.view_types if codec is None else (QuantizedPagesView,)
         reasons = [f"the {self.name} backend cannot read {t.__name__}" for t in view_types
                    if not backend_can_read(t, self.accepted_views)]
-        if codec is not None and not reasons and not self.reads_codec(codec):
-            reasons.append(f"the {self.name} backend has no kernel for kv_storage {codec.name!r}")
+        if codec is not None and not reasons and not self.reads_codec(codec, head_dim):
+            at = "" if head_dim is None else f" at head_dim {head_dim}"
+            reasons.append(f"the {self.name} backend has no kernel for kv_storage {codec.name!r}{at}")
         if dtype is not None and dtype not in self.dtypes:
             reasons.append(f"the {self.name} backend does not run {dtype} (it runs {list(self.dtypes)})")
         if head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:

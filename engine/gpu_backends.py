@@ -25,10 +25,11 @@ class TritonBackend(AttentionBackend):
     supports_scores = True
     cuda_graph_safe = True
 
-    def reads_codec(self, codec) -> bool:
-        from kernels.triton.quant_decode import FORMATS
+    def reads_codec(self, codec, head_dim=None) -> bool:
+        from kernels.triton.quant_decode import FORMATS, unsupported_shape
 
-        return codec.kernel_format in FORMATS
+        fmt = codec.kernel_format
+        return fmt in FORMATS and (head_dim is None or unsupported_shape(fmt, head_dim) is None)
 
     def _quantized(self, q, view: QuantizedPagesView, scale: float, return_scores: bool):
         """Decode rows: the fused dequantizing kernel; prefill chunks and scores: the torch reference."""

@@ -18,7 +18,7 @@ from engine.contract.codec import decode_pages  # noqa: E402
 from engine.registry import create_kv_storage  # noqa: E402
 from kernels.torch_ref import paged_attention  # noqa: E402
 from kernels.torch_ref.quantized_attention import quantized_paged_attention  # noqa: E402
-from kernels.triton.quant_decode import quantized_decode_attention  # noqa: E402
+from kernels.triton.quant_decode import quantized_decode_attention, unsupported_shape  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -71,11 +71,27 @@ def reference(codec, q, kf, vf, block_tables, lens, quant, wk, wv, wids, page_si
 CASES = [("fp8", {}), ("kivi", {"bits": 4, "group_size": 8, "residual": 8}),
          ("kivi", {"bits": 2, "group_size": 8, "residual": 8}), ("turboquant", {"bits": 3}),
          ("turboquant", {"bits": 2})]
+SHAPES = [(torch.float32, 2, 32, 8, 1), (torch.float16, 4, 64, 16, 3), (torch.float32, 1, 32, 16, 2)]
+# Key groups a whole tile long or longer (block_n 16): the kernel folds the group's scale and zero into the
+# query instead of dequantizing the tile; value groups wider and narrower than a code plane.
+GROUPED = [("kivi", {"bits": 4, "group_size": 16, "residual": 16}, torch.float32, 2, 64, 16, 2),
+           ("kivi", {"bits": 4, "group_size": 32, "residual": 32}, torch.float16, 4, 128, 32, 3),
+           ("kivi", {"bits": 2, "group_size": 32, "residual": 0}, torch.float32, 4, 64, 32, 1),
+           ("kivi", {"bits": 2, "group_size": 16, "residual": 32}, torch.float16, 2, 128, 16, 2),
+           # bf16 queries: on a GPU the E4M3 kernel's dots run in fp16 (DOT_FP16)
+           ("fp8", {}, torch.bfloat16, 4, 128, 16, 2),
+           ("kivi", {"bits": 4, "group_size": 32, "residual": 32}, torch.bfloat16, 4, 128, 32, 2)]
 
 
-@pytest.mark.parametrize("name,cfg", CASES)
-@pytest.mark.parametrize("dtype,group,head_dim,page_size,num_splits", [
-    (torch.float32, 2, 32, 8, 1), (torch.float16, 4, 64, 16, 3), (torch.float32, 1, 32, 16, 2)])
+def kernel_cases():
+    for name, cfg in CASES:
+        for dtype, group, head_dim, page_size, num_splits in SHAPES:
+            if unsupported_shape(create_kv_storage(name, cfg).kernel_format, head_dim) is None:
+                yield name, cfg, dtype, group, head_dim, page_size, num_splits
+    yield from GROUPED
+
+
+@pytest.mark.parametrize("name,cfg,dtype,group,head_dim,page_size,num_splits", list(kernel_cases()))
 def test_quantized_decode_matches_reference(name, cfg, dtype, group, head_dim, page_size, num_splits):
     lens = [37, 8, 64, 1]
     codec, q, kf, vf, bt, kv_lens, quant, wk, wv, wids = make_case(name, cfg, dtype, group, head_dim, page_size,
@@ -85,8 +101,17 @@ def test_quantized_decode_matches_reference(name, cfg, dtype, group, head_dim, p
         q, codec.kernel_format, kf, vf, bt, kv_lens, torch.tensor(quant, dtype=torch.int32, device=DEVICE),
         wk, wv, None if wids is None else torch.tensor(wids, dtype=torch.int32, device=DEVICE), head_dim**-0.5,
         num_splits=num_splits, block_n=16, tables=codec.kernel_tables(head_dim, q.device), min_split_tokens=32)
-    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    tol = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def test_int_kernels_refuse_planes_narrower_than_a_dot():
+    codec, q, kf, vf, bt, kv_lens, quant, wk, wv, wids = make_case(
+        "kivi", {"bits": 2, "group_size": 8, "residual": 8}, torch.float32, 2, 32, 8, [9, 3], seed=0)
+    with pytest.raises(ValueError, match=r"head_dim \* bits / 8 \(here 8\)"):
+        quantized_decode_attention(q, codec.kernel_format, kf, vf, bt, kv_lens,
+                                   torch.tensor(quant, dtype=torch.int32, device=DEVICE), wk, wv,
+                                   torch.tensor(wids, dtype=torch.int32, device=DEVICE), 32**-0.5)
 
 
 class _Rope:
@@ -164,19 +189,28 @@ def test_reference_equals_dense_attention_over_decoded_kv():
 
 
 @pytest.mark.parametrize("name,cfg", CASES + [("palu", {"rank_ratio": 0.5, "latent_dtype": "float32"})])
-def test_triton_backend_reads_the_engines_views(name, cfg, tiny_dirs):
+def test_triton_backend_reads_the_engines_views(name, cfg, tiny_dirs, request):
     """Every decode step of a CPU engine run: the Triton backend's answer on the engine's own quantized view
-    (codes, scales and windows as the cache manager wrote them) equals the torch backend's."""
+    (codes, scales and windows as the cache manager wrote them) equals the torch backend's. A codec whose
+    kernel cannot run at the tiny models' head_dim (32) is refused by name, and runs on the 128-wide set."""
     from engine import LLM, SamplingParams
     from engine.contract.view import QuantizedPagesView
     from engine.gpu_backends import TritonBackend
+    from engine.registry import create_method
 
     from engine.attention_backend import quantized_forward
 
+    triton_backend = TritonBackend()
+    codec = create_kv_storage(name, cfg)
+    if unsupported_shape(codec.kernel_format, 32):
+        assert not triton_backend.reads_codec(codec, 32)
+        reasons = triton_backend.unsupported(create_method("dense", {}), torch.float32, codec, 32)
+        assert reasons == [f"the triton backend has no kernel for kv_storage {name!r} at head_dim 32"]
+        tiny_dirs = request.getfixturevalue("tiny_dirs_hf_init")
     llm = LLM(tiny_dirs["qwen3"], dtype="float32", device=DEVICE, page_size=8, num_pages=64, kv_storage=name,
               kv_storage_config=cfg)
-    backend, triton_backend = llm.engine.backend, TritonBackend()
-    assert triton_backend.reads_codec(llm.engine.codec)
+    backend = llm.engine.backend
+    assert triton_backend.reads_codec(llm.engine.codec, llm.engine.model_config.head_dim)
     inner, checked = backend.forward, []
 
     def forward(q, k_cache, v_cache, view, scale, return_scores=False):

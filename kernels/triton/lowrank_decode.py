@@ -110,7 +110,7 @@ def _lowrank_decode_kernel(
                  mask=r_mask[:, None] & d_mask[None, :], other=0.0)
     bv = tl.load(bv_ptr + kvh * s_bh + offs_d, mask=d_mask, other=0.0)
     o = tl.dot(acc, uv, input_precision=LAT_PRECISION) + l_i[:, None] * bv[None, :]
-    _finish(o, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
+    _finish(o, m_i, l_i, out_ptr, mid_o_ptr, b, head, g_mask, offs_d, d_mask, split,
             num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
     _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
 

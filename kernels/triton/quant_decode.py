@@ -29,8 +29,16 @@ Formats:
   ``kernels.triton.lowrank_decode`` (its own kernel; ``tables`` holds the layer's bases, biases and RoPE).
 
 Grid and split structure as ``decode_attention``: one program per (request, KV head, split) owns the whole
-query-head group; a tile of BLOCK_N slots mixes coded slots and window slots by masked loads; partials are
-merged by ``decode_attention``'s combine kernel. Under TRITON_INTERPRET=1 all math is fp32.
+query-head group and walks its slots in two loops, coded slots [start, quant_len) then window slots; partials
+are merged by ``decode_attention``'s combine kernel. Under TRITON_INTERPRET=1 all math is fp32.
+
+What keeps a coded tile cheap (each choice read off the sm_90a SASS, ``benchmarks/kernel_resources.py``):
+per-token and per-group factors move out of the tiles (E4M3's scales onto the logits and probabilities;
+a key group's scale and zero onto the query when a tile lies inside one group, ``q . (c s + z) = (q s) . c
++ q . z``), codes become floats by bit operations (E4M3 by the hardware unpack to fp16; small integers as
+``2^23 + c``) instead of int-to-float instructions, value scales are loaded once per group and broadcast,
+and 2/4-bit tiles are never reordered into channel order (one dot and one accumulator per code plane), so
+the loads stay plain tiles that the compiler pipelines through shared memory.
 """
 
 from __future__ import annotations
@@ -39,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2
+from kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2
 from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, combine_splits, split_partials
 
 FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok", "int2-asym-kchan-vtok", "lloydmax-rotated-bitplanes",
@@ -49,16 +57,8 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _e4m3_to_f32(b):
-    b = b.to(tl.int32)
-    e = (b >> 3) & 15
-    m = (b & 7).to(tl.float32)
-    mag = tl.where(e > 0, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)), m * 0.001953125)
-    return tl.where((b & 128) != 0, -mag, mag)
-
-
-@triton.jit
 def _split_range(lens_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """This program's slots [start, end): BLOCK_N-aligned (MIN_SPLIT is a multiple of BLOCK_N)."""
     kv_len = tl.load(lens_ptr + b)
     per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     per_split = tl.maximum(per_split, MIN_SPLIT)  # see decode_attention: few full splits for short requests
@@ -67,8 +67,9 @@ def _split_range(lens_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.const
 
 
 @triton.jit
-def _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
+def _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, b, head, g_mask, offs_d, d_mask, split,
             num_q_heads, stride_ob, stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Store acc / l for channels ``offs_d`` (a whole head, or one code plane's channel range)."""
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
     mask = g_mask[:, None] & d_mask[None, :]
@@ -89,15 +90,28 @@ def _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_S
 
 
 @triton.jit
-def _online_update(qk, v, n_mask, m_i, l_i, acc, DOT_TY: tl.constexpr, PRECISION: tl.constexpr):
-    """One tile of the online softmax: scaled logits qk [G, N] (log2 domain), values v [N, D]."""
+def _softmax_step(qk, n_mask, m_i, l_i):
+    """Online softmax over one tile of scaled logits qk [G, N] (log2 domain): (p, rescale of old sums, m, l)."""
     qk = tl.where(n_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _online_update(qk, v, n_mask, m_i, l_i, acc, DOT_TY: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of the online softmax: scaled logits qk [G, N] (log2 domain), values v [N, D]."""
+    p, alpha, m_i, l_i = _softmax_step(qk, n_mask, m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION)
-    return acc, m_new, l_i
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _small_ints_to_f32(c):
+    """Non-negative int32 codes < 2^23 as exact fp32 without an int-to-float instruction (2^23 + c has c as
+    its mantissa)."""
+    return (c | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -111,13 +125,21 @@ def _fp8_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP16: tl.constexpr,
 ):
+    """Coded slots: E4M3 tiles converted by the hardware, per-token scales applied to the logits (keys) and
+    to the probabilities (values), so a tile costs a conversion per element and nothing else. Window slots
+    (full precision) in a second loop. DOT_FP16 (bf16 queries on a GPU): the dots take fp16 operands, which
+    E4M3 unpacks to in one instruction per two elements (bf16 would need a second conversion); the query
+    enters pre-multiplied by the softmax scale, exact in fp16 up to 65504 / scale in magnitude."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
     start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
-    quant_len = tl.load(qlens_ptr + b)
+    coded_end = end
+    if HAS_WINDOW:
+        coded_end = tl.minimum(end, tl.load(qlens_ptr + b))
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -125,40 +147,95 @@ def _fp8_decode_kernel(
     head = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
-    dot_ty = tl.float32 if UPCAST else q_ptr.dtype.element_ty
+    dot_ty = tl.float32 if UPCAST else (tl.float16 if DOT_FP16 else q_ptr.dtype.element_ty)
     q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    q = (q * scale_log2).to(dot_ty)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    wid = 0
-    if HAS_WINDOW:
-        wid = tl.load(wid_ptr + b).to(tl.int64)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, coded_end, BLOCK_N):
         tok = n0 + offs_n
-        n_mask = tok < end
-        coded = n_mask & (tok < quant_len)
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=coded, other=0).to(tl.int64)
-        slot = page * s_cp + (tok % PAGE_SIZE).to(tl.int64) * s_cs + kvh * s_ch
-        sslot = page * s_sp + (tok % PAGE_SIZE).to(tl.int64) * s_ss + kvh * s_sh
-        cmask = coded[:, None] & d_mask[None, :]
-        k = _e4m3_to_f32(tl.load(kc_ptr + slot[:, None] + offs_d[None, :], mask=cmask, other=0))
-        v = _e4m3_to_f32(tl.load(vc_ptr + slot[:, None] + offs_d[None, :], mask=cmask, other=0))
-        k = k * tl.load(ks_ptr + sslot, mask=coded, other=0.0)[:, None]
-        v = v * tl.load(vs_ptr + sslot, mask=coded, other=0.0)[:, None]
-        if HAS_WINDOW:
-            windowed = n_mask & (tok >= quant_len)
+        n_mask = tok < coded_end
+        page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        off = (tok % PAGE_SIZE).to(tl.int64)
+        slot = page * s_cp + off * s_cs + kvh * s_ch
+        sslot = page * s_sp + off * s_ss + kvh * s_sh
+        cmask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(kc_ptr + slot[:, None] + offs_d[None, :], mask=cmask, other=0)
+        k = k.to(tl.float8e4nv, bitcast=True).to(dot_ty)
+        k_scale = tl.load(ks_ptr + sslot, mask=n_mask, other=0.0)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * k_scale[None, :]
+        p, alpha, m_i, l_i = _softmax_step(qk, n_mask, m_i, l_i)
+        v = tl.load(vc_ptr + slot[:, None] + offs_d[None, :], mask=cmask, other=0)
+        v = v.to(tl.float8e4nv, bitcast=True).to(dot_ty)
+        v_scale = tl.load(vs_ptr + sslot, mask=n_mask, other=0.0)
+        acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(dot_ty), v, input_precision=PRECISION)
+    if HAS_WINDOW:
+        wid = tl.load(wid_ptr + b).to(tl.int64)
+        for n0 in range(tl.maximum(start, coded_end), end, BLOCK_N):
+            tok = n0 + offs_n
+            n_mask = tok < end
             wrow = wid * s_wn + (tok % CAP).to(tl.int64) * s_wc + kvh * s_wh
-            wmask = windowed[:, None] & d_mask[None, :]
-            k += tl.load(wk_ptr + wrow[:, None] + offs_d[None, :], mask=wmask, other=0.0).to(tl.float32)
-            v += tl.load(wv_ptr + wrow[:, None] + offs_d[None, :], mask=wmask, other=0.0).to(tl.float32)
-        qk = tl.dot(q.to(dot_ty), tl.trans(k.to(dot_ty)), input_precision=PRECISION) * scale_log2
-        acc, m_i, l_i = _online_update(qk, v, n_mask, m_i, l_i, acc, dot_ty, PRECISION)
-    _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
+            wmask = n_mask[:, None] & d_mask[None, :]
+            k = tl.load(wk_ptr + wrow[:, None] + offs_d[None, :], mask=wmask, other=0.0).to(dot_ty)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            p, alpha, m_i, l_i = _softmax_step(qk, n_mask, m_i, l_i)
+            v = tl.load(wv_ptr + wrow[:, None] + offs_d[None, :], mask=wmask, other=0.0).to(dot_ty)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v, input_precision=PRECISION)
+    _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, b, head, g_mask, offs_d, d_mask, split,
             num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
     _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
+
+
+@triton.jit
+def _key_plane_logits(qk, q_p, kc, ks_ptr, kz_ptr, krow, cmask, P: tl.constexpr, BITS: tl.constexpr,
+                      W: tl.constexpr, GROUPED: tl.constexpr, DOT_TY: tl.constexpr, PRECISION: tl.constexpr):
+    """qk += q_p . k_p for code plane P (channels P W .. P W + W - 1) of a key tile.
+
+    GROUPED (the tile lies inside one key group): ``krow`` is that group's scalar row, and
+    q . (c s + z) = (q * s) . c + q . z, so the codes enter the dot as they are and the group's
+    scale and zero touch only the query. Otherwise ``krow`` [N] holds each slot's group row and the tile
+    is dequantized per element."""
+    ch = P * W + tl.arange(0, W)
+    codes = _small_ints_to_f32((kc >> (P * BITS)) & ((1 << BITS) - 1))
+    if GROUPED:
+        s = tl.load(ks_ptr + krow + ch).to(tl.float32)
+        z = tl.load(kz_ptr + krow + ch).to(tl.float32)
+        qk += tl.dot((q_p * s[None, :]).to(DOT_TY), tl.trans(codes.to(DOT_TY)), input_precision=PRECISION)
+        qk += tl.sum(q_p * z[None, :], 1)[:, None]
+    else:
+        rows = krow[:, None] + ch[None, :]
+        k = codes * tl.load(ks_ptr + rows, mask=cmask, other=0.0).to(tl.float32) \
+            + tl.load(kz_ptr + rows, mask=cmask, other=0.0).to(tl.float32)
+        qk += tl.dot(q_p.to(DOT_TY), tl.trans(k.to(DOT_TY)), input_precision=PRECISION)
+    return qk
+
+
+@triton.jit
+def _value_plane(acc_p, p, vc, vs_ptr, vz_ptr, vrow, cmask, P: tl.constexpr, BITS: tl.constexpr,
+                 W: tl.constexpr, VGROUP: tl.constexpr, BLOCK_N: tl.constexpr, DOT_TY: tl.constexpr,
+                 PRECISION: tl.constexpr):
+    """acc_p += p . v_p for code plane P of a value tile; each slot's (scale, zero) per VGROUP channels is
+    loaded once per group and broadcast over the group's channels (a [N, groups, width] view)."""
+    GP: tl.constexpr = W // VGROUP if W > VGROUP else 1  # value groups inside the plane
+    GW: tl.constexpr = W // GP
+    codes = _small_ints_to_f32((vc >> (P * BITS)) & ((1 << BITS) - 1))
+    g = (P * W) // VGROUP + tl.arange(0, GP)
+    rows = vrow[:, None] + g[None, :]
+    s = tl.load(vs_ptr + rows, mask=cmask, other=0.0).to(tl.float32)
+    z = tl.load(vz_ptr + rows, mask=cmask, other=0.0).to(tl.float32)
+    v = tl.reshape(codes, [BLOCK_N, GP, GW]) * s[:, :, None] + z[:, :, None]
+    v = tl.reshape(v, [BLOCK_N, W])
+    return acc_p + tl.dot(p.to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION)
+
+
+@triton.jit
+def _load_plane(ptr, rows, mask, P: tl.constexpr, W: tl.constexpr):
+    """Channels P W .. P W + W - 1 of the rows ``rows`` [N] of a full-precision tensor -> [N, W] fp32."""
+    return tl.load(ptr + rows[:, None] + P * W + tl.arange(0, W)[None, :], mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -176,59 +253,109 @@ def _intn_decode_kernel(
     HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Works plane by plane (a byte holds 8 / BITS channels, one per plane of W = D BITS / 8 channels): the
+    logits sum one dot per plane, the output keeps one accumulator per plane, so no tile is ever shuffled
+    into channel order. Coded slots first, then the window's full-precision slots."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
     start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
-    quant_len = tl.load(qlens_ptr + b)
+    coded_end = end
+    if HAS_WINDOW:
+        coded_end = tl.minimum(end, tl.load(qlens_ptr + b))
+    W: tl.constexpr = HEAD_DIM * BITS // 8
+    PLANES: tl.constexpr = 8 // BITS
+    GROUPED: tl.constexpr = KGROUP % BLOCK_N == 0  # every tile inside one key group (tiles are aligned)
 
     offs_g = tl.arange(0, BLOCK_G)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_w = tl.arange(0, W)
     offs_n = tl.arange(0, BLOCK_N)
     head = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
-    width: tl.constexpr = HEAD_DIM * BITS // 8  # bytes per token: channel c is byte c % width, plane c // width
-    byte = (offs_d % width)[None, :]
-    shift = ((offs_d // width) * BITS)[None, :]
-    vgroup = (offs_d // VGROUP)[None, :]
+    w_mask = offs_w < W
     dot_ty = tl.float32 if UPCAST else q_ptr.dtype.element_ty
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None], other=0.0).to(dot_ty)
+    q_rows = b.to(tl.int64) * stride_qb + head * stride_qh
+    q0 = _load_plane(q_ptr, q_rows, g_mask[:, None], 0, W)
+    q1 = _load_plane(q_ptr, q_rows, g_mask[:, None], 1, W)
+    q2 = q0  # planes 2 and 3 exist at 2 bits only
+    q3 = q0
+    if PLANES == 4:
+        q2 = _load_plane(q_ptr, q_rows, g_mask[:, None], 2, W)
+        q3 = _load_plane(q_ptr, q_rows, g_mask[:, None], 3, W)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    wid = 0
-    if HAS_WINDOW:
-        wid = tl.load(wid_ptr + b).to(tl.int64)
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_G, HEAD_DIM], 0.0, dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    acc0 = tl.full([BLOCK_G, W], 0.0, dtype=tl.float32)
+    acc1 = tl.full([BLOCK_G, W], 0.0, dtype=tl.float32)
+    acc2 = tl.full([BLOCK_G, W], 0.0, dtype=tl.float32)
+    acc3 = tl.full([BLOCK_G, W], 0.0, dtype=tl.float32)
+    for n0 in range(start, coded_end, BLOCK_N):
         tok = n0 + offs_n
-        n_mask = tok < end
-        coded = n_mask & (tok < quant_len)
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=coded, other=0).to(tl.int64)
+        n_mask = tok < coded_end
+        page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = (tok % PAGE_SIZE).to(tl.int64)
-        cmask = coded[:, None]
-        code_row = (page * s_cp + off * s_cs + kvh * s_ch)[:, None]
-        kq = (tl.load(kc_ptr + code_row + byte, mask=cmask, other=0).to(tl.int32) >> shift) & ((1 << BITS) - 1)
-        vq = (tl.load(vc_ptr + code_row + byte, mask=cmask, other=0).to(tl.int32) >> shift) & ((1 << BITS) - 1)
-        krow = (page * s_kp + (off // KGROUP) * s_kg + kvh * s_kh)[:, None] + offs_d[None, :]
-        k = kq.to(tl.float32) * tl.load(ks_ptr + krow, mask=cmask, other=0.0).to(tl.float32) \
-            + tl.load(kz_ptr + krow, mask=cmask, other=0.0).to(tl.float32)
-        vrow = (page * s_vp + off * s_vs + kvh * s_vh)[:, None] + vgroup
-        v = vq.to(tl.float32) * tl.load(vs_ptr + vrow, mask=cmask, other=0.0).to(tl.float32) \
-            + tl.load(vz_ptr + vrow, mask=cmask, other=0.0).to(tl.float32)
-        if HAS_WINDOW:
-            windowed = (n_mask & (tok >= quant_len))[:, None]
-            wrow = (wid * s_wn + (tok % CAP).to(tl.int64) * s_wc + kvh * s_wh)[:, None] + offs_d[None, :]
-            k += tl.load(wk_ptr + wrow, mask=windowed, other=0.0).to(tl.float32)
-            v += tl.load(wv_ptr + wrow, mask=windowed, other=0.0).to(tl.float32)
-        qk = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision=PRECISION) * scale_log2
-        acc, m_i, l_i = _online_update(qk, v, n_mask, m_i, l_i, acc, dot_ty, PRECISION)
-    _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
+        cmask = n_mask[:, None]
+        code_row = (page * s_cp + off * s_cs + kvh * s_ch)[:, None] + offs_w[None, :]
+        kc = tl.load(kc_ptr + code_row, mask=cmask, other=0).to(tl.int32)
+        if GROUPED:
+            page0 = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+            krow = page0 * s_kp + (n0 % PAGE_SIZE) // KGROUP * s_kg + kvh * s_kh
+        else:
+            krow = page * s_kp + off // KGROUP * s_kg + kvh * s_kh
+        qk = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+        qk = _key_plane_logits(qk, q0, kc, ks_ptr, kz_ptr, krow, cmask, 0, BITS, W, GROUPED, dot_ty, PRECISION)
+        qk = _key_plane_logits(qk, q1, kc, ks_ptr, kz_ptr, krow, cmask, 1, BITS, W, GROUPED, dot_ty, PRECISION)
+        if PLANES == 4:
+            qk = _key_plane_logits(qk, q2, kc, ks_ptr, kz_ptr, krow, cmask, 2, BITS, W, GROUPED, dot_ty, PRECISION)
+            qk = _key_plane_logits(qk, q3, kc, ks_ptr, kz_ptr, krow, cmask, 3, BITS, W, GROUPED, dot_ty, PRECISION)
+        p, alpha, m_i, l_i = _softmax_step(qk * scale_log2, n_mask, m_i, l_i)
+        vc = tl.load(vc_ptr + code_row, mask=cmask, other=0).to(tl.int32)
+        vrow = page * s_vp + off * s_vs + kvh * s_vh
+        a = alpha[:, None]
+        acc0 = _value_plane(acc0 * a, p, vc, vs_ptr, vz_ptr, vrow, cmask, 0, BITS, W, VGROUP, BLOCK_N, dot_ty, PRECISION)
+        acc1 = _value_plane(acc1 * a, p, vc, vs_ptr, vz_ptr, vrow, cmask, 1, BITS, W, VGROUP, BLOCK_N, dot_ty, PRECISION)
+        if PLANES == 4:
+            acc2 = _value_plane(acc2 * a, p, vc, vs_ptr, vz_ptr, vrow, cmask, 2, BITS, W, VGROUP, BLOCK_N, dot_ty,
+                                PRECISION)
+            acc3 = _value_plane(acc3 * a, p, vc, vs_ptr, vz_ptr, vrow, cmask, 3, BITS, W, VGROUP, BLOCK_N, dot_ty,
+                                PRECISION)
+    if HAS_WINDOW:
+        wid = tl.load(wid_ptr + b).to(tl.int64)
+        for n0 in range(tl.maximum(start, coded_end), end, BLOCK_N):
+            tok = n0 + offs_n
+            n_mask = tok < end
+            rows = wid * s_wn + (tok % CAP).to(tl.int64) * s_wc + kvh * s_wh
+            wm = n_mask[:, None]
+            qk = tl.dot(q0.to(dot_ty), tl.trans(_load_plane(wk_ptr, rows, wm, 0, W).to(dot_ty)),
+                        input_precision=PRECISION)
+            qk += tl.dot(q1.to(dot_ty), tl.trans(_load_plane(wk_ptr, rows, wm, 1, W).to(dot_ty)),
+                         input_precision=PRECISION)
+            if PLANES == 4:
+                qk += tl.dot(q2.to(dot_ty), tl.trans(_load_plane(wk_ptr, rows, wm, 2, W).to(dot_ty)),
+                             input_precision=PRECISION)
+                qk += tl.dot(q3.to(dot_ty), tl.trans(_load_plane(wk_ptr, rows, wm, 3, W).to(dot_ty)),
+                             input_precision=PRECISION)
+            p, alpha, m_i, l_i = _softmax_step(qk * scale_log2, n_mask, m_i, l_i)
+            pd = p.to(dot_ty)
+            a = alpha[:, None]
+            acc0 = acc0 * a + tl.dot(pd, _load_plane(wv_ptr, rows, wm, 0, W).to(dot_ty), input_precision=PRECISION)
+            acc1 = acc1 * a + tl.dot(pd, _load_plane(wv_ptr, rows, wm, 1, W).to(dot_ty), input_precision=PRECISION)
+            if PLANES == 4:
+                acc2 = acc2 * a + tl.dot(pd, _load_plane(wv_ptr, rows, wm, 2, W).to(dot_ty),
+                                         input_precision=PRECISION)
+                acc3 = acc3 * a + tl.dot(pd, _load_plane(wv_ptr, rows, wm, 3, W).to(dot_ty),
+                                         input_precision=PRECISION)
+    _finish(acc0, m_i, l_i, out_ptr, mid_o_ptr, b, head, g_mask, offs_w, w_mask, split,
             num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
+    _finish(acc1, m_i, l_i, out_ptr, mid_o_ptr, b, head, g_mask, W + offs_w, w_mask, split,
+            num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
+    if PLANES == 4:
+        _finish(acc2, m_i, l_i, out_ptr, mid_o_ptr, b, head, g_mask, 2 * W + offs_w, w_mask, split,
+                num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
+        _finish(acc3, m_i, l_i, out_ptr, mid_o_ptr, b, head, g_mask, 3 * W + offs_w, w_mask, split,
+                num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
     _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
 
 
@@ -284,9 +411,20 @@ def _lloydmax_decode_kernel(
         v = tl.load(lv_ptr + v_idx) * tl.load(vn_ptr + nrow, mask=n_mask, other=0.0)[:, None]
         qk = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision=PRECISION) * scale_log2
         acc, m_i, l_i = _online_update(qk, v, n_mask, m_i, l_i, acc, dot_ty, PRECISION)
-    _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, mid_lse_ptr, b, head, g_mask, offs_d, d_mask, split,
+    _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, b, head, g_mask, offs_d, d_mask, split,
             num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
     _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
+
+
+def unsupported_shape(fmt: str, head_dim: int) -> str | None:
+    """Why the kernel for ``fmt`` cannot run at ``head_dim`` (None if it can): the 2/4-bit kernels take one
+    dot per code plane of ``head_dim * bits / 8`` channels, which ``tl.dot`` needs to be a power of two >= 16."""
+    if fmt in _INT_BITS:
+        width = head_dim * _INT_BITS[fmt] // 8
+        if width < 16 or width != next_pow2(width):
+            return (f"the {fmt} decode kernel needs head_dim * bits / 8 (here {width}) to be a power of two "
+                    f">= 16")
+    return None
 
 
 def quantized_decode_attention(
@@ -294,12 +432,17 @@ def quantized_decode_attention(
     block_tables: torch.Tensor, kv_lens: torch.Tensor, quant_lens: torch.Tensor,
     window_k: torch.Tensor | None, window_v: torch.Tensor | None, window_ids: torch.Tensor | None,
     scale: float, num_splits: int | None = None, *, tables: dict[str, torch.Tensor] | None = None,
-    block_n: int = 32, num_warps: int = 4, min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
+    block_n: int | None = None, num_warps: int = 4, min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
 ) -> torch.Tensor:
     """See the module docstring; ``tables``: the codec's ``kernel_tables`` (the Lloyd-Max format's rotation
-    and levels)."""
+    and levels); ``block_n``: slots per tile."""
     if fmt not in FORMATS:
         raise ValueError(f"no quantized decode kernel for format {fmt!r}; formats: {FORMATS}")
+    unsupported = unsupported_shape(fmt, q.shape[-1])
+    if unsupported:
+        raise ValueError(unsupported)
+    block_n = block_n or 32
+    min_split_tokens = cdiv(max(0, int(min_split_tokens)), block_n) * block_n  # splits stay tile-aligned
     if fmt == "lowrank-latent-rope":
         from kernels.triton.lowrank_decode import lowrank_decode_attention
 
@@ -324,8 +467,7 @@ def quantized_decode_attention(
         window_ids = kv_lens
     grid = (batch, num_kv_heads, num_splits)
     scale_log2 = scale * _LOG2E
-    common_tail = dict(BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
-                       num_warps=num_warps)
+    common_tail = dict(BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=min_split_tokens, num_warps=num_warps)
     wstrides = window_k.stride()[:3]
     if fmt == FORMATS[0]:
         kernel = _fp8_decode_kernel
@@ -336,7 +478,8 @@ def quantized_decode_attention(
             window_ids, out, mid_o, mid_lse, scale_log2, q.stride(0), q.stride(1),
             *kc.stride()[:3], *ks.stride()[:3], *wstrides, block_tables.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
-            CAP=window_k.shape[1], HAS_WINDOW=has_window, UPCAST=upcast, PRECISION=precision, **common_tail)
+            CAP=window_k.shape[1], HAS_WINDOW=has_window, UPCAST=upcast, PRECISION=precision,
+            DOT_FP16=q.dtype == torch.bfloat16 and not upcast, **common_tail)
     elif fmt == "lloydmax-rotated-bitplanes":
         assert not has_window and head_dim == next_pow2(head_dim) and tables is not None
         rotation, levels = tables["rotation"], tables["levels"]

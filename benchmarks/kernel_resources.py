@@ -1,0 +1,117 @@
+"""What our decode kernels compile to on an H100/H200 (sm_90a), read on any machine, GPU or not.
+
+    python -m benchmarks.kernel_resources [--json out.json]
+
+Triton compiles each kernel for the target from its source, with the specialisations a real launch gets
+(16-byte aligned pointers, strides divisible by 16 marked so, unit strides folded) at the Llama-3.1-8B shape
+(32 q / 8 kv heads, d128, page 32); its bundled ``ptxas`` reports registers and spills and ``cuobjdump`` the
+SASS, of which the instruction mix is counted. What it says, it says without running: whether the K/V loads
+are pipelined through shared memory (``LDGSTS``) or synchronous (``LDG``), how many programs fit on an SM,
+how many conversions (``I2F``, ``F2F``) and special-function instructions (``MUFU``) a tile costs. Timings
+still come from the GPU (``attention_kernels.py``); this is for deciding what to try there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kernels.triton import decode_attention, quant_decode
+
+_BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+WATCH = ("LDGSTS", "LDG", "HMMA", "I2F", "F2F", "F2FP", "MUFU")
+HQ, HKV, D, PAGE, MAX_PAGES = 32, 8, 128, 32, 1040
+
+
+def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> dict:
+    """Compile ``fn`` with ``args`` (name -> pointer type like '*bf16', an int or float value, or a constexpr
+    for the UPPER_CASE names) for sm_90a; registers, spills and SASS instruction counts."""
+    sig, consts, attrs = {}, {}, {}
+    for i, name in enumerate(fn.arg_names):
+        v = args[name]
+        if isinstance(v, str) and v.startswith("*"):
+            sig[name], attrs[(i,)] = v, [["tt.divisibility", 16]]
+        elif name.isupper():
+            sig[name], consts[name] = "constexpr", v
+        elif isinstance(v, float):
+            sig[name] = "fp32"
+        elif v == 1:  # Triton folds unit integer arguments into constants
+            sig[name], consts[name] = "constexpr", 1
+        else:
+            sig[name] = "i32"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        info = subprocess.run([os.path.join(_BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
+                              capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin],
+                              capture_output=True, text=True, check=True).stdout
+    ops = collections.Counter(op.split(".")[0] for op in re.findall(
+        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    return {"registers": regs, "spill_stores": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+            "programs_per_sm": min(32, 65536 // (regs * 32 * num_warps)), "instructions": sum(ops.values()),
+            **{op: ops.get(op, 0) for op in WATCH}}
+
+
+def cases() -> dict[str, tuple]:
+    """name -> (kernel, args, launch options) at the Llama-8B decode shape, as the backends launch them."""
+    base = dict(stride_qb=HQ * D, stride_qh=D, stride_btb=MAX_PAGES, stride_ob=HQ * D, stride_oh=D, scale_log2=0.1,
+                GROUP=HQ // HKV, BLOCK_G=16, NUM_SPLITS=2, MIN_SPLIT=0, UPCAST=False, PRECISION="tf32")
+    lens = dict(bt_ptr="*i32", lens_ptr="*i32", mid_o_ptr="*fp32", mid_lse_ptr="*fp32")
+    dense = base | lens | dict(
+        q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", stride_kp=PAGE * HKV * D, stride_ks=HKV * D,
+        stride_kh=D, stride_vp=PAGE * HKV * D, stride_vs=HKV * D, stride_vh=D, HEAD_DIM=D, BLOCK_D=D,
+        PAGE_SIZE=PAGE, BLOCK_N=64)
+    coded = base | lens | dict(q_ptr="*bf16", out_ptr="*bf16", kc_ptr="*u8", vc_ptr="*u8", wk_ptr="*bf16",
+                               wv_ptr="*bf16", qlens_ptr="*i32", wid_ptr="*i32")
+    fp8 = coded | dict(ks_ptr="*fp32", vs_ptr="*fp32", s_cp=PAGE * HKV * D, s_cs=HKV * D, s_ch=D, s_sp=PAGE * HKV,
+                       s_ss=HKV, s_sh=1, s_wn=1, s_wc=1, s_wh=1, HEAD_DIM=D, BLOCK_D=D, PAGE_SIZE=PAGE, CAP=1,
+                       HAS_WINDOW=False, BLOCK_N=32, DOT_FP16=True)
+    out = {"dense bf16": (decode_attention._decode_split_kernel, dense, dict(num_stages=2)),
+           "fp8 (e4m3)": (quant_decode._fp8_decode_kernel, fp8, {})}
+    for bits in (4, 2):
+        width, group, residual = D * bits // 8, 32, 128
+        out[f"kivi-{bits} (group {group})"] = (quant_decode._intn_decode_kernel, coded | dict(
+            ks_ptr="*fp16", kz_ptr="*fp16", vs_ptr="*fp16", vz_ptr="*fp16",
+            s_cp=PAGE * HKV * width, s_cs=HKV * width, s_ch=width, s_kp=HKV * D, s_kg=HKV * D, s_kh=D,
+            s_vp=PAGE * HKV * (D // group), s_vs=HKV * (D // group), s_vh=D // group,
+            s_wn=(residual + group) * HKV * D, s_wc=HKV * D, s_wh=D, HEAD_DIM=D, BITS=bits, PAGE_SIZE=PAGE,
+            KGROUP=group, VGROUP=group, CAP=residual + group, HAS_WINDOW=True, BLOCK_N=32), {})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    rows = []
+    for name, (fn, kernel_args, options) in cases().items():
+        rows.append({"kernel": name, **compile_sm90(fn, kernel_args, **options)})
+        print(json.dumps(rows[-1]), flush=True)
+    cols = ["registers", "spill_stores", "programs_per_sm", "instructions", *WATCH]
+    print("\n" + f"{'kernel':20}" + "".join(f"{c:>16}" for c in cols))
+    for r in rows:
+        print(f"{r['kernel']:20}" + "".join(f"{r[c]:>16}" for c in cols))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
