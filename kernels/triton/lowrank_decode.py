@@ -29,7 +29,7 @@ import triton.language as tl
 
 from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2
 from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, combine_splits, split_partials
-from kernels.triton.quant_decode import _finish, _online_update, _split_range, _store_lse
+from kernels.triton.quant_decode import _finish, _online_update, _split_program, _store_lse
 
 FORMAT = "lowrank-latent-rope"
 _LOG2E = 1.4426950408889634
@@ -51,11 +51,7 @@ def _lowrank_decode_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, LAT_PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * GROUP
-    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+    b, kvh, split, num_q_heads, start, end = _split_program(lens_ptr, GROUP, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_h = tl.arange(0, BLOCK_H)

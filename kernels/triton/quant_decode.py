@@ -57,13 +57,18 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _split_range(lens_ptr, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """This program's slots [start, end): BLOCK_N-aligned (MIN_SPLIT is a multiple of BLOCK_N)."""
+def _split_program(lens_ptr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MIN_SPLIT: tl.constexpr):
+    """This program of the (request, KV head, split) grid: (b, kvh, split, query heads, and its slots
+    [start, end), BLOCK_N-aligned since MIN_SPLIT is a multiple of BLOCK_N)."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
     kv_len = tl.load(lens_ptr + b)
     per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     per_split = tl.maximum(per_split, MIN_SPLIT)  # see decode_attention: few full splits for short requests
     start = split * per_split
-    return start, tl.minimum(start + per_split, kv_len)
+    return b, kvh, split, tl.num_programs(1) * GROUP, start, tl.minimum(start + per_split, kv_len)
 
 
 @triton.jit
@@ -132,11 +137,7 @@ def _fp8_decode_kernel(
     (full precision) in a second loop. DOT_FP16 (bf16 queries on a GPU): the dots take fp16 operands, which
     E4M3 unpacks to in one instruction per two elements (bf16 would need a second conversion); the query
     enters pre-multiplied by the softmax scale, exact in fp16 up to 65504 / scale in magnitude."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * GROUP
-    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+    b, kvh, split, num_q_heads, start, end = _split_program(lens_ptr, GROUP, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     coded_end = end
     if HAS_WINDOW:
         coded_end = tl.minimum(end, tl.load(qlens_ptr + b))
@@ -256,11 +257,7 @@ def _intn_decode_kernel(
     """Works plane by plane (a byte holds 8 / BITS channels, one per plane of W = D BITS / 8 channels): the
     logits sum one dot per plane, the output keeps one accumulator per plane, so no tile is ever shuffled
     into channel order. Coded slots first, then the window's full-precision slots."""
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * GROUP
-    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+    b, kvh, split, num_q_heads, start, end = _split_program(lens_ptr, GROUP, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     coded_end = end
     if HAS_WINDOW:
         coded_end = tl.minimum(end, tl.load(qlens_ptr + b))
@@ -371,11 +368,7 @@ def _lloydmax_decode_kernel(
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
-    num_q_heads = tl.num_programs(1) * GROUP
-    start, end = _split_range(lens_ptr, b, split, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
+    b, kvh, split, num_q_heads, start, end = _split_program(lens_ptr, GROUP, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
