@@ -17,7 +17,8 @@
 #   select     Quest / OmniKV vs dense at 128K, matched batch (decode graphs capture the selection)
 #   selectwin  the same with --decode-window 8 (8 decode steps per schedule) for all three
 #   evict      KVzip / R-KV vs dense at 4K, matched batch 32
-#   evictmax   dense, KVzip and R-KV at 4K, each at its largest batch (one run each)
+#   evictmax   dense, KVzip and R-KV at 4K, each at its largest batch (one run each; KVzip up to 540 s: a probe
+#              pass over 2x its context per admitted request, in dense fp32 torch attention)
 #   codec32k   fp8, KIVI-4, Palu vs dense at 32K (each at its largest batch, then at dense's batch)
 #   snapcodec32k  SnapKV(4096) and SnapKV(4096) + KIVI-4 vs dense at 32K (largest and matched batch)
 #   codec128k, snapcodec128k  the same at 128K
@@ -91,7 +92,7 @@ for step in "$@"; do
     evictmax)  # one run each, so KVzip's admission (a reconstruction probe per request) has its own limit
         for spec in dense 'kvzip:{"budget":1024}' 'rkv:{"budget":1024,"buffer":128}'; do
             name=${spec%%:*}_largest
-            limit=120; [ "$name" = kvzip_largest ] && limit=360
+            limit=120; [ "$name" = kvzip_largest ] && limit=540
             run "$name" $limit $SPARSE --context 4096 --max-batch 512 --admit-group 64 --methods "$spec" \
                 --json "$OUT/$name.json"
         done ;;
