@@ -79,9 +79,9 @@ def cases() -> dict[str, tuple]:
         PAGE_SIZE=PAGE, BLOCK_N=64)
     coded = base | lens | dict(q_ptr="*bf16", out_ptr="*bf16", kc_ptr="*u8", vc_ptr="*u8", wk_ptr="*bf16",
                                wv_ptr="*bf16", qlens_ptr="*i32", wid_ptr="*i32")
-    fp8 = coded | dict(ks_ptr="*fp32", vs_ptr="*fp32", s_cp=PAGE * HKV * D, s_cs=HKV * D, s_ch=D, s_sp=PAGE * HKV,
-                       s_ss=HKV, s_sh=1, s_wn=1, s_wc=1, s_wh=1, HEAD_DIM=D, BLOCK_D=D, PAGE_SIZE=PAGE, CAP=1,
-                       HAS_WINDOW=False, BLOCK_N=32, DOT_FP16=True)
+    fp8 = base | lens | dict(q_ptr="*bf16", out_ptr="*bf16", kc_ptr="*u8", vc_ptr="*u8", ks_ptr="*fp32",
+                             vs_ptr="*fp32", s_cp=PAGE * HKV * D, s_cs=HKV * D, s_ch=D, s_sp=PAGE * HKV, s_ss=HKV,
+                             s_sh=1, HEAD_DIM=D, BLOCK_D=D, PAGE_SIZE=PAGE, BLOCK_N=32, DOT_FP16=True)
     out = {"dense bf16": (decode_attention._decode_split_kernel, dense, dict(num_stages=2)),
            "fp8 (e4m3)": (quant_decode._fp8_decode_kernel, fp8, {})}
     for bits in (4, 2):

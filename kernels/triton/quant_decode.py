@@ -121,26 +121,22 @@ def _small_ints_to_f32(c):
 
 @triton.jit
 def _fp8_decode_kernel(
-    q_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, wk_ptr, wv_ptr, bt_ptr, lens_ptr, qlens_ptr, wid_ptr,
+    q_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, bt_ptr, lens_ptr,
     out_ptr, mid_o_ptr, mid_lse_ptr, scale_log2,
     stride_qb, stride_qh,
     s_cp, s_cs, s_ch, s_sp, s_ss, s_sh,
-    s_wn, s_wc, s_wh,
     stride_btb, stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, CAP: tl.constexpr, HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     DOT_FP16: tl.constexpr,
 ):
     """Coded slots: E4M3 tiles converted by the hardware, per-token scales applied to the logits (keys) and
-    to the probabilities (values), so a tile costs a conversion per element and nothing else. Window slots
-    (full precision) in a second loop. DOT_FP16 (bf16 queries on a GPU): the dots take fp16 operands, which
+    to the probabilities (values), so a tile costs a conversion per element and nothing else (every slot is
+    coded: the format keeps no window). DOT_FP16 (bf16 queries on a GPU): the dots take fp16 operands, which
     E4M3 unpacks to in one instruction per two elements (bf16 would need a second conversion); the query
     enters pre-multiplied by the softmax scale, exact in fp16 up to 65504 / scale in magnitude."""
     b, kvh, split, num_q_heads, start, end = _split_program(lens_ptr, GROUP, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
-    coded_end = end
-    if HAS_WINDOW:
-        coded_end = tl.minimum(end, tl.load(qlens_ptr + b))
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
@@ -157,9 +153,9 @@ def _fp8_decode_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
-    for n0 in range(start, coded_end, BLOCK_N):
+    for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
-        n_mask = tok < coded_end
+        n_mask = tok < end
         page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         off = (tok % PAGE_SIZE).to(tl.int64)
         slot = page * s_cp + off * s_cs + kvh * s_ch
@@ -174,18 +170,6 @@ def _fp8_decode_kernel(
         v = v.to(tl.float8e4nv, bitcast=True).to(dot_ty)
         v_scale = tl.load(vs_ptr + sslot, mask=n_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot((p * v_scale[None, :]).to(dot_ty), v, input_precision=PRECISION)
-    if HAS_WINDOW:
-        wid = tl.load(wid_ptr + b).to(tl.int64)
-        for n0 in range(tl.maximum(start, coded_end), end, BLOCK_N):
-            tok = n0 + offs_n
-            n_mask = tok < end
-            wrow = wid * s_wn + (tok % CAP).to(tl.int64) * s_wc + kvh * s_wh
-            wmask = n_mask[:, None] & d_mask[None, :]
-            k = tl.load(wk_ptr + wrow[:, None] + offs_d[None, :], mask=wmask, other=0.0).to(dot_ty)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            p, alpha, m_i, l_i = _softmax_step(qk, n_mask, m_i, l_i)
-            v = tl.load(wv_ptr + wrow[:, None] + offs_d[None, :], mask=wmask, other=0.0).to(dot_ty)
-            acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), v, input_precision=PRECISION)
     _finish(acc, m_i, l_i, out_ptr, mid_o_ptr, b, head, g_mask, offs_d, d_mask, split,
             num_q_heads, stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS)
     _store_lse(m_i, l_i, mid_lse_ptr, b, head, g_mask, split, num_q_heads, NUM_SPLITS)
@@ -466,12 +450,13 @@ def quantized_decode_attention(
         kernel = _fp8_decode_kernel
         upcast, precision = dot_args(kernel, q.dtype)
         ks = k_fields["scale"]
+        assert not has_window, "the E4M3 format keeps no full-precision window"
         kernel[grid](
-            q, kc, ks, v_fields["codes"], v_fields["scale"], window_k, window_v, block_tables, kv_lens, quant_lens,
-            window_ids, out, mid_o, mid_lse, scale_log2, q.stride(0), q.stride(1),
-            *kc.stride()[:3], *ks.stride()[:3], *wstrides, block_tables.stride(0), out.stride(0), out.stride(1),
+            q, kc, ks, v_fields["codes"], v_fields["scale"], block_tables, kv_lens,
+            out, mid_o, mid_lse, scale_log2, q.stride(0), q.stride(1),
+            *kc.stride()[:3], *ks.stride()[:3], block_tables.stride(0), out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), PAGE_SIZE=page_size,
-            CAP=window_k.shape[1], HAS_WINDOW=has_window, UPCAST=upcast, PRECISION=precision,
+            UPCAST=upcast, PRECISION=precision,
             DOT_FP16=q.dtype == torch.bfloat16 and not upcast, **common_tail)
     elif fmt == "lloydmax-rotated-bitplanes":
         assert not has_window and head_dim == next_pow2(head_dim) and tables is not None
