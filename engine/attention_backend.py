@@ -21,6 +21,7 @@ from engine.errors import ConfigError
 log = logging.getLogger(__name__)
 
 BACKEND_NAMES = ("auto", "torch", "triton", "flashinfer", "triton+flashinfer")
+RECEIVED_REDUCTIONS = ("sum", "max")  # how ``forward_received`` folds probabilities over queries and query heads
 
 
 class AttentionBackend:
@@ -39,19 +40,24 @@ class AttentionBackend:
 
     def forward_received(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: PagedView, scale: float,
-        num_kv_heads: int,
+        num_kv_heads: int, reduce: str = "sum",
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The attention output and, per request, the [Hkv, kv_len] attention each slot receives (summed over
-        the request's queries and each KV head's query heads). Plain paged views: the chunked torch reference
-        (no full probability matrix); other views: their probabilities, summed."""
+        """The attention output and, per request, the [Hkv, kv_len] attention each slot receives, summed
+        (``reduce="sum"``) or maximised (``"max"``) over the request's queries and each KV head's query heads.
+        Plain paged views: the chunked torch reference (no full probability matrix); other views: their
+        probabilities, reduced."""
+        if reduce not in RECEIVED_REDUCTIONS:
+            raise ValueError(f"reduce must be one of {RECEIVED_REDUCTIONS}, got {reduce!r}")
         if type(view) is not PagedView:
             out, probs = self.forward(q, k_cache, v_cache, view, scale, return_scores=True)
-            return out, [p.sum(dim=1).view(num_kv_heads, -1, p.shape[-1]).sum(dim=1) for p in probs]
+            if reduce == "sum":
+                return out, [p.sum(dim=1).view(num_kv_heads, -1, p.shape[-1]).sum(dim=1) for p in probs]
+            return out, [p.amax(dim=1).view(num_kv_heads, -1, p.shape[-1]).amax(dim=1) for p in probs]
         from kernels.torch_ref.received_attention import received_attention
 
         out, _ = self.forward(q, k_cache, v_cache, view, scale)
         return out, received_attention(q, k_cache, view.block_tables, view.kv_lens_cpu, view.query_lens_cpu,
-                                       scale, causal=view.causal)
+                                       scale, causal=view.causal, reduce=reduce)
 
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     head_dims: ClassVar[tuple[int, ...] | None] = None  # the head sizes its kernels are built for (None: any)

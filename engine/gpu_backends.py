@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 
-from engine.attention_backend import AttentionBackend, quantized_forward
+from engine.attention_backend import RECEIVED_REDUCTIONS, AttentionBackend, quantized_forward
 from engine.contract.view import PagedView, QuantizedPagesView, SelectedSlotsView
 
 
@@ -97,11 +97,12 @@ class TritonBackend(AttentionBackend):
                              causal=view.causal, max_query_len=view.max_query_len), None
 
 
-    def forward_received(self, q, k_cache, v_cache, view: PagedView, scale: float, num_kv_heads: int):
+    def forward_received(self, q, k_cache, v_cache, view: PagedView, scale: float, num_kv_heads: int,
+                         reduce: str = "sum"):
         """Plain paged views: the prefill/extend kernel also writes each row's log-sum-exp, and a second
-        kernel sums the recomputed probabilities per slot, so no probability matrix is held."""
-        if type(view) is not PagedView:
-            return super().forward_received(q, k_cache, v_cache, view, scale, num_kv_heads)
+        kernel reduces the recomputed probabilities per slot, so no probability matrix is held."""
+        if type(view) is not PagedView or reduce not in RECEIVED_REDUCTIONS:
+            return super().forward_received(q, k_cache, v_cache, view, scale, num_kv_heads, reduce)
         from kernels.triton.received_attention import received_attention
 
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
@@ -109,7 +110,7 @@ class TritonBackend(AttentionBackend):
                             causal=view.causal, max_query_len=view.max_query_len, lse=lse)
         received = received_attention(q, k_cache, view.block_tables, view.kv_lens, view.query_start_loc, lse,
                                       scale, max(view.kv_lens_cpu, default=0), view.max_query_len,
-                                      causal=view.causal)
+                                      causal=view.causal, reduce=reduce)
         return out, [received[i, :, :n].clone() for i, n in enumerate(view.kv_lens_cpu)]
 
 

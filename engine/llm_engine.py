@@ -127,7 +127,8 @@ class LLMEngine:
                                    on_preempt=self._on_preempt, reclaim=self.chains.reclaim)
         self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)
         self.runner.prober = self.chains.prober = Prober(
-            self.model, self.cache, mc.head_dim**-0.5, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+            self.model, self.cache, mc.head_dim**-0.5, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
+            self.backend)
         self._maybe_capture_graphs()
         self._requests: dict[str, Request] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}

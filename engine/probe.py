@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from engine.contract.view import PagedView
 from engine.errors import InvalidRequestError
 from engine.request import Request
 
@@ -28,25 +29,62 @@ REDUCTIONS = ("max", "mean")
 
 class _ProbeLayerRunner:
     """The model's LayerRunner for one probe (its chunks in order): attention over [visible retained KV + probe KV
-    so far], accumulating the reduced probabilities on the retained slots."""
+    so far], accumulating the reduced probabilities on the retained slots.
+
+    ``retained(layer)`` gives, per KV head, which of the layer's n retained slots the probe sees and either
+    their keys and values ``[n, Hkv, D]`` or, where the layer's KV heads all see the same slots (``cols``,
+    with a ``backend``), only those slots' keys and values; then the backend's ``forward_received`` computes
+    the output and the reduction without a probability matrix (on a GPU: the prefill kernel with its
+    log-sum-exp, then the received-attention kernel). Otherwise the chunk's full
+    [Hkv, group, chunk, retained + probe] probabilities are formed in fp32 (the reference)."""
 
     wants_layer_output = False
 
-    def __init__(self, retained: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scale: float,
-                 reduce: str, num_layers: int):
+    def __init__(self, retained: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+                 scale: float, reduce: str, num_layers: int, backend: Any = None):
         self.retained = retained
         self.scale = scale
         self.reduce = reduce
+        self.backend = backend
         self.past: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * num_layers
         self.scores: list[torch.Tensor | None] = [None] * num_layers
         self.num_reduced = [0] * num_layers  # (query head, probe query) pairs folded into a mean
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        keys, values, visible = self.retained(layer)  # [n, Hkv, D] x2, [Hkv, n] bool
+        keys, values, visible, cols = self.retained(layer)  # [Hkv, n] bool; keys/values [n, ..] or [cols, ..]
         past = self.past[layer]
         pk = k if past is None else torch.cat([past[0], k])
         pv = v if past is None else torch.cat([past[1], v])
         self.past[layer] = (pk, pv)
+        if cols is None:
+            out, part = self._dense(q, keys, values, visible, pk, pv)
+        else:
+            out, on_cols = self._received(q, keys, values, pk, pv)
+            part = on_cols.new_zeros(visible.shape)
+            part[:, cols] = on_cols
+        prev = self.scores[layer]
+        if self.reduce == "max":
+            self.scores[layer] = part if prev is None else torch.maximum(prev, part)
+        else:
+            self.scores[layer] = part if prev is None else prev + part
+            self.num_reduced[layer] += q.shape[1] // visible.shape[0] * q.shape[0]  # group x chunk
+        return out
+
+    def _received(self, q, keys, values, pk, pv) -> tuple[torch.Tensor, torch.Tensor]:
+        """The backend's fused path: [visible retained + probe] as one request of pages of one slot."""
+        c, n, device = q.shape[0], keys.shape[0], q.device
+        all_k, all_v = torch.cat([keys, pk]).unsqueeze(1), torch.cat([values, pv]).unsqueeze(1)
+        total = all_k.shape[0]
+        view = PagedView(
+            block_tables=torch.arange(total, dtype=torch.int32, device=device)[None],
+            kv_lens=torch.tensor([total], dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor([0, c], dtype=torch.int32, device=device),
+            page_size=1, kv_lens_cpu=[total], query_lens_cpu=[c], causal=True)
+        out, (received,) = self.backend.forward_received(q, all_k, all_v, view, self.scale, keys.shape[1],
+                                                         reduce="max" if self.reduce == "max" else "sum")
+        return out, received[:, :n]
+
+    def _dense(self, q, keys, values, visible, pk, pv) -> tuple[torch.Tensor, torch.Tensor]:
         c, hq, d = q.shape
         n, hkv = keys.shape[0], keys.shape[1]
         g = hq // hkv
@@ -57,16 +95,10 @@ class _ProbeLayerRunner:
         causal = torch.ones(c, p + c, dtype=torch.bool, device=q.device).tril(p)
         mask = torch.cat([visible[:, None, :].expand(hkv, c, n), causal.expand(hkv, c, p + c)], dim=2)
         probs = torch.softmax(logits.masked_fill(~mask[:, None], float("-inf")), dim=-1)  # [Hkv, g, c, n + p + c]
-        on_retained, prev = probs[..., :n], self.scores[layer]
-        if self.reduce == "max":
-            part = on_retained.amax(dim=(1, 2))
-            self.scores[layer] = part if prev is None else torch.maximum(prev, part)
-        else:
-            part = on_retained.sum(dim=(1, 2))
-            self.scores[layer] = part if prev is None else prev + part
-            self.num_reduced[layer] += g * c
+        on_retained = probs[..., :n]
+        part = on_retained.amax(dim=(1, 2)) if self.reduce == "max" else on_retained.sum(dim=(1, 2))
         out = torch.einsum("hgis,shd->ihgd", probs, all_v)
-        return out.reshape(c, hq, d).to(q.dtype)
+        return out.reshape(c, hq, d).to(q.dtype), part
 
     def end_layer(self, layer: int, hidden: torch.Tensor) -> None:
         pass
@@ -76,10 +108,14 @@ class Prober:
     """Runs probe forwards for one engine (its model, cache manager and attention scale).
 
     ``encode(text) -> token ids`` is the engine's tokenizer (no special tokens), for probes given as text.
+    ``backend``: the engine's attention backend, whose ``forward_received`` computes the probe's attention
+    where every KV head of a layer sees the same slots (None: always the fp32 full-matrix reference).
     """
 
-    def __init__(self, model: torch.nn.Module, cache: Any, scale: float, encode: Callable[[str], list[int]]):
+    def __init__(self, model: torch.nn.Module, cache: Any, scale: float, encode: Callable[[str], list[int]],
+                 backend: Any = None):
         self.model = model
+        self.backend = backend
         self.cache = cache
         self.scale = scale
         self.encode = encode
@@ -108,13 +144,14 @@ class Prober:
         ids = torch.tensor(list(token_ids), dtype=torch.int64, device=device)
         slots = [self._slots(table, table.layer_len(layer), device) for layer in range(num_layers)]
         visible = [cache.table_positions(table, layer) < start for layer in range(num_layers)]
+        cols = [self._shared_columns(v) for v in visible]
 
         def retained(layer: int):
             k_cache, v_cache = cache.layer_kv(layer)
-            s = slots[layer]
-            return k_cache.flatten(0, 1)[s], v_cache.flatten(0, 1)[s], visible[layer]
+            s = slots[layer] if cols[layer] is None else slots[layer][cols[layer]]
+            return k_cache.flatten(0, 1)[s], v_cache.flatten(0, 1)[s], visible[layer], cols[layer]
 
-        runner = _ProbeLayerRunner(retained, self.scale, reduce, num_layers)
+        runner = _ProbeLayerRunner(retained, self.scale, reduce, num_layers, self.backend)
         with torch.inference_mode():
             for lo in range(0, ids.shape[0], chunk_size):
                 chunk = ids[lo: lo + chunk_size]
@@ -128,6 +165,12 @@ class Prober:
     def run_request(self, req: Request, token_ids: Sequence[int], **kw) -> list[torch.Tensor]:
         """``run`` against the KV a running request holds (logical length ``req.num_computed_tokens``)."""
         return self.run(self.cache.table(req), req.num_computed_tokens, token_ids, **kw)
+
+    def _shared_columns(self, visible: torch.Tensor) -> torch.Tensor | None:
+        """The slots every KV head sees, when all heads see the same ones and a backend is set, else None."""
+        if self.backend is None or not bool((visible == visible[:1]).all()):
+            return None
+        return visible[0].nonzero().squeeze(1)
 
     def _slots(self, table: Any, n: int, device: torch.device) -> torch.Tensor:
         ps = self.cache.page_size

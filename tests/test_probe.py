@@ -1,5 +1,6 @@
 """The probe forward against a dense full-matrix reference, and the chain left byte-for-byte unchanged."""
 
+import copy
 import random
 
 import pytest
@@ -94,11 +95,24 @@ def chain_engine(tiny_dirs):
     return engine, rng
 
 
+def prober_for(engine, path):
+    """The engine's prober ("backend": attention through the engine's backend where every KV head of a layer
+    sees the same slots) or a copy that always forms the full probability matrix ("reference")."""
+    if path == "backend":
+        assert engine.chains.prober.backend is engine.backend
+        return engine.chains.prober
+    reference = copy.copy(engine.chains.prober)
+    reference.backend = None
+    return reference
+
+
+@pytest.mark.parametrize("path", ["backend", "reference"])
 @pytest.mark.parametrize("reduce", ["max", "mean"])
 @pytest.mark.parametrize("pruned", [False, True])
-def test_probe_scores_equal_dense_attention_and_the_chain_is_unchanged(chain_engine, reduce, pruned):
+def test_probe_scores_equal_dense_attention_and_the_chain_is_unchanged(chain_engine, reduce, pruned, path):
     engine, rng = chain_engine
-    chain = f"p-{reduce}-{pruned}"
+    prober = prober_for(engine, path)
+    chain = f"p-{reduce}-{pruned}-{path}"
     engine.fork_chain("c", chain)
     if pruned:  # per-head kept sets (knorm) make the retained slots non-contiguous and differ between heads
         engine.prune_chain(chain, [(5, 30)], scorer="knorm", keep_ratio=0.4)
@@ -109,31 +123,41 @@ def test_probe_scores_equal_dense_attention_and_the_chain_is_unchanged(chain_eng
     probe = random_tokens(rng, 11)
     before = chain_snapshot(engine, chain)
 
-    got = engine.chains.prober.run(state.table, state.num_computed, probe, reduce=reduce, chunk_size=4)
+    got = prober.run(state.table, state.num_computed, probe, reduce=reduce, chunk_size=4)
     assert_unchanged(before, chain_snapshot(engine, chain))
 
     expected = dense_probe_reference(engine.model, history, probe, kept, state.num_computed, reduce)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
-    whole = engine.chains.prober.run(state.table, state.num_computed, probe, reduce=reduce, chunk_size=64)
+    whole = prober.run(state.table, state.num_computed, probe, reduce=reduce, chunk_size=64)
     for g, w in zip(got, whole):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
     engine.delete_chain(chain)
 
 
-def test_probe_from_an_earlier_start_reproduces_the_histories_own_attention(chain_engine):
-    """Re-running the last w tokens of the history at their own positions (start = n - w) gives exactly the
-    attention those tokens' queries paid to the earlier KV when the history was computed."""
+@pytest.mark.parametrize("pruned", [False, True])
+def test_probe_from_an_earlier_start_reproduces_the_histories_own_attention(chain_engine, pruned):
+    """Re-running w tokens of the history at their own positions (from ``start``) gives exactly the attention
+    those tokens' queries paid to the earlier KV when the history was computed. Pruned per head inside
+    [5, 30) and started at 18, the heads of a layer see different slots: the probe takes its full-matrix path."""
     engine, _ = chain_engine
-    state = engine.chains.index.get("c")
+    chain = f"early-{pruned}"
+    engine.fork_chain("c", chain)
+    if pruned:
+        engine.prune_chain(chain, [(5, 30)], scorer="knorm", keep_ratio=0.4)
+    state = engine.chains.index.get(chain)
     n, w = state.num_computed, 6
+    start = 18 if pruned else n - w
     history = state.token_ids[:n]
     kept = [engine.cache.table_positions(state.table, layer).clone() for layer in range(engine.model_config.num_layers)]
-    got = engine.chains.prober.run(state.table, n, history[n - w:], start=n - w, reduce="mean", chunk_size=4)
-    expected = dense_probe_reference(engine.model, history, history[n - w:], kept, n - w, "mean")
-    for g, e in zip(got, expected):
+    assert pruned != all(bool((p[:1] < start).eq(p < start).all()) for p in kept)  # heads see different slots
+    probe = history[start: start + w]
+    got = engine.chains.prober.run(state.table, n, probe, start=start, reduce="mean", chunk_size=4)
+    expected = dense_probe_reference(engine.model, history, probe, kept, start, "mean")
+    for g, e, positions in zip(got, expected, kept):
         torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
-        assert torch.all(g[:, n - w:] == 0)  # slots at or after start are hidden from the probe
+        assert torch.all(g[positions >= start] == 0)  # slots at or after start are hidden from the probe
+    engine.delete_chain(chain)
 
 
 def test_probe_rejects_bad_input(chain_engine):

@@ -146,17 +146,18 @@ def test_quest_page_scores_match_reference(dtype, group, aggregate, block_p):
     _close(got, ref, (1e-4, 1e-4) if dtype == torch.float32 else (2e-2, 2e-3))
 
 
-@pytest.mark.parametrize("dtype,group,page_size,causal", [
-    (torch.float32, 2, 4, True), (torch.float16, 4, 16, True), (torch.float16, 3, 8, True),
-    (torch.float32, 1, 8, False)])
-def test_received_attention_matches_reference(dtype, group, page_size, causal):
-    """Prefill with lse= then the column-sum pass equals the reference's summed probabilities."""
+@pytest.mark.parametrize("dtype,group,page_size,causal,reduce", [
+    (torch.float32, 2, 4, True, "sum"), (torch.float16, 4, 16, True, "sum"), (torch.float16, 3, 8, True, "sum"),
+    (torch.float32, 1, 8, False, "sum"), (torch.float32, 2, 4, True, "max"), (torch.float16, 3, 8, True, "max"),
+    (torch.float32, 1, 1, False, "max")])
+def test_received_attention_matches_reference(dtype, group, page_size, causal, reduce):
+    """Prefill with lse= then the column pass equals the reference's summed (maximised) probabilities."""
     from kernels.torch_ref import paged_attention
     from kernels.torch_ref.received_attention import received_attention as ref_received
     from kernels.triton import paged_prefill_attention
     from kernels.triton.received_attention import received_attention
 
-    _seed("received", dtype, group, page_size, causal)
+    _seed("received", dtype, group, page_size, causal, reduce)
     kv_lens, query_lens = [37, 16, 70, 9], [37, 5, 20, 1]  # a whole prompt, extends, a decode row
     q, k, v, view = _setup(kv_lens, page_size, 2, group, 64, dtype, query_lens)
     lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=DEVICE)
@@ -165,31 +166,59 @@ def test_received_attention_matches_reference(dtype, group, page_size, causal):
     ref_out, _ = paged_attention(q, k, v, view.block_tables, kv_lens, query_lens, 0.125, causal=causal)
     _close(out, ref_out, TOL[dtype])
     got = received_attention(q, k, view.block_tables, view.kv_lens, view.query_start_loc, lse, 0.125,
-                             width=max(kv_lens), max_query_len=max(query_lens), causal=causal, block_n=16)
-    ref = ref_received(q, k, view.block_tables, kv_lens, query_lens, 0.125, causal=causal, chunk=7)
+                             width=max(kv_lens), max_query_len=max(query_lens), causal=causal, block_n=16,
+                             reduce=reduce)
+    ref = ref_received(q, k, view.block_tables, kv_lens, query_lens, 0.125, causal=causal, chunk=7, reduce=reduce)
     _, probs = paged_attention(q, k, v, view.block_tables, kv_lens, query_lens, 0.125, causal=causal,
-                               return_scores=True)  # the full matrices, summed: the definition
+                               return_scores=True)  # the full matrices, reduced: the definition
     for r, p in zip(ref, probs):
-        _close(r, p.sum(dim=1).view(2, group, -1).sum(dim=1), (1e-5, 1e-5))
+        rows = p.view(2, group, *p.shape[1:])  # [Hkv, group, query_len, kv_len]
+        _close(r, rows.sum(dim=(1, 2)) if reduce == "sum" else rows.amax(dim=(1, 2)), (1e-5, 1e-5))
     for i, r in enumerate(ref):
         assert torch.all(got[i, :, kv_lens[i]:] == 0)
         _close(got[i, :, : kv_lens[i]], r, (2e-3, 2e-3) if dtype == torch.float16 else (1e-5, 1e-5))
-        # every query row's probabilities sum to 1: the slots receive query_len * group in all
-        torch.testing.assert_close(r.sum().cpu(), torch.tensor(float(query_lens[i] * group * 2)), atol=1e-3,
-                                   rtol=1e-4)
+        if reduce == "sum":  # every query row's probabilities sum to 1: the slots receive query_len * group
+            torch.testing.assert_close(r.sum().cpu(), torch.tensor(float(query_lens[i] * group * 2)), atol=1e-3,
+                                       rtol=1e-4)
+        else:
+            assert float(r.max()) <= 1.0 + 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("selected", [False, True])
-def test_backends_agree_on_received_attention(dtype, selected):
-    _seed("forward_received", dtype, selected)
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+def test_backends_agree_on_received_attention(dtype, selected, reduce):
+    _seed("forward_received", dtype, selected, reduce)
     kv_lens, query_lens = [3, 37, 16, 70], [3, 1, 9, 1]
     q, k, v, view = _setup(kv_lens, 8, 2, 2, 64, dtype, query_lens)
     if selected:
         view = _selected(view, 0.4, view.query_lens_cpu)
-    out, received = TritonBackend().forward_received(q, k, v, view, 0.125, 2)
-    ref_out, ref_received = TorchReferenceBackend().forward_received(q, k, v, view, 0.125, 2)
+    out, received = TritonBackend().forward_received(q, k, v, view, 0.125, 2, reduce=reduce)
+    ref_out, ref_received = TorchReferenceBackend().forward_received(q, k, v, view, 0.125, 2, reduce=reduce)
     _close(out, ref_out, TOL[dtype])
     assert [r.shape for r in received] == [r.shape for r in ref_received] == [(2, n) for n in view.kv_lens_cpu]
     for r, g in zip(ref_received, received):
         _close(g, r, (2e-3, 2e-3) if dtype == torch.float16 else (1e-5, 1e-5))
+
+
+@pytest.mark.parametrize("reduce", ["max", "mean"])
+def test_probe_through_the_triton_backend_equals_the_reference_probe(tiny_dirs, reduce):
+    """The probe forward (KVzip's reconstruction, SnapKV-global's votes) with the Triton backend's fused
+    received attention equals the probe that forms every probability matrix in fp32."""
+    import copy
+    import random
+
+    from engine import LLM, SamplingParams
+    from tests.chain_helpers import random_tokens, run_chain_turn
+
+    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device=str(DEVICE), page_size=4, max_num_batched_tokens=16)
+    engine, rng = llm.engine, random.Random(2)
+    run_chain_turn(engine, "c", random_tokens(rng, 29), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    state = engine.chains.index.get("c")
+    fused, reference = copy.copy(engine.chains.prober), copy.copy(engine.chains.prober)
+    fused.backend, reference.backend = TritonBackend(), None
+    probe = random_tokens(rng, 9)
+    got = fused.run(state.table, state.num_computed, probe, reduce=reduce, chunk_size=4)
+    want = reference.run(state.table, state.num_computed, probe, reduce=reduce, chunk_size=4)
+    for g, w in zip(got, want):
+        _close(g, w, (1e-4, 1e-6))

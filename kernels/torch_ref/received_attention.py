@@ -1,5 +1,6 @@
 """Reference received attention: for each request and KV head, the attention probability every slot receives,
-summed over the request's queries and the KV head's query heads (what H2O accumulates per step).
+summed over the request's queries and the KV head's query heads (what H2O accumulates per step), or with
+``reduce="max"`` their maximum (what KVzip's reconstruction probe keeps).
 
 Same layout as ``paged_attention`` (flattened queries, paged KV, causal over each request's last
 ``query_len`` slots). Queries are taken ``chunk`` rows at a time, so no [Hq, query_len, kv_len] matrix of a
@@ -13,7 +14,9 @@ from kernels.torch_ref.paged_attention import _gather
 
 def received_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: list[int],
                        query_lens: list[int], scale: float, causal: bool = True,
-                       chunk: int = 256) -> list[torch.Tensor]:
+                       chunk: int = 256, reduce: str = "sum") -> list[torch.Tensor]:
+    if reduce not in ("sum", "max"):
+        raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = q.shape[1] // num_kv_heads
     out, start = [], 0
@@ -28,7 +31,12 @@ def received_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: tor
                 limit = torch.arange(length - n + c0 + 1, length - n + c0 + rows.shape[1] + 1, device=q.device)
                 visible = torch.arange(length, device=q.device)[None, :] < limit[:, None]
                 logits = logits.masked_fill(~visible[None], float("-inf"))
-            received += torch.softmax(logits, dim=-1).sum(dim=1)
-        out.append(received.view(num_kv_heads, group, length).sum(dim=1))
+            probs = torch.softmax(logits, dim=-1)
+            if reduce == "sum":
+                received += probs.sum(dim=1)
+            else:
+                torch.maximum(received, probs.amax(dim=1), out=received)
+        per_head = received.view(num_kv_heads, group, length)
+        out.append(per_head.sum(dim=1) if reduce == "sum" else per_head.amax(dim=1))
         start += n
     return out

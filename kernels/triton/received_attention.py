@@ -1,8 +1,9 @@
 """Received attention on the GPU without materialising probabilities: per request, KV head and slot, the
-attention the slot receives summed over the request's queries and the KV head's query heads.
+attention the slot receives summed (``reduce="sum"``) or maximised (``"max"``) over the request's queries and
+the KV head's query heads.
 
 ``received_attention(q, k_cache, block_tables, kv_lens, query_start_loc, lse, scale, width, max_query_len,
-causal=True)``
+causal=True, reduce="sum")``
     q, k_cache, block_tables, kv_lens, query_start_loc: as ``paged_prefill_attention``
     lse:    [T, Hq] fp32, each query row's log2-sum-exp of ``q . k * scale * log2(e)`` (the prefill kernel
             writes it with ``lse=``)
@@ -11,9 +12,9 @@ causal=True)``
 
 Grid (cdiv(width, BLOCK_N), B, Hkv): a program loads one BLOCK_N-slot key tile of one KV head once and walks
 the request's query tiles (BLOCK_Q tokens x GROUP heads as the rows of one tile, as in the prefill kernel),
-recomputing ``p = exp2(q . k * scale_log2 - lse)`` and summing it over the rows. Causal query tiles that see
+recomputing ``p = exp2(q . k * scale_log2 - lse)`` and reducing it over the rows. Causal query tiles that see
 no slot of the key tile are skipped. Its FLOPs equal one more QK^T pass of the prefill; its only output is
-the [B, Hkv, width] sum.
+the [B, Hkv, width] reduction.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _received_kernel(
     stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, REDUCE_MAX: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
     b = tl.program_id(1)
@@ -75,13 +76,19 @@ def _received_kernel(
             if CAUSAL:
                 visible = visible & (offs_n[None, :] < ctx + tok_q[:, None] + 1)
             p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-            total += tl.sum(p, 0)
+            if REDUCE_MAX:
+                total = tl.maximum(total, tl.max(p, 0))
+            else:
+                total += tl.sum(p, 0)
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + kvh * stride_oh + offs_n, total, mask=n_mask)
 
 
 def received_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
                        query_start_loc: torch.Tensor, lse: torch.Tensor, scale: float, width: int,
-                       max_query_len: int, causal: bool = True, block_n: int = 64) -> torch.Tensor:
+                       max_query_len: int, causal: bool = True, block_n: int = 64,
+                       reduce: str = "sum") -> torch.Tensor:
+    if reduce not in ("sum", "max"):
+        raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     batch = block_tables.shape[0]
@@ -103,6 +110,6 @@ def received_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: tor
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
         HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, CAUSAL=causal,
-        UPCAST=upcast, PRECISION=precision,
+        UPCAST=upcast, PRECISION=precision, REDUCE_MAX=reduce == "max",
     )
     return out[:, :, :width]
