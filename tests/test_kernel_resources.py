@@ -25,3 +25,44 @@ def test_decode_kernels_compile_pipelined_without_spills(tmp_path):
     for r in rows.values():
         assert r["spill_stores"] == 0 and r["LDGSTS"] > 0 and r["programs_per_sm"] >= 3, r
         assert r["I2F"] == 0 and r["MUFU"] <= 16, r
+
+
+def test_interpreter_launches_compile_for_sm90_and_refusals_are_reported(tmp_path):
+    """``benchmarks.sm90_launches`` records the launches a test makes in the interpreter and compiles each for
+    sm_90a; a launch the compiler refuses (a non-power-of-two block) or the SM could not hold (shared memory
+    over 227 KiB) is reported, not passed."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "launches.json"
+    done = subprocess.run([sys.executable, "-m", "benchmarks.sm90_launches", "tests/test_triton_kernels.py", "-k",
+                           "silu", "--json", str(out)], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["launches"] >= 2 and report["failures"] == []
+    script = """
+import json
+from benchmarks.sm90_launches import compile_launch
+ptr = {"ptr": "fp32", "aligned": True}
+base = {"mid_o_ptr": ptr, "mid_lse_ptr": ptr, "out_ptr": ptr, "stride_ob": {"value": 4096},
+        "stride_oh": {"value": 128}, "HEAD_DIM": {"value": 128}, "BLOCK_D": {"value": 128},
+        "NUM_SPLITS": {"value": 8}, "BLOCK_S": {"value": 8}}
+rec = {"module": "kernels.triton.decode_attention", "name": "_decode_combine_kernel", "options": {"num_warps": 4}}
+compile_launch(dict(rec, args=base))
+from benchmarks.kernel_resources import cases
+fn, args, _ = cases()["dense bf16"]
+split = {k: {"ptr": v[1:], "aligned": True} if isinstance(v, str) and v.startswith("*") else {"value": v}
+         for k, v in args.items()}
+compile_launch({"module": fn.fn.__module__, "name": fn.fn.__name__, "args": split, "options": {"num_stages": 2}})
+for bad in (dict(rec, args=base | {"BLOCK_D": {"value": 96}}),  # tl.arange needs a power of two
+            {"module": fn.fn.__module__, "name": fn.fn.__name__, "options": {"num_stages": 4},
+             "args": split | {"BLOCK_N": {"value": 1024}}}):  # K and V tiles of 1024 x 128, 4 stages deep
+    try:
+        compile_launch(bad)
+    except Exception as exc:
+        print("REFUSED", type(exc).__name__, str(exc)[:80].replace(chr(10), " "))
+"""
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("REFUSED") == 2, done.stdout
+    assert "out of resources" in done.stdout, done.stdout
