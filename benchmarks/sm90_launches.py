@@ -26,7 +26,7 @@ import sys
 import tempfile
 
 DEFAULT_TESTS = ("tests/test_triton_kernels.py", "tests/test_triton_selection.py", "tests/test_quant_kernels.py",
-                 "tests/test_cluster_decode.py", "tests/test_palu.py")
+                 "tests/test_cluster_decode.py", "tests/test_palu.py", "tests/test_asym_encode.py")
 SM90_SHARED_BYTES = 232448  # an H100/H200 block's shared memory, opted in to the maximum
 SM90_REGISTERS = 65536  # registers per SM (and per block)
 _RECORD_ENV = "AGENTRT_RECORD_LAUNCHES"  # directory the recorder (loaded as a pytest plugin) writes into
@@ -120,7 +120,7 @@ def compile_launch(rec: dict) -> None:
             sig[param.name] = "fp32"
         else:
             raise ValueError(f"cannot type argument {param.name}: {desc}")
-    options = {k: v for k, v in rec["options"].items() if k in ("num_warps", "num_stages")}
+    options = {k: v for k, v in rec["options"].items() if k in ("num_warps", "num_stages", "enable_fp_fusion")}
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options=options)
     if kernel.metadata.shared > SM90_SHARED_BYTES:
         raise RuntimeError(f"out of resources: {kernel.metadata.shared} bytes of shared memory, the SM has "

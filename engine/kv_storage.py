@@ -102,17 +102,9 @@ class CodedStorage:
         """Encode x [N, H, D] (whole groups, in order; logical ``positions`` [N] for codecs that need them) and
         store it at physical ``slots`` [N]."""
         tc = self.codec.layer_codec(layer, side)
-        specs = tc.fields(self.spec.head_dim)
-        if tc.needs_positions:
-            if positions is None:
-                raise ValueError(f"kv_storage {self.codec.name!r} stores keys by position: none given")
-            encoded = tc.encode(x, positions)
-        else:
-            encoded = tc.encode(x)
-        for name, value in encoded.items():
-            dst = self.fields[side][name][layer].flatten(0, 1)
-            idx = slots[:: tc.token_group] // tc.token_group if specs[name].per_group else slots
-            dst.index_copy_(0, idx, value.to(dst.dtype))
+        if tc.needs_positions and positions is None:
+            raise ValueError(f"kv_storage {self.codec.name!r} stores keys by position: none given")
+        tc.store(x, slots, {name: t[layer].flatten(0, 1) for name, t in self.fields[side].items()}, positions)
 
     def store_fields(self, layer: int, side: str, fields: dict[str, torch.Tensor], slots: torch.Tensor) -> None:
         """Store per-slot fields (token-local codecs only) as they are: an exact move."""

@@ -62,6 +62,11 @@ def asym_quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits
     return q.clamp(0, (1 << bits) - 1).to(torch.uint8)
 
 
+def use_kernel(x: torch.Tensor) -> bool:
+    """Whether ``store`` encodes with the fused Triton kernel (``kernels/triton/asym_encode.py``): on a GPU."""
+    return x.is_cuda
+
+
 class PerChannelKeys(TensorCodec):
     def __init__(self, bits: int, group_size: int):
         self.bits, self.token_group = bits, group_size
@@ -77,6 +82,15 @@ class PerChannelKeys(TensorCodec):
         scale, zero = asym_params(g.amin(1), g.amax(1), self.bits)
         codes = asym_quantize(g, scale[:, None], zero[:, None], self.bits).view(n, h, d)
         return {"codes": pack_planes(codes, self.bits), "scale": scale, "zero": zero}
+
+    def store(self, x, slots, fields, positions=None) -> None:
+        if use_kernel(x):
+            from kernels.triton.asym_encode import encode_channel_groups, supported
+
+            if supported(x.shape[-1], self.bits, self.token_group):
+                encode_channel_groups(x, slots, fields["codes"], fields["scale"], fields["zero"], self.bits, self.token_group)
+                return
+        super().store(x, slots, fields, positions)
 
     def decode(self, fields: dict[str, torch.Tensor], head_dim: int) -> torch.Tensor:
         codes = unpack_planes(fields["codes"], self.bits).float()
@@ -98,6 +112,15 @@ class PerTokenValues(TensorCodec):
         scale, zero = asym_params(g.amin(-1), g.amax(-1), self.bits)
         codes = asym_quantize(g, scale[..., None], zero[..., None], self.bits).view(n, h, d)
         return {"codes": pack_planes(codes, self.bits), "scale": scale, "zero": zero}
+
+    def store(self, x, slots, fields, positions=None) -> None:
+        if use_kernel(x):
+            from kernels.triton.asym_encode import encode_token_groups, supported
+
+            if supported(x.shape[-1], self.bits, self.channel_group):
+                encode_token_groups(x, slots, fields["codes"], fields["scale"], fields["zero"], self.bits, self.channel_group)
+                return
+        super().store(x, slots, fields, positions)
 
     def decode(self, fields: dict[str, torch.Tensor], head_dim: int) -> torch.Tensor:
         codes = unpack_planes(fields["codes"], self.bits).float()

@@ -53,6 +53,18 @@ class TensorCodec(ABC):
         per group, [N // token_group, H, w]. With ``needs_positions``: ``encode(x, positions)``, positions
         [N] int64 the tokens' logical positions."""
 
+    def store(self, x: torch.Tensor, slots: torch.Tensor, fields: dict[str, torch.Tensor],
+              positions: torch.Tensor | None = None) -> None:
+        """Encode x [N, H, D] (as ``encode``) into the side tensors ``fields`` (flattened: [num_slots, H, w], per
+        group [num_slots // token_group, H, w]) at physical ``slots`` [N] (a group's fields at its first slot
+        // token_group). ``encode`` then one index copy per field; a codec may fuse both into one kernel."""
+        encoded = self.encode(x, positions) if self.needs_positions else self.encode(x)
+        specs = self.fields(x.shape[-1])
+        for name, value in encoded.items():
+            dst = fields[name]
+            idx = slots[:: self.token_group] // self.token_group if specs[name].per_group else slots
+            dst.index_copy_(0, idx, value.to(dst.dtype))
+
     @abstractmethod
     def decode(self, fields: dict[str, torch.Tensor], head_dim: int) -> torch.Tensor:
         """The inverse on N slots, every field given per slot ([N, H, w]; see ``expand_groups``) -> [N, H, D]
