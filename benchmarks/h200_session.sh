@@ -59,7 +59,7 @@ for step in "$@"; do
     tests)
         run tests 400 python -m pytest -v -n 8 --tb=short -rf --timeout 120 -p no:cacheprovider tests/test_gpu_backends.py \
             tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py \
-            tests/test_triton_kernels.py tests/test_decode_steps.py ;;
+            tests/test_triton_kernels.py tests/test_decode_steps.py tests/test_asym_encode.py ;;
     kernels)
         run kernels 200 python benchmarks/attention_kernels.py --json "$OUT/kernels.json" ;;
     sweep)
