@@ -27,6 +27,9 @@
 #   snapwin    SnapKV(4096) vs dense at 128K, each at its largest batch, with --decode-window 8
 #   retro      RetroInfer (cluster-gather kernel) vs dense at 32K, matched batch
 #   replay     16 agent sessions x 30 turns: dense + prefix cache, SnapKV + Chain Cache, dense + lag pruning
+#   replaypressure  32 sessions x 20 turns on a 24K-page pool: more KV than the pool holds for the stateless
+#              route (16 x 30 peaked at 37K pages), so its prefix cache must evict what it re-sends, while the
+#              chains' compacted state (SnapKV peaked at 4.2K pages) still fits
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -112,11 +115,13 @@ for step in "$@"; do
     retro)
         run retro 300 $SPARSE --context 32768 --max-batch 8 \
             --methods 'dense;retroinfer:{}' --json "$OUT/retro.json" ;;
-    replay)
-        run replay 560 python -c 'import sys; from agentrt.cli import main; sys.exit(main())' replay run \
-            --shape llama-3.1-8b --load-format dummy --sessions 16 --turns 30,30 --think-scale 0 \
+    replay | replaypressure)  # pressure: twice the sessions, 20 turns, a 24K-page pool (not yet run on a GPU)
+        load=(--sessions 16 --turns 30,30)
+        [ "$step" = replaypressure ] && load=(--sessions 32 --turns 20,20 --num-pages 24000)
+        run "$step" 560 python -c 'import sys; from agentrt.cli import main; sys.exit(main())' replay run \
+            --shape llama-3.1-8b --load-format dummy "${load[@]}" --think-scale 0 \
             --max-num-batched-tokens 8192 --configs dense-prefix,snapkv-chain,dense-chain-lag \
-            --snapkv-config '{"budget": 4096}' --out "$OUT/replay" ;;
+            --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
     *)
         echo "unknown step $step" >&2
         exit 2 ;;
