@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.paged_cache import PagedCacheManager
+from kernels.dispatch import window_votes
 
 if TYPE_CHECKING:
     from engine.request import Request
@@ -70,6 +71,24 @@ def window_scores(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, k_po
     hidden = k_pos[:, None, None, :] > q_pos[None, None, :, None]  # [Hkv, 1, w, n]
     probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
     return probs.sum(dim=2).mean(dim=1)
+
+
+def held_window_scores(cache: PagedCacheManager, req: Request, layer: int, q: torch.Tensor, q_pos: torch.Tensor,
+                       k_pos: torch.Tensor) -> torch.Tensor:
+    """``window_scores`` of the window rows ``q`` at ``q_pos`` over every slot ``req`` holds in ``layer``
+    (logical positions ``k_pos`` [Hkv, n]). Where the window's rows are the layer's last slots (the same
+    positions in every head, all other slots before them: a prompt's end, a chain turn that recomputed its
+    window) slot order is causal order, and the paged keys are read in place by ``window_votes`` (on a GPU its
+    kernels); otherwise, or for coded storage, the keys are gathered and scored here in fp32."""
+    n, w = k_pos.shape[1], q.shape[0]
+    k_cache, _ = cache.layer_kv(layer)
+    in_place = (isinstance(k_cache, torch.Tensor) and 0 < w <= n
+                and bool((k_pos[:, n - w:] == q_pos[None, :]).all()) and bool((k_pos[:, : n - w] < q_pos[0]).all()))
+    if not in_place:
+        return window_scores(q, gather_keys(cache, req, layer, n), q_pos, k_pos)
+    group = q.shape[1] // k_pos.shape[0]
+    pages = torch.tensor(cache.table(req).pages[: -(-n // cache.page_size)], dtype=torch.int32, device=q.device)
+    return window_votes(q, k_cache, pages, n, q.shape[-1] ** -0.5) / group
 
 
 def pool1d(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:

@@ -63,11 +63,10 @@ from policies.scoring import (
     POOLINGS,
     QueryStash,
     check_int,
-    gather_keys,
+    held_window_scores,
     keep_all,
     keep_voted_and_window,
     request_rows,
-    window_scores,
 )
 
 
@@ -206,7 +205,7 @@ class SnapKV(SparseMethod):
                 continue
             q, q_pos = st.queries.rows_between(layer, end - cfg.window, end)
             k_pos = cache.positions_of(req, layer)
-            vote = window_scores(q, gather_keys(cache, req, layer, n), q_pos, k_pos)
+            vote = held_window_scores(cache, req, layer, q, q_pos, k_pos)
             keep.append(keep_voted_and_window(vote, k_pos, end - cfg.window, budget, cfg.kernel_size, cfg.pooling))
             changed = True
         return not changed or cache.compact(req, keep)

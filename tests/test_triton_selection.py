@@ -222,3 +222,47 @@ def test_probe_through_the_triton_backend_equals_the_reference_probe(tiny_dirs, 
     want = reference.run(state.table, state.num_computed, probe, reduce=reduce, chunk_size=4)
     for g, w in zip(got, want):
         _close(g, w, (1e-4, 1e-6))
+
+
+@pytest.mark.parametrize("dtype,group,page_size,causal", [
+    (torch.float32, 2, 4, True), (torch.float16, 4, 16, True), (torch.float32, 1, 8, False)])
+def test_key_split_lse_matches_logsumexp(dtype, group, page_size, causal):
+    """``paged_lse`` (partial max / sum per key tile, merged) equals torch's log-sum-exp of the same logits."""
+    from kernels.triton.received_attention import paged_lse
+
+    _seed("lse", dtype, group, page_size, causal)
+    kv_lens, query_lens = [37, 16, 70, 9], [3, 5, 32, 1]
+    q, k, _, view = _setup(kv_lens, page_size, 2, group, 64, dtype, query_lens)
+    got = paged_lse(q, k, view.block_tables, view.kv_lens, view.query_start_loc, 0.125, max(kv_lens),
+                    max(query_lens), causal=causal, block_n=16)
+    start = 0
+    for i, (n, m) in enumerate(zip(kv_lens, query_lens)):
+        pages = view.block_tables[i, : -(-n // page_size)].long()
+        keys = k[pages].flatten(0, 1)[:n].float().repeat_interleave(group, dim=1)  # [n, Hq, D]
+        logits = torch.einsum("thd,shd->ths", q[start:start + m].float(), keys) * 0.125 * math.log2(math.e)
+        if causal:
+            hidden = torch.arange(n, device=DEVICE)[None, :] > (n - m + torch.arange(m, device=DEVICE))[:, None]
+            logits = logits.masked_fill(hidden[:, None, :], float("-inf"))
+        want = torch.logsumexp(logits * math.log(2), dim=-1) / math.log(2)
+        _close(got[start:start + m], want, (1e-4, 1e-5) if dtype == torch.float32 else (3e-3, 3e-3))
+        start += m
+
+
+@pytest.mark.parametrize("dtype,group,page_size,n,w", [
+    (torch.float32, 2, 4, 70, 8), (torch.float16, 4, 16, 100, 32), (torch.float32, 3, 8, 9, 9)])
+def test_window_votes_kernels_equal_the_reference(dtype, group, page_size, n, w):
+    """SnapKV's window vote over paged keys: the Triton kernels equal the chunked torch reference, and both equal
+    the observation-window definition (``policies.scoring.window_scores``) times the group size."""
+    from kernels.dispatch import window_votes
+    from policies.scoring import window_scores
+
+    _seed("votes", dtype, group, page_size, n, w)
+    q, k, _, view = _setup([n], page_size, 2, group, 64, dtype, [w])
+    pages = view.block_tables[0, : -(-n // page_size)]
+    got = window_votes(q, k, pages, n, 64 ** -0.5, use_triton=True)
+    ref = window_votes(q, k, pages, n, 64 ** -0.5, use_triton=False)
+    keys = k[pages.long()].flatten(0, 1)[:n]
+    positions = torch.arange(n, device=DEVICE)
+    definition = window_scores(q, keys, positions[n - w:], positions.expand(2, n)) * group
+    _close(ref, definition, (1e-5, 1e-5))
+    _close(got, ref, (1e-5, 1e-5) if dtype == torch.float32 else (2e-3, 2e-3))

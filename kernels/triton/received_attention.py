@@ -2,6 +2,9 @@
 attention the slot receives summed (``reduce="sum"``) or maximised (``"max"``) over the request's queries and
 the KV head's query heads.
 
+``paged_lse(q, k_cache, block_tables, kv_lens, query_start_loc, scale, width, max_query_len, causal=True)``
+    [T, Hq] fp32: each row's log2-sum-exp split along the keys (see the function), for few rows over long KV.
+
 ``received_attention(q, k_cache, block_tables, kv_lens, query_start_loc, lse, scale, width, max_query_len,
 causal=True, reduce="sum")``
     q, k_cache, block_tables, kv_lens, query_start_loc: as ``paged_prefill_attention``
@@ -81,6 +84,96 @@ def _received_kernel(
             else:
                 total += tl.sum(p, 0)
         tl.store(out_ptr + b.to(tl.int64) * stride_ob + kvh * stride_oh + offs_n, total, mask=n_mask)
+
+
+@triton.jit
+def _tile_lse_kernel(
+    q_ptr, k_ptr, bt_ptr, lens_ptr, qsl_ptr, m_ptr, l_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kp, stride_ks, stride_kh,
+    stride_btb, stride_mt,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Per key tile, each query row's max logit and sum of exp2(logit - max) over the tile's visible slots."""
+    tile = tl.program_id(0)
+    n0 = tile * BLOCK_N
+    b = tl.program_id(1)
+    kvh = tl.program_id(2)
+    num_q_heads = tl.num_programs(2) * GROUP
+    kv_len = tl.load(lens_ptr + b)
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < kv_len
+    if n0 < kv_len:
+        q_start = tl.load(qsl_ptr + b)
+        q_len = tl.load(qsl_ptr + b + 1) - q_start
+        ctx = kv_len - q_len
+        offs_m = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        dot_ty = tl.float32 if UPCAST else k_ptr.dtype.element_ty
+        page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        in_page = (offs_n % PAGE_SIZE).to(tl.int64)
+        k = tl.load(k_ptr + kvh.to(tl.int64) * stride_kh + (page * stride_kp + in_page * stride_ks)[:, None]
+                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
+        head = kvh * GROUP + offs_m % GROUP
+        first = 0
+        if CAUSAL:
+            first = tl.maximum(n0 - ctx, 0) // BLOCK_Q * BLOCK_Q
+        for q0 in range(first, q_len, BLOCK_Q):
+            tok_q = q0 + offs_m // GROUP
+            row_mask = (offs_m < BLOCK_Q * GROUP) & (tok_q < q_len)
+            q_rows = (q_start + tok_q).to(tl.int64)
+            q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                        mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            visible = row_mask[:, None] & n_mask[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] < ctx + tok_q[:, None] + 1)
+            s = tl.where(visible, s, float("-inf"))
+            m = tl.max(s, 1)
+            m_safe = tl.where(m == float("-inf"), 0.0, m)
+            l = tl.sum(tl.where(visible, tl.exp2(s - m_safe[:, None]), 0.0), 1)
+            at = tile.to(tl.int64) * stride_mt + q_rows * num_q_heads + head
+            tl.store(m_ptr + at, m, mask=row_mask)
+            tl.store(l_ptr + at, l, mask=row_mask)
+
+
+def paged_lse(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
+              query_start_loc: torch.Tensor, scale: float, width: int, max_query_len: int, causal: bool = True,
+              block_n: int = 64) -> torch.Tensor:
+    """[T, Hq] fp32 log2-sum-exp of every query row over its visible slots (the prefill kernel's ``lse=``
+    quantity) split along the keys: one program per key tile and KV head, partial (max, sum) per tile merged
+    in torch. For a few query rows over a long context (an observation window), where the prefill kernel would
+    stream the whole context through one program per query tile. Rows that see no slot get -inf."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    batch = block_tables.shape[0]
+    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
+        check_last_dim_contiguous(name, t)
+    tiles = max(triton.cdiv(width, block_n), 1)
+    m = torch.full((tiles, num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    l = torch.zeros_like(m)
+    if num_tokens and batch and width:
+        group = num_q_heads // num_kv_heads
+        block_m = max(16, min(64, next_pow2(max(max_query_len, 1) * group)), next_pow2(group))
+        upcast, precision = dot_args(_tile_lse_kernel, q.dtype)
+        _tile_lse_kernel[(tiles, batch, num_kv_heads)](
+            q, k_cache, block_tables, kv_lens, query_start_loc, m, l,
+            scale * _LOG2E,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), m.stride(0),
+            GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
+            HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, CAUSAL=causal,
+            UPCAST=upcast, PRECISION=precision,
+        )
+    top = m.amax(dim=0)
+    safe = torch.where(torch.isfinite(top), top, 0.0)
+    total = (l * torch.exp2(m - safe)).sum(dim=0)
+    return torch.where(total > 0, safe + torch.log2(total), float("-inf"))
 
 
 def received_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
