@@ -69,10 +69,22 @@ class ModelRunner:
 
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch = self._batch
-        parts = batch.by_method()
-        for method, part in parts:
+        for method, part in batch.by_method():
             method.before_attention(layer_idx, part)
         self.cache.write(layer_idx, k, v, batch.slot_mapping, batch.positions)
+        return self._attend_groups(layer_idx, q)
+
+    def attention_rotary(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         positions: torch.Tensor, rotary) -> torch.Tensor:
+        """``attention`` for q/k before RoPE: the cache rotates and stores in one go (``write_rotated``)."""
+        batch = self._batch
+        for method, part in batch.by_method():
+            method.before_attention(layer_idx, part)
+        q = self.cache.write_rotated(layer_idx, q, k, v, batch.slot_mapping, positions, rotary)
+        return self._attend_groups(layer_idx, q)
+
+    def _attend_groups(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        batch = self._batch
         if batch.groups is None:
             return self._attend(batch.method, layer_idx, q, batch)
         return torch.cat([self._attend(g.method, layer_idx, q[g.start:g.stop], g.batch) for g in batch.groups])

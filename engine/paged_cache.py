@@ -63,6 +63,11 @@ class PageTable:
         return self.host_row
 
 
+def fuse_rotary_store(kv: torch.Tensor) -> bool:
+    """Whether ``write_rotated`` runs the fused Triton RoPE + store kernel on this KV tensor: on a GPU."""
+    return kv.is_cuda
+
+
 class PagedCacheManager(CacheManager):
     def __init__(self, spec: CacheSpec, pool: PagePool, enable_prefix_caching: bool = True):
         self.spec = spec
@@ -509,6 +514,18 @@ class PagedCacheManager(CacheManager):
         flat_shape = (-1, self.spec.num_kv_heads, self.spec.head_dim)
         kv[0].view(flat_shape).index_copy_(0, slot_mapping, k.to(kv.dtype))
         kv[1].view(flat_shape).index_copy_(0, slot_mapping, v.to(kv.dtype))
+
+    def write_rotated(self, layer, q, k, v, slot_mapping, positions, rotary):
+        """Dense KV on a GPU: one Triton kernel rotates q in place and stores rotated k and v (k itself is not
+        written back); otherwise, or under a subclass's own ``write``, RoPE then ``write``."""
+        kv = self.kv[layer] if self.coded is None else None
+        if kv is None or not fuse_rotary_store(kv) or type(self).write is not PagedCacheManager.write:
+            return super().write_rotated(layer, q, k, v, slot_mapping, positions, rotary)
+        from kernels.triton import rotary_and_store
+
+        if slot_mapping.dim() == 2:
+            slot_mapping = slot_mapping[layer]
+        return rotary_and_store(positions, q, k, v, rotary.cos_cache, rotary.sin_cache, kv[0], kv[1], slot_mapping)
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Under a codec: ``DecodedPages`` readers of the same shape (decoded on indexing), not tensors."""

@@ -462,3 +462,32 @@ def test_moe_align_block_size(tokens, top_k, experts, block_m):
     assert expert_ids.tolist() == sorted(expert_ids.tolist())
     counts = torch.bincount(flat, minlength=experts).tolist()
     assert expert_ids.tolist().count(experts) == expert_ids.numel() - sum(-(-c // block_m) for c in counts)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_with_the_fused_rotary_store_equals_rotate_then_store(arch, tiny_dirs, monkeypatch):
+    """The model hands q/k before RoPE to the runner (``attention_rotary``) and the cache rotates while it stores
+    (``write_rotated``): with the fused kernel forced on (the interpreter on a CPU), the KV written and the greedy
+    tokens equal RoPE followed by the plain store, over chunked prompts, a prefix hit and decode steps."""
+    import engine.paged_cache
+    import kernels.triton
+    from engine import LLM, SamplingParams
+
+    def run():
+        llm = LLM(tiny_dirs[arch], dtype="float32", device=str(DEVICE), page_size=4, max_num_batched_tokens=16,
+                  num_pages=64, enforce_eager=True)
+        g = torch.Generator().manual_seed(5)
+        ps = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (23, 9)]
+        outs = llm.generate(ps + [ps[0][:12] + [7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        return [o.token_ids for o in outs], llm.engine.cache.kv.clone(), [o.num_cached_tokens for o in outs]
+
+    monkeypatch.setattr(engine.paged_cache, "fuse_rotary_store", lambda kv: False)
+    want_tokens, want_kv, _ = run()
+    calls = []
+    fused = kernels.triton.rotary_and_store
+    monkeypatch.setattr(kernels.triton, "rotary_and_store", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    monkeypatch.setattr(engine.paged_cache, "fuse_rotary_store", lambda kv: True)
+    got_tokens, got_kv, cached = run()
+    assert len(calls) > 10 and max(cached) > 0
+    assert got_tokens == want_tokens
+    assert torch.equal(got_kv, want_kv)

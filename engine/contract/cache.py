@@ -135,6 +135,14 @@ class CacheManager(ABC):
         """Store the step's new k/v [T, Hkv, D] at ``slot_mapping``; ``positions`` [T]: their logical positions
         (for storage that needs them)."""
 
+    def write_rotated(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      slot_mapping: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
+        """Apply ``rotary(positions, q, k)`` (RoPE, positions [T]) and ``write`` the rotated k with v; returns the
+        rotated q. A cache manager may fuse the rotation with its store."""
+        q, k = rotary(positions, q, k)
+        self.write(layer, k, v, slot_mapping, positions)
+        return q
+
     @abstractmethod
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) of one layer, each [num_pages, page_size, num_kv_heads, head_dim]."""

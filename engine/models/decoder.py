@@ -63,8 +63,12 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
-        out = runner.attention(self.layer_idx, q, k, v)
+        attention_rotary = getattr(runner, "attention_rotary", None)
+        if attention_rotary is not None:  # the runner applies RoPE itself (fused with its KV store)
+            out = attention_rotary(self.layer_idx, q, k, v, positions, rotary)
+        else:
+            q, k = rotary(positions, q, k)
+            out = runner.attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

@@ -1,8 +1,9 @@
 """What model code may assume about the engine, and what the engine assumes about model code.
 
 Model code never sees pages, requests or methods. Each decoder layer hands its projected, rotated
-q/k/v to ``LayerRunner.attention`` and calls ``LayerRunner.end_layer`` when the layer is done; the engine's
-runner implements both on top of the lifecycle contract.
+q/k/v to ``LayerRunner.attention`` (or, to a runner that has ``attention_rotary``, q/k before RoPE and the
+rotary module) and calls ``LayerRunner.end_layer`` when the layer is done; the engine's runner implements
+them on top of the lifecycle contract.
 """
 
 from typing import Iterable, Protocol
@@ -17,6 +18,10 @@ class LayerRunner(Protocol):
         T is the number of tokens in the step (all requests flattened). Returns [T, num_heads, head_dim].
         """
         ...
+
+    # Optional: a runner with ``attention_rotary(layer_idx, q, k, v, positions, rotary)`` gets q/k before RoPE
+    # and the model's ``rotary`` module (``rotary(positions, q, k) -> (q, k)``, with ``cos_cache`` /
+    # ``sin_cache``), so it can rotate while it stores; it returns what ``attention`` would.
 
     def end_layer(self, layer_idx: int, hidden: torch.Tensor) -> None:
         """Called after layer ``layer_idx`` with its output hidden states [T, hidden_size].
