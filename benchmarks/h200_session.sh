@@ -8,6 +8,7 @@
 # compiled kernels back for the next call. Every step writes $OUT/<step>.txt (and JSON where the benchmark writes one) and prints its tail. Steps:
 #   tests      GPU backend and kernel tests (compiled Triton kernels against their torch references)
 #   kernels    Triton vs flashinfer paged decode / prefill against the copy and matmul rates
+#   fused      each fused path (KIVI encode, SnapKV window vote, probe attention, RoPE + KV store) vs its torch path
 #   sweep      our decode / prefill kernels over a grid of launch configurations (which to make the default)
 #   dense      Llama-3.1-8B shape decode roofline at bs1@4K, bs8@4K, bs4@32K, HF transformers in the same run
 #   prefill    prefill TFLOP/s of a 32K prompt (and 4 x 8K): triton vs triton+flashinfer
@@ -64,7 +65,9 @@ for step in "$@"; do
     tests)
         run tests 400 python -m pytest -v -n 8 --tb=short -rf --timeout 120 -p no:cacheprovider tests/test_gpu_backends.py \
             tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py \
-            tests/test_triton_kernels.py tests/test_decode_steps.py tests/test_asym_encode.py ;;
+            tests/test_triton_kernels.py tests/test_decode_steps.py tests/test_asym_encode.py tests/test_fused_paths.py ;;
+    fused)  # session 6's fused paths against the torch code they replace (KIVI encode, SnapKV vote, probe, RoPE+store)
+        run fused 150 python benchmarks/fused_paths.py --json "$OUT/fused.json" ;;
     kernels)
         run kernels 200 python benchmarks/attention_kernels.py --json "$OUT/kernels.json" ;;
     sweep)
