@@ -67,6 +67,18 @@ def use_kernel(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def fused_store(x, slots, fields, bits: int, group: int, kernel: str) -> bool:
+    """Encode and store with ``kernels.triton.asym_encode.<kernel>`` where it applies; False if it did not."""
+    if not use_kernel(x):
+        return False
+    from kernels.triton import asym_encode
+
+    if not asym_encode.supported(x.shape[-1], bits, group):
+        return False
+    getattr(asym_encode, kernel)(x, slots, fields["codes"], fields["scale"], fields["zero"], bits, group)
+    return True
+
+
 class PerChannelKeys(TensorCodec):
     def __init__(self, bits: int, group_size: int):
         self.bits, self.token_group = bits, group_size
@@ -84,13 +96,8 @@ class PerChannelKeys(TensorCodec):
         return {"codes": pack_planes(codes, self.bits), "scale": scale, "zero": zero}
 
     def store(self, x, slots, fields, positions=None) -> None:
-        if use_kernel(x):
-            from kernels.triton.asym_encode import encode_channel_groups, supported
-
-            if supported(x.shape[-1], self.bits, self.token_group):
-                encode_channel_groups(x, slots, fields["codes"], fields["scale"], fields["zero"], self.bits, self.token_group)
-                return
-        super().store(x, slots, fields, positions)
+        if not fused_store(x, slots, fields, self.bits, self.token_group, "encode_channel_groups"):
+            super().store(x, slots, fields, positions)
 
     def decode(self, fields: dict[str, torch.Tensor], head_dim: int) -> torch.Tensor:
         codes = unpack_planes(fields["codes"], self.bits).float()
@@ -114,13 +121,8 @@ class PerTokenValues(TensorCodec):
         return {"codes": pack_planes(codes, self.bits), "scale": scale, "zero": zero}
 
     def store(self, x, slots, fields, positions=None) -> None:
-        if use_kernel(x):
-            from kernels.triton.asym_encode import encode_token_groups, supported
-
-            if supported(x.shape[-1], self.bits, self.channel_group):
-                encode_token_groups(x, slots, fields["codes"], fields["scale"], fields["zero"], self.bits, self.channel_group)
-                return
-        super().store(x, slots, fields, positions)
+        if not fused_store(x, slots, fields, self.bits, self.channel_group, "encode_token_groups"):
+            super().store(x, slots, fields, positions)
 
     def decode(self, fields: dict[str, torch.Tensor], head_dim: int) -> torch.Tensor:
         codes = unpack_planes(fields["codes"], self.bits).float()

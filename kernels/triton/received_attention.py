@@ -31,19 +31,27 @@ from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow
 _LOG2E = 1.4426950408889634
 
 
+SUM, MAX, TILE_LSE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # what ``_key_tile_kernel`` computes
+
+
 @triton.jit
-def _received_kernel(
-    q_ptr, k_ptr, bt_ptr, lens_ptr, qsl_ptr, lse_ptr, out_ptr,
+def _key_tile_kernel(
+    q_ptr, k_ptr, bt_ptr, lens_ptr, qsl_ptr, lse_ptr, out_ptr, m_ptr, l_ptr,
     scale_log2,
     stride_qt, stride_qh,
     stride_kp, stride_ks, stride_kh,
     stride_btb,
-    stride_ob, stride_oh,
+    stride_ob, stride_oh, stride_mt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, REDUCE_MAX: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, MODE: tl.constexpr,
 ):
-    n0 = tl.program_id(0) * BLOCK_N
+    """One BLOCK_N-slot key tile of one KV head against every query tile of its request that sees it.
+    MODE SUM / MAX: ``p = exp2(q . k * scale_log2 - lse)`` reduced over the rows into ``out`` [B, Hkv, width];
+    MODE TILE_LSE: each row's max logit over the tile and the sum of exp2(logit - max) into ``m`` / ``l``
+    [tiles, T, Hq]."""
+    tile = tl.program_id(0)
+    n0 = tile * BLOCK_N
     b = tl.program_id(1)
     kvh = tl.program_id(2)
     num_q_heads = tl.num_programs(2) * GROUP
@@ -73,72 +81,55 @@ def _received_kernel(
             q_rows = (q_start + tok_q).to(tl.int64)
             q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                         mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
-            lse = tl.load(lse_ptr + q_rows * num_q_heads + head, mask=row_mask, other=float("inf"))
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
             visible = row_mask[:, None] & n_mask[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] < ctx + tok_q[:, None] + 1)
-            p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
-            if REDUCE_MAX:
-                total = tl.maximum(total, tl.max(p, 0))
+            if MODE == TILE_LSE:
+                s = tl.where(visible, s, float("-inf"))
+                m = tl.max(s, 1)
+                m_safe = tl.where(m == float("-inf"), 0.0, m)
+                l = tl.sum(tl.where(visible, tl.exp2(s - m_safe[:, None]), 0.0), 1)
+                at = tile.to(tl.int64) * stride_mt + q_rows * num_q_heads + head
+                tl.store(m_ptr + at, m, mask=row_mask)
+                tl.store(l_ptr + at, l, mask=row_mask)
             else:
-                total += tl.sum(p, 0)
-        tl.store(out_ptr + b.to(tl.int64) * stride_ob + kvh * stride_oh + offs_n, total, mask=n_mask)
+                lse = tl.load(lse_ptr + q_rows * num_q_heads + head, mask=row_mask, other=float("inf"))
+                p = tl.where(visible, tl.exp2(s - lse[:, None]), 0.0)
+                if MODE == MAX:
+                    total = tl.maximum(total, tl.max(p, 0))
+                else:
+                    total += tl.sum(p, 0)
+        if MODE != TILE_LSE:
+            tl.store(out_ptr + b.to(tl.int64) * stride_ob + kvh * stride_oh + offs_n, total, mask=n_mask)
 
 
-@triton.jit
-def _tile_lse_kernel(
-    q_ptr, k_ptr, bt_ptr, lens_ptr, qsl_ptr, m_ptr, l_ptr,
-    scale_log2,
-    stride_qt, stride_qh,
-    stride_kp, stride_ks, stride_kh,
-    stride_btb, stride_mt,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
-):
-    """Per key tile, each query row's max logit and sum of exp2(logit - max) over the tile's visible slots."""
-    tile = tl.program_id(0)
-    n0 = tile * BLOCK_N
-    b = tl.program_id(1)
-    kvh = tl.program_id(2)
-    num_q_heads = tl.num_programs(2) * GROUP
-    kv_len = tl.load(lens_ptr + b)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < kv_len
-    if n0 < kv_len:
-        q_start = tl.load(qsl_ptr + b)
-        q_len = tl.load(qsl_ptr + b + 1) - q_start
-        ctx = kv_len - q_len
-        offs_m = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
-        dot_ty = tl.float32 if UPCAST else k_ptr.dtype.element_ty
-        page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        in_page = (offs_n % PAGE_SIZE).to(tl.int64)
-        k = tl.load(k_ptr + kvh.to(tl.int64) * stride_kh + (page * stride_kp + in_page * stride_ks)[:, None]
-                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
-        head = kvh * GROUP + offs_m % GROUP
-        first = 0
-        if CAUSAL:
-            first = tl.maximum(n0 - ctx, 0) // BLOCK_Q * BLOCK_Q
-        for q0 in range(first, q_len, BLOCK_Q):
-            tok_q = q0 + offs_m // GROUP
-            row_mask = (offs_m < BLOCK_Q * GROUP) & (tok_q < q_len)
-            q_rows = (q_start + tok_q).to(tl.int64)
-            q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                        mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-            visible = row_mask[:, None] & n_mask[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] < ctx + tok_q[:, None] + 1)
-            s = tl.where(visible, s, float("-inf"))
-            m = tl.max(s, 1)
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            l = tl.sum(tl.where(visible, tl.exp2(s - m_safe[:, None]), 0.0), 1)
-            at = tile.to(tl.int64) * stride_mt + q_rows * num_q_heads + head
-            tl.store(m_ptr + at, m, mask=row_mask)
-            tl.store(l_ptr + at, l, mask=row_mask)
+def _launch(mode: tl.constexpr, q, k_cache, block_tables, kv_lens, query_start_loc, scale, width, max_query_len, causal,
+            block_n, lse=None, out=None, m=None, l=None) -> None:
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    batch = block_tables.shape[0]
+    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
+        check_last_dim_contiguous(name, t)
+    if num_tokens == 0 or batch == 0 or width == 0:
+        return
+    group = num_q_heads // num_kv_heads
+    block_m = max(16, min(64, next_pow2(max(max_query_len, 1) * group)), next_pow2(group))
+    upcast, precision = dot_args(_key_tile_kernel, q.dtype)
+    dummy = out if out is not None else m  # the outputs this mode does not write
+    _key_tile_kernel[(triton.cdiv(width, block_n), batch, num_kv_heads)](
+        q, k_cache, block_tables, kv_lens, query_start_loc, dummy if lse is None else lse,
+        dummy if out is None else out, dummy if m is None else m, dummy if l is None else l,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
+        m.stride(0) if m is not None else 0,
+        GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, CAUSAL=causal,
+        UPCAST=upcast, PRECISION=precision, MODE=mode.value,
+    )
 
 
 def paged_lse(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
@@ -148,28 +139,11 @@ def paged_lse(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor
     quantity) split along the keys: one program per key tile and KV head, partial (max, sum) per tile merged
     in torch. For a few query rows over a long context (an observation window), where the prefill kernel would
     stream the whole context through one program per query tile. Rows that see no slot get -inf."""
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    batch = block_tables.shape[0]
-    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
-        check_last_dim_contiguous(name, t)
     tiles = max(triton.cdiv(width, block_n), 1)
-    m = torch.full((tiles, num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=q.device)
+    m = torch.full((tiles, q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
     l = torch.zeros_like(m)
-    if num_tokens and batch and width:
-        group = num_q_heads // num_kv_heads
-        block_m = max(16, min(64, next_pow2(max(max_query_len, 1) * group)), next_pow2(group))
-        upcast, precision = dot_args(_tile_lse_kernel, q.dtype)
-        _tile_lse_kernel[(tiles, batch, num_kv_heads)](
-            q, k_cache, block_tables, kv_lens, query_start_loc, m, l,
-            scale * _LOG2E,
-            q.stride(0), q.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            block_tables.stride(0), m.stride(0),
-            GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
-            HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, CAUSAL=causal,
-            UPCAST=upcast, PRECISION=precision,
-        )
+    _launch(TILE_LSE, q, k_cache, block_tables, kv_lens, query_start_loc, scale, width, max_query_len, causal,
+            block_n, m=m, l=l)
     top = m.amax(dim=0)
     safe = torch.where(torch.isfinite(top), top, 0.0)
     total = (l * torch.exp2(m - safe)).sum(dim=0)
@@ -182,27 +156,8 @@ def received_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: tor
                        reduce: str = "sum") -> torch.Tensor:
     if reduce not in ("sum", "max"):
         raise ValueError(f"reduce must be 'sum' or 'max', got {reduce!r}")
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, page_size, num_kv_heads, _ = k_cache.shape
-    batch = block_tables.shape[0]
-    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
-        check_last_dim_contiguous(name, t)
-    assert lse.shape == (num_tokens, num_q_heads) and lse.is_contiguous(), lse.shape
-    out = torch.zeros(batch, num_kv_heads, max(width, 1), dtype=torch.float32, device=q.device)
-    if num_tokens == 0 or batch == 0 or width == 0:
-        return out[:, :, :width]
-    group = num_q_heads // num_kv_heads
-    block_m = max(16, min(64, next_pow2(max(max_query_len, 1) * group)), next_pow2(group))
-    upcast, precision = dot_args(_received_kernel, q.dtype)
-    _received_kernel[(triton.cdiv(width, block_n), batch, num_kv_heads)](
-        q, k_cache, block_tables, kv_lens, query_start_loc, lse, out,
-        scale * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, CAUSAL=causal,
-        UPCAST=upcast, PRECISION=precision, REDUCE_MAX=reduce == "max",
-    )
+    assert lse.shape == q.shape[:2] and lse.is_contiguous(), lse.shape
+    out = torch.zeros(block_tables.shape[0], k_cache.shape[2], max(width, 1), dtype=torch.float32, device=q.device)
+    _launch(MAX if reduce == "max" else SUM, q, k_cache, block_tables, kv_lens, query_start_loc, scale, width,
+            max_query_len, causal, block_n, lse=lse, out=out)
     return out[:, :, :width]
