@@ -49,6 +49,8 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
         first_tokens += sum(1 for o in engine.step() if len(o.token_ids) == 1)
     sync()
     t1 = time.perf_counter()
+    graphs = engine.runner.graphs
+    replays_before = graphs.replays if graphs is not None else 0
     overheads, steps = [], 0
     phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "execute": [], "update": []}
     full_steps: list[float] = []  # wall time of each step in which every request decodes
@@ -67,7 +69,7 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
     sync()
     t2 = time.perf_counter()
     decoded = batch * (decode_tokens - 1)
-    graphs = engine.runner.graphs
+    replayed = (graphs.replays - replays_before) if graphs is not None else 0
     replay_ms = None
     if graphs is not None and batch in graphs.graphs:  # GPU time of one decode step, host work excluded
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -92,6 +94,9 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
         # one full-batch step's median wall time (no tail of a shrinking batch, no prefill-era tokens)
         "full_batch_step_ms": 1e3 * statistics.median(full_steps) if full_steps else None,
         "graph_replay_ms": replay_ms,
+        # decode steps after the last first token, and how many of them replayed a decode CUDA graph
+        "timed_decode_steps": steps,
+        "graph_replayed_steps": replayed,
     }
 
 
@@ -234,6 +239,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                           f"{r['full_batch_roofline_fraction']:.2f}")
         if "speedup_vs_hf" in r:
             extra += f"  HF {r['hf_decode_tok_s']:.1f} tok/s ({r['speedup_vs_hf']:.1f}x)"
+        extra += f"  graphs {r['graph_replayed_steps']}/{r['timed_decode_steps']} steps"
         print(f"{r['batch']:>5} {r['context']:>7} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
               f"{r['decode_step_ms']:>8.2f} {sp if sp is None else round(sp, 3):>14}{extra}")
     return results
