@@ -21,7 +21,6 @@ from engine.contract import Family
 from engine.errors import ConfigError
 from engine.registry import create_method
 from tests.test_eviction_methods import (
-    MAX_NEW,
     PROMPT_LENS,
     check_against_reference,
     make_llm,

@@ -165,7 +165,7 @@ def test_a_decode_steps_attention_equals_the_dense_definition(tiny_dirs, aggrega
     llm = engine(tiny_dirs["qwen3"], aggregate=aggregate, dense_layers=1)
     method, cache = llm.engine.method, llm.engine.cache
     captured = []
-    select, after = method.select, method.after_attention
+    after = method.after_attention
 
     def after_attention(layer, batch, out, scores):
         dense_out = out.clone()

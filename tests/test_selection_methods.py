@@ -18,8 +18,7 @@ import policies.omnikv  # noqa: F401  (registers "omnikv")
 import policies.quest  # noqa: F401  (registers "quest")
 from engine import LLM, SamplingParams
 from engine.attention_backend import TorchReferenceBackend
-from engine.registry import create_method
-from engine.contract import PagedView, SelectedPagesView, SelectedSlotsView
+from engine.contract import PagedView, SelectedSlotsView
 from engine.errors import ConfigError
 from engine.registry import create_method
 from kernels.torch_ref import page_key_bounds, quest_page_scores, selected_slots_attention
