@@ -117,3 +117,20 @@ def test_engine_with_the_fused_encode_stores_the_same_bytes(bits, tiny_dirs, mon
     assert len(calls) > 20 and got_tokens == want_tokens
     for key, t in want_fields.items():
         assert torch.equal(got_fields[key], t), key
+
+
+def test_strided_rows_as_a_prompt_write_hands_them():
+    """A prompt chunk's keys and values reach ``store`` as views of the packed qkv projection (row stride
+    larger than H * D): the kernels read them in place and store what the torch encode stores."""
+    d, bits = 64, 4
+    packed = _inputs(32, 6, d, torch.float16, 4, "normal")  # [N, q + k + v heads, D]
+    k, v = packed[:, 2:4], packed[:, 4:6]
+    assert not k.is_contiguous()
+    slots = torch.arange(32, device=DEVICE) + 16
+    for codec, x, kernel, group in ((PerChannelKeys(bits, 8), k, encode_channel_groups, 8),
+                                    (PerTokenValues(bits, 16), v, encode_token_groups, 16)):
+        ref = _reference(codec, x.contiguous(), slots, 128, None)
+        got = _empty_like_fields(ref)
+        kernel(x, slots, got["codes"], got["scale"], got["zero"], bits, group)
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), name
