@@ -21,8 +21,8 @@
 #   selectwin  the same with --decode-window 8 (8 decode steps per schedule) for all three
 #   evict      KVzip / R-KV vs dense at 4K, matched batch 32
 #   evictmax   dense and R-KV at 4K, each at its largest batch (one run each)
-#   kvzipmax   KVzip the same, up to 540 s (a probe pass over 2x its context per admitted request, in dense
-#              fp32 torch attention), best in a call of its own
+#   kvzipmax   KVzip the same, up to 300 s (a reconstruction probe per admitted request: a forward over its
+#              context, attention in the prefill and received-attention kernels since session 6)
 #   codec32k   fp8, KIVI-4, Palu vs dense at 32K (each at its largest batch, then at dense's batch)
 #   snapcodec32k  SnapKV(4096) and SnapKV(4096) + KIVI-4 vs dense at 32K (largest and matched batch)
 #   codec128k, snapcodec128k  the same at 128K
@@ -105,7 +105,7 @@ for step in "$@"; do
             --methods 'dense;kvzip:{"budget":1024};rkv:{"budget":1024,"buffer":128}' --json "$OUT/evict_matched.json" ;;
     evictmax | kvzipmax)  # largest batch at 4K, one run per method; KVzip's admission probes every request
         specs=(dense 'rkv:{"budget":1024,"buffer":128}'); limit=120
-        [ "$step" = kvzipmax ] && specs=('kvzip:{"budget":1024}') && limit=540
+        [ "$step" = kvzipmax ] && specs=('kvzip:{"budget":1024}') && limit=300
         for spec in "${specs[@]}"; do
             name=${spec%%:*}_largest
             run "$name" $limit $SPARSE --context 4096 --max-batch 512 --admit-group 64 --methods "$spec" \
