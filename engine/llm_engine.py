@@ -22,7 +22,7 @@ from engine.config import DEFAULT_CPU_KV_BYTES, DTYPES, EngineConfig
 from engine.contract.cache import CacheSpec
 from engine.contract.codec import CodedCacheSpec, check_composes
 from engine.contract.method import SparseMethod
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, decoder_for
 from engine.errors import CheckpointError, ConfigError, InvalidRequestError, InvalidSamplingParamsError, OutOfPagesError
 from engine.loader import load_model
 from engine.method_set import MethodSet
@@ -95,6 +95,7 @@ class LLMEngine:
             config.model, dtype=dtype, device=self.device, load_format=config.load_format, tp=self.tp
         )
         self.tokenizer = load_tokenizer(config.model)
+        self._decode = decoder_for(self.tokenizer)  # what every request's detokenizer decodes with
         if self.codec is not None:
             self.codec.bind_model(self.model)
         mc = self.model_config
@@ -251,7 +252,7 @@ class LLMEngine:
         if chain_id is not None:
             self.chains.bind(req, chain_id)
         self._requests[request_id] = req
-        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, len(token_ids))
+        self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, len(token_ids), decode=self._decode)
         self.scheduler.add(req)
         return request_id
 
