@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from engine.contract.cache import CacheManager, CacheSpec
 from engine.contract.view import PagedView, QuantizedPagesView
@@ -430,10 +431,8 @@ class PagedCacheManager(CacheManager):
     def build_view(self, reqs: list[Request], num_new_tokens: list[int], layer: int = 0) -> PagedView:
         tables = [self._tables[r.request_id] for r in reqs]
         kv_lens = [t.layer_len(layer) + n for t, n in zip(tables, num_new_tokens)]
-        width = max((len(t.pages) for t in tables), default=0)
-        block_tables = torch.zeros((len(tables), width), dtype=torch.int32)
-        for i, t in enumerate(tables):
-            block_tables[i, : len(t.pages)] = t.pages_tensor()
+        block_tables = (pad_sequence([t.pages_tensor() for t in tables], batch_first=True) if tables
+                        else torch.zeros((0, 0), dtype=torch.int32))  # padding entries are page 0, never read
         starts = [0]
         for n in num_new_tokens:
             starts.append(starts[-1] + n)
