@@ -138,8 +138,10 @@ class PagedCacheManager(CacheManager):
             self._make_tail_private(t)
         grow = cdiv(t.num_slots + num_new_tokens, self.page_size) - len(t.pages)
         if grow > 0:
-            t.pages.extend(self.pool.allocate(grow))
-            t.host_row = None
+            new = self.pool.allocate(grow)
+            t.pages.extend(new)
+            if t.host_row is not None:  # extend the cached row (a long request's row is thousands of pages)
+                t.host_row = torch.cat([t.host_row, torch.tensor(new, dtype=torch.int32)])
         return True
 
     def _ensure_window(self, t: PageTable) -> bool:

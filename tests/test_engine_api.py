@@ -166,3 +166,22 @@ def test_forced_decoding_emits_the_given_tokens_with_the_model_logprobs(llm, tin
         llm.engine.add_request(prompt, SamplingParams(forced_token_ids=[10**6]))
     with pytest.raises(InvalidSamplingParamsError, match="forced_token_ids"):
         SamplingParams(forced_token_ids=[-1])
+
+
+def test_cached_page_rows_follow_the_tables_as_they_grow(tiny_dirs):
+    """The int32 page row a table caches for building block tables is extended, not rebuilt, when decode steps
+    allocate pages; after every step it equals the table's page list (prefix hits and a fork included)."""
+    engine = LLM(tiny_dirs["llama"], dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=32,
+                 num_pages=128).engine
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    base = list(range(10, 40))
+    for prompt in (base, base + [7, 8, 9], list(range(50, 61))):
+        engine.add_request(prompt, params)
+    cache, checked = engine.cache, 0
+    while engine.has_unfinished():
+        engine.step()
+        for t in cache._tables.values():
+            if t.host_row is not None:
+                assert t.host_row.tolist() == t.pages
+                checked += 1
+    assert checked > 20
