@@ -7,7 +7,8 @@ definition is ``policies/kivi.py`` (``asym_params``, ``asym_quantize``, ``pack_p
 same values bit for bit: ``zero`` is the statistic's minimum rounded to fp16 and stepped one ulp down when that
 rounded above it, ``scale = fp16((max - zero) / levels)`` stepped one ulp up when ``scale * levels + zero``
 falls short of the maximum, codes ``clamp(round_half_even((x - zero) / scale), 0, levels)``. Launched without
-FMA contraction so ``scale * levels + zero`` rounds twice, as in torch.
+FMA contraction so ``scale * levels + zero`` rounds twice, and dividing with ``div_rn`` (Triton's ``/`` on fp32
+compiles to the approximate ``div.full.f32``), as in torch.
 
 ``encode_channel_groups(x, slots, codes, scale, zero, bits, group)``
     keys: statistics per channel over each run of G = ``group`` consecutive tokens (KIVI's per-channel keys).
@@ -50,7 +51,7 @@ def _half_step(x, UP: tl.constexpr):
 def _asym_params(lo, hi, LEVELS: tl.constexpr):
     zero = lo.to(tl.float16)
     zero = tl.where(zero.to(tl.float32) > lo, _half_step(zero, False), zero)
-    scale = ((hi - zero.to(tl.float32)) / LEVELS).to(tl.float16)
+    scale = tl.math.div_rn(hi - zero.to(tl.float32), LEVELS * 1.0).to(tl.float16)  # IEEE, as torch divides
     short = scale.to(tl.float32) * LEVELS + zero.to(tl.float32) < hi
     scale = tl.where(short, _half_step(scale, True), scale)
     return scale, zero
@@ -59,7 +60,7 @@ def _asym_params(lo, hi, LEVELS: tl.constexpr):
 @triton.jit
 def _quantize(x, scale, zero, LEVELS: tl.constexpr):
     s = scale.to(tl.float32)
-    y = (x - zero.to(tl.float32)) / tl.where(s > 0, s, 1.0)
+    y = tl.math.div_rn(x - zero.to(tl.float32), tl.where(s > 0, s, 1.0))  # ``/`` compiles to div.full (~2 ulp)
     f = tl.floor(y)
     frac = y - f
     odd = f - 2.0 * tl.floor(f * 0.5)  # 1 where f is odd: a tie rounds to the even neighbour
