@@ -66,3 +66,32 @@ for bad in (dict(rec, args=base | {"BLOCK_D": {"value": 96}}),  # tl.arange need
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("REFUSED") == 2, done.stdout
     assert "out of resources" in done.stdout, done.stdout
+
+
+def test_the_fused_encode_compiles_to_ieee_division_without_fma():
+    """The KIVI encode is bit-exact to torch only if the GPU divides as IEEE does (``div.rn``; Triton's ``/``
+    on fp32 compiles to the approximate ``div.full``) and rounds ``scale * levels + zero`` twice (no FMA)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = r"""
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels.triton import asym_encode as a
+base = dict(x_ptr="*bf16", slots_ptr="*i64", codes_ptr="*u8", scale_ptr="*fp16", zero_ptr="*fp16", stride_xn=1024,
+            stride_xh=128, stride_cn=512, stride_ch=64, stride_sn=1024, stride_sh=128, HEAD_DIM=128, BITS=4)
+for fn, extra in ((a._channel_groups_kernel, dict(GROUP=32)),
+                  (a._token_groups_kernel, dict(num_tokens=100, CHANNEL_GROUP=32, BLOCK_T=16))):
+    args = base | extra
+    sig = {n: args[n] if isinstance(args[n], str) else "constexpr" if n.isupper() else "i32" for n in fn.arg_names}
+    consts = {n: args[n] for n in fn.arg_names if sig[n] == "constexpr"}
+    k = triton.compile(ASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, enable_fp_fusion=False))
+    print(fn.fn.__name__, sorted(set(re.findall(r"\b(div\.[a-z0-9.]+|fma\.[a-z0-9.]+)", k.asm["ptx"]))))
+"""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.strip().splitlines()
+    assert lines == ["_channel_groups_kernel ['div.rn.f32']", "_token_groups_kernel ['div.rn.f32']"], lines
