@@ -109,13 +109,14 @@ class Prober:
 
     ``encode(text) -> token ids`` is the engine's tokenizer (no special tokens), for probes given as text.
     ``backend``: the engine's attention backend, whose ``forward_received`` computes the probe's attention
-    where every KV head of a layer sees the same slots (None: always the fp32 full-matrix reference).
+    where every KV head of a layer sees the same slots, if it returns scores (``supports_scores``; None, or a
+    backend that does not: always the fp32 full-matrix reference).
     """
 
     def __init__(self, model: torch.nn.Module, cache: Any, scale: float, encode: Callable[[str], list[int]],
                  backend: Any = None):
         self.model = model
-        self.backend = backend
+        self.backend = backend if getattr(backend, "supports_scores", False) else None
         self.cache = cache
         self.scale = scale
         self.encode = encode
