@@ -52,20 +52,28 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> dic
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
-        with open(ptx, "w") as f:
-            f.write(kernel.asm["ptx"])
-        info = subprocess.run([os.path.join(_BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", ptx, "-o", cubin],
-                              capture_output=True, text=True, check=True).stderr
-        sass = subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin],
-                              capture_output=True, text=True, check=True).stdout
+    report = ptxas_report(kernel.asm["ptx"], sass=True)
     ops = collections.Counter(op.split(".")[0] for op in re.findall(
-        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", sass))
-    regs = int(re.search(r"Used (\d+) registers", info).group(1))
-    return {"registers": regs, "spill_stores": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+        r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", report["sass"]))
+    regs = report["registers"]
+    return {"registers": regs, "spill_stores": report["spill_stores"],
             "programs_per_sm": min(32, 65536 // (regs * 32 * num_warps)), "instructions": sum(ops.values()),
             **{op: ops.get(op, 0) for op in WATCH}}
+
+
+def ptxas_report(ptx: str, sass: bool = False) -> dict:
+    """The bundled ptxas on ``ptx`` for sm_90a: registers per thread, spill-store bytes and, with ``sass``, the
+    cuobjdump listing of the cubin."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(path, "w") as f:
+            f.write(ptx)
+        info = subprocess.run([os.path.join(_BIN, "ptxas"), "-v", "--gpu-name", "sm_90a", path, "-o", cubin],
+                              capture_output=True, text=True, check=True).stderr
+        listing = (subprocess.run([os.path.join(_BIN, "cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                                  check=True).stdout if sass else None)
+    return {"registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+            "spill_stores": int(re.search(r"(\d+) bytes spill stores", info).group(1)), "sass": listing}
 
 
 def cases() -> dict[str, tuple]:

@@ -90,8 +90,9 @@ def _constexpr(desc):
     raise ValueError(f"a pointer passed as a constexpr: {desc}")
 
 
-def compile_launch(rec: dict) -> None:
-    """Compile one recorded launch for sm_90a; raises what Triton or ptxas raises."""
+def compile_launch(rec: dict):
+    """Compile one recorded launch for sm_90a and return the compiled kernel; raises what Triton or ptxas
+    raises, or RuntimeError for a launch the SM could not hold."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -126,25 +127,12 @@ def compile_launch(rec: dict) -> None:
         raise RuntimeError(f"out of resources: {kernel.metadata.shared} bytes of shared memory, the SM has "
                            f"{SM90_SHARED_BYTES}")
     threads = 32 * kernel.metadata.num_warps
-    registers = ptxas_registers(kernel.asm["ptx"])
+    from benchmarks.kernel_resources import ptxas_report  # here: the recorder's process never compiles
+
+    registers = ptxas_report(kernel.asm["ptx"])["registers"]
     if registers * threads > SM90_REGISTERS:
         raise RuntimeError(f"too many resources requested: {registers} registers x {threads} threads")
-
-
-def ptxas_registers(ptx: str) -> int:
-    """Registers per thread that the bundled ptxas gives the kernel for sm_90a."""
-    import re
-
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.path.join(tmp, "k.cubin")],
-                              capture_output=True, text=True, check=True).stderr
-    return int(re.search(r"Used (\d+) registers", info).group(1))
+    return kernel
 
 
 def compile_all(records: list[dict]) -> list[dict]:

@@ -74,20 +74,15 @@ def test_the_fused_encode_compiles_to_ieee_division_without_fma():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = r"""
 import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels.triton import asym_encode as a
-base = dict(x_ptr="*bf16", slots_ptr="*i64", codes_ptr="*u8", scale_ptr="*fp16", zero_ptr="*fp16", stride_xn=1024,
-            stride_xh=128, stride_cn=512, stride_ch=64, stride_sn=1024, stride_sh=128, HEAD_DIM=128, BITS=4)
-for fn, extra in ((a._channel_groups_kernel, dict(GROUP=32)),
-                  (a._token_groups_kernel, dict(num_tokens=100, CHANNEL_GROUP=32, BLOCK_T=16))):
-    args = base | extra
-    sig = {n: args[n] if isinstance(args[n], str) else "constexpr" if n.isupper() else "i32" for n in fn.arg_names}
-    consts = {n: args[n] for n in fn.arg_names if sig[n] == "constexpr"}
-    k = triton.compile(ASTSource(fn, sig, consts, {}), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=4, enable_fp_fusion=False))
-    print(fn.fn.__name__, sorted(set(re.findall(r"\b(div\.[a-z0-9.]+|fma\.[a-z0-9.]+)", k.asm["ptx"]))))
+from benchmarks.sm90_launches import compile_launch
+values = dict(stride_xn=1024, stride_xh=128, stride_cn=512, stride_ch=64, stride_sn=1024, stride_sh=128, HEAD_DIM=128,
+              BITS=4, GROUP=32, num_tokens=100, CHANNEL_GROUP=32, BLOCK_T=16)
+ptrs = dict(x_ptr="bf16", slots_ptr="i64", codes_ptr="u8", scale_ptr="fp16", zero_ptr="fp16")
+args = {k: {"value": v} for k, v in values.items()} | {k: {"ptr": t, "aligned": True} for k, t in ptrs.items()}
+for name in ("_channel_groups_kernel", "_token_groups_kernel"):
+    k = compile_launch({"module": "kernels.triton.asym_encode", "name": name, "args": args,
+                        "options": {"num_warps": 4, "enable_fp_fusion": False}})
+    print(name, sorted(set(re.findall(r"(div\.[a-z0-9.]+|fma\.[a-z0-9.]+)", k.asm["ptx"]))))
 """
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     done = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
