@@ -87,7 +87,7 @@ def held_window_scores(cache: PagedCacheManager, req: Request, layer: int, q: to
     if not in_place:
         return window_scores(q, gather_keys(cache, req, layer, n), q_pos, k_pos)
     group = q.shape[1] // k_pos.shape[0]
-    pages = torch.tensor(cache.table(req).pages[: -(-n // cache.page_size)], dtype=torch.int32, device=q.device)
+    pages = cache.table(req).pages_tensor()[: -(-n // cache.page_size)].to(q.device)  # the table's cached row
     return window_votes(q, k_cache, pages, n, q.shape[-1] ** -0.5) / group
 
 
