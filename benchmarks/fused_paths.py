@@ -54,19 +54,26 @@ def kivi_encode(batch: int, device, dtype) -> dict:
     x = torch.randn(n, HKV, D, device=device).to(dtype)
     slots = (torch.randperm(num_slots // group, device=device)[:batch, None] * group
              + torch.arange(group, device=device)).flatten()
-    out = {}
-    for side, codec, fused in (("k", PerChannelKeys(bits, group), encode_channel_groups),
-                               ("v", PerTokenValues(bits, group), encode_token_groups)):
+    sides = []  # (codec, its fused kernel, torch-path fields, fused-path fields)
+    for codec, kernel in ((PerChannelKeys(bits, group), encode_channel_groups),
+                          (PerTokenValues(bits, group), encode_token_groups)):
         specs = codec.fields(D)
-        def fields():
-            return {name: torch.zeros((num_slots // codec.token_group if s.per_group else num_slots, HKV, s.width),
-                                      dtype=s.dtype, device=device) for name, s in specs.items()}
-        ref, got = fields(), fields()
-        torch_path = lambda: TensorCodec.store(codec, x, slots, ref)  # noqa: E731  (encode + index copies)
-        fused_path = lambda: fused(x, slots, got["codes"], got["scale"], got["zero"], bits, group)  # noqa: E731
-        out[side] = (torch_path, fused_path, lambda r=ref, g=got: all(torch.equal(r[k], g[k]) for k in r))
-    return {"torch": lambda: (out["k"][0](), out["v"][0]()), "fused": lambda: (out["k"][1](), out["v"][1]()),
-            "equal": lambda: out["k"][2]() and out["v"][2](), "shape": f"B={batch} x {group} slots", "graph": True}
+        ref, got = ({name: torch.zeros((num_slots // codec.token_group if f.per_group else num_slots, HKV, f.width),
+                                       dtype=f.dtype, device=device) for name, f in specs.items()} for _ in range(2))
+        sides.append((codec, kernel, ref, got))
+
+    def torch_path():  # the codec's encode, then one index copy per field
+        for codec, _, ref, _ in sides:
+            TensorCodec.store(codec, x, slots, ref)
+
+    def fused_path():
+        for _, kernel, _, got in sides:
+            kernel(x, slots, got["codes"], got["scale"], got["zero"], bits, group)
+
+    def equal():
+        return all(torch.equal(ref[k], got[k]) for _, _, ref, got in sides for k in ref)
+    return {"torch": torch_path, "fused": fused_path, "equal": equal, "shape": f"B={batch} x {group} slots",
+            "graph": True}
 
 
 def snapkv_vote(context: int, device, dtype) -> dict:
