@@ -152,6 +152,11 @@ def _check(x, slots, codes, scale, zero, bits):
         raise ValueError("codes must be uint8 and scale / zero float16")
 
 
+def _row_head_strides(x, codes, scale) -> tuple[int, ...]:
+    """(row, head) strides of x, the codes and the scale / zero fields (scale and zero share a layout)."""
+    return x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1)
+
+
 def encode_channel_groups(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                           zero: torch.Tensor, bits: int, group: int) -> None:
     _check(x, slots, codes, scale, zero, bits)
@@ -161,8 +166,7 @@ def encode_channel_groups(x: torch.Tensor, slots: torch.Tensor, codes: torch.Ten
     if n == 0:
         return
     _channel_groups_kernel[(n // group, heads)](
-        x, slots, codes, scale, zero,
-        x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
+        x, slots, codes, scale, zero, *_row_head_strides(x, codes, scale),
         GROUP=group, HEAD_DIM=head_dim, BITS=bits, enable_fp_fusion=False,
     )
 
@@ -176,7 +180,6 @@ def encode_token_groups(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tenso
     if n == 0:
         return
     _token_groups_kernel[(triton.cdiv(n, block_t), heads)](
-        x, slots, codes, scale, zero, n,
-        x.stride(0), x.stride(1), codes.stride(0), codes.stride(1), scale.stride(0), scale.stride(1),
+        x, slots, codes, scale, zero, n, *_row_head_strides(x, codes, scale),
         CHANNEL_GROUP=group, HEAD_DIM=head_dim, BITS=bits, BLOCK_T=block_t, enable_fp_fusion=False,
     )
