@@ -63,8 +63,8 @@ def expected_expert_fraction(num_experts: int, top_k: int, batch: int) -> float:
 
 
 def measure_routed_experts(engine, requests: list[list[int]], steps: int) -> float:
-    """Mean over eager decode steps of the distinct routed experts per MoE layer, for ``requests`` decoding
-    together (each is prefilled first). Returns experts per layer per step."""
+    """Mean over eager decode forward passes of the distinct routed experts per MoE layer, for ``requests``
+    decoding together (each is prefilled first). Returns experts per layer per forward pass."""
     from engine.models.moe import StackedExperts
     from engine.sampling_params import SamplingParams
 
@@ -75,19 +75,21 @@ def measure_routed_experts(engine, requests: list[list[int]], steps: int) -> flo
     while any(r.num_computed_tokens < r.num_prompt_tokens for r in reqs):
         engine.step()
     counter = torch.zeros((), dtype=torch.float64, device=engine.device)
+    passes = [0]  # forward passes, not engine steps: with decode_steps > 1 one step runs several
+    hook = modules[0].register_forward_pre_hook(lambda *_: passes.__setitem__(0, passes[0] + 1)) if modules else None
     graphs, engine.runner.graphs = engine.runner.graphs, None  # eager: the counters run in Python
     try:
         for m in modules:
             m.routed_counter = counter
-        done = 0
-        while engine.has_unfinished() and done < steps:
+        while engine.has_unfinished() and passes[0] < steps:
             engine.step()
-            done += 1
     finally:
         for m in modules:
             m.routed_counter = None
+        if hook is not None:
+            hook.remove()
         engine.runner.graphs = graphs
         for i in ids:
             if i in engine._requests:
                 engine.abort(i)
-    return counter.item() / max(done, 1) / max(len(modules), 1)
+    return counter.item() / max(passes[0], 1) / max(len(modules), 1)
