@@ -68,6 +68,8 @@ def test_kernel_reads_only_chosen_clusters_and_the_recent_range():
     exact, _ = method._rank(q.view(2, 2, 32), index)
     chosen = torch.zeros(2, index.counts.shape[1], dtype=torch.bool).scatter_(1, exact, True)
     read = chosen.gather(1, index.assign)  # [Hkv, m]
+    q, k_cache, v_cache, table, index = q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), table.to(DEVICE), \
+        to_device(index)
     before = method.attend_paged(q, k_cache, v_cache, table, 120, index)
     poisoned_k, poisoned_v = k_cache.clone(), v_cache.clone()
     for h in range(2):
@@ -82,7 +84,8 @@ def test_kernel_reads_only_chosen_clusters_and_the_recent_range():
 def test_engine_decode_rows_take_the_same_answer_through_the_kernel(tiny_dirs):
     """Every decode row of a CPU engine run (GQA, mixed prompt lengths): ``attend_paged`` on the engine's own
     cache, block table and index equals the reference output the engine wrote."""
-    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=24,
+    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device=DEVICE, page_size=4, max_num_batched_tokens=24,
+              enforce_eager=True,  # a decode graph's replay would bypass the wrapped hooks below
               method="retroinfer", method_config={"cluster_size": 4, "iters": 3, "exact_clusters": 3,
                                                   "estimated_clusters": 4, "window": 4, "dense_layers": 1})
     method, cache = llm.engine.method, llm.engine.cache

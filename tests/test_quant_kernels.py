@@ -207,8 +207,9 @@ def test_triton_backend_reads_the_engines_views(name, cfg, tiny_dirs, request):
         reasons = triton_backend.unsupported(create_method("dense", {}), torch.float32, codec, 32)
         assert reasons == [f"the triton backend has no kernel for kv_storage {name!r} at head_dim 32"]
         tiny_dirs = request.getfixturevalue("tiny_dirs_hf_init")
+    # eager: a decode graph's replay would bypass the wrapped forward below
     llm = LLM(tiny_dirs["qwen3"], dtype="float32", device=DEVICE, page_size=8, num_pages=64, kv_storage=name,
-              kv_storage_config=cfg)
+              kv_storage_config=cfg, enforce_eager=True)
     backend = llm.engine.backend
     assert triton_backend.reads_codec(llm.engine.codec, llm.engine.model_config.head_dim)
     inner, checked = backend.forward, []
