@@ -410,9 +410,11 @@ def quantized_decode_attention(
     window_k: torch.Tensor | None, window_v: torch.Tensor | None, window_ids: torch.Tensor | None,
     scale: float, num_splits: int | None = None, *, tables: dict[str, torch.Tensor] | None = None,
     block_n: int | None = None, num_warps: int = 4, min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """See the module docstring; ``tables``: the codec's ``kernel_tables`` (the Lloyd-Max format's rotation
-    and levels); ``block_n``: slots per tile."""
+    and levels); ``block_n``: slots per tile; ``num_stages``: Triton's software pipelining depth (its default
+    when None; the low-rank kernel takes its own)."""
     if fmt not in FORMATS:
         raise ValueError(f"no quantized decode kernel for format {fmt!r}; formats: {FORMATS}")
     unsupported = unsupported_shape(fmt, q.shape[-1])
@@ -445,6 +447,8 @@ def quantized_decode_attention(
     grid = (batch, num_kv_heads, num_splits)
     scale_log2 = scale * _LOG2E
     common_tail = dict(BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=min_split_tokens, num_warps=num_warps)
+    if num_stages is not None:
+        common_tail["num_stages"] = num_stages
     wstrides = window_k.stride()[:3]
     if fmt == FORMATS[0]:
         kernel = _fp8_decode_kernel
