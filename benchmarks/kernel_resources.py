@@ -7,8 +7,14 @@ Triton compiles each kernel for the target from its source, with the specialisat
 (32 q / 8 kv heads, d128, page 32); its bundled ``ptxas`` reports registers and spills and ``cuobjdump`` the
 SASS, of which the instruction mix is counted. What it says, it says without running: whether the K/V loads
 are pipelined through shared memory (``LDGSTS``) or synchronous (``LDG``), how many programs fit on an SM,
-how many conversions (``I2F``, ``F2F``) and special-function instructions (``MUFU``) a tile costs. Timings
-still come from the GPU (``attention_kernels.py``); this is for deciding what to try there.
+how many conversions (``I2F``, ``F2F``) and special-function instructions (``MUFU``) a tile costs, and how
+many instructions the main loop's body holds (the SASS between the loop's backward branch and its target):
+times the warps, the warp-instructions one tile of ``BLOCK_N`` slots costs, and from them an issue bound --
+the KV bandwidth at which the SMs would issue nothing but that loop, one warp-instruction per scheduler and
+clock (4 per SM, 132 SMs at 1.98 GHz), an upper limit no real kernel reaches. A kernel whose issue bound is
+near the copy bandwidth is limited by its instructions, not by HBM. ``--block-n 32,64,128 --warps 4,8``
+compiles every kernel over those tile sizes and warp counts. Timings still come from the GPU
+(``attention_kernels.py``, ``codec_kernels.py``); this is for deciding what to try there.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from kernels.triton import decode_attention, quant_decode
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 WATCH = ("LDGSTS", "LDG", "HMMA", "I2F", "F2F", "F2FP", "MUFU")
 HQ, HKV, D, PAGE, MAX_PAGES = 32, 8, 128, 32, 1040
+H200_SMS, H200_CLOCK_HZ, ISSUE_PER_CLOCK = 132, 1.98e9, 4
 
 
 def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> dict:
@@ -58,7 +65,24 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> dic
     regs = report["registers"]
     return {"registers": regs, "spill_stores": report["spill_stores"],
             "programs_per_sm": min(32, 65536 // (regs * 32 * num_warps)), "instructions": sum(ops.values()),
-            **{op: ops.get(op, 0) for op in WATCH}}
+            "loop_instructions": main_loop_length(report["sass"]), **{op: ops.get(op, 0) for op in WATCH}}
+
+
+def main_loop_length(sass: str) -> int:
+    """Instructions in the longest loop of a cuobjdump listing: from a backward branch's target to the branch."""
+    ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    addresses = [int(a, 16) for a, _ in ins]
+    longest = 0
+    for at, (_, text) in zip(addresses, ins):
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < at:
+            longest = max(longest, sum(int(target.group(1), 16) <= a <= at for a in addresses))
+    return longest
+
+
+def issue_bound_tb_s(loop_instructions: int, num_warps: int, tile_bytes: float) -> float:
+    """KV TB/s if an H200 issued only the main loop: one tile's bytes per ``loop x warps`` warp-instructions."""
+    return tile_bytes / (loop_instructions * num_warps) * ISSUE_PER_CLOCK * H200_CLOCK_HZ * H200_SMS / 1e12
 
 
 def ptxas_report(ptx: str, sass: bool = False) -> dict:
@@ -74,6 +98,10 @@ def ptxas_report(ptx: str, sass: bool = False) -> dict:
                                   check=True).stdout if sass else None)
     return {"registers": int(re.search(r"Used (\d+) registers", info).group(1)),
             "spill_stores": int(re.search(r"(\d+) bytes spill stores", info).group(1)), "sass": listing}
+
+
+# KV bytes a slot's K and V codes take per KV head (scales and zeros left out)
+SLOT_BYTES = {"dense bf16": 2 * D * 2, "fp8 (e4m3)": 2 * D, "kivi-4 (group 32)": D, "kivi-2 (group 32)": D // 2}
 
 
 def cases() -> dict[str, tuple]:
@@ -106,15 +134,22 @@ def cases() -> dict[str, tuple]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
+    parser.add_argument("--block-n", help="tile sizes to compile every kernel at, e.g. 32,64,128 (default: as launched)")
+    parser.add_argument("--warps", help="warp counts, e.g. 4,8 (default: as launched)")
     args = parser.parse_args(argv)
     rows = []
     for name, (fn, kernel_args, options) in cases().items():
-        rows.append({"kernel": name, **compile_sm90(fn, kernel_args, **options)})
-        print(json.dumps(rows[-1]), flush=True)
-    cols = ["registers", "spill_stores", "programs_per_sm", "instructions", *WATCH]
-    print("\n" + f"{'kernel':20}" + "".join(f"{c:>16}" for c in cols))
+        for block_n in [int(b) for b in args.block_n.split(",")] if args.block_n else [kernel_args["BLOCK_N"]]:
+            for warps in [int(w) for w in args.warps.split(",")] if args.warps else [options.get("num_warps", 4)]:
+                r = compile_sm90(fn, kernel_args | {"BLOCK_N": block_n}, **(options | {"num_warps": warps}))
+                r["issue_bound_tb_s"] = issue_bound_tb_s(r["loop_instructions"], warps, block_n * SLOT_BYTES[name])
+                rows.append({"kernel": name, "block_n": block_n, "num_warps": warps, **r})
+                print(json.dumps(rows[-1]), flush=True)
+    cols = ["block_n", "num_warps", "registers", "spill_stores", "programs_per_sm", "instructions",
+            "loop_instructions", *WATCH]
+    print("\n" + f"{'kernel':20}" + "".join(f"{c[:10]:>11}" for c in cols) + f"{'issue TB/s':>11}")
     for r in rows:
-        print(f"{r['kernel']:20}" + "".join(f"{r[c]:>16}" for c in cols))
+        print(f"{r['kernel']:20}" + "".join(f"{r[c]:>11}" for c in cols) + f"{r['issue_bound_tb_s']:>11.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

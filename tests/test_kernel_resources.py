@@ -25,6 +25,9 @@ def test_decode_kernels_compile_pipelined_without_spills(tmp_path):
     for r in rows.values():
         assert r["spill_stores"] == 0 and r["LDGSTS"] > 0 and r["programs_per_sm"] >= 3, r
         assert r["I2F"] == 0 and r["MUFU"] <= 16, r
+        # the main loop found in the SASS: part of the kernel, holding the tile's tensor-core dots
+        assert r["HMMA"] <= r["loop_instructions"] < r["instructions"], r
+        assert r["issue_bound_tb_s"] > 0, r
 
 
 def test_interpreter_launches_compile_for_sm90_and_refusals_are_reported(tmp_path):
