@@ -156,10 +156,16 @@ def _fp8_decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         tok = n0 + offs_n
         n_mask = tok < end
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        off = (tok % PAGE_SIZE).to(tl.int64)
-        slot = page * s_cp + off * s_cs + kvh * s_ch
-        sslot = page * s_sp + off * s_ss + kvh * s_sh
+        if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page (tiles are BLOCK_N-aligned): one lookup
+            page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+            off = n0 % PAGE_SIZE + offs_n
+            slot = page * s_cp + kvh * s_ch + off * s_cs
+            sslot = page * s_sp + kvh * s_sh + off * s_ss
+        else:
+            page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            off = (tok % PAGE_SIZE).to(tl.int64)
+            slot = page * s_cp + off * s_cs + kvh * s_ch
+            sslot = page * s_sp + off * s_ss + kvh * s_sh
         cmask = n_mask[:, None] & d_mask[None, :]
         k = tl.load(kc_ptr + slot[:, None] + offs_d[None, :], mask=cmask, other=0)
         k = k.to(tl.float8e4nv, bitcast=True).to(dot_ty)
