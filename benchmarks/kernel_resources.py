@@ -127,7 +127,7 @@ def cases() -> dict[str, tuple]:
             s_cp=PAGE * HKV * width, s_cs=HKV * width, s_ch=width, s_kp=HKV * D, s_kg=HKV * D, s_kh=D,
             s_vp=PAGE * HKV * (D // group), s_vs=HKV * (D // group), s_vh=D // group,
             s_wn=(residual + group) * HKV * D, s_wc=HKV * D, s_wh=D, HEAD_DIM=D, BITS=bits, PAGE_SIZE=PAGE,
-            KGROUP=group, VGROUP=group, CAP=residual + group, HAS_WINDOW=True, BLOCK_N=32), {})
+            KGROUP=group, VGROUP=group, CAP=residual + group, HAS_WINDOW=True, BLOCK_N=32, DOT_FP16=True), {})
     return out
 
 

@@ -120,6 +120,16 @@ def _small_ints_to_f32(c):
 
 
 @triton.jit
+def _codes_to(c, DOT_TY: tl.constexpr):
+    """Non-negative int32 codes < 2^10 as exact floats of the dots' type: fp16 as 1024 + c (c in the
+    mantissa of 0x6400) less 1024, which the compiler packs two to an instruction; fp32 as above."""
+    if DOT_TY == tl.float16:
+        return (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - 1024.0
+    else:
+        return _small_ints_to_f32(c)
+
+
+@triton.jit
 def _fp8_decode_kernel(
     q_ptr, kc_ptr, ks_ptr, vc_ptr, vs_ptr, bt_ptr, lens_ptr,
     out_ptr, mid_o_ptr, mid_lse_ptr, scale_log2,
@@ -191,16 +201,16 @@ def _key_plane_logits(qk, q_p, kc, ks_ptr, kz_ptr, krow, cmask, P: tl.constexpr,
     scale and zero touch only the query. Otherwise ``krow`` [N] holds each slot's group row and the tile
     is dequantized per element."""
     ch = P * W + tl.arange(0, W)
-    codes = _small_ints_to_f32((kc >> (P * BITS)) & ((1 << BITS) - 1))
+    codes = _codes_to((kc >> (P * BITS)) & ((1 << BITS) - 1), DOT_TY)
     if GROUPED:
         s = tl.load(ks_ptr + krow + ch).to(tl.float32)
         z = tl.load(kz_ptr + krow + ch).to(tl.float32)
         qk += tl.dot((q_p * s[None, :]).to(DOT_TY), tl.trans(codes.to(DOT_TY)), input_precision=PRECISION)
         qk += tl.sum(q_p * z[None, :], 1)[:, None]
-    else:
+    else:  # dequantized in the dots' type (fp16: one rounding of c s + z; the scales are stored in fp16)
         rows = krow[:, None] + ch[None, :]
-        k = codes * tl.load(ks_ptr + rows, mask=cmask, other=0.0).to(tl.float32) \
-            + tl.load(kz_ptr + rows, mask=cmask, other=0.0).to(tl.float32)
+        k = codes * tl.load(ks_ptr + rows, mask=cmask, other=0.0).to(DOT_TY) \
+            + tl.load(kz_ptr + rows, mask=cmask, other=0.0).to(DOT_TY)
         qk += tl.dot(q_p.to(DOT_TY), tl.trans(k.to(DOT_TY)), input_precision=PRECISION)
     return qk
 
@@ -213,11 +223,11 @@ def _value_plane(acc_p, p, vc, vs_ptr, vz_ptr, vrow, cmask, P: tl.constexpr, BIT
     loaded once per group and broadcast over the group's channels (a [N, groups, width] view)."""
     GP: tl.constexpr = W // VGROUP if W > VGROUP else 1  # value groups inside the plane
     GW: tl.constexpr = W // GP
-    codes = _small_ints_to_f32((vc >> (P * BITS)) & ((1 << BITS) - 1))
+    codes = _codes_to((vc >> (P * BITS)) & ((1 << BITS) - 1), DOT_TY)
     g = (P * W) // VGROUP + tl.arange(0, GP)
     rows = vrow[:, None] + g[None, :]
-    s = tl.load(vs_ptr + rows, mask=cmask, other=0.0).to(tl.float32)
-    z = tl.load(vz_ptr + rows, mask=cmask, other=0.0).to(tl.float32)
+    s = tl.load(vs_ptr + rows, mask=cmask, other=0.0).to(DOT_TY)
+    z = tl.load(vz_ptr + rows, mask=cmask, other=0.0).to(DOT_TY)
     v = tl.reshape(codes, [BLOCK_N, GP, GW]) * s[:, :, None] + z[:, :, None]
     v = tl.reshape(v, [BLOCK_N, W])
     return acc_p + tl.dot(p.to(DOT_TY), v.to(DOT_TY), input_precision=PRECISION)
@@ -242,11 +252,14 @@ def _intn_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BITS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, KGROUP: tl.constexpr, VGROUP: tl.constexpr, CAP: tl.constexpr,
     HAS_WINDOW: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, DOT_FP16: tl.constexpr,
 ):
     """Works plane by plane (a byte holds 8 / BITS channels, one per plane of W = D BITS / 8 channels): the
     logits sum one dot per plane, the output keeps one accumulator per plane, so no tile is ever shuffled
-    into channel order. Coded slots first, then the window's full-precision slots."""
+    into channel order. Coded slots first, then the window's full-precision slots. DOT_FP16 (bf16 queries
+    on a GPU): the dots take fp16 operands, to which codes convert two to an instruction and in which the
+    fp16-stored scales and zeros dequantize exactly (bf16 would round them); the window's bf16 tiles and the
+    probabilities enter the dots as fp16 too."""
     b, kvh, split, num_q_heads, start, end = _split_program(lens_ptr, GROUP, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     coded_end = end
     if HAS_WINDOW:
@@ -261,7 +274,7 @@ def _intn_decode_kernel(
     head = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
     w_mask = offs_w < W
-    dot_ty = tl.float32 if UPCAST else q_ptr.dtype.element_ty
+    dot_ty = tl.float32 if UPCAST else (tl.float16 if DOT_FP16 else q_ptr.dtype.element_ty)
     q_rows = b.to(tl.int64) * stride_qb + head * stride_qh
     q0 = _load_plane(q_ptr, q_rows, g_mask[:, None], 0, W)
     q1 = _load_plane(q_ptr, q_rows, g_mask[:, None], 1, W)
@@ -281,10 +294,15 @@ def _intn_decode_kernel(
     for n0 in range(start, coded_end, BLOCK_N):
         tok = n0 + offs_n
         n_mask = tok < coded_end
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        off = (tok % PAGE_SIZE).to(tl.int64)
+        if PAGE_SIZE % BLOCK_N == 0:  # the tile lies in one page (tiles are BLOCK_N-aligned): one lookup
+            page = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
+            off = n0 % PAGE_SIZE + offs_n
+            code_row = (page * s_cp + kvh * s_ch + off * s_cs)[:, None] + offs_w[None, :]
+        else:
+            page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+            off = (tok % PAGE_SIZE).to(tl.int64)
+            code_row = (page * s_cp + off * s_cs + kvh * s_ch)[:, None] + offs_w[None, :]
         cmask = n_mask[:, None]
-        code_row = (page * s_cp + off * s_cs + kvh * s_ch)[:, None] + offs_w[None, :]
         kc = tl.load(kc_ptr + code_row, mask=cmask, other=0).to(tl.int32)
         if GROUPED:
             page0 = tl.load(bt_row + n0 // PAGE_SIZE).to(tl.int64)
@@ -498,6 +516,7 @@ def quantized_decode_attention(
             out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BITS=bits, PAGE_SIZE=page_size,
             KGROUP=page_size // ks.shape[1], VGROUP=head_dim // vs.shape[3], CAP=window_k.shape[1],
-            HAS_WINDOW=has_window, UPCAST=upcast, PRECISION=precision, **common_tail)
+            HAS_WINDOW=has_window, UPCAST=upcast, PRECISION=precision,
+            DOT_FP16=q.dtype == torch.bfloat16 and not upcast, **common_tail)
     combine_splits(mid_o, mid_lse, out)
     return out
