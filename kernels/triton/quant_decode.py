@@ -36,9 +36,11 @@ What keeps a coded tile cheap (each choice read off the sm_90a SASS, ``benchmark
 per-token and per-group factors move out of the tiles (E4M3's scales onto the logits and probabilities;
 a key group's scale and zero onto the query when a tile lies inside one group, ``q . (c s + z) = (q s) . c
 + q . z``), codes become floats by bit operations (E4M3 by the hardware unpack to fp16; small integers as
-``2^23 + c``) instead of int-to-float instructions, value scales are loaded once per group and broadcast,
-and 2/4-bit tiles are never reordered into channel order (one dot and one accumulator per code plane), so
-the loads stay plain tiles that the compiler pipelines through shared memory.
+fp16 ``1024 + c``, two to an instruction, or fp32 ``2^23 + c``) instead of int-to-float instructions, bf16
+queries dot in fp16 (where the fp16-stored KIVI scales dequantize without a rounding to bf16), value scales
+are loaded once per group and broadcast, a tile that lies inside one page looks the page up once instead of
+per slot, and 2/4-bit tiles are never reordered into channel order (one dot and one accumulator per code
+plane), so the loads stay plain tiles that the compiler pipelines through shared memory.
 """
 
 from __future__ import annotations
