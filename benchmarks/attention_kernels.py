@@ -145,6 +145,7 @@ def prefill_case(ctx: int, with_flashinfer: bool, gen) -> dict:
 DECODE_SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "split_factor": (1, 2)}
 # a decode graph's grid: the splits of the longest context (131072 tokens), whatever the request's length
 GRAPH_SPLITS, GRAPH_MIN_SPLIT = 64, (0, 128, 256, 512)
+SPLIT_FACTORS = (0.5, 0.67, 0.75, 1.33, 1.5, 2.0)
 PREFILL_SWEEP = {"block_m": (64, 128), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
 
 
@@ -228,6 +229,10 @@ def sweep(gen) -> list[dict]:
                     "num_splits": min(64, default_splits * c["split_factor"])} for c in _grid(DECODE_SWEEP)]
         # and the decode graph's grid (the longest context's splits), with a floor on each split's length
         configs += [{"num_splits": GRAPH_SPLITS, "min_split_tokens": m} for m in GRAPH_MIN_SPLIT]
+        # split counts around the default at the default launch: whether the programs' last partial wave
+        # over the SMs (B x Hkv x splits programs, a few per SM) costs what a wave-quantization model says
+        configs += [{"num_splits": s} for s in sorted({max(1, min(64, round(default_splits * f)))
+                                                       for f in SPLIT_FACTORS} - {default_splits})]
         timings = [_timed(run, base, kw, bench_graph, kv_bytes, "tb_s") for kw in configs]
         t_default = bench_graph(run)
         best = _fastest(timings)
