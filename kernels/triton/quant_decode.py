@@ -261,7 +261,7 @@ def _intn_decode_kernel(
     into channel order. Coded slots first, then the window's full-precision slots. DOT_FP16 (bf16 queries
     on a GPU): the dots take fp16 operands, to which codes convert two to an instruction and in which the
     fp16-stored scales and zeros dequantize exactly (bf16 would round them); the window's bf16 tiles and the
-    probabilities enter the dots as fp16 too."""
+    probabilities enter the dots as fp16 too (the codec's fp16 zeros already bound the values to fp16's range)."""
     b, kvh, split, num_q_heads, start, end = _split_program(lens_ptr, GROUP, NUM_SPLITS, BLOCK_N, MIN_SPLIT)
     coded_end = end
     if HAS_WINDOW:
