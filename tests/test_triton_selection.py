@@ -266,3 +266,56 @@ def test_window_votes_kernels_equal_the_reference(dtype, group, page_size, n, w)
     definition = window_scores(q, keys, positions[n - w:], positions.expand(2, n)) * group
     _close(ref, definition, (1e-5, 1e-5))
     _close(got, ref, (1e-5, 1e-5) if dtype == torch.float32 else (2e-3, 2e-3))
+
+
+@pytest.mark.parametrize("dtype,group,page_size,budget,aggregate", [
+    (torch.float32, 2, 4, 18, "max"), (torch.float16, 4, 8, 40, "sum"), (torch.float32, 1, 16, 16, "max")])
+def test_quest_fused_decode_selection_equals_the_torch_ops(dtype, group, page_size, budget, aggregate):
+    """A pure-decode step's Quest selection in two Triton launches (bounds update + scores, selected table)
+    equals the torch ops it replaces: the same table, lengths and updated page bounds. Rows: shorter than
+    the budget, a new key opening a page (bounds reset) and mid-page, rows of unequal widths."""
+    from engine.registry import create_method
+
+    _seed("quest-fused", dtype, group, page_size)
+    hkv, d = 2, 32
+    kv_lens = [budget - 3, 5 * page_size + 1, 9 * page_size - 2, 13 * page_size + page_size // 2]
+    q, k_cache, _, view = _setup(kv_lens, page_size, hkv, group, d, dtype)[:4]
+    num_pages = k_cache.shape[0]
+    kmin = torch.randn(num_pages, hkv, d, device=DEVICE).to(dtype)
+    kmax = (kmin.float() + torch.rand(num_pages, hkv, d, device=DEVICE)).to(dtype)
+    method = create_method("quest", {"token_budget": budget, "aggregate": aggregate})
+    ref_min, ref_max = kmin.clone(), kmax.clone()
+    want = method._select_decode(q, view, k_cache, ref_min, ref_max, fused=False)
+    got = method._select_decode(q, view, k_cache, kmin, kmax, fused=True)
+    assert torch.equal(got.block_tables, want.block_tables)
+    assert torch.equal(got.kv_lens, want.kv_lens) and got.kv_lens_cpu == want.kv_lens_cpu
+    assert got.kv_lens.tolist() == got.kv_lens_cpu
+    assert torch.equal(kmin, ref_min) and torch.equal(kmax, ref_max)
+    assert got.kv_lens_cpu[0] == kv_lens[0] and got.kv_lens_cpu[3] < kv_lens[3]  # short row: all, long: some
+
+
+def test_quest_engine_decodes_the_same_through_the_fused_selection(tiny_dirs):
+    """A CPU engine run (GQA, mixed lengths, chunked prefill) with Quest's pure-decode steps selecting through
+    the Triton launches gives the tokens of the torch-op selection, and selects the same pages every layer."""
+    from engine import LLM, SamplingParams
+    from policies.quest import Quest
+
+    prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (70, 33, 120)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for fused in (False, True):
+        llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=32,
+                  method="quest", method_config={"token_budget": 16, "dense_layers": 1})
+        method, tables = llm.engine.method, []
+        inner = Quest._select_decode
+
+        def select_decode(*a, fused=fused, inner=inner, method=method, tables=tables):
+            out = inner(method, *a, fused=fused)
+            tables.append((out.block_tables.tolist(), out.kv_lens.tolist()))
+            return out
+
+        method._select_decode = select_decode
+        runs.append(([o.token_ids for o in llm.generate(prompts, params)], tables))
+    (ref_tokens, ref_tables), (tokens, tables) = runs
+    assert tokens == ref_tokens
+    assert tables == ref_tables and len(tables) >= 5

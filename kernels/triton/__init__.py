@@ -11,7 +11,7 @@ from kernels.triton.kv_store import store_kv
 from kernels.triton.moe import fused_moe, moe_align_block_size
 from kernels.triton.norm import rms_norm
 from kernels.triton.prefill_attention import paged_prefill_attention
-from kernels.triton.quest import quest_page_scores
+from kernels.triton.quest import quest_decode_scores, quest_decode_table, quest_page_scores
 from kernels.triton.rotary import apply_rotary, rotary_and_store
 
 __all__ = [
@@ -22,6 +22,8 @@ __all__ = [
     "paged_decode_attention",
     "paged_decode_logits",
     "paged_prefill_attention",
+    "quest_decode_scores",
+    "quest_decode_table",
     "quest_page_scores",
     "rms_norm",
     "rotary_and_store",
