@@ -26,6 +26,21 @@ AGGREGATES = ("max", "sum")
 
 
 @triton.jit
+def _aggregate_group(agg, q_row_ptr, kvh, lo, hi, stride_qh, offs_d, d_mask, GROUP: tl.constexpr,
+                     USE_MAX: tl.constexpr):
+    """``agg`` [P] combined (max or sum) with the upper bound of each query head of KV head ``kvh``'s group
+    over pages with bounds ``lo``/``hi`` [P, D] (fp32)."""
+    for g in tl.static_range(GROUP):
+        qg = tl.load(q_row_ptr + (kvh * GROUP + g) * stride_qh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        score = tl.sum(tl.maximum(qg[None, :] * lo, qg[None, :] * hi), 1)
+        if USE_MAX:
+            agg = tl.maximum(agg, score)
+        else:
+            agg = agg + score
+    return agg
+
+
+@triton.jit
 def _quest_scores_kernel(
     q_ptr, kmin_ptr, kmax_ptr, pages_ptr, out_ptr,
     stride_qs, stride_qh,
@@ -52,14 +67,8 @@ def _quest_scores_kernel(
         agg = tl.full([BLOCK_P], float("-inf"), dtype=tl.float32)
     else:
         agg = tl.zeros([BLOCK_P], dtype=tl.float32)
-    for g in tl.static_range(GROUP):
-        qg = tl.load(q_ptr + s.to(tl.int64) * stride_qs + (kvh * GROUP + g) * stride_qh + offs_d,
-                     mask=d_mask, other=0.0).to(tl.float32)
-        score = tl.sum(tl.maximum(qg[None, :] * lo, qg[None, :] * hi), 1)
-        if USE_MAX:
-            agg = tl.maximum(agg, score)
-        else:
-            agg = agg + score
+    agg = _aggregate_group(agg, q_ptr + s.to(tl.int64) * stride_qs, kvh, lo, hi, stride_qh, offs_d, d_mask,
+                           GROUP, USE_MAX)
     tl.store(out_ptr + s.to(tl.int64) * stride_os + kvh * stride_oh + offs_p, agg, mask=p_mask)
 
 
@@ -134,14 +143,8 @@ def _quest_decode_scores_kernel(
         bounds = (page * stride_bp + h * stride_bh)[:, None] + offs_d[None, :]
         lo = tl.load(kmin_ptr + bounds, mask=mask, other=0.0).to(tl.float32)
         hi = tl.load(kmax_ptr + bounds, mask=mask, other=0.0).to(tl.float32)
-        for g in tl.static_range(GROUP):
-            qg = tl.load(q_ptr + s.to(tl.int64) * stride_qs + (h * GROUP + g) * stride_qh + offs_d,
-                         mask=d_mask, other=0.0).to(tl.float32)
-            score = tl.sum(tl.maximum(qg[None, :] * lo, qg[None, :] * hi), 1)
-            if USE_MAX:
-                agg = tl.maximum(agg, score)
-            else:
-                agg = agg + score
+        agg = _aggregate_group(agg, q_ptr + s.to(tl.int64) * stride_qs, h, lo, hi, stride_qh, offs_d, d_mask,
+                               GROUP, USE_MAX)
     agg = tl.where(candidate, agg, float("-inf"))
     tl.store(out_ptr + s.to(tl.int64) * stride_os + offs_p, agg, mask=offs_p < width)
 
