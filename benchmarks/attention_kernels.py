@@ -231,8 +231,8 @@ def sweep(gen) -> list[dict]:
         configs += [{"num_splits": GRAPH_SPLITS, "min_split_tokens": m} for m in GRAPH_MIN_SPLIT]
         # split counts around the default at the default launch: whether the programs' last partial wave
         # over the SMs (B x Hkv x splits programs, a few per SM) costs what a wave-quantization model says
-        configs += [{"num_splits": s} for s in sorted({max(1, min(64, round(default_splits * f)))
-                                                       for f in SPLIT_FACTORS} - {default_splits})]
+        around = {round(default_splits * f) for f in SPLIT_FACTORS} | {default_splits - 1, default_splits + 1}
+        configs += [{"num_splits": s} for s in sorted({max(1, min(64, s)) for s in around} - {default_splits})]
         timings = [_timed(run, base, kw, bench_graph, kv_bytes, "tb_s") for kw in configs]
         t_default = bench_graph(run)
         best = _fastest(timings)

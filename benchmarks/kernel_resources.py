@@ -37,6 +37,7 @@ _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin
 WATCH = ("LDGSTS", "LDG", "HMMA", "I2F", "F2F", "F2FP", "MUFU")
 HQ, HKV, D, PAGE, MAX_PAGES = 32, 8, 128, 32, 1040
 H200_SMS, H200_CLOCK_HZ, ISSUE_PER_CLOCK = 132, 1.98e9, 4
+SMEM_PER_SM = 227 * 1024
 
 
 def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> dict:
@@ -64,7 +65,11 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> dic
         r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", report["sass"]))
     regs = report["registers"]
     return {"registers": regs, "spill_stores": report["spill_stores"],
-            "programs_per_sm": min(32, 65536 // (regs * 32 * num_warps)), "instructions": sum(ops.values()),
+            "shared_bytes": kernel.metadata.shared,
+            # an SM holds 64K registers and 227 KiB of shared memory for its programs
+            "programs_per_sm": min(32, 65536 // (regs * 32 * num_warps),
+                                   SMEM_PER_SM // kernel.metadata.shared if kernel.metadata.shared else 32),
+            "instructions": sum(ops.values()),
             "loop_instructions": main_loop_length(report["sass"]), **{op: ops.get(op, 0) for op in WATCH}}
 
 
@@ -145,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                 r["issue_bound_tb_s"] = issue_bound_tb_s(r["loop_instructions"], warps, block_n * SLOT_BYTES[name])
                 rows.append({"kernel": name, "block_n": block_n, "num_warps": warps, **r})
                 print(json.dumps(rows[-1]), flush=True)
-    cols = ["block_n", "num_warps", "registers", "spill_stores", "programs_per_sm", "instructions",
+    cols = ["block_n", "num_warps", "registers", "shared_bytes", "spill_stores", "programs_per_sm", "instructions",
             "loop_instructions", *WATCH]
     print("\n" + f"{'kernel':20}" + "".join(f"{c[:10]:>11}" for c in cols) + f"{'issue TB/s':>11}")
     for r in rows:
