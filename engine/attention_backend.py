@@ -139,11 +139,20 @@ def _construct(name: str, device: torch.device) -> AttentionBackend:
         raise ConfigError(f"attention_backend {name!r} needs flashinfer-python installed: {exc}") from exc
 
 
+def auto_candidates(device: torch.device, flashinfer_installed: bool) -> list[str]:
+    """``auto``'s order of preference, fastest first. On a GPU: Triton with flashinfer's paged prefill when
+    flashinfer is installed (its prefill ran 1.3-1.5x ours at 8K-32K on an H200, same run; decode stays on
+    Triton's kernels and graphs), then Triton alone; the torch reference last, and alone off a GPU."""
+    if device.type != "cuda":
+        return ["torch"]
+    return (["triton+flashinfer"] if flashinfer_installed else []) + ["triton", "torch"]
+
+
 def make_backend(
     name: str, device: torch.device, method: SparseMethod, dtype: torch.dtype | None = None,
     codec: KVCodec | None = None, head_dim: int | None = None,
 ) -> AttentionBackend:
-    """The backend by name; ``auto`` takes the Triton kernels on a GPU when they serve ``method``, else torch."""
+    """The backend by name; ``auto`` takes the first of ``auto_candidates`` that serves ``method``."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name != "auto":
@@ -152,10 +161,17 @@ def make_backend(
         if reasons:
             raise ConfigError(f"method {method.name!r} cannot run on attention_backend {name!r}: {'; '.join(reasons)}")
         return backend
-    backend = _construct("triton", device) if device.type == "cuda" else TorchReferenceBackend()
-    reasons = backend.unsupported(method, dtype, codec, head_dim)
-    if reasons:
-        log.info("attention backend auto: not %s (%s)", backend.name, "; ".join(reasons))
-        backend = TorchReferenceBackend()
+    import importlib.util
+
+    for candidate in auto_candidates(device, importlib.util.find_spec("flashinfer") is not None):
+        try:
+            backend = _construct(candidate, device)
+        except ConfigError as exc:  # flashinfer present but not importable here
+            log.info("attention backend auto: not %s (%s)", candidate, exc)
+            continue
+        reasons = backend.unsupported(method, dtype, codec, head_dim)
+        if not reasons:
+            break
+        log.info("attention backend auto: not %s (%s)", candidate, "; ".join(reasons))
     log.info("attention backend: %s (auto on %s)", backend.name, device)
     return backend

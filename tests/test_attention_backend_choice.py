@@ -26,3 +26,11 @@ def test_gpu_backends_need_a_gpu(tiny_dirs, name):
 def test_unknown_backend_names_the_choices(tiny_dirs):
     with pytest.raises(ConfigError, match=r"attention_backend must be one of .*'triton\+flashinfer'"):
         LLMEngine(EngineConfig(tiny_dirs["qwen3"], device="cpu", attention_backend="cudnn"))
+
+
+def test_auto_prefers_flashinfers_prefill_on_a_gpu_when_installed():
+    from engine.attention_backend import auto_candidates
+
+    assert auto_candidates(torch.device("cpu"), True) == ["torch"]
+    assert auto_candidates(torch.device("cuda"), True) == ["triton+flashinfer", "triton", "torch"]
+    assert auto_candidates(torch.device("cuda"), False) == ["triton", "torch"]

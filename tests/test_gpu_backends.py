@@ -110,6 +110,13 @@ def test_bf16_logits_match_torch_backend(arch, backend, tiny_dirs_hf_init):
     assert compared >= 2
 
 
+def test_auto_takes_flashinfers_prefill_when_installed(tiny_dirs):
+    from engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(tiny_dirs["qwen3"], device="cuda", dtype="float32", num_pages=64))
+    assert engine.backend.name == ("triton+flashinfer" if "flashinfer" in backends() else "triton")
+
+
 def test_flashinfer_refuses_head_dims_its_kernels_lack(tiny_dirs):
     if "flashinfer" not in backends():
         pytest.skip("flashinfer is not installed")
