@@ -295,7 +295,7 @@ def test_quest_fused_decode_selection_equals_the_torch_ops(dtype, group, page_si
 
 
 def test_quest_engine_decodes_the_same_through_the_fused_selection(tiny_dirs):
-    """A CPU engine run (GQA, mixed lengths, chunked prefill) with Quest's pure-decode steps selecting through
+    """An engine run (GQA, mixed lengths, chunked prefill) with Quest's pure-decode steps selecting through
     the Triton launches gives the tokens of the torch-op selection, and selects the same pages every layer."""
     from engine import LLM, SamplingParams
     from policies.quest import Quest
@@ -304,8 +304,9 @@ def test_quest_engine_decodes_the_same_through_the_fused_selection(tiny_dirs):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     runs = []
     for fused in (False, True):
-        llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=32,
-                  method="quest", method_config={"token_budget": 16, "dense_layers": 1})
+        llm = LLM(tiny_dirs["qwen3"], dtype="float32", device=DEVICE, page_size=4, max_num_batched_tokens=32,
+                  method="quest", method_config={"token_budget": 16, "dense_layers": 1},
+                  enforce_eager=True)  # a decode graph's replay would bypass the wrapped selection
         method, tables = llm.engine.method, []
         inner = Quest._select_decode
 
