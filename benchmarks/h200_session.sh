@@ -12,6 +12,8 @@
 #   sweep      our decode / prefill kernels over a grid of launch configurations (which to make the default)
 #   codeckernels  the fp8 / KIVI-4 / KIVI-2 decode kernels beside the dense one at the engine's 32K / 128K
 #              batches, over tile sizes, warps, stages and splits (coded time vs the bytes it saves)
+#   moekernels the fused MoE kernel at T = 8 / 32 decode tokens (Qwen3-30B-A3B layer) against its routed
+#              experts' bytes at the copy rate, over block sizes, warps and stages
 #   dense      Llama-3.1-8B shape decode roofline at bs1@4K, bs8@4K, bs4@32K, HF transformers in the same run
 #   prefill    prefill TFLOP/s of a 32K prompt (and 4 x 8K): triton vs triton+flashinfer
 #   dense8     the dense cases with --decode-steps 8 (8 decode steps per schedule, one host sync)
@@ -72,6 +74,8 @@ for step in "$@"; do
         run fused 150 python benchmarks/fused_paths.py --json "$OUT/fused.json" ;;
     kernels)
         run kernels 200 python benchmarks/attention_kernels.py --json "$OUT/kernels.json" ;;
+    moekernels)
+        run moekernels 240 python benchmarks/moe_kernels.py --json "$OUT/moekernels.json" ;;
     codeckernels)
         run codeckernels 300 python benchmarks/codec_kernels.py --json "$OUT/codeckernels.json" ;;
     sweep)
