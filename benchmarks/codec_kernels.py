@@ -148,13 +148,11 @@ def run_case(batch: int, ctx: int, storage: str, shape: Shape, space: dict, gen,
             continue
         t = measure(lambda kw=kw: run(**kw))
         configs.append({**kw, "ms": t * 1e3, "tb_s": coded_bytes / t / 1e12, "rel_diff": rel(out, base)})
-    del kf, vf
     # the dense bf16 kernel on the same shape, same page size
     k, v = (torch.randn(num_pages, shape.page, shape.hkv, shape.d, generator=gen, device=device).to(shape.dtype)
             for _ in range(2))
     dense_bytes = 2 * batch * ctx * shape.hkv * shape.d * shape.dtype.itemsize
     t_dense = measure(lambda: paged_decode_attention(q, k, v, bt, lens, scale))
-    del k, v
     if device == "cuda":
         torch.cuda.empty_cache()
     timed = [c for c in configs if "ms" in c]
