@@ -85,7 +85,7 @@ def test_engine_decode_rows_take_the_same_answer_through_the_kernel(tiny_dirs):
     """Every decode row of a CPU engine run (GQA, mixed prompt lengths): ``attend_paged`` on the engine's own
     cache, block table and index equals the reference output the engine wrote."""
     llm = LLM(tiny_dirs["qwen3"], dtype="float32", device=DEVICE, page_size=4, max_num_batched_tokens=24,
-              enforce_eager=True,  # a decode graph's replay would bypass the wrapped hooks below
+              num_pages=256, enforce_eager=True,  # a decode graph's replay would bypass the wrapped hooks below
               method="retroinfer", method_config={"cluster_size": 4, "iters": 3, "exact_clusters": 3,
                                                   "estimated_clusters": 4, "window": 4, "dense_layers": 1})
     method, cache = llm.engine.method, llm.engine.cache

@@ -211,7 +211,8 @@ def test_probe_through_the_triton_backend_equals_the_reference_probe(tiny_dirs, 
     from engine import LLM, SamplingParams
     from tests.chain_helpers import random_tokens, run_chain_turn
 
-    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device=str(DEVICE), page_size=4, max_num_batched_tokens=16)
+    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device=str(DEVICE), page_size=4, max_num_batched_tokens=16,
+              num_pages=256)  # a page count: on a GPU other test workers hold memory a utilization share misjudges
     engine, rng = llm.engine, random.Random(2)
     run_chain_turn(engine, "c", random_tokens(rng, 29), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     state = engine.chains.index.get("c")
@@ -305,7 +306,7 @@ def test_quest_engine_decodes_the_same_through_the_fused_selection(tiny_dirs):
     runs = []
     for fused in (False, True):
         llm = LLM(tiny_dirs["qwen3"], dtype="float32", device=DEVICE, page_size=4, max_num_batched_tokens=32,
-                  method="quest", method_config={"token_budget": 16, "dense_layers": 1},
+                  method="quest", method_config={"token_budget": 16, "dense_layers": 1}, num_pages=256,
                   enforce_eager=True)  # a decode graph's replay would bypass the wrapped selection
         method, tables = llm.engine.method, []
         inner = Quest._select_decode
