@@ -21,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from engine.contract.cache import CacheManager, CacheSpec
 from engine.contract.view import PagedView, QuantizedPagesView
@@ -44,7 +44,7 @@ class PageTable:
     num_slots: int = 0  # slots in use in the longest layer
     layer_lens: list[int] | None = None  # per-layer slots in use, once compacted
     kept_positions: list[torch.Tensor] | None = None  # per layer [Hkv, n]: logical position of each kept slot
-    host_row: torch.Tensor | None = None  # int32 copy of ``pages`` for building block tables; None = stale
+    host_row: np.ndarray | None = None  # int32 copy of ``pages`` for building block tables; None = stale
     compacted_at: int = 0  # logical length at the last compaction; later slots are appended tokens
     window: int | None = None  # full-precision window (codecs with one), held while a request runs
 
@@ -58,10 +58,14 @@ class PageTable:
     def layer_len(self, layer: int) -> int:
         return self.num_slots if self.layer_lens is None else self.layer_lens[layer]
 
-    def pages_tensor(self) -> torch.Tensor:
+    def pages_row(self) -> np.ndarray:
         if self.host_row is None:
-            self.host_row = torch.tensor(self.pages, dtype=torch.int32)
+            self.host_row = np.asarray(self.pages, dtype=np.int32)
         return self.host_row
+
+    def pages_tensor(self) -> torch.Tensor:
+        """The cached row as an int32 host tensor (shares its memory; treat it as read-only)."""
+        return torch.from_numpy(self.pages_row())
 
 
 def fuse_rotary_store(kv: torch.Tensor) -> bool:
@@ -141,7 +145,7 @@ class PagedCacheManager(CacheManager):
             new = self.pool.allocate(grow)
             t.pages.extend(new)
             if t.host_row is not None:  # extend the cached row (a long request's row is thousands of pages)
-                t.host_row = torch.cat([t.host_row, torch.tensor(new, dtype=torch.int32)])
+                t.host_row = np.concatenate([t.host_row, np.asarray(new, dtype=np.int32)])
         return True
 
     def _ensure_window(self, t: PageTable) -> bool:
@@ -390,13 +394,32 @@ class PagedCacheManager(CacheManager):
         self._slot_list(pages, start, n, out)
         return torch.tensor(out, dtype=torch.int64, device=self.spec.device)
 
+    def _layer_lens(self, tables: list[PageTable]) -> np.ndarray:
+        """[num_layers, B] int64 array of each request's slots in use per layer (numpy: a nested list converts
+        ~4x faster than through torch.tensor at a few hundred requests x 32 layers)."""
+        num_layers = self.spec.num_layers
+        rows = [[t.num_slots] * num_layers if t.layer_lens is None else t.layer_lens for t in tables]
+        return np.array(rows, dtype=np.int64).reshape(len(tables), num_layers).T
+
+    def _host_block_tables(self, tables: list[PageTable]) -> torch.Tensor:
+        """[B, max_pages] int32 host page table (padding entries page 0), filled row by row from each table's
+        cached numpy row (3-8x faster than ``pad_sequence`` over torch rows at a few hundred requests)."""
+        width = max((len(t.pages) for t in tables), default=0)
+        out = np.zeros((len(tables), width), dtype=np.int32)
+        for i, t in enumerate(tables):
+            out[i, :len(t.pages)] = t.pages_row()
+        return torch.from_numpy(out)
+
     def slot_mapping(self, reqs: list[Request], num_new_tokens: list[int]) -> torch.Tensor:
         """[T] when every request has one length across layers, else [num_layers, T]. Under a codec with a
         window this also plans the step's writes (which groups are re-encoded, which rows enter windows)."""
         tables = [self._tables[r.request_id] for r in reqs]
         if self.codec is not None and self.codec.has_window:
             self._write_plans = self._plan_writes(tables, num_new_tokens)
-        if all(t.is_uniform() for t in tables):
+        uniform = all(t.is_uniform() for t in tables)
+        if tables and all(n == 1 for n in num_new_tokens):  # a decode step: one slot per request and layer
+            return self._decode_slots(tables, uniform).to(self.spec.device)
+        if uniform:
             slots: list[int] = []
             for t, n in zip(tables, num_new_tokens):
                 self._slot_list(t.pages, t.layer_len(0), n, slots)
@@ -408,6 +431,18 @@ class PagedCacheManager(CacheManager):
                 self._slot_list(t.pages, t.layer_len(layer), n, slots)
             rows.append(slots)
         return torch.tensor(rows, dtype=torch.int64, device=self.spec.device)
+
+    def _decode_slots(self, tables: list[PageTable], uniform: bool) -> torch.Tensor:
+        """The next slot of every request ([B], or [num_layers, B] when its layers differ in length): one
+        comprehension over the requests (and their layers), not a page walk per request and layer."""
+        ps = self.page_size
+        if uniform:
+            return torch.tensor([t.pages[n // ps] * ps + n % ps for t in tables for n in (t.layer_len(0),)],
+                                dtype=torch.int64)
+        num_layers = self.spec.num_layers
+        rows = [[t.pages[n // ps] * ps + n % ps for n in (t.layer_lens or [t.num_slots] * num_layers)]
+                for t in tables]
+        return torch.from_numpy(np.array(rows, dtype=np.int64).T.copy())
 
     def _plan_writes(self, tables: list[PageTable], num_new_tokens: list[int]) -> list[WritePlan]:
         rows = [0]
@@ -433,8 +468,7 @@ class PagedCacheManager(CacheManager):
     def build_view(self, reqs: list[Request], num_new_tokens: list[int], layer: int = 0) -> PagedView:
         tables = [self._tables[r.request_id] for r in reqs]
         kv_lens = [t.layer_len(layer) + n for t, n in zip(tables, num_new_tokens)]
-        block_tables = (pad_sequence([t.pages_tensor() for t in tables], batch_first=True) if tables
-                        else torch.zeros((0, 0), dtype=torch.int32))  # padding entries are page 0, never read
+        block_tables = self._host_block_tables(tables)  # padding entries are page 0, never read
         starts = [0]
         for n in num_new_tokens:
             starts.append(starts[-1] + n)
@@ -483,9 +517,9 @@ class PagedCacheManager(CacheManager):
         if self.codec is None:  # lengths differ per layer: one page table, one host->device copy of the lengths
             base = self.build_view(reqs, num_new_tokens)
             tables = [self._tables[r.request_id] for r in reqs]
-            lens = [[t.layer_len(layer) + n for t, n in zip(tables, num_new_tokens)]
-                    for layer in range(self.spec.num_layers)]
-            lens_t = torch.tensor(lens, dtype=torch.int32).to(self.spec.device)
+            lens_np = self._layer_lens(tables) + np.asarray(num_new_tokens, dtype=np.int64)
+            lens = lens_np.tolist()
+            lens_t = torch.from_numpy(lens_np.astype(np.int32)).to(self.spec.device)
             return [dataclasses.replace(base, kv_lens=lens_t[layer], kv_lens_cpu=lens[layer])
                     for layer in range(self.spec.num_layers)]
         return [self.build_view(reqs, num_new_tokens, layer) for layer in range(self.spec.num_layers)]
