@@ -24,6 +24,7 @@ import gc
 import json
 import multiprocessing
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -117,9 +118,15 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
     sync()
     replays_before = 0 if engine.runner.graphs is None else engine.runner.graphs.replays
     t0, steps, tokens = time.perf_counter(), 0, 0
+    phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "execute": [], "update": []}
     while steps < args.decode_steps:
         tokens += sum(len(o.new_token_ids) for o in engine.step())
-        steps += engine.last_step.decode_steps if engine.last_step is not None else 1  # a window runs several
+        timing = engine.last_step
+        k = timing.decode_steps if timing is not None else 1  # a window runs several
+        steps += k
+        if timing is not None:
+            for phase, values in phases.items():
+                values.append(1e3 * getattr(timing, f"{phase}_s") / k)
     sync()
     elapsed = time.perf_counter() - t0
     graphs = engine.runner.graphs
@@ -131,7 +138,9 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
               "decode_tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / steps,
               "pages_per_request": sum(held) / max(len(held), 1), "pool_pages": engine.pool.num_pages,
               "backend": engine.backend.name, "graph_replayed_steps": replayed, "timed_steps": steps,
-              "decode_window": args.decode_window}
+              "decode_window": args.decode_window,
+              # median per decode step: the host phases (schedule, prepare, update) run while the GPU idles
+              "step_phase_ms": {p: statistics.median(v) for p, v in phases.items() if v}}
     for rid in list(engine._requests):
         engine.abort(rid)
     del engine

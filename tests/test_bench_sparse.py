@@ -16,6 +16,9 @@ def test_synthetic_kv_bench_admits_more_requests_under_snapkv():
     assert dense["batch"] == 1 and snap["batch"] >= 5  # 6 fit the pool; one's pages are kept as headroom
     for r in results:  # the headroom kept for growth: every timed step decodes every admitted request
         assert round(r["decode_tok_s"] * r["step_ms"] / 1e3) == r["batch"]
+        phases = r["step_phase_ms"]  # the engine's own step timing (medians), in ms like the measured step
+        assert set(phases) == {"schedule", "prepare", "execute", "update"} and phases["execute"] > 0
+        assert sum(phases.values()) < 1.5 * r["step_ms"]
     assert snap["pages_per_request"] < dense["pages_per_request"] / 4
 
 
