@@ -434,15 +434,16 @@ class PagedCacheManager(CacheManager):
 
     def _decode_slots(self, tables: list[PageTable], uniform: bool) -> torch.Tensor:
         """The next slot of every request ([B], or [num_layers, B] when its layers differ in length): one
-        comprehension over the requests (and their layers), not a page walk per request and layer."""
+        comprehension over the requests, or numpy over the padded page table and the per-layer lengths --
+        not a page walk per request and layer."""
         ps = self.page_size
         if uniform:
             return torch.tensor([t.pages[n // ps] * ps + n % ps for t in tables for n in (t.layer_len(0),)],
                                 dtype=torch.int64)
-        num_layers = self.spec.num_layers
-        rows = [[t.pages[n // ps] * ps + n % ps for n in (t.layer_lens or [t.num_slots] * num_layers)]
-                for t in tables]
-        return torch.from_numpy(np.array(rows, dtype=np.int64).T.copy())
+        lens = self._layer_lens(tables)  # [L, B]
+        pages = self._host_block_tables(tables).numpy().astype(np.int64)  # [B, P]
+        slots = np.take_along_axis(pages, (lens // ps).T, axis=1).T * ps + lens % ps
+        return torch.from_numpy(np.ascontiguousarray(slots))
 
     def _plan_writes(self, tables: list[PageTable], num_new_tokens: list[int]) -> list[WritePlan]:
         rows = [0]
