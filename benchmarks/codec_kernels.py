@@ -36,18 +36,13 @@ from kernels.torch_ref.quantized_attention import quantized_paged_attention  # n
 from kernels.triton import choose_num_splits, paged_decode_attention  # noqa: E402
 from kernels.triton.quant_decode import quantized_decode_attention  # noqa: E402
 
+from benchmarks.sweep_helpers import grid, max_rel, timer  # noqa: E402
+
 STORAGES = {"fp8": ("fp8", {}), "kivi4": ("kivi", {"bits": 4}), "kivi2": ("kivi", {"bits": 2})}
 TINY_KIVI = {"group_size": 8, "residual": 8}  # the tiny pages hold 8 slots
 # dense's batch in the engine runs of session 7 at 32K and 128K (the matched-batch rows)
 CASES = [(27, 32768), (7, 131072)]
 SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3), "split_factor": (1, 2)}
-
-
-def grid(space: dict) -> list[dict]:
-    configs = [{}]
-    for name, values in space.items():
-        configs = [{**c, name: v} for c in configs for v in values]
-    return configs
 
 
 class Shape:
@@ -73,28 +68,6 @@ def encode_pages(tc, num_pages: int, shape: Shape, gen: torch.Generator, device:
 
 def nbytes(fields: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in fields.values())
-
-
-def timer(tiny: bool):
-    if tiny:  # the interpreter: one call, wall clock, only to exercise the code
-        import time
-
-        def once(fn):
-            fn()
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        return once
-    import triton
-
-    def graph(fn):
-        fn()  # compile outside the capture
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
-    return graph
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
 
 
 def run_case(batch: int, ctx: int, storage: str, shape: Shape, space: dict, gen, device: str, tiny: bool) -> dict:
@@ -147,7 +120,7 @@ def run_case(batch: int, ctx: int, storage: str, shape: Shape, space: dict, gen,
             configs.append({**kw, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
             continue
         t = measure(lambda kw=kw: run(**kw))
-        configs.append({**kw, "ms": t * 1e3, "tb_s": coded_bytes / t / 1e12, "rel_diff": rel(out, base)})
+        configs.append({**kw, "ms": t * 1e3, "tb_s": coded_bytes / t / 1e12, "rel_diff": max_rel(out, base)})
     # the dense bf16 kernel on the same shape, same page size
     k, v = (torch.randn(num_pages, shape.page, shape.hkv, shape.d, generator=gen, device=device).to(shape.dtype)
             for _ in range(2))
@@ -161,7 +134,7 @@ def run_case(batch: int, ctx: int, storage: str, shape: Shape, space: dict, gen,
             "bytes_ratio": coded_bytes / dense_bytes, "dense_ms": t_dense * 1e3,
             "dense_tb_s": dense_bytes / t_dense / 1e12, "default_ms": t_default * 1e3,
             "default_tb_s": coded_bytes / t_default / 1e12, "default_time_ratio": t_default / t_dense,
-            "rel_err_vs_ref": rel(base[:two], ref), "default_splits": default_splits, "best": best,
+            "rel_err_vs_ref": max_rel(base[:two], ref), "default_splits": default_splits, "best": best,
             "best_time_ratio": best["ms"] / 1e3 / t_dense if best else None, "configs": configs}
 
 

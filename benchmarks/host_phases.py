@@ -19,6 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from benchmarks.sparse_decode import parse_methods
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_shapes import get_shape
@@ -26,14 +27,6 @@ from engine.sampling_params import SamplingParams
 from engine.tiny_checkpoint import train_tokenizer
 
 PHASES = ("schedule", "prepare", "execute", "update")
-
-
-def parse_methods(spec: str) -> list[tuple[str, dict]]:
-    out = []
-    for item in filter(None, spec.split(";")):
-        name, _, cfg = item.partition(":")
-        out.append((name.strip(), json.loads(cfg) if cfg else {}))
-    return out
 
 
 def measure(model_dir: Path, method: str, cfg: dict, args) -> dict:

@@ -25,19 +25,13 @@ TINY = "--tiny" in sys.argv
 if TINY and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from benchmarks.sweep_helpers import grid, norm_rel, timer  # noqa: E402
 from kernels.triton.moe import _default_config, fused_moe  # noqa: E402
 
 SHAPE = dict(experts=128, top_k=8, hidden=2048, inter=768)
 TINY_SHAPE = dict(experts=8, top_k=2, hidden=64, inter=32)
 SWEEP = {"BLOCK_N": (32, 64, 128), "BLOCK_K": (64, 128), "num_warps": (4, 8), "num_stages": (3, 4)}
 TINY_SWEEP = {"BLOCK_N": (16, 32), "BLOCK_K": (32,), "num_warps": (4,), "num_stages": (1,)}
-
-
-def grid(space: dict) -> list[dict]:
-    configs = [{}]
-    for name, values in space.items():
-        configs = [{**c, name: v} for c in configs for v in values]
-    return configs
 
 
 def reference(x, w_gu, w_d, weights, ids, inter: int) -> torch.Tensor:
@@ -49,28 +43,6 @@ def reference(x, w_gu, w_d, weights, ids, inter: int) -> torch.Tensor:
         a = torch.nn.functional.silu(a[:, :inter]) * a[:, inter:]
         out.index_add_(0, tok, (a @ w_d[e].float().T) * weights[tok, j, None].float())
     return out
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
-
-
-def timer(tiny: bool):
-    if tiny:  # the interpreter: one call, wall clock, only to exercise the code
-        import time
-
-        def once(fn):
-            fn()
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        return once
-    import triton
-
-    def graph(fn):
-        fn()
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
-    return graph
 
 
 def copy_bandwidth() -> float:
@@ -97,7 +69,7 @@ def run_case(tokens: int, shape: dict, space: dict, gen, device: str, tiny: bool
         return fused_moe(x, w_gu, w_d, weights, ids, config=cfg or None)
 
     base = run()
-    err = rel(base, reference(x, w_gu, w_d, weights, ids, inter))
+    err = norm_rel(base, reference(x, w_gu, w_d, weights, ids, inter))
     t_default = measure(run)
     configs = []
     for cfg in grid(space):
@@ -107,14 +79,15 @@ def run_case(tokens: int, shape: dict, space: dict, gen, device: str, tiny: bool
             configs.append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
             continue
         t = measure(lambda cfg=cfg: run(**cfg))
-        configs.append({**cfg, "ms": t * 1e3, "tb_s": expert_bytes / t / 1e12, "rel_diff": rel(out, base)})
+        configs.append({**cfg, "ms": t * 1e3, "tb_s": expert_bytes / t / 1e12, "rel_diff": norm_rel(out, base)})
     timed = [c for c in configs if "ms" in c]
     best = min(timed, key=lambda c: c["ms"]) if timed else None
     if best is not None:  # the down projection's column block alone, at the best configuration
         for bn in space["BLOCK_N"]:
             cfg = {**{n: best[n] for n in space}, "BLOCK_N_DOWN": bn}
             t = measure(lambda cfg=cfg: run(**cfg))
-            configs.append({**cfg, "ms": t * 1e3, "tb_s": expert_bytes / t / 1e12, "rel_diff": rel(run(**cfg), base)})
+            configs.append({**cfg, "ms": t * 1e3, "tb_s": expert_bytes / t / 1e12,
+                            "rel_diff": norm_rel(run(**cfg), base)})
         best = min((c for c in configs if "ms" in c), key=lambda c: c["ms"])
     return {"tokens": tokens, **shape, "distinct_experts": distinct, "expert_bytes": expert_bytes,
             "default_config": _default_config(tokens * k, e), "default_ms": t_default * 1e3,

@@ -1,0 +1,45 @@
+"""What the kernel sweeps share: the configuration grid, the timer (CUDA-graph replays on a GPU, one wall-clock
+call in the CPU interpreter's smoke runs) and the relative difference of two outputs."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def grid(space: dict) -> list[dict]:
+    """Every combination of ``space``'s values, as keyword dicts."""
+    configs = [{}]
+    for name, values in space.items():
+        configs = [{**c, name: v} for c in configs for v in values]
+    return configs
+
+
+def timer(tiny: bool) -> Callable[[Callable[[], object]], float]:
+    """Seconds per call: the median of CUDA-graph replays, or (``tiny``, the interpreter) one timed call after
+    one untimed, only to exercise the code."""
+    if tiny:
+        def once(fn):
+            fn()
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        return once
+    import triton
+
+    def graph(fn):
+        fn()  # compile outside the capture
+        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
+    return graph
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| / max |b|."""
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
+
+
+def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||."""
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
