@@ -1,7 +1,7 @@
 """Coded-KV decode kernels against the dense bf16 kernel on the same shape, over launch configurations.
 
-    python benchmarks/codec_kernels.py --json codec_kernels.json      # GPU: the engine's batches at 32K / 128K
-    python benchmarks/codec_kernels.py --tiny                         # CPU smoke run (Triton interpreter)
+    python -m benchmarks.codec_kernels --json codec_kernels.json      # GPU: the engine's batches at 32K / 128K
+    python -m benchmarks.codec_kernels --tiny                         # CPU smoke run (Triton interpreter)
 
 For each (batch, context) and KV storage (fp8, KIVI-4, KIVI-2 as the engine configures them) one attention
 layer of the Llama-3.1-8B shape (32 q / 8 kv heads, d128, page 32) is encoded by the codec's own ``encode``

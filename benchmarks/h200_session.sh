@@ -75,9 +75,9 @@ for step in "$@"; do
     kernels)
         run kernels 200 python benchmarks/attention_kernels.py --json "$OUT/kernels.json" ;;
     moekernels)
-        run moekernels 240 python benchmarks/moe_kernels.py --json "$OUT/moekernels.json" ;;
+        run moekernels 240 python -m benchmarks.moe_kernels --json "$OUT/moekernels.json" ;;
     codeckernels)
-        run codeckernels 300 python benchmarks/codec_kernels.py --json "$OUT/codeckernels.json" ;;
+        run codeckernels 300 python -m benchmarks.codec_kernels --json "$OUT/codeckernels.json" ;;
     sweep)
         run sweep 400 python benchmarks/attention_kernels.py --sweep --json "$OUT/sweep.json" ;;
     dense)

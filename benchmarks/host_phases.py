@@ -1,6 +1,6 @@
 """The engine's host work per decode step at large batches: schedule, prepare, update (and execute) medians.
 
-    python benchmarks/host_phases.py --batch 256 --layers 32 --methods 'dense;kvzip:{"budget":64}'
+    python -m benchmarks.host_phases --batch 256 --layers 32 --methods 'dense;kvzip:{"budget":64}'
 
 On a GPU these phases run while the device idles (the engine does not overlap them with a step), so at the few
 hundred requests of the sparse methods' largest batches they are part of every step's time. A model of the

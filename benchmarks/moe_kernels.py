@@ -1,7 +1,7 @@
 """The fused MoE kernel at decode batch sizes against the bytes of the experts it routes to, over launch configs.
 
-    python benchmarks/moe_kernels.py --json moe_kernels.json     # GPU: Qwen3-30B-A3B's MoE layer, T = 8, 32
-    python benchmarks/moe_kernels.py --tiny                      # CPU smoke run (Triton interpreter)
+    python -m benchmarks.moe_kernels --json moe_kernels.json     # GPU: Qwen3-30B-A3B's MoE layer, T = 8, 32
+    python -m benchmarks.moe_kernels --tiny                      # CPU smoke run (Triton interpreter)
 
 One MoE layer of the Qwen3-30B-A3B shape (128 experts, top-8, hidden 2048, expert intermediate 768, bf16,
 random weights), T decode tokens routed uniformly at random (each token's 8 experts distinct, as a top-k gives
