@@ -36,7 +36,7 @@ from kernels.torch_ref.quantized_attention import quantized_paged_attention  # n
 from kernels.triton import choose_num_splits, paged_decode_attention  # noqa: E402
 from kernels.triton.quant_decode import quantized_decode_attention  # noqa: E402
 
-from benchmarks.sweep_helpers import grid, max_rel, timer  # noqa: E402
+from benchmarks.sweep_helpers import grid, max_rel, time_configs, timer  # noqa: E402
 
 STORAGES = {"fp8": ("fp8", {}), "kivi4": ("kivi", {"bits": 4}), "kivi2": ("kivi", {"bits": 2})}
 TINY_KIVI = {"group_size": 8, "residual": 8}  # the tiny pages hold 8 slots
@@ -110,17 +110,9 @@ def run_case(batch: int, ctx: int, storage: str, shape: Shape, space: dict, gen,
     t_default = measure(run)
     sms = torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else 4
     default_splits = choose_num_splits(batch, shape.hkv, pages_per * shape.page, sms)
-    configs = []
-    for c in grid(space):
-        kw = {k: c[k] for k in ("block_n", "num_warps", "num_stages")}
-        kw["num_splits"] = min(64, default_splits * c["split_factor"])
-        try:
-            out = run(**kw)
-        except Exception as exc:  # noqa: BLE001 -- a configuration the compiler refuses is recorded
-            configs.append({**kw, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-            continue
-        t = measure(lambda kw=kw: run(**kw))
-        configs.append({**kw, "ms": t * 1e3, "tb_s": coded_bytes / t / 1e12, "rel_diff": max_rel(out, base)})
+    launches = [{"block_n": c["block_n"], "num_warps": c["num_warps"], "num_stages": c["num_stages"],
+                 "num_splits": min(64, default_splits * c["split_factor"])} for c in grid(space)]
+    configs = time_configs(run, launches, measure, coded_bytes, base, max_rel)
     # the dense bf16 kernel on the same shape, same page size
     k, v = (torch.randn(num_pages, shape.page, shape.hkv, shape.d, generator=gen, device=device).to(shape.dtype)
             for _ in range(2))

@@ -25,7 +25,7 @@ TINY = "--tiny" in sys.argv
 if TINY and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.sweep_helpers import grid, norm_rel, timer  # noqa: E402
+from benchmarks.sweep_helpers import grid, norm_rel, time_configs, timer  # noqa: E402
 from kernels.triton.moe import _default_config, fused_moe  # noqa: E402
 
 SHAPE = dict(experts=128, top_k=8, hidden=2048, inter=768)
@@ -71,23 +71,12 @@ def run_case(tokens: int, shape: dict, space: dict, gen, device: str, tiny: bool
     base = run()
     err = norm_rel(base, reference(x, w_gu, w_d, weights, ids, inter))
     t_default = measure(run)
-    configs = []
-    for cfg in grid(space):
-        try:
-            out = run(**cfg)
-        except Exception as exc:  # noqa: BLE001 -- a configuration the compiler refuses is recorded
-            configs.append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-            continue
-        t = measure(lambda cfg=cfg: run(**cfg))
-        configs.append({**cfg, "ms": t * 1e3, "tb_s": expert_bytes / t / 1e12, "rel_diff": norm_rel(out, base)})
+    configs = time_configs(run, grid(space), measure, expert_bytes, base, norm_rel)
     timed = [c for c in configs if "ms" in c]
     best = min(timed, key=lambda c: c["ms"]) if timed else None
     if best is not None:  # the down projection's column block alone, at the best configuration
-        for bn in space["BLOCK_N"]:
-            cfg = {**{n: best[n] for n in space}, "BLOCK_N_DOWN": bn}
-            t = measure(lambda cfg=cfg: run(**cfg))
-            configs.append({**cfg, "ms": t * 1e3, "tb_s": expert_bytes / t / 1e12,
-                            "rel_diff": norm_rel(run(**cfg), base)})
+        downs = [{**{n: best[n] for n in space}, "BLOCK_N_DOWN": bn} for bn in space["BLOCK_N"]]
+        configs += time_configs(run, downs, measure, expert_bytes, base, norm_rel)
         best = min((c for c in configs if "ms" in c), key=lambda c: c["ms"])
     return {"tokens": tokens, **shape, "distinct_experts": distinct, "expert_bytes": expert_bytes,
             "default_config": _default_config(tokens * k, e), "default_ms": t_default * 1e3,

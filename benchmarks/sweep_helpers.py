@@ -43,3 +43,19 @@ def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def norm_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b||."""
     return ((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30)).item()
+
+
+def time_configs(run: Callable[..., torch.Tensor], configs: list[dict], measure, work: float, base: torch.Tensor,
+                 diff: Callable[[torch.Tensor, torch.Tensor], float]) -> list[dict]:
+    """Each launch configuration of ``run``: its output against ``base`` (``diff``), then its time by
+    ``measure`` and ``work`` bytes per call in TB/s; a configuration the compiler refuses is recorded."""
+    rows = []
+    for kw in configs:
+        try:
+            out = run(**kw)
+        except Exception as exc:  # noqa: BLE001 -- e.g. out of shared memory: recorded, not fatal
+            rows.append({**kw, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        t = measure(lambda kw=kw: run(**kw))
+        rows.append({**kw, "ms": t * 1e3, "tb_s": work / t / 1e12, "rel_diff": diff(out, base)})
+    return rows

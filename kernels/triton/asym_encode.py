@@ -140,7 +140,9 @@ def supported(head_dim: int, bits: int, group: int) -> bool:
     return bits in (2, 4, 8) and _pow2(head_dim) and _pow2(group) and group <= 128
 
 
-def _check(x, slots, codes, scale, zero, bits):
+def _check(x, slots, codes, scale, zero, bits, group, over: str):
+    """Shapes, dtypes and contiguity of an encode call; ``group`` a power of two dividing x's ``over`` dim
+    ("rows": token groups of per-channel statistics, "head_dim": channel groups of per-token ones)."""
     for name, t in (("x", x), ("codes", codes), ("scale", scale), ("zero", zero)):
         check_last_dim_contiguous(name, t)
     n, heads, head_dim = x.shape
@@ -150,6 +152,9 @@ def _check(x, slots, codes, scale, zero, bits):
         raise ValueError(f"slots {tuple(slots.shape)} / codes {tuple(codes.shape)} do not fit x {tuple(x.shape)}")
     if scale.dtype != torch.float16 or zero.dtype != torch.float16 or codes.dtype != torch.uint8:
         raise ValueError("codes must be uint8 and scale / zero float16")
+    size, what = (n, f"the {n} rows") if over == "rows" else (head_dim, f"head_dim {head_dim}")
+    if not _pow2(group) or size % group:
+        raise ValueError(f"group must be a power of two dividing {what}, got {group}")
 
 
 def _row_head_strides(x, codes, scale) -> tuple[int, ...]:
@@ -159,10 +164,8 @@ def _row_head_strides(x, codes, scale) -> tuple[int, ...]:
 
 def encode_channel_groups(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                           zero: torch.Tensor, bits: int, group: int) -> None:
-    _check(x, slots, codes, scale, zero, bits)
+    _check(x, slots, codes, scale, zero, bits, group, "rows")
     n, heads, head_dim = x.shape
-    if not _pow2(group) or n % group:
-        raise ValueError(f"group must be a power of two dividing the {n} rows, got {group}")
     if n == 0:
         return
     _channel_groups_kernel[(n // group, heads)](
@@ -173,10 +176,8 @@ def encode_channel_groups(x: torch.Tensor, slots: torch.Tensor, codes: torch.Ten
 
 def encode_token_groups(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
                         zero: torch.Tensor, bits: int, group: int, block_t: int = 16) -> None:
-    _check(x, slots, codes, scale, zero, bits)
+    _check(x, slots, codes, scale, zero, bits, group, "head_dim")
     n, heads, head_dim = x.shape
-    if not _pow2(group) or head_dim % group:
-        raise ValueError(f"group must be a power of two dividing head_dim {head_dim}, got {group}")
     if n == 0:
         return
     _token_groups_kernel[(triton.cdiv(n, block_t), heads)](

@@ -72,16 +72,23 @@ def _quest_scores_kernel(
     tl.store(out_ptr + s.to(tl.int64) * stride_os + kvh * stride_oh + offs_p, agg, mask=p_mask)
 
 
-def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
-                      aggregate: str = "max", block_p: int = 32) -> torch.Tensor:
+def _check_scoring_args(q: torch.Tensor, kmin: torch.Tensor, aggregate: str, **tensors: torch.Tensor) -> int:
+    """Validates a scoring call (``aggregate``, contiguous last dims, GQA head counts); returns the group."""
     if aggregate not in AGGREGATES:
         raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
-    for name, t in (("q", q), ("kmin", kmin), ("kmax", kmax), ("pages", pages)):
+    for name, t in (("q", q), ("kmin", kmin), *tensors.items()):
         check_last_dim_contiguous(name, t)
-    rows, num_q_heads, head_dim = q.shape
-    num_kv_heads = kmin.shape[1]
+    num_q_heads, num_kv_heads = q.shape[1], kmin.shape[1]
     if num_q_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
+    return num_q_heads // num_kv_heads
+
+
+def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
+                      aggregate: str = "max", block_p: int = 32) -> torch.Tensor:
+    group = _check_scoring_args(q, kmin, aggregate, kmax=kmax, pages=pages)
+    rows, _, head_dim = q.shape
+    num_kv_heads = kmin.shape[1]
     width = pages.shape[1]
     partial = torch.empty(rows, num_kv_heads, width, dtype=torch.float32, device=q.device)
     if rows and width:
@@ -89,7 +96,7 @@ def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, p
             q, kmin, kmax, pages, partial,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), pages.stride(0),
             partial.stride(0), partial.stride(1), width,
-            GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
             BLOCK_P=block_p, USE_MAX=aggregate == "max",
         )
     return partial.amax(dim=1) if aggregate == "max" else partial.sum(dim=1)
@@ -156,14 +163,9 @@ def quest_decode_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
     that slot's page bounds in ``kmin``/``kmax`` [num_pages, Hkv, D] in place from ``k_cache`` [num_pages,
     page_size, Hkv, D] and returns [B, W] fp32 scores of every column of ``block_tables`` [B, W] before the
     row's last page (the rest -inf), aggregated over all query heads."""
-    if aggregate not in AGGREGATES:
-        raise ValueError(f"aggregate must be one of {AGGREGATES}, got {aggregate!r}")
-    for name, t in (("q", q), ("kmin", kmin), ("kmax", kmax), ("k_cache", k_cache), ("block_tables", block_tables)):
-        check_last_dim_contiguous(name, t)
-    rows, num_q_heads, head_dim = q.shape
+    group = _check_scoring_args(q, kmin, aggregate, kmax=kmax, k_cache=k_cache, block_tables=block_tables)
+    rows, _, head_dim = q.shape
     num_kv_heads = kmin.shape[1]
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"query heads ({num_q_heads}) must be a multiple of KV heads ({num_kv_heads})")
     width = block_tables.shape[1]
     out = torch.empty(rows, width, dtype=torch.float32, device=q.device)
     if rows and width:
@@ -172,7 +174,7 @@ def quest_decode_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
             q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), out.stride(0),
             width, num_kv_heads,
-            PAGE_SIZE=page_size, GROUP=num_q_heads // num_kv_heads, HEAD_DIM=head_dim,
+            PAGE_SIZE=page_size, GROUP=group, HEAD_DIM=head_dim,
             BLOCK_D=max(16, next_pow2(head_dim)), BLOCK_P=block_p, USE_MAX=aggregate == "max",
         )
     return out
