@@ -1,7 +1,7 @@
 """Side by side, in one run: each fused path against the torch code it replaces, checked equal, then timed.
 
-    python benchmarks/fused_paths.py [--json out.json]          # on a GPU, Llama-3.1-8B head shape
-    python benchmarks/fused_paths.py --tiny                      # anywhere (interpreter on a CPU): a smoke run
+    python -m benchmarks.fused_paths [--json out.json]          # on a GPU, Llama-3.1-8B head shape
+    python -m benchmarks.fused_paths --tiny                      # anywhere (interpreter on a CPU): a smoke run
 
 Cases (32 q / 8 kv heads, d128, bf16 on a GPU):
 - ``kivi-encode``: one decode step's re-encoding of each request's open key group and its values
@@ -22,26 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
+import os
+import sys
 
 import torch
 
+if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run: Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benchmarks.sweep_helpers import timed  # noqa: E402
+
 HQ, HKV, D = 32, 8, 128
-
-
-def timed(fn, on_gpu: bool, graph: bool) -> float:
-    """Median seconds per call: replayed from a CUDA graph (paths that run inside decode graphs) or launched
-    eagerly (paths the engine runs eagerly: end-of-prompt votes, probes); on a CPU one wall-clock call."""
-    fn()
-    if on_gpu:
-        import triton
-
-        if graph:
-            return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
-        return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median") * 1e-3
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def kivi_encode(batch: int, device, dtype) -> dict:

@@ -71,7 +71,7 @@ for step in "$@"; do
             tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py \
             tests/test_triton_kernels.py tests/test_decode_steps.py tests/test_asym_encode.py tests/test_fused_paths.py ;;
     fused)  # session 6's fused paths against the torch code they replace (KIVI encode, SnapKV vote, probe, RoPE+store)
-        run fused 150 python benchmarks/fused_paths.py --json "$OUT/fused.json" ;;
+        run fused 150 python -m benchmarks.fused_paths --json "$OUT/fused.json" ;;
     kernels)
         run kernels 200 python benchmarks/attention_kernels.py --json "$OUT/kernels.json" ;;
     moekernels)

@@ -1,5 +1,6 @@
-"""What the kernel sweeps share: the configuration grid, the timer (CUDA-graph replays on a GPU, one wall-clock
-call in the CPU interpreter's smoke runs) and the relative difference of two outputs."""
+"""What the kernel benchmarks share: the configuration grid, the timer (CUDA-graph replays or eager launches on
+a GPU, one wall-clock call in the CPU interpreter's smoke runs), the timing of a list of launch configurations
+and the relative difference of two outputs."""
 
 from __future__ import annotations
 
@@ -17,22 +18,25 @@ def grid(space: dict) -> list[dict]:
     return configs
 
 
-def timer(tiny: bool) -> Callable[[Callable[[], object]], float]:
-    """Seconds per call: the median of CUDA-graph replays, or (``tiny``, the interpreter) one timed call after
-    one untimed, only to exercise the code."""
-    if tiny:
-        def once(fn):
-            fn()
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        return once
-    import triton
+def timed(fn: Callable[[], object], on_gpu: bool, graph: bool = True) -> float:
+    """Median seconds per call: replayed from a CUDA graph (``graph``: paths that run inside decode graphs,
+    no launch overhead) or launched eagerly (paths the engine runs eagerly); on a CPU (the interpreter's
+    smoke runs) one wall-clock call after one untimed, only to exercise the code."""
+    fn()  # compile outside the capture
+    if on_gpu:
+        import triton
 
-    def graph(fn):
-        fn()  # compile outside the capture
-        return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
-    return graph
+        if graph:
+            return triton.testing.do_bench_cudagraph(fn, rep=50, return_mode="median") * 1e-3
+        return triton.testing.do_bench(fn, warmup=5, rep=50, return_mode="median") * 1e-3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def timer(tiny: bool) -> Callable[[Callable[[], object]], float]:
+    """``timed`` from CUDA-graph replays, or (``tiny``) the CPU's one call."""
+    return lambda fn: timed(fn, on_gpu=not tiny, graph=True)
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
