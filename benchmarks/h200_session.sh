@@ -30,6 +30,10 @@
 #   codec32k   fp8, KIVI-4, Palu vs dense at 32K (each at its largest batch, then at dense's batch)
 #   snapcodec32k  SnapKV(4096) and SnapKV(4096) + KIVI-4 vs dense at 32K (largest and matched batch)
 #   codec128k, snapcodec128k  the same at 128K
+#   codecmatched32k, codecmatched128k  dense at its largest batch, then fp8, KIVI-4 and SnapKV(4096) + KIVI-4 at
+#              dense's batch only (--matched-only)
+#   snapkivi128k  SnapKV(4096) + KIVI-4 at its largest batch, 128K
+#   moe32      the MoE bs32 @ 4K case with 8 decode steps per schedule
 # Each benchmark prints one JSON line per finished run, so a step cut by its limit keeps what finished.
 #   snapwin    SnapKV(4096) vs dense at 128K, each at its largest batch, with --decode-window 8
 #   retro      RetroInfer (cluster-gather kernel) vs dense at 32K, matched batch
@@ -130,6 +134,17 @@ for step in "$@"; do
     snapwin)  # SnapKV(4096) vs dense at 128K, largest batch, 8 decode steps per schedule for both
         run snapwin 500 $SPARSE --context 128000 --max-batch 256 --admit-group 16 --decode-window 8 \
             --methods 'dense;snapkv:{"budget":4096}' --json "$OUT/snapwin.json" ;;
+    codecmatched32k | codecmatched128k)  # dense at its largest batch, then fp8 / KIVI-4 / SnapKV + KIVI-4 at it
+        context=32768; [ "$step" = codecmatched128k ] && context=128000
+        run "$step" 420 $SPARSE --context $context --max-batch 256 --page-size 32 --admit-group 16 --matched-only \
+            --methods 'dense;dense+fp8;dense+kivi:{"bits":4};snapkv:{"budget":4096}+kivi:{"bits":4}' \
+            --json "$OUT/$step.json" ;;
+    snapkivi128k)  # SnapKV(4096) + KIVI-4 alone at its largest batch, 128K (compare with codecmatched128k's dense)
+        run "$step" 300 $SPARSE --context 128000 --max-batch 256 --page-size 32 --admit-group 16 \
+            --methods 'snapkv:{"budget":4096}+kivi:{"bits":4}' --json "$OUT/$step.json" ;;
+    moe32)  # the MoE bs32 case alone, 8 decode steps per schedule
+        run moe32 200 python -m engine.bench --shape qwen3-30b-a3b --cases 32@4096 --decode-tokens 32 \
+            --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/moe32.json" ;;
     retro)
         run retro 300 $SPARSE --context 32768 --max-batch 8 \
             --methods 'dense;retroinfer:{}' --json "$OUT/retro.json" ;;

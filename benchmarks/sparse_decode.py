@@ -14,7 +14,7 @@ timed over steps where every admitted request decodes.
 A method spec may name a KV storage after ``+`` (``snapkv:{"budget":4096}+kivi:{"bits":4}``, ``dense+fp8``);
 ``--kv-storage NAME[:JSON]`` applies one to every spec that names none. ``--match-batch`` runs every other
 spec a second time at the batch the dense spec reached (throughput at matched batch, besides at the largest
-batch each one fits).
+batch each one fits); ``--matched-only`` runs the others at that batch only.
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def has_room(engine: LLMEngine, args, admitted: int) -> bool:
 
 def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None = None,
                storage_cfg: dict | None = None) -> dict:
+    t_start = time.perf_counter()
     engine = LLMEngine(EngineConfig(
         model=model_dir, load_format="dummy", dtype=args.dtype, device=args.device, method=name,
         method_config=cfg, kv_storage=storage, kv_storage_config=storage_cfg or {},
@@ -98,6 +99,7 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
         max_model_len=args.context + 4 * args.max_batch + args.decode_steps + 64,
         max_num_batched_tokens=max(args.window * args.admit_group, 256), kv_cache_memory_bytes=args.kv_bytes,
         cuda_graph_max_batch=min(args.max_batch, 512), decode_steps=args.decode_window))
+    t_built = time.perf_counter()
     rng, gen = random.Random(0), torch.Generator(device=engine.device).manual_seed(0)
     max_tokens = 4 * args.max_batch + args.decode_steps + 32
     admitted = 0
@@ -116,6 +118,7 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
     for _ in range(3):
         engine.step()
     sync()
+    t_admitted = time.perf_counter()
     replays_before = 0 if engine.runner.graphs is None else engine.runner.graphs.replays
     t0, steps, tokens = time.perf_counter(), 0, 0
     phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "execute": [], "update": []}
@@ -140,7 +143,9 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
               "backend": engine.backend.name, "graph_replayed_steps": replayed, "timed_steps": steps,
               "decode_window": args.decode_window,
               # median per decode step: the host phases (schedule, prepare, update) run while the GPU idles
-              "step_phase_ms": {p: statistics.median(v) for p, v in phases.items() if v}}
+              "step_phase_ms": {p: statistics.median(v) for p, v in phases.items() if v},
+              # where a run's wall time goes: engine build (weights, pool, graph capture), admission, timed steps
+              "run_phase_s": {"build": t_built - t_start, "admit": t_admitted - t_built, "timed": elapsed}}
     for rid in list(engine._requests):
         engine.abort(rid)
     del engine
@@ -175,6 +180,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--json")
     ap.add_argument("--kv-storage", default=None, help="NAME[:JSON] for every spec that names no storage")
     ap.add_argument("--match-batch", action="store_true", help="also run the others at the dense batch")
+    ap.add_argument("--matched-only", action="store_true",
+                    help="run the others at the dense batch only (dense alone at its largest batch)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--admit-group", type=int, default=8, help="requests queued per admission round")
     args = ap.parse_args(argv)
@@ -182,12 +189,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_shape_dir(args.shape, Path(tmp))
         specs = parse_specs(args.methods, args.kv_storage)
-        for name, cfg, storage, scfg in specs:
-            r = run_isolated(model_dir, name, cfg, args, storage, scfg)
+        is_dense = [(name, storage) == ("dense", None) for name, _, storage, _ in specs]
+        if args.matched_only and not any(is_dense):
+            ap.error("--matched-only needs the dense spec (its batch is the one matched)")
+        for spec, dense_spec in zip(specs, is_dense):
+            if args.matched_only and not dense_spec:
+                continue
+            r = run_isolated(model_dir, spec[0], spec[1], args, spec[2], spec[3])
             print(json.dumps(r), flush=True)
             results.append(r)
         dense = next((r for r in results if r["method"] == "dense"), None)
-        if args.match_batch and dense is not None:
+        if (args.match_batch or args.matched_only) and dense is not None:
             matched = argparse.Namespace(**{**vars(args), "max_batch": dense["batch"]})
             for name, cfg, storage, scfg in specs:
                 if (name, storage) != ("dense", None):

@@ -119,7 +119,7 @@ def add_roofline(r: dict, engine: LLMEngine, copy_bw: float, matmul: float) -> N
         params -= experts / itemsize * (1 - mc.num_experts_per_tok / mc.num_experts)
         r["routed_expert_fraction"] = fraction
         r["note"] = ("MoE: decode bytes count the distinct experts the batch routed to per layer, measured over "
-                     "eager decode steps of the same batch and context" if routed is not None else
+                     "an eager rerun of the timed decode steps (same prompts, same number of steps)" if routed is not None else
                      "MoE: decode bytes count the expected routed experts under uniform routing, 1-(1-k/E)^B")
     step_bytes = w_bytes + r["batch"] * avg_ctx * kv_per_token
     roofline_tok_s = r["batch"] / (step_bytes / copy_bw)
@@ -212,10 +212,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 if engine.model_config.num_experts:
                     from engine.roofline import measure_routed_experts
 
-                    rng = random.Random(args.seed + 1)
+                    # the timed run's prompts (run_one's seed and order) over as many decode passes: greedy
+                    # decoding repeats its tokens, so this counts the experts the timed steps routed to
+                    rng = random.Random(args.seed)
                     vocab = engine.model_config.vocab_size
                     r["routed_experts_per_layer"] = measure_routed_experts(
-                        engine, [[rng.randrange(vocab) for _ in range(ctx)] for _ in range(b)], steps=8)
+                        engine, [[rng.randrange(vocab) for _ in range(ctx)] for _ in range(b)],
+                        steps=args.decode_tokens - 1)
                 add_roofline(r, engine, copy_bw, matmul)
             print(json.dumps(r), flush=True)
             results.append(r)

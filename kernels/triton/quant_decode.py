@@ -49,12 +49,21 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2
-from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, combine_splits, split_partials
+from kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2, num_sms
+from kernels.triton.decode_attention import (DEFAULT_MIN_SPLIT_TOKENS, MAX_SPLITS, choose_num_splits,
+                                             combine_splits, split_partials)
 
 FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok", "int2-asym-kchan-vtok", "lloydmax-rotated-bitplanes",
            "lowrank-latent-rope")
 _INT_BITS = {"int4-asym-kchan-vtok": 4, "int2-asym-kchan-vtok": 2}
+# Default launch per format: (slots per tile, pipelining stages, splits as a multiple of the dense kernel's
+# ``choose_num_splits``), the fastest of ``python -m benchmarks.codec_kernels``' grid on an H200 (2026-12-02,
+# Llama-3.1-8B attention, page 32, 27 x 32K and 7 x 128K): fp8 0.73 / 0.76 of the dense kernel's time there
+# (1.07 / 1.10 with 32-slot tiles and the dense splits), KIVI-4 1.31 (1.63), KIVI-2 1.37 (2.11). Twice the
+# dense kernel's splits: a coded program holds more registers (fewer programs per SM) and does more work per
+# byte, so more, shorter programs keep the memory system busier.
+_DEFAULT_LAUNCH = {"e4m3-token-head": (128, 2, 2), "int4-asym-kchan-vtok": (32, 3, 2),
+                   "int2-asym-kchan-vtok": (64, 2, 2)}
 _LOG2E = 1.4426950408889634
 
 
@@ -439,14 +448,17 @@ def quantized_decode_attention(
     num_stages: int | None = None,
 ) -> torch.Tensor:
     """See the module docstring; ``tables``: the codec's ``kernel_tables`` (the Lloyd-Max format's rotation
-    and levels); ``block_n``: slots per tile; ``num_stages``: Triton's software pipelining depth (its default
-    when None; the low-rank kernel takes its own)."""
+    and levels); ``block_n``, ``num_stages``, ``num_splits``: the launch (slots per tile, Triton's software
+    pipelining depth, context splits), each the format's ``_DEFAULT_LAUNCH`` when None (the low-rank kernel
+    takes its own stages)."""
     if fmt not in FORMATS:
         raise ValueError(f"no quantized decode kernel for format {fmt!r}; formats: {FORMATS}")
     unsupported = unsupported_shape(fmt, q.shape[-1])
     if unsupported:
         raise ValueError(unsupported)
-    block_n = block_n or 32
+    default_block_n, default_stages, split_factor = _DEFAULT_LAUNCH.get(fmt, (32, None, 1))
+    block_n = block_n or default_block_n
+    num_stages = default_stages if num_stages is None else num_stages
     min_split_tokens = cdiv(max(0, int(min_split_tokens)), block_n) * block_n  # splits stay tile-aligned
     if fmt == "lowrank-latent-rope":
         from kernels.triton.lowrank_decode import lowrank_decode_attention
@@ -465,7 +477,10 @@ def quantized_decode_attention(
     page_size = kc.shape[1]
     group = num_q_heads // num_kv_heads
     block_g = max(16, next_pow2(group))
-    num_splits, mid_o, mid_lse = split_partials(out, num_kv_heads, block_tables.shape[1] * page_size, num_splits)
+    max_len = block_tables.shape[1] * page_size
+    if num_splits is None and split_factor > 1:
+        num_splits = min(MAX_SPLITS, split_factor * choose_num_splits(batch, num_kv_heads, max_len, num_sms(q.device)))
+    num_splits, mid_o, mid_lse = split_partials(out, num_kv_heads, max_len, num_splits)
     has_window = window_k is not None
     if not has_window:
         window_k = window_v = q.new_zeros(1, 1, 1, 1)
