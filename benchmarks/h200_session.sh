@@ -137,7 +137,7 @@ for step in "$@"; do
     codecmatched32k | codecmatched128k)  # dense at its largest batch, then fp8 / KIVI-4 / SnapKV + KIVI-4 at it
         context=32768; [ "$step" = codecmatched128k ] && context=128000
         run "$step" 420 $SPARSE --context $context --max-batch 256 --page-size 32 --admit-group 16 --matched-only \
-            --methods 'dense;dense+fp8;dense+kivi:{"bits":4};snapkv:{"budget":4096}+kivi:{"bits":4}' \
+            --methods 'dense;dense+kivi:{"bits":4};snapkv:{"budget":4096}+kivi:{"bits":4};dense+fp8' \
             --json "$OUT/$step.json" ;;
     snapkivi128k)  # SnapKV(4096) + KIVI-4 alone at its largest batch, 128K (compare with codecmatched128k's dense)
         run "$step" 300 $SPARSE --context 128000 --max-batch 256 --page-size 32 --admit-group 16 \
