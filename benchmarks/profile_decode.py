@@ -8,7 +8,8 @@ Without ``--steps``: torch.profiler over 5 replays of the batch's decode CUDA gr
 With ``--steps N``: N full ``engine.step()`` calls of the decoding batch under torch.profiler (host and device
 activities). Per step it reports the wall time, the engine's phases (schedule / prepare / execute / update),
 the device's busy time (the union of its kernel and copy intervals) and so its idle time, and the longest idle
-gaps with the engine phase and host operation running when each began; then the host operations by self time. A step
+gaps with the engine phase and host operation running when each began; then the device time per step by
+kernel (what a real step's graph spends, its routing included) and the host operations by self time. A step
 whose wall time far exceeds its busy time is host-bound: the gaps say where the host was.
 """
 
@@ -81,6 +82,16 @@ def device_timeline(prof, windows: list[tuple[float, float]], phases: list[dict[
     return out
 
 
+def device_ops(prof, steps: int, top: int = 20) -> dict[str, float]:
+    """Device time per step by kernel / copy name (the kernels inside replayed graphs included), largest first."""
+    totals: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            totals[e.name] = totals.get(e.name, 0.0) + e.time_range.end - e.time_range.start
+    ranked = sorted(totals.items(), key=lambda kv: kv[1], reverse=True)[:top]
+    return {name[:90]: round(us / 1e3 / steps, 4) for name, us in ranked}
+
+
 def make_engine(args, model_dir: Path) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model_dir, load_format="dummy", max_num_seqs=args.batch,
                                   max_model_len=args.context + 64 + 8 * args.steps, enable_prefix_caching=False,
@@ -107,7 +118,7 @@ def profile_steps(engine: LLMEngine, steps: int) -> dict:
     for row, wall, ph in zip(per_step, walls, phases):
         row.update(wall_ms=round(1e3 * wall, 3), **{f"{k}_ms": round(v, 3) for k, v in ph.items()})
     host = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)[:15]
-    return {"steps": per_step,
+    return {"steps": per_step, "device_ms_per_step": device_ops(prof, steps),
             "median_wall_ms": statistics.median(walls) * 1e3,
             "median_busy_ms": statistics.median(r["busy_us"] for r in per_step) / 1e3,
             "host_self_ms_per_step": {a.key: round(a.self_cpu_time_total / 1e3 / steps, 3) for a in host}}
@@ -144,6 +155,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                 gaps = ", ".join(f"{g['idle_us']:.0f} {g['phase']}/{g['host_op']}" for g in r["gaps"])
                 print(f"{i:>4} {r['wall_ms']:>9.3f} {r['busy_us'] / 1e3:>9.3f} {r['schedule_ms']:>7.3f} "
                       f"{r['prepare_ms']:>7.3f} {r['execute_ms']:>7.3f} {r['update_ms']:>7.3f}  {gaps}")
+            print("device time by kernel (ms per step):")
+            for name, ms in result["device_ms_per_step"].items():
+                print(f"  {ms:>8.3f}  {name}")
             print("host ops by self time (ms per step):")
             for name, ms in result["host_self_ms_per_step"].items():
                 print(f"  {ms:>8.3f}  {name}")

@@ -16,5 +16,6 @@ def test_whole_steps_on_the_cpu(tmp_path):
     out = main(["--shape", "tiny", "--batch", "2", "--context", "64", "--steps", "2", "--device", "cpu",
                 "--dtype", "float32", "--json", str(tmp_path / "p.json")])
     assert len(out["steps"]) == 2 and (tmp_path / "p.json").exists()
+    assert out["device_ms_per_step"] == {}  # no device kernels on the CPU
     for step in out["steps"]:
         assert step["busy_us"] == 0 and step["wall_ms"] > 0 and step["gaps"][0]["idle_us"] > 0
