@@ -61,10 +61,39 @@ def tova_rule(budget):
     return rule
 
 
-def knorm_rule(P, budget, recent=0, evict_every=0, slack=0, skip_layers=()):
+def top_positions_tied(candidates, score, k, engine_row=None, rtol=1e-6):
+    """``top_positions``, except where scores within ``rtol`` of the k-th best straddle the cut: the norms
+    are computed in fp32 by the engine and in fp64 here, so which of such near-equal positions is kept is
+    below the engine's resolution, and the engine's choice (``engine_row``) is taken when it keeps every
+    position that is clearly above the cut and the right number of the near-equal ones."""
+    order = sorted(candidates, key=lambda p: (-score[p], p))
+    if engine_row is None or len(order) <= k:
+        return sorted(order[:k])
+    cut = score[order[k - 1]]
+    tol = rtol * abs(cut)
+    sure = [p for p in candidates if score[p] > cut + tol]
+    near = [p for p in candidates if abs(score[p] - cut) <= tol]
+    if len(near) > k - len(sure) and set(sure) <= set(engine_row):
+        chosen = [p for p in near if p in engine_row]
+        if len(chosen) == k - len(sure):
+            return sorted(sure + chosen)
+    return sorted(order[:k])
+
+
+def engine_kept_by_end(history, request_id):
+    """The engine's kept positions after each step of a request, keyed by the tokens done by its end."""
+    done, by_end = 0, {}
+    for n, kept in history[request_id]:
+        done += n
+        by_end[done] = [rows.tolist() for rows in kept]
+    return by_end
+
+
+def knorm_rule(P, budget, recent=0, evict_every=0, slack=0, skip_layers=(), engine=None):
     """After the step completing the prompt (limit = budget) and every ``evict_every``-th decode token
     (limit = budget + slack): a (layer, KV head) holding more than the limit keeps its last ``recent`` positions
-    plus the budget - recent others of smallest key L2 norm."""
+    plus the budget - recent others of smallest key L2 norm. ``engine`` (``engine_kept_by_end``) resolves
+    near-ties at the cut (``top_positions_tied``)."""
 
     def rule(rec, s, e, kept):
         if s < P <= e:
@@ -82,7 +111,8 @@ def knorm_rule(P, budget, recent=0, evict_every=0, slack=0, skip_layers=()):
                     continue
                 cut = len(row) - recent
                 score = {p: -float(torch.linalg.vector_norm(k[p, h])) for p in row[:cut]}
-                rows[h] = top_positions(row[:cut], score, budget - recent) + row[cut:]
+                engine_row = None if engine is None or e not in engine else engine[e][layer][h]
+                rows[h] = top_positions_tied(row[:cut], score, budget - recent, engine_row) + row[cut:]
     return rule
 
 
@@ -170,7 +200,8 @@ def test_knorm_matches_reference(arch, cfg, tiny_dirs):
                 want = [P if layer in skip or P <= cfg["budget"] else cfg["budget"] for layer in range(2)]
                 assert [k.shape[1] for k in kept] == want
     ref_cfg = dict(cfg, skip_layers=skip)
-    check_against_reference(llm, prompts, outs, history, lambda P: knorm_rule(P, **ref_cfg))
+    engine = {len(o.prompt_token_ids): engine_kept_by_end(history, o.request_id) for o in outs}
+    check_against_reference(llm, prompts, outs, history, lambda P: knorm_rule(P, **ref_cfg, engine=engine[P]))
 
 
 # --- R-KV -------------------------------------------------------------------------------------------------------
