@@ -390,9 +390,15 @@ class PagedCacheManager(CacheManager):
             pos += take
 
     def _slots(self, pages: list[int], start: int, n: int) -> torch.Tensor:
-        out: list[int] = []
-        self._slot_list(pages, start, n, out)
-        return torch.tensor(out, dtype=torch.int64, device=self.spec.device)
+        """Physical slots of slot indices ``start .. start + n - 1`` over ``pages`` ([n] int64 on the cache's
+        device), built in numpy: a 128K-slot fill or restore calls this once per layer."""
+        if n <= 0:
+            return torch.zeros(0, dtype=torch.int64, device=self.spec.device)
+        ps = self.page_size
+        first = start // ps
+        rows = np.asarray(pages[first:(start + n - 1) // ps + 1], dtype=np.int64)
+        slots = (rows[:, None] * ps + np.arange(ps, dtype=np.int64)).ravel()[start - first * ps:][:n]
+        return torch.from_numpy(slots).to(self.spec.device)
 
     def _layer_lens(self, tables: list[PageTable]) -> np.ndarray:
         """[num_layers, B] int64 array of each request's slots in use per layer (numpy: a nested list converts

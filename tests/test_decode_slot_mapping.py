@@ -38,3 +38,19 @@ def test_decode_slots_equal_the_page_walk():
     per_layer = cache._decode_slots(tables, False)
     assert per_layer.shape == (5, 9)
     assert per_layer.tolist() == [walk(cache, tables, layer) for layer in range(5)]
+
+
+def test_slot_ranges_equal_the_page_walk():
+    """``_slots`` (numpy, one call per layer of a fill or restore) equals the page walk for any range."""
+    rng = random.Random(1)
+    spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, device=torch.device("cpu"),
+                     page_size=4)
+    cache = PagedCacheManager(spec, PagePool(64), enable_prefix_caching=False)
+    for _ in range(200):
+        pages = [rng.randrange(64) for _ in range(rng.randrange(1, 9))]
+        start = rng.randrange(len(pages) * 4)
+        n = rng.randrange(len(pages) * 4 - start + 1)
+        out = []
+        cache._slot_list(pages, start, n, out)
+        got = cache._slots(pages, start, n)
+        assert got.dtype == torch.int64 and got.tolist() == out, (pages, start, n)
