@@ -78,16 +78,25 @@ def held_window_scores(cache: PagedCacheManager, req: Request, layer: int, q: to
     """``window_scores`` of the window rows ``q`` at ``q_pos`` over every slot ``req`` holds in ``layer``
     (logical positions ``k_pos`` [Hkv, n]). Where the window's rows are the layer's last slots (the same
     positions in every head, all other slots before them: a prompt's end, a chain turn that recomputed its
-    window) slot order is causal order, and the paged keys are read in place by ``window_votes`` (on a GPU its
-    kernels); otherwise, or for coded storage, the keys are gathered and scored here in fp32."""
+    window) slot order is causal order, and ``window_votes`` (on a GPU its kernels, no [w, n] probability
+    matrix) reads the paged keys in place, or, for coded storage, the request's keys decoded once into
+    contiguous pages; otherwise the keys are gathered and scored here in fp32."""
     n, w = k_pos.shape[1], q.shape[0]
-    k_cache, _ = cache.layer_kv(layer)
-    in_place = (isinstance(k_cache, torch.Tensor) and 0 < w <= n
-                and bool((k_pos[:, n - w:] == q_pos[None, :]).all()) and bool((k_pos[:, : n - w] < q_pos[0]).all()))
-    if not in_place:
+    causal_order = (0 < w <= n and bool((k_pos[:, n - w:] == q_pos[None, :]).all())
+                    and bool((k_pos[:, : n - w] < q_pos[0]).all()))
+    if not causal_order:
         return window_scores(q, gather_keys(cache, req, layer, n), q_pos, k_pos)
-    group = q.shape[1] // k_pos.shape[0]
-    pages = cache.table(req).pages_tensor()[: -(-n // cache.page_size)].to(q.device)  # the table's cached row
+    group, ps = q.shape[1] // k_pos.shape[0], cache.page_size
+    k_cache, _ = cache.layer_kv(layer)
+    if isinstance(k_cache, torch.Tensor):
+        pages = cache.table(req).pages_tensor()[: -(-n // ps)].to(q.device)  # the table's cached row
+    else:  # coded: decode the n keys once (cache dtype), padded to whole pages numbered 0, 1, ...
+        keys = gather_keys(cache, req, layer, n)
+        num_pages = -(-n // ps)
+        if num_pages * ps > n:
+            keys = torch.cat([keys, keys.new_zeros(num_pages * ps - n, *keys.shape[1:])])
+        k_cache = keys.view(num_pages, ps, *keys.shape[1:])
+        pages = torch.arange(num_pages, dtype=torch.int32, device=q.device)
     return window_votes(q, k_cache, pages, n, q.shape[-1] ** -0.5) / group
 
 

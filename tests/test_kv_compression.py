@@ -534,3 +534,30 @@ def test_device_decode_plan_equals_the_host_plan(cfg):
         assert torch.equal(dev.row_src[~host.from_ring], host.row_src[~host.from_ring])
         written = dev.ring_dst != storage.scratch_window * cap
         assert torch.equal(dev.ring_dst[written], host.ring_dst) and torch.equal(dev.ring_rows[written], host.ring_rows)
+
+
+@pytest.mark.parametrize("name,cfg", [("fp8", {}), ("kivi", KIVI)])
+def test_snapkv_vote_over_coded_keys_equals_the_definition(name, cfg, tiny_dirs):
+    """At a prompt's end (window rows = the last slots) SnapKV's vote over coded keys goes through
+    ``window_votes`` on the keys decoded once into pages; it equals the fp32 window-score definition over the
+    same decoded keys, for a length that ends inside a page."""
+    from policies.scoring import gather_keys, held_window_scores, window_scores
+
+    llm = make_llm(tiny_dirs["qwen3"], name, cfg)
+    eng = llm.engine
+    cache = eng.cache
+    req = eng._requests[eng.add_request(list(range(3, 60)), SamplingParams(max_tokens=4))]
+    n, w, heads, d = 45, 6, 2, 32  # 45 = 5 pages of 8 + 5
+    g = torch.Generator().manual_seed(5)
+    assert cache.allocate(req, n)
+    for layer in range(2):
+        cache.write_prefix(req, layer, torch.randn(n, heads, d, generator=g), torch.randn(n, heads, d, generator=g))
+    cache.commit(req, n)
+    q = torch.randn(w, 4, d, generator=g)
+    q_pos = torch.arange(n - w, n)
+    k_pos = torch.arange(n).expand(heads, n)
+    for layer in range(2):
+        got = held_window_scores(cache, req, layer, q, q_pos, k_pos)
+        want = window_scores(q, gather_keys(cache, req, layer, n), q_pos, k_pos)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    eng.abort(req.request_id)
