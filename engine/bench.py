@@ -119,7 +119,8 @@ def add_roofline(r: dict, engine: LLMEngine, copy_bw: float, matmul: float) -> N
         params -= experts / itemsize * (1 - mc.num_experts_per_tok / mc.num_experts)
         r["routed_expert_fraction"] = fraction
         r["note"] = ("MoE: decode bytes count the distinct experts the batch routed to per layer, measured over "
-                     "an eager rerun of the timed decode steps (same prompts, same number of steps)" if routed is not None else
+                     "an eager rerun of the timed decode steps (same prompts, same number of steps)"
+                     if routed is not None else
                      "MoE: decode bytes count the expected routed experts under uniform routing, 1-(1-k/E)^B")
     step_bytes = w_bytes + r["batch"] * avg_ctx * kv_per_token
     roofline_tok_s = r["batch"] / (step_bytes / copy_bw)
