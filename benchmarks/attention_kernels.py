@@ -15,11 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
+from pathlib import Path
 
 import torch
 import triton
 
-from kernels.triton import paged_decode_attention, paged_prefill_attention
+if __package__ in (None, ""):  # run as a script (``python benchmarks/attention_kernels.py``): the repo's packages
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.sweep_helpers import save_rows  # noqa: E402
+from kernels.triton import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -208,9 +214,10 @@ def lowrank_sweep(gen, batch: int = 8, ctx: int = 32768, rank: int = 64) -> dict
             "dense_bf16_ms": t_dense * 1e3, "best": _fastest(timings), "configs": timings}
 
 
-def sweep(gen) -> list[dict]:
+def sweep(gen, json_path: str | None = None) -> list[dict]:
     """Time the Triton kernels over a grid of launch configurations (each checked against the default
-    configuration's output first); one row per shape with every configuration and the fastest."""
+    configuration's output first); one row per shape with every configuration and the fastest, written to
+    ``json_path`` after each row."""
     from kernels.triton import choose_num_splits
 
     rows = []
@@ -239,10 +246,12 @@ def sweep(gen) -> list[dict]:
         rows.append({"kernel": "decode-sweep", "batch": batch, "context": ctx, "default_ms": t_default * 1e3,
                      "default_splits": default_splits, "best": best, "configs": timings})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
+        save_rows(json_path, rows)
         del k, v
         torch.cuda.empty_cache()
     rows.append(lowrank_sweep(gen))
     print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
+    save_rows(json_path, rows)
     for ctx in (8192, 32768):
         k, v, bt, lens = make_paged(1, ctx, gen)
         q = torch.randn(ctx, HQ, D, dtype=DTYPE, device="cuda", generator=gen)
@@ -260,6 +269,7 @@ def sweep(gen) -> list[dict]:
         rows.append({"kernel": "prefill-sweep", "context": ctx, "default_ms": t_default * 1e3,
                      "default_tflop_s": flops / t_default / 1e12, "best": best, "configs": timings})
         print(json.dumps({k: v for k, v in rows[-1].items() if k != "configs"}), flush=True)
+        save_rows(json_path, rows)
     return rows
 
 
@@ -271,10 +281,7 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.sweep:
-        rows = sweep(torch.Generator(device="cuda").manual_seed(0))
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+        sweep(torch.Generator(device="cuda").manual_seed(0), args.json)
         return
     with_fi = not args.no_flashinfer
     if with_fi:

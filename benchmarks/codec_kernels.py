@@ -36,7 +36,7 @@ from kernels.torch_ref.quantized_attention import quantized_paged_attention  # n
 from kernels.triton import choose_num_splits, paged_decode_attention  # noqa: E402
 from kernels.triton.quant_decode import quantized_decode_attention  # noqa: E402
 
-from benchmarks.sweep_helpers import grid, max_rel, time_configs, timer  # noqa: E402
+from benchmarks.sweep_helpers import grid, max_rel, save_rows, time_configs, timer  # noqa: E402
 
 STORAGES = {"fp8": ("fp8", {}), "kivi4": ("kivi", {"bits": 4}), "kivi2": ("kivi", {"bits": 2})}
 TINY_KIVI = {"group_size": 8, "residual": 8}  # the tiny pages hold 8 slots
@@ -151,9 +151,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row = run_case(batch, ctx, storage, shape, space, gen, device, args.tiny)
             print(json.dumps({k: v for k, v in row.items() if k != "configs"}), flush=True)
             rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            save_rows(args.json, rows)
     print(f"\n{'storage':<8} {'batch':>5} {'context':>7} {'bytes':>6} {'dense ms':>9} {'coded ms':>9} "
           f"{'time':>6} {'best ms':>8} {'best':>6}  best config")
     for r in rows:

@@ -25,7 +25,7 @@ TINY = "--tiny" in sys.argv
 if TINY and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from benchmarks.sweep_helpers import grid, norm_rel, time_configs, timer  # noqa: E402
+from benchmarks.sweep_helpers import grid, norm_rel, save_rows, time_configs, timer  # noqa: E402
 from kernels.triton.moe import _default_config, fused_moe  # noqa: E402
 
 SHAPE = dict(experts=128, top_k=8, hidden=2048, inter=768)
@@ -103,9 +103,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row["best_of_copy"] = row["best"]["tb_s"] * 1e12 / copy if row["best"] else None
         print(json.dumps({k: v for k, v in row.items() if k != "configs"}), flush=True)
         rows.append(row)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        save_rows(args.json, rows)
     print(f"\n{'T':>4} {'experts':>8} {'MB':>7} {'default ms':>11} {'TB/s':>6} {'best ms':>8} {'TB/s':>6}  best config")
     for r in rows:
         b = r["best"] or {}

@@ -4,10 +4,19 @@ and the relative difference of two outputs."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 
 import torch
+
+
+def save_rows(path: str | None, rows: list) -> None:
+    """Write the rows so far to ``path`` (if given) after each one: a run cut by its time limit keeps every
+    finished row with all its configurations."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 def grid(space: dict) -> list[dict]:
