@@ -19,8 +19,8 @@
 #   dense8     the dense cases with --decode-steps 8 (8 decode steps per schedule, one host sync)
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
-#   profilesteps  whole decode steps under torch.profiler (MoE bs32@4K, dense bs4@32K): device busy / idle
-#              time per step and what the host was doing in the longest idle gaps
+#   profilesteps  whole decode steps under torch.profiler (MoE bs8@4K, dense bs1@4K): device busy / idle
+#              time per step, what the host was doing in the longest idle gaps, device time per kernel
 #   select     Quest / OmniKV vs dense at 128K, matched batch (decode graphs capture the selection)
 #   selectwin  the same with --decode-window 8 (8 decode steps per schedule) for all three
 #   evict      KVzip / R-KV vs dense at 4K, matched batch 32
@@ -101,11 +101,12 @@ for step in "$@"; do
             --max-num-batched-tokens 16384 --json "$OUT/moe.json"
         run moe8 200 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/moe8.json" ;;
-    profilesteps)  # device busy vs idle time across whole engine steps: where the steps outside the graph go
-        run profile_moe32 150 python benchmarks/profile_decode.py --shape qwen3-30b-a3b --batch 32 --context 4096 \
-            --steps 8 --json "$OUT/profile_moe32.json"
-        run profile_dense4x32k 150 python benchmarks/profile_decode.py --shape llama-3.1-8b --batch 4 --context 32768 \
-            --steps 8 --json "$OUT/profile_dense4x32k.json" ;;
+    profilesteps)  # device busy vs idle time across whole engine steps, and device time per kernel, for the two
+        # decode cases below their roofline goal after session 8 (MoE bs8 @ 4K: 0.61, dense bs1 @ 4K: 0.69)
+        run profile_moe8 150 python benchmarks/profile_decode.py --shape qwen3-30b-a3b --batch 8 --context 4096 \
+            --steps 8 --json "$OUT/profile_moe8.json"
+        run profile_dense1 150 python benchmarks/profile_decode.py --shape llama-3.1-8b --batch 1 --context 4096 \
+            --steps 8 --json "$OUT/profile_dense1.json" ;;
     select)
         run select 300 $SPARSE --context 128000 --max-batch 16 \
             --methods 'dense;quest:{"token_budget":4096};omnikv:{"token_budget":4096}' --json "$OUT/select.json" ;;
