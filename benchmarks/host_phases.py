@@ -19,7 +19,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from benchmarks.sparse_decode import parse_methods
+from benchmarks.sparse_decode import parse_specs
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_shapes import get_shape
@@ -29,10 +29,12 @@ from engine.tiny_checkpoint import train_tokenizer
 PHASES = ("schedule", "prepare", "execute", "update")
 
 
-def measure(model_dir: Path, method: str, cfg: dict, args) -> dict:
+def measure(model_dir: Path, method: str, cfg: dict, args, storage: str | None = None,
+            storage_cfg: dict | None = None) -> dict:
     engine = LLMEngine(EngineConfig(
         model=model_dir, load_format="dummy", dtype="float32", device="cpu", page_size=args.page_size,
-        method=method, method_config=cfg, max_num_seqs=args.batch, max_model_len=args.prompt + args.steps + 16,
+        method=method, method_config=cfg, kv_storage=storage, kv_storage_config=storage_cfg or {},
+        max_num_seqs=args.batch, max_model_len=args.prompt + args.steps + 16,
         max_num_batched_tokens=max(4096, args.prompt * 8), enable_prefix_caching=False))
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=args.steps + 8, ignore_eos=True)
@@ -47,7 +49,7 @@ def measure(model_dir: Path, method: str, cfg: dict, args) -> dict:
         engine.step()
         for p in PHASES:
             phases[p].append(1e3 * getattr(engine.last_step, f"{p}_s"))
-    return {"method": method, "config": cfg, "batch": args.batch, "layers": args.layers, "prompt": args.prompt,
+    return {"method": method if storage is None else f"{method}+{storage}", "config": cfg, "batch": args.batch, "layers": args.layers, "prompt": args.prompt,
             "step_phase_ms": {p: statistics.median(v) for p, v in phases.items()},
             "host_ms": sum(statistics.median(phases[p]) for p in ("schedule", "prepare", "update"))}
 
@@ -70,15 +72,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         model_dir = Path(tmp)
         (model_dir / "config.json").write_text(json.dumps(shape))
         train_tokenizer().save_pretrained(model_dir)
-        for method, cfg in parse_methods(args.methods):
-            rows.append(measure(model_dir, method, cfg, args))
+        for method, cfg, storage, storage_cfg in parse_specs(args.methods, None):
+            rows.append(measure(model_dir, method, cfg, args, storage, storage_cfg))
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
-    print(f"\n{'method':<10} {'batch':>5} {'layers':>6} " + "".join(f"{p:>10}" for p in PHASES) + f"{'host':>8}")
+    print(f"\n{'method':<14} {'batch':>5} {'layers':>6} " + "".join(f"{p:>10}" for p in PHASES) + f"{'host':>8}")
     for r in rows:
         ph = r["step_phase_ms"]
-        print(f"{r['method']:<10} {r['batch']:>5} {r['layers']:>6} " + "".join(f"{ph[p]:>10.2f}" for p in PHASES)
+        print(f"{r['method']:<14} {r['batch']:>5} {r['layers']:>6} " + "".join(f"{ph[p]:>10.2f}" for p in PHASES)
               + f"{r['host_ms']:>8.2f}")
     return rows
 

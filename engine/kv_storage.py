@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from engine.contract.codec import CodedCacheSpec, KVCodec, TensorCodec
@@ -19,6 +20,13 @@ from engine.kv_memory import zeroed
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The concatenated ranges ``starts[i] .. starts[i] + counts[i] - 1`` (int64)."""
+    total = int(counts.sum())
+    offsets = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.arange(total, dtype=np.int64) - offsets + np.repeat(starts, counts)
 
 
 @dataclass(slots=True)
@@ -73,6 +81,12 @@ class CodedStorage:
             self.ring = zeroed((spec.num_layers, 2, spec.max_windows + 1, self.capacity, spec.num_kv_heads,
                                 spec.head_dim), spec.dtype, spec.device)
             self._free_windows = list(range(spec.max_windows))
+        # per layer: (key fields, value fields, key ring, value ring) as views, made once (every step's
+        # per-layer attention views hold them)
+        self.layer_views = [({k: f[layer] for k, f in self.fields["k"].items()},
+                             {k: f[layer] for k, f in self.fields["v"].items()},
+                             None if self.ring is None else self.ring[layer, 0],
+                             None if self.ring is None else self.ring[layer, 1]) for layer in range(spec.num_layers)]
 
     # --- windows --------------------------------------------------------------------------------
     @property
@@ -131,32 +145,32 @@ class CodedStorage:
         return self.codec.layer_codec(layer, side).decode(self.gather_fields(layer, side, slots), self.spec.head_dim)
 
     # --- a step's writes ------------------------------------------------------------------------
-    def plan(self, items: list[tuple[int, int, int, int]], phys) -> WritePlan:
-        """items: per request (window, old length, new rows, row offset); ``phys(i, start, n, out)`` appends
-        the physical slots of request ``i``'s slot indices ``start .. start + n - 1`` to ``out``."""
-        codec, cap, g = self.codec, self.capacity, self.codec.group
-        cpu = dict(dtype=torch.int64)
-        from_ring, ring_src, row_src, ring_dst, ring_rows = [], [], [], [], []
-        slots: list[int] = []
-        for i, (w, old, n, row0) in enumerate(items):
-            new = old + n
-            first, last = old // g * g, cdiv(new, g) * g
-            p = torch.arange(first, last, **cpu).clamp(max=new - 1)
-            from_ring.append(p < old)
-            ring_src.append(w * cap + p % cap)
-            row_src.append((row0 + p - old).clamp(min=0))
-            phys(i, first, last - first, slots)
-            pos = torch.arange(max(codec.quant_len(new), old), new, **cpu)
-            ring_dst.append(w * cap + pos % cap)
-            ring_rows.append(row0 + pos - old)
+    def plan(self, items: list[tuple[int, int, int, int]], pages: list[list[int]]) -> WritePlan:
+        """items: per request (window, old length, new rows, row offset); ``pages[i]``: request ``i``'s page ids,
+        covering its slot indices up to the end of its last group. Every request's rows at once, in numpy."""
+        codec, cap, g, ps = self.codec, self.capacity, self.codec.group, self.spec.page_size
+        w, old, n, row0 = (np.asarray(col, dtype=np.int64).reshape(-1) for col in (zip(*items) if items else [()] * 4))
+        new = old + n
+        first, last = old // g * g, -(-new // g) * g
+        idx = _ragged_arange(first, last - first)  # each request's slot indices [first, last): its open groups
+        req = np.repeat(np.arange(len(items)), last - first)
+        p = np.minimum(idx, new[req] - 1)  # slots past the new rows repeat the last one (re-encoded as it fills)
+        held = [pages[i][f // ps:-(-e // ps)] for i, (f, e) in enumerate(zip(first.tolist(), last.tolist()))]
+        held_at = np.cumsum([0] + [len(h) for h in held])[:-1]
+        flat = np.asarray([x for h in held for x in h], dtype=np.int64)
+        slots = flat[held_at[req] + idx // ps - first[req] // ps] * ps + idx % ps if idx.size else idx
+        quant = np.maximum(0, (new - codec.residual) // g * g) if codec.has_window else new
+        lo = np.maximum(quant, old)
+        pos = _ragged_arange(lo, np.maximum(new - lo, 0))  # the new rows the window keeps
+        pos_req = np.repeat(np.arange(len(items)), np.maximum(new - lo, 0))
         device = self.spec.device
 
-        def cat(parts, dtype=torch.int64):
-            return (torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)).to(device)
+        def to(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(x)).to(device)
 
-        return WritePlan(from_ring=cat(from_ring, torch.bool), ring_src=cat(ring_src), row_src=cat(row_src),
-                         group_slots=torch.tensor(slots, dtype=torch.int64, device=device),
-                         ring_dst=cat(ring_dst), ring_rows=cat(ring_rows))
+        return WritePlan(from_ring=to(p < old[req]), ring_src=to(w[req] * cap + p % cap),
+                         row_src=to(np.maximum(row0[req] + p - old[req], 0)), group_slots=to(slots),
+                         ring_dst=to(w[pos_req] * cap + pos % cap), ring_rows=to(row0[pos_req] + pos - old[pos_req]))
 
     def plan_decode(self, kv_lens: torch.Tensor, window_ids: torch.Tensor, block_tables: torch.Tensor,
                     page_size: int) -> list[WritePlan]:

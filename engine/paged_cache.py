@@ -456,12 +456,11 @@ class PagedCacheManager(CacheManager):
         for n in num_new_tokens:
             rows.append(rows[-1] + n)
 
-        def phys(i: int, start: int, n: int, out: list[int]) -> None:
-            self._slot_list(tables[i].pages, start, n, out)
+        pages = [t.pages for t in tables]
 
         def plan(layer: int) -> WritePlan:
             items = [(t.window, t.layer_len(layer), n, r) for t, n, r in zip(tables, num_new_tokens, rows)]
-            return self.coded.plan(items, phys)
+            return self.coded.plan(items, pages)
 
         if all(t.is_uniform() for t in tables):
             return [plan(0)] * self.spec.num_layers
@@ -500,15 +499,9 @@ class PagedCacheManager(CacheManager):
         return self._coded_view(common, layer)
 
     def _coded_view(self, common: dict, layer: int) -> QuantizedPagesView:
-        coded, windowed = self.coded, self.codec.has_window
-        return QuantizedPagesView(
-            **common,
-            layer=layer,
-            k_fields={k: f[layer] for k, f in coded.fields["k"].items()},
-            v_fields={k: f[layer] for k, f in coded.fields["v"].items()},
-            window_k=coded.ring[layer, 0] if windowed else None,
-            window_v=coded.ring[layer, 1] if windowed else None,
-        )
+        k_fields, v_fields, window_k, window_v = self.coded.layer_views[layer]
+        return QuantizedPagesView(**common, layer=layer, k_fields=k_fields, v_fields=v_fields, window_k=window_k,
+                                  window_v=window_v)
 
     def build_layer_views(self, reqs: list[Request], num_new_tokens: list[int]) -> list[PagedView] | None:
         """One view per layer when some request's layers differ in length or the storage is per layer (a
@@ -591,7 +584,6 @@ class PagedCacheManager(CacheManager):
             key = (req.request_id, n, t.window)
             if self._prefix_plan is None or self._prefix_plan[0] != key:
                 items = [(self.coded.scratch_window if t.window is None else t.window, 0, n, 0)]
-                phys = lambda i, s, m, out: self._slot_list(t.pages, s, m, out)  # noqa: E731
-                self._prefix_plan = key, self.coded.plan(items, phys)
+                self._prefix_plan = key, self.coded.plan(items, [t.pages])
             plan = self._prefix_plan[1]
         self.coded.write(layer, k, v, self._slots(t.pages, 0, n), plan, torch.arange(n, device=k.device))

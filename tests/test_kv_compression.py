@@ -524,10 +524,7 @@ def test_device_decode_plan_equals_the_host_plan(cfg):
     tables = torch.randperm(47, generator=g)[:5 * 8].view(5, 8) + 1
     plans = storage.plan_decode(lens.to(torch.int32), wids.to(torch.int32), tables.to(torch.int32), ps)
     for layer, dev in enumerate(plans):
-        def phys(i, start, n, out):
-            out.extend((tables[i, s // ps] * ps + s % ps).item() for s in range(start, start + n))
-
-        host = storage.plan([(wids[i].item(), lens[layer, i].item() - 1, 1, i) for i in range(5)], phys)
+        host = storage.plan([(wids[i].item(), lens[layer, i].item() - 1, 1, i) for i in range(5)], tables.tolist())
         assert torch.equal(dev.group_slots, host.group_slots)
         assert torch.equal(dev.from_ring, host.from_ring)
         assert torch.equal(dev.ring_src[host.from_ring], host.ring_src[host.from_ring])
@@ -561,3 +558,52 @@ def test_snapkv_vote_over_coded_keys_equals_the_definition(name, cfg, tiny_dirs)
         want = window_scores(q, gather_keys(cache, req, layer, n), q_pos, k_pos)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     eng.abort(req.request_id)
+
+
+def reference_plan(codec, cap, ps, items, pages):
+    """The host write plan request by request, as ``CodedStorage.plan`` defines it: each request's open groups
+    [old // g * g, ceil(new / g) * g), slots past its new rows repeating the last one, each from the ring (before
+    ``old``) or from the step's rows; the new rows the window keeps ([max(quant_len(new), old), new)) into it."""
+    g = codec.group
+    out = {k: [] for k in ("from_ring", "ring_src", "row_src", "group_slots", "ring_dst", "ring_rows")}
+    for i, (w, old, n, row0) in enumerate(items):
+        new = old + n
+        for s in range(old // g * g, -(-new // g) * g):
+            p = min(s, new - 1)
+            out["from_ring"].append(p < old)
+            out["ring_src"].append(w * cap + p % cap)
+            out["row_src"].append(max(row0 + p - old, 0))
+            out["group_slots"].append(pages[i][s // ps] * ps + s % ps)
+        for pos in range(max(codec.quant_len(new), old), new):
+            out["ring_dst"].append(w * cap + pos % cap)
+            out["ring_rows"].append(row0 + pos - old)
+    return out
+
+
+@pytest.mark.parametrize("cfg", [{"bits": 4, "group_size": 4, "residual": 8}, {"bits": 2, "group_size": 8, "residual": 0},
+                                 {"bits": 4, "group_size": 8, "residual": 16}])
+def test_host_write_plan_equals_the_per_request_definition(cfg):
+    """``CodedStorage.plan`` (numpy over every request of a step) equals the request-by-request definition on
+    prefill chunks, decode rows, empty requests and requests that open a new page."""
+    import random
+
+    from engine.kv_storage import CodedStorage
+
+    codec = create_kv_storage("kivi", cfg)
+    ps, windows = 8, 6
+    spec = CodedCacheSpec(num_layers=1, num_kv_heads=1, head_dim=16, dtype=torch.float32, device=torch.device("cpu"),
+                          page_size=ps, codec=codec, max_windows=windows)
+    storage = CodedStorage(spec, num_pages=64)
+    rng = random.Random(0)
+    for trial in range(60):
+        items, pages, row = [], [], 0
+        for _ in range(rng.randrange(0, 6)):
+            old = rng.randrange(0, 50)
+            n = rng.choice([0, 1, 1, rng.randrange(1, 30)])
+            items.append((rng.randrange(windows + 1), old, n, row))
+            row += n
+            pages.append([rng.randrange(1, 64) for _ in range(-(-(old + n + codec.group) // ps))])
+        got = storage.plan(items, pages)
+        want = reference_plan(codec, storage.capacity, ps, items, pages)
+        for name, values in want.items():
+            assert getattr(got, name).tolist() == values, (trial, name, items)
