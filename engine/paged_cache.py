@@ -499,7 +499,7 @@ class PagedCacheManager(CacheManager):
         return self._coded_view(common, layer)
 
     def _coded_view(self, common: dict, layer: int) -> QuantizedPagesView:
-        k_fields, v_fields, window_k, window_v = self.coded.layer_views[layer]
+        k_fields, v_fields, window_k, window_v = self.coded.per_layer_fields[layer]
         return QuantizedPagesView(**common, layer=layer, k_fields=k_fields, v_fields=v_fields, window_k=window_k,
                                   window_v=window_v)
 
