@@ -73,6 +73,22 @@ def fuse_rotary_store(kv: torch.Tensor) -> bool:
     return kv.is_cuda
 
 
+@dataclass
+class DeferredWritePlans:
+    """A step's host write plans for a codec with a window, not yet built: per layer (one entry when every
+    request's layers have one length) the (window, old length, new rows, row offset) of each request, and
+    their page lists."""
+
+    coded: CodedStorage
+    items: list[list[tuple[int, int, int, int]]]
+    pages: list[list[int]]
+    num_layers: int
+
+    def build(self) -> list[WritePlan]:
+        plans = [self.coded.plan(items, self.pages) for items in self.items]
+        return plans * self.num_layers if len(plans) == 1 else plans
+
+
 class PagedCacheManager(CacheManager):
     def __init__(self, spec: CacheSpec, pool: PagePool, enable_prefix_caching: bool = True):
         self.spec = spec
@@ -92,7 +108,7 @@ class PagedCacheManager(CacheManager):
                 (spec.num_layers, 2, pool.num_pages + 1, spec.page_size, spec.num_kv_heads, spec.head_dim),
                 spec.dtype, spec.device)
         self._tables: dict[str, PageTable] = {}
-        self._write_plans: list[WritePlan] | None = None
+        self._write_plans: list[WritePlan] | DeferredWritePlans | None = None
         self._prefix_plan: tuple | None = None  # write_prefix's plan, shared by the layers of one request
 
     def table(self, req: Request) -> PageTable:
@@ -451,20 +467,18 @@ class PagedCacheManager(CacheManager):
         slots = np.take_along_axis(pages, (lens // ps).T, axis=1).T * ps + lens % ps
         return torch.from_numpy(np.ascontiguousarray(slots))
 
-    def _plan_writes(self, tables: list[PageTable], num_new_tokens: list[int]) -> list[WritePlan]:
+    def _plan_writes(self, tables: list[PageTable], num_new_tokens: list[int]) -> DeferredWritePlans:
+        """The step's write plans, built on the first write that needs them: a replayed decode graph writes
+        from its own device plan (``plan_decode_writes``) and never does. Lengths, windows and page lists are
+        taken now, as the step was prepared."""
         rows = [0]
         for n in num_new_tokens:
             rows.append(rows[-1] + n)
-
         pages = [t.pages for t in tables]
-
-        def plan(layer: int) -> WritePlan:
-            items = [(t.window, t.layer_len(layer), n, r) for t, n, r in zip(tables, num_new_tokens, rows)]
-            return self.coded.plan(items, pages)
-
-        if all(t.is_uniform() for t in tables):
-            return [plan(0)] * self.spec.num_layers
-        return [plan(layer) for layer in range(self.spec.num_layers)]
+        layers = [0] if all(t.is_uniform() for t in tables) else range(self.spec.num_layers)
+        items = [[(t.window, t.layer_len(layer), n, r) for t, n, r in zip(tables, num_new_tokens, rows)]
+                 for layer in layers]
+        return DeferredWritePlans(self.coded, items, pages, self.spec.num_layers)
 
     def _quant_len(self, t: PageTable, layer: int, extra: int = 0) -> int:
         """Slots attention reads from codes (the rest from the window)."""
@@ -537,6 +551,8 @@ class PagedCacheManager(CacheManager):
         if slot_mapping.dim() == 2:
             slot_mapping = slot_mapping[layer]
         if self.coded is not None:
+            if isinstance(self._write_plans, DeferredWritePlans):
+                self._write_plans = self._write_plans.build()
             plans = self._write_plans
             self.coded.write(layer, k, v, slot_mapping, None if plans is None else plans[layer], positions)
             return
