@@ -49,7 +49,8 @@ def measure(model_dir: Path, method: str, cfg: dict, args, storage: str | None =
         engine.step()
         for p in PHASES:
             phases[p].append(1e3 * getattr(engine.last_step, f"{p}_s"))
-    return {"method": method if storage is None else f"{method}+{storage}", "config": cfg, "batch": args.batch, "layers": args.layers, "prompt": args.prompt,
+    return {"method": method if storage is None else f"{method}+{storage}", "config": cfg, "batch": args.batch,
+            "layers": args.layers, "prompt": args.prompt,
             "step_phase_ms": {p: statistics.median(v) for p, v in phases.items()},
             "host_ms": sum(statistics.median(phases[p]) for p in ("schedule", "prepare", "update"))}
 

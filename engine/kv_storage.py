@@ -149,7 +149,8 @@ class CodedStorage:
         """items: per request (window, old length, new rows, row offset); ``pages[i]``: request ``i``'s page ids,
         covering its slot indices up to the end of its last group. Every request's rows at once, in numpy."""
         codec, cap, g, ps = self.codec, self.capacity, self.codec.group, self.spec.page_size
-        w, old, n, row0 = (np.asarray(col, dtype=np.int64).reshape(-1) for col in (zip(*items) if items else [()] * 4))
+        columns = zip(*items) if items else [()] * 4
+        w, old, n, row0 = (np.asarray(col, dtype=np.int64).reshape(-1) for col in columns)
         new = old + n
         first, last = old // g * g, -(-new // g) * g
         idx = _ragged_arange(first, last - first)  # each request's slot indices [first, last): its open groups

@@ -580,7 +580,8 @@ def reference_plan(codec, cap, ps, items, pages):
     return out
 
 
-@pytest.mark.parametrize("cfg", [{"bits": 4, "group_size": 4, "residual": 8}, {"bits": 2, "group_size": 8, "residual": 0},
+@pytest.mark.parametrize("cfg", [{"bits": 4, "group_size": 4, "residual": 8},
+                                 {"bits": 2, "group_size": 8, "residual": 0},
                                  {"bits": 4, "group_size": 8, "residual": 16}])
 def test_host_write_plan_equals_the_per_request_definition(cfg):
     """``CodedStorage.plan`` (numpy over every request of a step) equals the request-by-request definition on
