@@ -83,10 +83,10 @@ class CodedStorage:
             self._free_windows = list(range(spec.max_windows))
         # per layer: (key fields, value fields, key ring, value ring) as views, made once (every step's
         # per-layer attention views hold them)
-        self.per_layer_fields = [({k: f[layer] for k, f in self.fields["k"].items()},
-                             {k: f[layer] for k, f in self.fields["v"].items()},
-                             None if self.ring is None else self.ring[layer, 0],
-                             None if self.ring is None else self.ring[layer, 1]) for layer in range(spec.num_layers)]
+        self.per_layer_fields = [
+            ({k: f[layer] for k, f in self.fields["k"].items()}, {k: f[layer] for k, f in self.fields["v"].items()},
+             None if self.ring is None else self.ring[layer, 0], None if self.ring is None else self.ring[layer, 1])
+            for layer in range(spec.num_layers)]
 
     # --- windows --------------------------------------------------------------------------------
     @property

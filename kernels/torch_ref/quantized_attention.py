@@ -97,7 +97,7 @@ def quantized_paged_attention(
 
 
 def _pages_per_block(block_bytes: int, page_size: int, num_q_heads: int, num_rows: int, head_dim: int) -> int:
-    """Pages whose fp32 keys and values (at most Hq heads) plus logits and probabilities for ``num_rows``
-    query rows fit ``block_bytes``; at least one."""
+    """Pages whose fp32 keys and values (counted at Hq heads: an upper bound for GQA) plus logits and
+    probabilities for ``num_rows`` query rows fit ``block_bytes``; at least one."""
     per_slot = 4 * (2 * num_q_heads * head_dim + 2 * num_q_heads * num_rows)
     return max(1, block_bytes // (per_slot * page_size))

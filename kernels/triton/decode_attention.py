@@ -159,14 +159,15 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, sm_count: 
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
-def split_partials(out: torch.Tensor, num_kv_heads: int, max_kv_len: int,
-                   num_splits: int | None) -> tuple[int, torch.Tensor, torch.Tensor]:
+def split_partials(out: torch.Tensor, num_kv_heads: int, max_kv_len: int, num_splits: int | None,
+                   split_factor: int = 1) -> tuple[int, torch.Tensor, torch.Tensor]:
     """(splits, mid_o [B, Hq, S, D] fp32, mid_lse [B, Hq, S] fp32) for a split decode kernel writing ``out``
-    [B, Hq, D]: the splits by ``choose_num_splits`` unless given; with one split the kernel writes ``out``
-    itself and both buffers are ``out`` (unused)."""
+    [B, Hq, D]: unless given, ``split_factor`` times ``choose_num_splits`` (at most MAX_SPLITS); with one split
+    the kernel writes ``out`` itself and both buffers are ``out`` (unused)."""
     batch, num_q_heads, head_dim = out.shape
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_kv_len, num_sms(out.device))
+        num_splits = min(MAX_SPLITS, split_factor * choose_num_splits(batch, num_kv_heads, max_kv_len,
+                                                                      num_sms(out.device)))
     num_splits = max(1, int(num_splits))
     if num_splits == 1:
         return 1, out, out

@@ -49,9 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2, num_sms
-from kernels.triton.decode_attention import (DEFAULT_MIN_SPLIT_TOKENS, MAX_SPLITS, choose_num_splits,
-                                             combine_splits, split_partials)
+from kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2
+from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, combine_splits, split_partials
 
 FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok", "int2-asym-kchan-vtok", "lloydmax-rotated-bitplanes",
            "lowrank-latent-rope")
@@ -477,10 +476,8 @@ def quantized_decode_attention(
     page_size = kc.shape[1]
     group = num_q_heads // num_kv_heads
     block_g = max(16, next_pow2(group))
-    max_len = block_tables.shape[1] * page_size
-    if num_splits is None and split_factor > 1:
-        num_splits = min(MAX_SPLITS, split_factor * choose_num_splits(batch, num_kv_heads, max_len, num_sms(q.device)))
-    num_splits, mid_o, mid_lse = split_partials(out, num_kv_heads, max_len, num_splits)
+    num_splits, mid_o, mid_lse = split_partials(out, num_kv_heads, block_tables.shape[1] * page_size, num_splits,
+                                                split_factor)
     has_window = window_k is not None
     if not has_window:
         window_k = window_v = q.new_zeros(1, 1, 1, 1)
