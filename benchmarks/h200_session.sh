@@ -143,7 +143,7 @@ for step in "$@"; do
     snapkivi128k)  # SnapKV(4096) + KIVI-4 alone at its largest batch, 128K (compare with codecmatched128k's dense);
         # session 8: ~2.6 s of admission a request before the coded reference's larger blocks, numpy slot
         # ranges and the fused vote over decoded keys -- give it a call of its own
-        run "$step" 560 $SPARSE --context 128000 --max-batch 256 --page-size 32 --admit-group 16 \
+        run "$step" 560 $SPARSE --context 128000 --max-batch 256 --page-size 32 --admit-group 16 --admit-time-limit 400 \
             --methods 'snapkv:{"budget":4096}+kivi:{"bits":4}' --json "$OUT/$step.json" ;;
     moe32)  # the MoE bs32 case alone, 8 decode steps per schedule
         run moe32 200 python -m engine.bench --shape qwen3-30b-a3b --cases 32@4096 --decode-tokens 32 \

@@ -25,6 +25,7 @@ import json
 import multiprocessing
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -102,8 +103,11 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
     t_built = time.perf_counter()
     rng, gen = random.Random(0), torch.Generator(device=engine.device).manual_seed(0)
     max_tokens = 4 * args.max_batch + args.decode_steps + 32
-    admitted = 0
+    admitted, cut_by_time = 0, False
     while admitted < args.max_batch:
+        if args.admit_time_limit and time.perf_counter() - t_built > args.admit_time_limit:
+            cut_by_time = True  # the batch below is a lower bound on what the pool holds
+            break
         added = 0
         while added < min(args.admit_group, args.max_batch - admitted) and has_room(engine, args, admitted + added):
             if not add_synthetic(engine, args.context, args.window, max_tokens, rng, gen):
@@ -114,6 +118,8 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
         admitted += added
         while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine._requests.values()):
             engine.step()  # finish the new requests' window prefills (the others decode meanwhile)
+        print(f"admitted {admitted} in {time.perf_counter() - t_built:.1f} s, {engine.pool.num_free} pages free",
+              file=sys.stderr, flush=True)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     for _ in range(3):
         engine.step()
@@ -138,6 +144,7 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
     result = {"method": name if storage is None else f"{name}+{storage}", "config": cfg,
               "kv_storage": storage, "kv_storage_config": storage_cfg or {},
               "kv_bytes_per_token": engine.cache.spec.bytes_per_token, "batch": admitted, "context": args.context,
+              "admission_cut_by_time": cut_by_time,
               "decode_tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / steps,
               "pages_per_request": sum(held) / max(len(held), 1), "pool_pages": engine.pool.num_pages,
               "backend": engine.backend.name, "graph_replayed_steps": replayed, "timed_steps": steps,
@@ -184,6 +191,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="run the others at the dense batch only (dense alone at its largest batch)")
     ap.add_argument("--page-size", type=int, default=16)
     ap.add_argument("--admit-group", type=int, default=8, help="requests queued per admission round")
+    ap.add_argument("--admit-time-limit", type=float, default=None,
+                    help="stop admitting after this many seconds (the batch is then a lower bound)")
     args = ap.parse_args(argv)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
