@@ -2,6 +2,7 @@
 
     python benchmarks/attention_kernels.py [--quick] [--json out.json]
     python benchmarks/attention_kernels.py --sweep --json sweep.json   # launch configurations of our kernels
+    python benchmarks/attention_kernels.py --splits --json splits.json # decode split counts beside flashinfer
 
 Measures in the same process: device-to-device copy bandwidth (bytes read + written), the bf16 matmul rate,
 Triton paged decode (ours) and flashinfer's BatchDecodeWithPagedKVCacheWrapper with and without tensor cores
@@ -273,13 +274,60 @@ def sweep(gen, json_path: str | None = None) -> list[dict]:
     return rows
 
 
+SPLIT_SHAPES = [(8, 32768), (32, 8192), (1, 131072), (64, 4096), (1, 4096), (8, 4096)]
+SPLIT_MULTIPLES = (1, 1.5, 2, 3, 4)
+
+
+def split_sweep(gen, with_fi: bool, json_path: str | None = None) -> list[dict]:
+    """Our decode kernel at its default launch over split counts (multiples of the default, and 16 / 32 / 64),
+    with flashinfer (tensor cores on and off) on the same inputs, ours timed as eager launches (as flashinfer is)
+    and as CUDA-graph replays: which split rule closes the gap to flashinfer on which shapes."""
+    from kernels.triton import choose_num_splits
+
+    rows = []
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for batch, ctx in SPLIT_SHAPES:
+        k, v, bt, lens = make_paged(batch, ctx, gen)
+        q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda", generator=gen)
+        scale, kv_bytes = D**-0.5, 2 * batch * ctx * HKV * D * DTYPE.itemsize
+        default = choose_num_splits(batch, HKV, bt.shape[1] * PAGE, sms)
+        base = paged_decode_attention(q, k, v, bt, lens, scale)
+        row = {"kernel": "decode-splits", "batch": batch, "context": ctx, "default_splits": default,
+               "programs_per_split": batch * HKV, "sms": sms, "ours": []}
+        for splits in sorted({min(64, round(default * m)) for m in SPLIT_MULTIPLES} | {16, 32, 64}):
+            def run(splits=splits):
+                return paged_decode_attention(q, k, v, bt, lens, scale, num_splits=splits)
+
+            err = ((run().float() - base.float()).abs().max() / base.float().abs().max()).item()
+            t_eager, t_graph = bench(run), bench_graph(run)
+            row["ours"].append({"splits": splits, "eager_ms": t_eager * 1e3, "graph_ms": t_graph * 1e3,
+                                "graph_tb_s": kv_bytes / t_graph / 1e12, "rel_diff": err})
+        if with_fi:
+            for tc in (False, True):
+                fi = flashinfer_decode(k, v, bt, lens, tc)
+                key = "flashinfer_tc" if tc else "flashinfer"
+                row[f"{key}_eager_ms"] = bench(lambda: fi(q)) * 1e3  # its wrapper is not planned for graphs
+        best = min(row["ours"], key=lambda r: r["graph_ms"])
+        row["best_splits"] = best["splits"]
+        print(json.dumps({k: v for k, v in row.items() if k != "ours"} | {"best": best}), flush=True)
+        rows.append(row)
+        save_rows(json_path, rows)
+        del k, v
+        torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--no-flashinfer", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="time the Triton kernels over launch configurations")
+    ap.add_argument("--splits", action="store_true", help="decode split counts beside flashinfer")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.splits:
+        split_sweep(torch.Generator(device="cuda").manual_seed(0), not args.no_flashinfer, args.json)
+        return
     if args.sweep:
         sweep(torch.Generator(device="cuda").manual_seed(0), args.json)
         return

@@ -17,6 +17,10 @@
 #   dense      Llama-3.1-8B shape decode roofline at bs1@4K, bs8@4K, bs4@32K, HF transformers in the same run
 #   prefill    prefill TFLOP/s of a 32K prompt (and 4 x 8K): triton vs triton+flashinfer
 #   dense8     the dense cases with --decode-steps 8 (8 decode steps per schedule, one host sync)
+#   dense8hf   the 4K cases with --decode-steps 8 and HF transformers in the same run
+#   splits     our paged decode kernel over split counts beside flashinfer's (TC on / off)
+#   backendtests  the backend-agreement and per-layer-length graph tests in one process (session 9: two workers
+#              died while eight JIT-built flashinfer at once)
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
 #   profilesteps  whole decode steps under torch.profiler (MoE bs8@4K, dense bs1@4K): device busy / idle
@@ -82,6 +86,8 @@ for step in "$@"; do
         run moekernels 240 python -m benchmarks.moe_kernels --json "$OUT/moekernels.json" ;;
     codeckernels)
         run codeckernels 300 python -m benchmarks.codec_kernels --json "$OUT/codeckernels.json" ;;
+    splits)  # our decode kernel over split counts beside flashinfer (TC on and off), one process
+        run splits 240 python benchmarks/attention_kernels.py --splits --json "$OUT/splits.json" ;;
     sweep)
         run sweep 400 python benchmarks/attention_kernels.py --sweep --json "$OUT/sweep.json" ;;
     dense)
@@ -96,6 +102,12 @@ for step in "$@"; do
     dense8)  # the same cases with 8 decode steps back to back per schedule (host work off the GPU's path)
         run dense8 200 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/dense8.json" ;;
+    dense8hf)  # the two 4K cases with 8 decode steps per schedule, HF transformers in the same run
+        run dense8hf 240 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
+            --max-num-batched-tokens 16384 --decode-steps 8 --hf --json "$OUT/dense8hf.json" ;;
+    backendtests)  # the backend tests one at a time (no two processes JIT-building one flashinfer module)
+        MAX_JOBS=${MAX_JOBS:-8} run backendtests 240 python -m pytest -v -p no:xdist --tb=short -rf --timeout 200 \
+            -p no:cacheprovider tests/test_gpu_backends.py -k "bf16_logits or per_layer_lengths" ;;
     moe)
         run moe 200 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --json "$OUT/moe.json"
