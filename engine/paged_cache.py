@@ -417,11 +417,14 @@ class PagedCacheManager(CacheManager):
         return torch.from_numpy(slots).to(self.spec.device)
 
     def _layer_lens(self, tables: list[PageTable]) -> np.ndarray:
-        """[num_layers, B] int64 array of each request's slots in use per layer (numpy: a nested list converts
-        ~4x faster than through torch.tensor at a few hundred requests x 32 layers)."""
+        """[num_layers, B] C-contiguous int64 array of each request's slots in use per layer (numpy: a nested list
+        converts ~4x faster than through torch.tensor at a few hundred requests x 32 layers). Contiguous, so
+        that a layer's row of the lengths built from it is a contiguous tensor: the kernels index it by
+        request (a transposed array kept its strides through ``+`` and ``astype``, and every layer's lengths
+        were read with a stride of num_layers)."""
         num_layers = self.spec.num_layers
         rows = [[t.num_slots] * num_layers if t.layer_lens is None else t.layer_lens for t in tables]
-        return np.array(rows, dtype=np.int64).reshape(len(tables), num_layers).T
+        return np.ascontiguousarray(np.array(rows, dtype=np.int64).reshape(len(tables), num_layers).T)
 
     def _host_block_tables(self, tables: list[PageTable]) -> torch.Tensor:
         """[B, max_pages] int32 host page table (padding entries page 0), filled row by row from each table's

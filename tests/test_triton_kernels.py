@@ -166,6 +166,19 @@ def test_paged_decode_attention_strided_q_and_empty_rows():
         _close(out[[0, 2]], ref, ATTN_TOL[dtype])
 
 
+def test_attention_kernels_refuse_strided_lengths():
+    """The kernels index lengths by request: a strided [B] view (a layer's column of a [B, layers] array)
+    is refused with a ValueError naming it, not read with the wrong stride."""
+    k_cache, v_cache = _paged_cache(8, 4, 2, 16, torch.float32)
+    bt = _block_tables([5, 7], 4, 8)
+    lens = _i32([[5, 5], [7, 7]])[:, 0]  # stride 2
+    with pytest.raises(ValueError, match="kv_lens"):
+        paged_decode_attention(_randn(2, 4, 16), k_cache, v_cache, bt, lens, 0.25)
+    with pytest.raises(ValueError, match="kv_lens"):
+        paged_prefill_attention(_randn(2, 4, 16), k_cache, v_cache, bt, lens, _i32([0, 1, 2]), 0.25, causal=True,
+                                max_query_len=1)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_paged_decode_attention_cuda_graph():
     """Captured once, replayed with new q, page tables and kv lens written into the static inputs."""

@@ -321,3 +321,39 @@ def test_quest_engine_decodes_the_same_through_the_fused_selection(tiny_dirs):
     (ref_tokens, ref_tables), (tokens, tables) = runs
     assert tokens == ref_tokens
     assert tables == ref_tables and len(tables) >= 5
+
+
+@pytest.mark.parametrize("method,cfg", [("pyramidkv", {"budget": 96, "window": 8}), ("kvzip", {"budget": 48})])
+def test_triton_backend_over_per_layer_lengths_equals_torch_backend(method, cfg, tiny_dirs):
+    """Eviction that leaves layers of different physical lengths, with chunked prefill mixing prompts and
+    decodes: the Triton backend's tokens equal the torch backend's (each layer's lengths reach the kernels as
+    a contiguous row; a strided one was read with the stride of the layer count until session 9)."""
+    import random
+
+    from engine import LLM, SamplingParams
+
+    rng = random.Random(0)
+    system = [rng.randrange(3, 500) for _ in range(48)]
+    prompts = [system + [rng.randrange(3, 500) for _ in range(n)] if i % 2 == 0 else
+               [rng.randrange(3, 500) for _ in range(n)] for i, n in enumerate([5, 300, 17, 64, 130, 33])]
+    outs = []
+    for triton_backend in (False, True):
+        llm = LLM(tiny_dirs["llama"], device=str(DEVICE), dtype="float32", attention_backend="torch",
+                  max_num_batched_tokens=64, enforce_eager=True, max_num_seqs=16, method=method, method_config=cfg,
+                  enable_prefix_caching=False, num_pages=256)
+        engine, uneven_steps = llm.engine, []
+        if triton_backend:
+            engine.backend = engine.runner.backend = TritonBackend()
+        build = engine.cache.build_layer_views
+
+        def recording(reqs, num_new_tokens, build=build):
+            views = build(reqs, num_new_tokens)
+            if views is not None and any(v.kv_lens_cpu != views[0].kv_lens_cpu for v in views):
+                uneven_steps.append(len(reqs))
+            return views
+
+        engine.cache.build_layer_views = recording
+        outs.append([o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=4,
+                                                                                ignore_eos=True))])
+        assert uneven_steps, "no step had layers of different lengths"
+    assert outs[0] == outs[1]

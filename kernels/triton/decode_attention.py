@@ -233,7 +233,8 @@ def paged_decode_attention(
     assert num_q_heads % num_kv_heads == 0, (num_q_heads, num_kv_heads)
     assert block_tables.shape[0] == batch and kv_lens.shape == (batch,), (block_tables.shape, kv_lens.shape)
     assert k_cache.dtype == v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("kv_lens", kv_lens)):
         check_last_dim_contiguous(name, t)
     if out is None:
         out = torch.empty((batch, num_q_heads, head_dim), dtype=q.dtype, device=q.device)

@@ -68,6 +68,7 @@ def paged_decode_logits(
 ) -> torch.Tensor:
     check_last_dim_contiguous("q", q)
     check_last_dim_contiguous("k_cache", k_cache)
+    check_last_dim_contiguous("kv_lens", kv_lens)
     batch, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     if num_q_heads % num_kv_heads:

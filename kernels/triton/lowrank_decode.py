@@ -124,6 +124,7 @@ def lowrank_decode_attention(
     assert num_q_heads % num_kv_heads == 0 and block_tables.shape[0] == batch and head_dim % 2 == 0
     assert v_lat.stride() == k_lat.stride(), "key and value latents must share one layout"
     check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("kv_lens", kv_lens)
     uk, uv, cos = tables["k_basis"], tables["v_basis"], tables["cos"]
     assert uk.stride() == uv.stride() and uk.stride(-1) == 1 and tables["sin"].stride() == cos.stride()
     out = torch.empty_like(q)

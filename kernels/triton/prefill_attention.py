@@ -178,7 +178,8 @@ def paged_prefill_attention(
     assert k_cache.dtype == v_cache.dtype == q.dtype, (q.dtype, k_cache.dtype, v_cache.dtype)
     if max_query_len is None:  # convenience only: this reads the device (a sync); engines pass it
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item()) if batch else 0
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables),
+                    ("kv_lens", kv_lens), ("query_start_loc", query_start_loc)):
         check_last_dim_contiguous(name, t)
     if out is None:
         out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)

@@ -470,6 +470,8 @@ def quantized_decode_attention(
     num_kv_heads = kc.shape[2]
     assert num_q_heads % num_kv_heads == 0 and block_tables.shape[0] == batch
     check_last_dim_contiguous("q", q)
+    check_last_dim_contiguous("kv_lens", kv_lens)
+    check_last_dim_contiguous("quant_lens", quant_lens)
     out = torch.empty_like(q)
     if batch == 0:
         return out

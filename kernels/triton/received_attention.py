@@ -109,7 +109,8 @@ def _launch(mode: tl.constexpr, q, k_cache, block_tables, kv_lens, query_start_l
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
     batch = block_tables.shape[0]
-    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables)):
+    for name, t in (("q", q), ("k_cache", k_cache), ("block_tables", block_tables), ("kv_lens", kv_lens),
+                    ("query_start_loc", query_start_loc)):
         check_last_dim_contiguous(name, t)
     if num_tokens == 0 or batch == 0 or width == 0:
         return
