@@ -114,8 +114,13 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = Linear(config.hidden_size, 1)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] in x.dtype), as HF's TopKRouter."""
+        """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] in x.dtype), as HF's TopKRouter. On a GPU
+        the softmax, top-k and renormalization are one Triton launch (exact ties go to the lower expert id)."""
         router_logits = self.gate(x)
+        if router_logits.is_cuda:
+            from kernels.triton import route_topk
+
+            return route_topk(router_logits, self.top_k, self.norm_topk_prob)
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
         topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

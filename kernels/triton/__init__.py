@@ -9,6 +9,7 @@ from kernels.triton.decode_attention import choose_num_splits, one_wave_splits, 
 from kernels.triton.decode_logits import paged_decode_logits
 from kernels.triton.kv_store import store_kv
 from kernels.triton.moe import fused_moe, moe_align_block_size
+from kernels.triton.moe_router import route_topk
 from kernels.triton.norm import rms_norm
 from kernels.triton.prefill_attention import paged_prefill_attention
 from kernels.triton.quest import quest_decode_scores, quest_decode_table, quest_page_scores
@@ -28,6 +29,7 @@ __all__ = [
     "quest_page_scores",
     "rms_norm",
     "rotary_and_store",
+    "route_topk",
     "silu_and_mul",
     "store_kv",
 ]
