@@ -75,12 +75,13 @@ class ModelRunner:
         return self._attend_groups(layer_idx, q)
 
     def attention_rotary(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         positions: torch.Tensor, rotary) -> torch.Tensor:
-        """``attention`` for q/k before RoPE: the cache rotates and stores in one go (``write_rotated``)."""
+                         positions: torch.Tensor, rotary, qk_norm: tuple | None = None) -> torch.Tensor:
+        """``attention`` for q/k before RoPE (and before their per-head ``qk_norm`` = (q_norm, k_norm), if any):
+        the cache normalizes, rotates and stores in one go (``write_rotated``)."""
         batch = self._batch
         for method, part in batch.by_method():
             method.before_attention(layer_idx, part)
-        q = self.cache.write_rotated(layer_idx, q, k, v, batch.slot_mapping, positions, rotary)
+        q = self.cache.write_rotated(layer_idx, q, k, v, batch.slot_mapping, positions, rotary, qk_norm=qk_norm)
         return self._attend_groups(layer_idx, q)
 
     def _attend_groups(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:

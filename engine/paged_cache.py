@@ -569,17 +569,24 @@ class PagedCacheManager(CacheManager):
         kv[0].view(flat_shape).index_copy_(0, slot_mapping, k.to(kv.dtype))
         kv[1].view(flat_shape).index_copy_(0, slot_mapping, v.to(kv.dtype))
 
-    def write_rotated(self, layer, q, k, v, slot_mapping, positions, rotary):
-        """Dense KV on a GPU: one Triton kernel rotates q in place and stores rotated k and v (k itself is not
-        written back); otherwise, or under a subclass's own ``write``, RoPE then ``write``."""
+    def write_rotated(self, layer, q, k, v, slot_mapping, positions, rotary, qk_norm=None):
+        """Dense KV on a GPU: one Triton kernel (q/k norms first, with ``qk_norm``) rotates q in place and stores
+        rotated k and v (k itself is not written back); otherwise, or under a subclass's own ``write``, the
+        norms, RoPE, then ``write``."""
         kv = self.kv[layer] if self.coded is None else None
         if kv is None or not fuse_rotary_store(kv) or type(self).write is not PagedCacheManager.write:
-            return super().write_rotated(layer, q, k, v, slot_mapping, positions, rotary)
+            return super().write_rotated(layer, q, k, v, slot_mapping, positions, rotary, qk_norm=qk_norm)
         from kernels.triton import rotary_and_store
 
         if slot_mapping.dim() == 2:
             slot_mapping = slot_mapping[layer]
-        return rotary_and_store(positions, q, k, v, rotary.cos_cache, rotary.sin_cache, kv[0], kv[1], slot_mapping)
+        norm = {}
+        if qk_norm is not None:
+            q_norm, k_norm = qk_norm
+            assert q_norm.eps == k_norm.eps, (q_norm.eps, k_norm.eps)
+            norm = dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps)
+        return rotary_and_store(positions, q, k, v, rotary.cos_cache, rotary.sin_cache, kv[0], kv[1], slot_mapping,
+                                **norm)
 
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Under a codec: ``DecodedPages`` readers of the same shape (decoded on indexing), not tensors."""

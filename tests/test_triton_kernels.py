@@ -427,6 +427,43 @@ def test_rotary_and_store(dtype, inplace_k):
     _close(k, ref_k if inplace_k else k_orig, tol if inplace_k else (0, 0))
 
 
+@pytest.mark.parametrize("dtype,hq,hkv,d", [(torch.float32, 4, 2, 64), (torch.float16, 6, 2, 96),
+                                            (torch.bfloat16, 3, 3, 128)])
+def test_rotary_with_qk_norm(dtype, hq, hkv, d):
+    """Per-head q/k RMSNorm fused before the rotation equals RMSNorm then RotaryEmbedding (Qwen3's q/k norm)."""
+    _seed("rope-qk-norm", dtype, hq, hkv, d)
+    t, page_size, num_pages, eps = 7, 4, 5, 1e-6
+    rot = _rotary(dtype, d)
+    q_norm, k_norm = RMSNorm(d, eps).to(DEVICE), RMSNorm(d, eps).to(DEVICE)
+    q_norm.weight.data = (1 + 0.3 * _randn(d)).to(dtype)
+    k_norm.weight.data = (1 + 0.3 * _randn(d)).to(dtype)
+    norm = dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=eps)
+    q, k, v = _qkv(t, hq, hkv, d, dtype)
+    q, k = 3 * q, k + 0.5  # rows of different scales and nonzero means
+    positions = torch.randint(0, 128, (t,), device=DEVICE)
+    ref_q, ref_k = rot(positions, q_norm._norm(q), k_norm._norm(k))  # torch norms (on a GPU too), then RoPE
+    tol = _bf16_ulp_tol(dtype)
+
+    q1, k1 = q.clone(), k.clone()
+    apply_rotary(positions, q1, k1, rot.cos_cache, rot.sin_cache, **norm)
+    _close(q1, ref_q, tol)
+    _close(k1, ref_k, tol)
+
+    slots = torch.randperm(num_pages * page_size, device=DEVICE)[:t]
+    slots[2] = -1
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    ref_kc.view(-1, hkv, d).index_copy_(0, slots[keep], ref_k[keep])
+    ref_vc.view(-1, hkv, d).index_copy_(0, slots[keep], v[keep])
+    k_orig = k.clone()
+    rotary_and_store(positions, q, k, v, rot.cos_cache, rot.sin_cache, k_cache, v_cache, slots, **norm)
+    _close(q, ref_q, tol)
+    _close(k_cache, ref_kc, tol)
+    _close(v_cache, ref_vc, (0, 0))
+    _close(k, k_orig, (0, 0))
+
+
 # --- fused MoE ---------------------------------------------------------------------------------------
 
 
@@ -496,7 +533,9 @@ def test_moe_align_block_size(tokens, top_k, experts, block_m):
 def test_engine_with_the_fused_rotary_store_equals_rotate_then_store(arch, tiny_dirs, monkeypatch):
     """The model hands q/k before RoPE to the runner (``attention_rotary``) and the cache rotates while it stores
     (``write_rotated``): with the fused kernel forced on (the interpreter on a CPU), the KV written and the greedy
-    tokens equal RoPE followed by the plain store, over chunked prompts, a prefix hit and decode steps."""
+    tokens equal RoPE followed by the plain store, over chunked prompts, a prefix hit and decode steps. Qwen3's
+    q/k norms run in the kernel too; its fp32 sum of squares adds in another order than torch's, so its KV agrees
+    to a few fp32 ulps rather than bit for bit."""
     import engine.paged_cache
     import kernels.triton
     from engine import LLM, SamplingParams
@@ -513,9 +552,13 @@ def test_engine_with_the_fused_rotary_store_equals_rotate_then_store(arch, tiny_
     want_tokens, want_kv, _ = run()
     calls = []
     fused = kernels.triton.rotary_and_store
-    monkeypatch.setattr(kernels.triton, "rotary_and_store", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    monkeypatch.setattr(kernels.triton, "rotary_and_store", lambda *a, **kw: calls.append(kw) or fused(*a, **kw))
     monkeypatch.setattr(engine.paged_cache, "fuse_rotary_store", lambda kv: True)
     got_tokens, got_kv, cached = run()
     assert len(calls) > 10 and max(cached) > 0
+    assert all(("q_norm_weight" in kw) == (arch == "qwen3") for kw in calls)
     assert got_tokens == want_tokens
-    assert torch.equal(got_kv, want_kv)
+    if arch == "qwen3":
+        torch.testing.assert_close(got_kv, want_kv, atol=1e-5, rtol=1e-5)
+    else:
+        assert torch.equal(got_kv, want_kv)

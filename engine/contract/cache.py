@@ -136,9 +136,13 @@ class CacheManager(ABC):
         (for storage that needs them)."""
 
     def write_rotated(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      slot_mapping: torch.Tensor, positions: torch.Tensor, rotary) -> torch.Tensor:
+                      slot_mapping: torch.Tensor, positions: torch.Tensor, rotary,
+                      qk_norm: tuple | None = None) -> torch.Tensor:
         """Apply ``rotary(positions, q, k)`` (RoPE, positions [T]) and ``write`` the rotated k with v; returns the
-        rotated q. A cache manager may fuse the rotation with its store."""
+        rotated q. ``qk_norm``: optional (q_norm, k_norm) per-head RMSNorm modules (``weight`` [D], ``eps``)
+        applied to q and k before RoPE. A cache manager may fuse the norms and the rotation with its store."""
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         q, k = rotary(positions, q, k)
         self.write(layer, k, v, slot_mapping, positions)
         return q

@@ -61,12 +61,13 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         attention_rotary = getattr(runner, "attention_rotary", None)
-        if attention_rotary is not None:  # the runner applies RoPE itself (fused with its KV store)
-            out = attention_rotary(self.layer_idx, q, k, v, positions, rotary)
+        if attention_rotary is not None:  # the runner applies q/k norms and RoPE itself (fused with its store)
+            norm = {} if self.q_norm is None else {"qk_norm": (self.q_norm, self.k_norm)}
+            out = attention_rotary(self.layer_idx, q, k, v, positions, rotary, **norm)
         else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(positions, q, k)
             out = runner.attention(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))

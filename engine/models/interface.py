@@ -19,9 +19,10 @@ class LayerRunner(Protocol):
         """
         ...
 
-    # Optional: a runner with ``attention_rotary(layer_idx, q, k, v, positions, rotary)`` gets q/k before RoPE
-    # and the model's ``rotary`` module (``rotary(positions, q, k) -> (q, k)``, with ``cos_cache`` /
-    # ``sin_cache``), so it can rotate while it stores; it returns what ``attention`` would.
+    # Optional: a runner with ``attention_rotary(layer_idx, q, k, v, positions, rotary, qk_norm=None)`` gets q/k
+    # before RoPE and the model's ``rotary`` module (``rotary(positions, q, k) -> (q, k)``, with ``cos_cache`` /
+    # ``sin_cache``), so it can rotate while it stores; it returns what ``attention`` would. A model with per-head
+    # q/k norms passes them unapplied as ``qk_norm=(q_norm, k_norm)`` (RMSNorm modules: ``weight`` [D], ``eps``).
 
     def end_layer(self, layer_idx: int, hidden: torch.Tensor) -> None:
         """Called after layer ``layer_idx`` with its output hidden states [T, hidden_size].
