@@ -74,9 +74,12 @@ for step in "$@"; do
         tar czf /tmp/triton-cache.tgz -C ~/.triton cache 2>/dev/null \
             && [ "$(stat -c %s /tmp/triton-cache.tgz)" -lt 15000000 ] && cp /tmp/triton-cache.tgz "$OUT/"
         ls -la "$OUT"/triton-cache.tgz 2>/dev/null || echo "no Triton cache saved" ;;
-    tests)  # MAX_JOBS bounds each worker's flashinfer JIT build (8 workers x ninja -j16 of nvcc: a worker died in session 7)
-        MAX_JOBS=${MAX_JOBS:-2} run tests 400 python -m pytest -v -n 8 --tb=short -rf --timeout 300 -p no:cacheprovider tests/test_gpu_backends.py \
-            tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py \
+    tests)  # the backend tests in one process first (session 9: two of eight workers died in flashinfer tests
+        # while others JIT-built it), then the kernel and engine tests on 8 workers
+        MAX_JOBS=${MAX_JOBS:-8} run tests_backends 300 python -m pytest -v -p no:xdist --tb=short -rf --timeout 200 \
+            -p no:cacheprovider tests/test_gpu_backends.py
+        run tests 300 python -m pytest -v -n 8 --tb=short -rf --timeout 200 -p no:cacheprovider \
+            tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py tests/test_moe_router.py \
             tests/test_triton_kernels.py tests/test_decode_steps.py tests/test_asym_encode.py tests/test_fused_paths.py ;;
     fused)  # session 6's fused paths against the torch code they replace (KIVI encode, SnapKV vote, probe, RoPE+store)
         run fused 150 python -m benchmarks.fused_paths --json "$OUT/fused.json" ;;
