@@ -310,6 +310,13 @@ def split_sweep(gen, with_fi: bool, json_path: str | None = None) -> list[dict]:
                 row[f"{key}_eager_ms"] = bench(lambda: fi(q)) * 1e3  # its wrapper is not planned for graphs
         best = min(row["ours"], key=lambda r: r["graph_ms"])
         row["best_splits"] = best["splits"]
+        for splits in sorted({best["splits"], one_wave_splits(batch, HKV, bt.shape[1] * PAGE, sms)}):
+            def fused(splits=splits):  # the partials merged by the last split: one launch instead of two
+                return paged_decode_attention(q, k, v, bt, lens, scale, num_splits=splits, fused_combine=True)
+
+            err = ((fused().float() - base.float()).abs().max() / base.float().abs().max()).item()
+            row.setdefault("fused_combine", []).append({"splits": splits, "eager_ms": bench(fused) * 1e3,
+                                                        "graph_ms": bench_graph(fused) * 1e3, "rel_diff": err})
         print(json.dumps({k: v for k, v in row.items() if k != "ours"} | {"best": best}), flush=True)
         rows.append(row)
         save_rows(json_path, rows)

@@ -166,6 +166,30 @@ def test_paged_decode_attention_strided_q_and_empty_rows():
         _close(out[[0, 2]], ref, ATTN_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype,group,num_splits", [(torch.float32, 4, 3), (torch.float16, 3, 8), (torch.bfloat16, 2, 5)])
+def test_paged_decode_attention_fused_combine(dtype, group, num_splits):
+    """The last split of each KV head merges the partials itself: the same output as the two-launch merge and
+    the reference, empty rows zeros, and the arrival counters back at zero for the next launch."""
+    from kernels.triton.decode_attention import _COUNTERS
+
+    _seed("decode-fused-combine", dtype, group, num_splits)
+    hkv, d, page_size = 2, 64, 8
+    kv_lens = [37, 0, 70, 5]
+    num_pages = sum(math.ceil(max(n, 1) / page_size) for n in kv_lens) + 3
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
+    bt = _block_tables([max(n, 1) for n in kv_lens], page_size, num_pages)
+    q = _randn(len(kv_lens), hkv * group, d, dtype=dtype)
+    outs = [paged_decode_attention(q, k_cache, v_cache, bt, _i32(kv_lens), 0.125, num_splits=num_splits,
+                                   block_n=16, fused_combine=fused) for fused in (False, True, True)]
+    assert torch.all(outs[1][1] == 0)
+    keep = [0, 2, 3]
+    ref, _ = paged_attention(q[keep], k_cache, v_cache, bt[keep], [kv_lens[i] for i in keep], [1] * 3, 0.125)
+    _close(outs[1][keep], ref, ATTN_TOL[dtype])
+    _close(outs[1], outs[0], (1e-6, 1e-6))
+    assert torch.equal(outs[2], outs[1])  # the second launch found its counters re-armed
+    assert not _COUNTERS[q.device][-1].any()
+
+
 def test_attention_kernels_refuse_strided_lengths():
     """The kernels index lengths by request: a strided [B] view (a layer's column of a [B, layers] array)
     is refused with a ValueError naming it, not read with the wrong stride."""

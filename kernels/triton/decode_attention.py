@@ -20,7 +20,9 @@ as in a CUDA graph captured for the longest context, uses few full splits instea
 and empty tail splits just emit an empty partial. Partial results are (acc / l, log2-sum-exp) in fp32.
 
 Kernel 2, grid (B, Hq): merges the num_splits partials with max-rescaling. With num_splits == 1 kernel 1
-normalises and writes the output directly and kernel 2 is not launched.
+normalises and writes the output directly and kernel 2 is not launched. With ``fused_combine`` kernel 1
+counts each KV head's finished splits in a persistent int32 counter (an acq_rel atomic after its partial's
+store) and the split that arrives last merges the group's partials and resets the counter: no kernel 2.
 
 CUDA-graph safety: no host syncs (no ``.item()``, no reading kv_lens on the host); grid and buffer shapes
 depend only on B, Hq, D and num_splits, and the default num_splits only on B, Hkv and block_tables.shape.
@@ -48,11 +50,15 @@ RESIDENT_PROGRAMS_PER_SM = 8
 # alternatives on the GPU before this default changes.
 DEFAULT_MIN_SPLIT_TOKENS = 0
 MAX_SPLITS = 64
+# Whether the split kernel merges its partials itself (the last split of each KV head to arrive, through an
+# arrival counter) instead of a second launch: one launch a layer less, for decode steps whose attention is a
+# few microseconds. Off until an H200 run measures it (``attention_kernels.py --splits`` times both).
+FUSED_COMBINE = False
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
     scale_log2,
     stride_qb, stride_qh,
     stride_kp, stride_ks, stride_kh,
@@ -62,7 +68,7 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, FUSED_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -124,6 +130,37 @@ def _decode_split_kernel(
                  mask=g_mask[:, None] & d_mask[None, :])
         lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(mid_lse_ptr + row, lse, mask=g_mask)
+        if FUSED_COMBINE:
+            # the last of the group's splits to finish merges them (its acquire sees the others' partials)
+            # and re-arms the counter for the next launch
+            counter = counter_ptr + b.to(tl.int64) * tl.num_programs(1) + kvh
+            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+                _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, head, g_mask, d_mask, offs_d, num_q_heads,
+                             stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_G, BLOCK_D)
+                tl.atomic_xchg(counter, 0, sem="relaxed")
+
+
+@triton.jit
+def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, head, g_mask, d_mask, offs_d, num_q_heads, stride_ob,
+                 stride_oh, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                 BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``_decode_combine_kernel`` for one KV head's query heads [BLOCK_G], inside the split kernel."""
+    rows = (b.to(tl.int64) * num_q_heads + head) * NUM_SPLITS  # [BLOCK_G]: each head's first split
+    offs_s = tl.arange(0, BLOCK_S)
+    lse = tl.load(mid_lse_ptr + rows[:, None] + offs_s[None, :], mask=g_mask[:, None] & (offs_s < NUM_SPLITS)[None, :],
+                  other=float("-inf"), cache_modifier=".cg")
+    m = tl.max(lse, 1)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (kv_len == 0): output zeros
+    denom = tl.sum(tl.exp2(lse - m[:, None]), 1)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for split in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(mid_lse_ptr + rows + split, mask=g_mask, other=float("-inf"), cache_modifier=".cg") - m)
+        o = tl.load(mid_o_ptr + (rows + split)[:, None] * HEAD_DIM + offs_d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0, cache_modifier=".cg")
+        acc += o * w[:, None]
+    o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, (acc / denom[:, None]).to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
@@ -225,8 +262,10 @@ def paged_decode_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
+    fused_combine: bool = FUSED_COMBINE,
 ) -> torch.Tensor:
-    """q [B, Hq, D] attends to the first kv_lens[b] slots of request b's pages -> [B, Hq, D]."""
+    """q [B, Hq, D] attends to the first kv_lens[b] slots of request b's pages -> [B, Hq, D]. With
+    ``fused_combine`` the last split of each KV head merges the partials itself (no second launch)."""
     batch, num_q_heads, head_dim = q.shape
     num_pages, page_size, num_kv_heads, kd = k_cache.shape
     assert kd == head_dim and v_cache.shape == k_cache.shape, (q.shape, k_cache.shape, v_cache.shape)
@@ -252,8 +291,10 @@ def paged_decode_attention(
         num_splits = one_wave_splits(batch, num_kv_heads, max_kv_len, num_sms(q.device))
     num_splits, mid_o, mid_lse = split_partials(out, num_kv_heads, max_kv_len, num_splits)
     upcast, precision = dot_args(_decode_split_kernel, q.dtype)
+    fused = fused_combine and num_splits > 1
+    counters = _split_counters(batch * num_kv_heads, q.device) if fused else kv_lens  # (unused when not fused)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, kv_lens, out, mid_o, mid_lse,
+        q, k_cache, v_cache, block_tables, kv_lens, out, mid_o, mid_lse, counters,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -262,8 +303,23 @@ def paged_decode_attention(
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
-        UPCAST=upcast, PRECISION=precision,
+        UPCAST=upcast, PRECISION=precision, FUSED_COMBINE=fused, BLOCK_S=max(2, next_pow2(num_splits)),
         num_warps=num_warps, num_stages=num_stages,
     )
-    combine_splits(mid_o, mid_lse, out)
+    if not fused:
+        combine_splits(mid_o, mid_lse, out)
     return out
+
+
+_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+
+
+def _split_counters(n: int, device: torch.device) -> torch.Tensor:
+    """>= n zeroed int32 arrival counters on ``device``, re-armed to zero by the kernel that uses them. A
+    larger set replaces a smaller one for later launches, but every set stays allocated: a captured CUDA
+    graph keeps the address it was captured with."""
+    sets = _COUNTERS.setdefault(device, [])
+    if not sets or sets[-1].numel() < n:
+        sets.append(torch.zeros(max(n, 1024, 2 * (sets[-1].numel() if sets else 0)), dtype=torch.int32,
+                                device=device))
+    return sets[-1]
