@@ -219,7 +219,7 @@ def sweep(gen, json_path: str | None = None) -> list[dict]:
     """Time the Triton kernels over a grid of launch configurations (each checked against the default
     configuration's output first); one row per shape with every configuration and the fastest, written to
     ``json_path`` after each row."""
-    from kernels.triton import one_wave_splits
+    from kernels.triton import two_wave_splits
 
     rows = []
     for batch, ctx in [(8, 32768), (1, 4096), (1, 131072), (64, 4096)]:
@@ -233,7 +233,7 @@ def sweep(gen, json_path: str | None = None) -> list[dict]:
 
         base = run()
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        default_splits = one_wave_splits(batch, HKV, bt.shape[1] * PAGE, sms)
+        default_splits = two_wave_splits(batch, HKV, bt.shape[1] * PAGE, sms)
         configs = [{**{n: c[n] for n in ("block_n", "num_warps", "num_stages")},
                     "num_splits": min(64, default_splits * c["split_factor"])} for c in _grid(DECODE_SWEEP)]
         # and the decode graph's grid (the longest context's splits), with a floor on each split's length
@@ -283,7 +283,7 @@ def split_sweep(gen, with_fi: bool, json_path: str | None = None) -> list[dict]:
     """Our decode kernel at its default launch over split counts (multiples of the default, and 16 / 32 / 64),
     with flashinfer (tensor cores on and off) on the same inputs, ours timed as eager launches (as flashinfer is)
     and as CUDA-graph replays: which split rule closes the gap to flashinfer on which shapes."""
-    from kernels.triton import one_wave_splits
+    from kernels.triton import two_wave_splits
 
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -291,7 +291,7 @@ def split_sweep(gen, with_fi: bool, json_path: str | None = None) -> list[dict]:
         k, v, bt, lens = make_paged(batch, ctx, gen)
         q = torch.randn(batch, HQ, D, dtype=DTYPE, device="cuda", generator=gen)
         scale, kv_bytes = D**-0.5, 2 * batch * ctx * HKV * D * DTYPE.itemsize
-        default = one_wave_splits(batch, HKV, bt.shape[1] * PAGE, sms)
+        default = two_wave_splits(batch, HKV, bt.shape[1] * PAGE, sms)
         base = paged_decode_attention(q, k, v, bt, lens, scale)
         row = {"kernel": "decode-splits", "batch": batch, "context": ctx, "default_splits": default,
                "programs_per_split": batch * HKV, "sms": sms, "ours": []}
@@ -310,7 +310,7 @@ def split_sweep(gen, with_fi: bool, json_path: str | None = None) -> list[dict]:
                 row[f"{key}_eager_ms"] = bench(lambda: fi(q)) * 1e3  # its wrapper is not planned for graphs
         best = min(row["ours"], key=lambda r: r["graph_ms"])
         row["best_splits"] = best["splits"]
-        for splits in sorted({best["splits"], one_wave_splits(batch, HKV, bt.shape[1] * PAGE, sms)}):
+        for splits in sorted({best["splits"], two_wave_splits(batch, HKV, bt.shape[1] * PAGE, sms)}):
             def fused(splits=splits):  # the partials merged by the last split: one launch instead of two
                 return paged_decode_attention(q, k, v, bt, lens, scale, num_splits=splits, fused_combine=True)
 

@@ -117,7 +117,7 @@ def cases() -> dict[str, tuple]:
     dense = base | lens | dict(
         q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", stride_kp=PAGE * HKV * D, stride_ks=HKV * D,
         stride_kh=D, stride_vp=PAGE * HKV * D, stride_vs=HKV * D, stride_vh=D, HEAD_DIM=D, BLOCK_D=D,
-        PAGE_SIZE=PAGE, BLOCK_N=64)
+        PAGE_SIZE=PAGE, BLOCK_N=64, counter_ptr="*i32", FUSED_COMBINE=False, BLOCK_S=2)
     coded = base | lens | dict(q_ptr="*bf16", out_ptr="*bf16", kc_ptr="*u8", vc_ptr="*u8", wk_ptr="*bf16",
                                wv_ptr="*bf16", qlens_ptr="*i32", wid_ptr="*i32")
     fp8 = base | lens | dict(q_ptr="*bf16", out_ptr="*bf16", kc_ptr="*u8", vc_ptr="*u8", ks_ptr="*fp32",

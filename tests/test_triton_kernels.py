@@ -27,13 +27,13 @@ from kernels.triton import (  # noqa: E402
     choose_num_splits,
     fused_moe,
     moe_align_block_size,
-    one_wave_splits,
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,
     rotary_and_store,
     silu_and_mul,
     store_kv,
+    two_wave_splits,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -259,17 +259,17 @@ def test_choose_num_splits():
     assert choose_num_splits(2, 8, 1024, 132) == 4
 
 
-def test_one_wave_splits():
-    # the dense kernel's default: as many splits as fit one wave of 8 programs on each of 132 SMs
-    assert one_wave_splits(8, 8, 32768, 132) == 16  # 1024 programs; 17 would start a second wave
-    assert one_wave_splits(32, 8, 8192, 132) == 4
-    assert one_wave_splits(64, 8, 4096, 132) == 2
-    assert one_wave_splits(256, 8, 4096, 132) == 1  # 2048 programs: already more than one wave
-    assert one_wave_splits(1, 8, 131072, 132) == 64  # bounded by MAX_SPLITS
-    assert one_wave_splits(8, 8, 2048, 132) == 8  # and by >= 256 tokens a split
-    assert one_wave_splits(1, 8, 300, 132) == 1
+def test_two_wave_splits():
+    # the dense kernel's default: as many splits as fit 8 programs on each of 132 SMs (two waves of 4)
+    assert two_wave_splits(8, 8, 32768, 132) == 16  # 1024 programs; 17 would start a third wave
+    assert two_wave_splits(32, 8, 8192, 132) == 4
+    assert two_wave_splits(64, 8, 4096, 132) == 2
+    assert two_wave_splits(256, 8, 4096, 132) == 1  # 2048 programs: already more than two waves
+    assert two_wave_splits(1, 8, 131072, 132) == 64  # bounded by MAX_SPLITS
+    assert two_wave_splits(8, 8, 2048, 132) == 8  # and by >= 256 tokens a split
+    assert two_wave_splits(1, 8, 300, 132) == 1
     for batch in (1, 3, 8, 17, 64, 130):
-        splits = one_wave_splits(batch, 8, 1 << 20, 132)
+        splits = two_wave_splits(batch, 8, 1 << 20, 132)
         assert batch * 8 * splits <= max(8 * 132, batch * 8) and (splits == 64 or batch * 8 * (splits + 1) > 8 * 132)
 
 

@@ -5,7 +5,7 @@ Each module's docstring gives shapes, dtypes and the kernel design. Importing th
 """
 
 from kernels.triton.activation import silu_and_mul
-from kernels.triton.decode_attention import choose_num_splits, one_wave_splits, paged_decode_attention
+from kernels.triton.decode_attention import choose_num_splits, paged_decode_attention, two_wave_splits
 from kernels.triton.decode_logits import paged_decode_logits
 from kernels.triton.kv_store import store_kv
 from kernels.triton.moe import fused_moe, moe_align_block_size
@@ -20,7 +20,6 @@ __all__ = [
     "choose_num_splits",
     "fused_moe",
     "moe_align_block_size",
-    "one_wave_splits",
     "paged_decode_attention",
     "paged_decode_logits",
     "paged_prefill_attention",
@@ -32,4 +31,5 @@ __all__ = [
     "route_topk",
     "silu_and_mul",
     "store_kv",
+    "two_wave_splits",
 ]

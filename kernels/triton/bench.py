@@ -22,12 +22,12 @@ from kernels.torch_ref import paged_attention
 from kernels.triton import (
     apply_rotary,
     fused_moe,
-    one_wave_splits,
     paged_decode_attention,
     paged_prefill_attention,
     rms_norm,
     silu_and_mul,
     store_kv,
+    two_wave_splits,
 )
 
 DEV = "cuda"
@@ -82,7 +82,7 @@ def bench_decode(bw: float, quick: bool) -> None:
         q = torch.randn(batch, hq, d, device=DEV, dtype=BF16)
         out = torch.empty_like(q)
         sms = torch.cuda.get_device_properties(0).multi_processor_count
-        splits = one_wave_splits(batch, hkv, bt.shape[1] * ps, sms)
+        splits = two_wave_splits(batch, hkv, bt.shape[1] * ps, sms)
         fn = lambda: paged_decode_attention(q, k_cache, v_cache, bt, lens, d**-0.5, out=out)  # noqa: E731
         fn()
         if batch <= 8:  # spot-check against the oracle

@@ -5,7 +5,7 @@
     k_cache/v_cache: [num_pages, page_size, Hkv, D], same dtype as q; Hq % Hkv == 0
     block_tables: [B, max_pages] int32 page ids; kv_lens: [B] int32 (>= 1; a 0 row yields zeros)
     scale:        softmax scale (python float)
-    num_splits:   context splits per request; None: ``one_wave_splits`` of B, Hkv and max_pages * page_size
+    num_splits:   context splits per request; None: ``two_wave_splits`` of B, Hkv and max_pages * page_size
     out:          optional preallocated [B, Hq, D] output (e.g. a CUDA-graph static buffer)
     returns       out [B, Hq, D] in q's dtype
 
@@ -39,11 +39,12 @@ from kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, ne
 
 _LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
-# Programs of the split kernel's default launch resident on one SM at once, as measured on an H200 (bf16,
-# 32 / 8 heads, d128, 2026-12-03, ``attention_kernels.py --splits``): the fastest split count on long
-# contexts puts ~1024 programs on 132 SMs, and one more split past 8 a SM costs a second wave (bs8 x 32K:
-# 16 splits 0.248 ms, 18 splits 0.281 ms).
-RESIDENT_PROGRAMS_PER_SM = 8
+# Split-kernel programs per SM that the dense default aims at: two full waves of the 4 its default launch keeps
+# resident (120 registers x 128 threads, ``python -m benchmarks.kernel_resources``). On an H200 (bf16, 32 / 8
+# heads, d128, 2026-12-03, ``attention_kernels.py --splits``) the fastest split count on long contexts puts
+# ~1024 programs on 132 SMs, and a few more start a mostly empty third wave (bs8 x 32K: 16 splits 0.248 ms,
+# 18 splits 0.281 ms; 9 splits, 1.09 waves, 0.325 ms).
+SPLIT_PROGRAMS_PER_SM = 8
 # The device-side floor on a split's length (``min_split_tokens``). 0 keeps every request cut into all
 # ``num_splits`` ranges, which is what decode graphs (captured with the splits of the longest context) did
 # when the H200 figures in docs/benchmarks.md were measured; ``attention_kernels.py --sweep`` times
@@ -191,7 +192,7 @@ def _decode_combine_kernel(
 def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, sm_count: int = 132) -> int:
     """Splits per request so that B * Hkv * splits programs put ~4 programs on each of ``sm_count`` SMs: the
     base the coded and low-rank kernels' split factors were tuned against (the dense kernel takes
-    ``one_wave_splits``).
+    ``two_wave_splits``).
 
     Each split keeps >= MIN_TOKENS_PER_SPLIT tokens of the longest request (so the fp32 partials stay a
     few percent of the KV bytes read) and there are at most MAX_SPLITS. (Measured on an H200, bf16,
@@ -203,13 +204,13 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, sm_count: 
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
-def one_wave_splits(batch: int, num_kv_heads: int, max_kv_len: int, sm_count: int = 132) -> int:
-    """The dense split kernel's default: the most splits whose B * Hkv * splits programs fit one wave of
-    RESIDENT_PROGRAMS_PER_SM programs on each SM (a partial second wave leaves most SMs idle while it runs),
+def two_wave_splits(batch: int, num_kv_heads: int, max_kv_len: int, sm_count: int = 132) -> int:
+    """The dense split kernel's default: the most splits whose B * Hkv * splits programs fit in
+    SPLIT_PROGRAMS_PER_SM programs a SM, two full waves (a partial last wave leaves most SMs idle while it runs),
     each split keeping >= MIN_TOKENS_PER_SPLIT tokens of the longest request, at most MAX_SPLITS. (H200,
     against ``choose_num_splits``' ~4 a SM: bs8 x 32K 9 -> 16 splits, 0.325 -> 0.248 ms; bs32 x 8K 3 -> 4,
     0.280 -> 0.248 ms; bs64 x 4K and bs1 x 128K unchanged; bs8 x 4K 9 -> 16, 0.040 -> 0.042 ms.)"""
-    want = (RESIDENT_PROGRAMS_PER_SM * sm_count) // max(1, batch * num_kv_heads)
+    want = (SPLIT_PROGRAMS_PER_SM * sm_count) // max(1, batch * num_kv_heads)
     by_len = max_kv_len // MIN_TOKENS_PER_SPLIT
     return max(1, min(want, by_len, MAX_SPLITS))
 
@@ -288,7 +289,7 @@ def paged_decode_attention(
     block_n = block_n or _default_block_n(block_d)
     max_kv_len = block_tables.shape[1] * page_size
     if num_splits is None:
-        num_splits = one_wave_splits(batch, num_kv_heads, max_kv_len, num_sms(q.device))
+        num_splits = two_wave_splits(batch, num_kv_heads, max_kv_len, num_sms(q.device))
     num_splits, mid_o, mid_lse = split_partials(out, num_kv_heads, max_kv_len, num_splits)
     upcast, precision = dot_args(_decode_split_kernel, q.dtype)
     fused = fused_combine and num_splits > 1
