@@ -166,7 +166,8 @@ def test_paged_decode_attention_strided_q_and_empty_rows():
         _close(out[[0, 2]], ref, ATTN_TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype,group,num_splits", [(torch.float32, 4, 3), (torch.float16, 3, 8), (torch.bfloat16, 2, 5)])
+@pytest.mark.parametrize("dtype,group,num_splits",
+                         [(torch.float32, 4, 3), (torch.float16, 3, 8), (torch.bfloat16, 2, 5)])
 def test_paged_decode_attention_fused_combine(dtype, group, num_splits):
     """The last split of each KV head merges the partials itself: the same output as the two-launch merge and
     the reference, empty rows zeros, and the arrival counters back at zero for the next launch."""
