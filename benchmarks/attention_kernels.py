@@ -26,7 +26,7 @@ if __package__ in (None, ""):  # run as a script (``python benchmarks/attention_
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.sweep_helpers import save_rows  # noqa: E402
-from kernels.triton import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from agentrt_kernels.triton import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -183,7 +183,7 @@ def _grid(space: dict) -> list[dict]:
 def lowrank_sweep(gen, batch: int = 8, ctx: int = 32768, rank: int = 64) -> dict:
     """Palu's fused decode kernel (fp16 latents of rank 64 + positions) over launch configurations, against
     the dense bf16 decode kernel on the same shape (replayed from CUDA graphs)."""
-    from kernels.triton.lowrank_decode import lowrank_decode_attention
+    from agentrt_kernels.triton.lowrank_decode import lowrank_decode_attention
 
     pages_per = math.ceil(ctx / PAGE)
     num_pages = batch * pages_per + 1
@@ -219,7 +219,7 @@ def sweep(gen, json_path: str | None = None) -> list[dict]:
     """Time the Triton kernels over a grid of launch configurations (each checked against the default
     configuration's output first); one row per shape with every configuration and the fastest, written to
     ``json_path`` after each row."""
-    from kernels.triton import two_wave_splits
+    from agentrt_kernels.triton import two_wave_splits
 
     rows = []
     for batch, ctx in [(8, 32768), (1, 4096), (1, 131072), (64, 4096)]:
@@ -283,7 +283,7 @@ def split_sweep(gen, with_fi: bool, json_path: str | None = None) -> list[dict]:
     """Our decode kernel at its default launch over split counts (multiples of the default, and 16 / 32 / 64),
     with flashinfer (tensor cores on and off) on the same inputs, ours timed as eager launches (as flashinfer is)
     and as CUDA-graph replays: which split rule closes the gap to flashinfer on which shapes."""
-    from kernels.triton import two_wave_splits
+    from agentrt_kernels.triton import two_wave_splits
 
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count

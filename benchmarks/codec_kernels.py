@@ -7,7 +7,7 @@ For each (batch, context) and KV storage (fp8, KIVI-4, KIVI-2 as the engine conf
 layer of the Llama-3.1-8B shape (32 q / 8 kv heads, d128, page 32) is encoded by the codec's own ``encode``
 from seeded normal KV, laid out in shuffled pages, and decoded by ``quantized_decode_attention``: first in its
 default launch configuration, checked against the torch reference over the same pages
-(``kernels.torch_ref.quantized_attention``, on the first two requests), then over a grid of tile sizes, warps,
+(``agentrt_kernels.torch_ref.quantized_attention``, on the first two requests), then over a grid of tile sizes, warps,
 pipelining stages and split counts, each checked against the default's output. Every time is the median of
 CUDA-graph replays (no launch overhead, as inside the engine's decode graphs). Beside each coded kernel the
 dense bf16 kernel (``paged_decode_attention``) runs on the same shape, so a row says how the coded step
@@ -32,9 +32,9 @@ if TINY and not torch.cuda.is_available():
 
 from engine.contract.codec import decode_pages  # noqa: E402
 from engine.registry import create_kv_storage  # noqa: E402
-from kernels.torch_ref.quantized_attention import quantized_paged_attention  # noqa: E402
-from kernels.triton import choose_num_splits, paged_decode_attention  # noqa: E402
-from kernels.triton.quant_decode import quantized_decode_attention  # noqa: E402
+from agentrt_kernels.torch_ref.quantized_attention import quantized_paged_attention  # noqa: E402
+from agentrt_kernels.triton import choose_num_splits, paged_decode_attention  # noqa: E402
+from agentrt_kernels.triton.quant_decode import quantized_decode_attention  # noqa: E402
 
 from benchmarks.sweep_helpers import grid, max_rel, save_rows, time_configs, timer  # noqa: E402
 

@@ -5,9 +5,9 @@
 
 Cases (32 q / 8 kv heads, d128, bf16 on a GPU):
 - ``kivi-encode``: one decode step's re-encoding of each request's open key group and its values
-  (B requests x 32 slots) -- the codec's torch ``encode`` + index copies vs ``kernels/triton/asym_encode.py``;
+  (B requests x 32 slots) -- the codec's torch ``encode`` + index copies vs ``agentrt_kernels/triton/asym_encode.py``;
 - ``snapkv-vote``: a 32-query observation window over a request's paged context -- gathered keys and the fp32
-  ``window_scores`` vs ``kernels.dispatch.window_votes`` (key-split log-sum-exp + received attention);
+  ``window_scores`` vs ``agentrt_kernels.dispatch.window_votes`` (key-split log-sum-exp + received attention);
 - ``probe-attention``: one probe chunk (512 queries) over retained + probe KV -- the fp32 full-matrix path vs the
   backend's received attention (``reduce="max"``);
 - ``rotary-store``: RoPE then the KV store (two kernels) vs ``rotary_and_store`` (one), B decode tokens.
@@ -37,7 +37,7 @@ HQ, HKV, D = 32, 8, 128
 
 def kivi_encode(batch: int, device, dtype) -> dict:
     from engine.contract.codec import TensorCodec
-    from kernels.triton.asym_encode import encode_channel_groups, encode_token_groups
+    from agentrt_kernels.triton.asym_encode import encode_channel_groups, encode_token_groups
     from policies.kivi import PerChannelKeys, PerTokenValues
 
     group, bits = 32, 4
@@ -68,7 +68,7 @@ def kivi_encode(batch: int, device, dtype) -> dict:
 
 
 def snapkv_vote(context: int, device, dtype) -> dict:
-    from kernels.dispatch import window_votes
+    from agentrt_kernels.dispatch import window_votes
     from policies.scoring import window_scores
 
     w, page = 32, 16
@@ -119,7 +119,7 @@ def probe_attention(context: int, device, dtype) -> dict:
 
 def rotary_store(batch: int, device, dtype) -> dict:
     from engine.models.layers import RotaryEmbedding
-    from kernels.triton import apply_rotary, rotary_and_store, store_kv
+    from agentrt_kernels.triton import apply_rotary, rotary_and_store, store_kv
 
     page, num_pages = 16, 4 * batch + 8
     prev = torch.get_default_dtype()

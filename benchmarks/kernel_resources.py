@@ -31,7 +31,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kernels.triton import decode_attention, quant_decode
+from agentrt_kernels.triton import decode_attention, quant_decode
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 WATCH = ("LDGSTS", "LDG", "HMMA", "I2F", "F2F", "F2FP", "MUFU")

@@ -26,7 +26,7 @@ if TINY and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.sweep_helpers import grid, norm_rel, save_rows, time_configs, timer  # noqa: E402
-from kernels.triton.moe import _default_config, fused_moe  # noqa: E402
+from agentrt_kernels.triton.moe import _default_config, fused_moe  # noqa: E402
 
 SHAPE = dict(experts=128, top_k=8, hidden=2048, inter=768)
 TINY_SHAPE = dict(experts=8, top_k=2, hidden=64, inter=32)

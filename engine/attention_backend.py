@@ -53,7 +53,7 @@ class AttentionBackend:
             if reduce == "sum":
                 return out, [p.sum(dim=1).view(num_kv_heads, -1, p.shape[-1]).sum(dim=1) for p in probs]
             return out, [p.amax(dim=1).view(num_kv_heads, -1, p.shape[-1]).amax(dim=1) for p in probs]
-        from kernels.torch_ref.received_attention import received_attention
+        from agentrt_kernels.torch_ref.received_attention import received_attention
 
         out, _ = self.forward(q, k_cache, v_cache, view, scale)
         return out, received_attention(q, k_cache, view.block_tables, view.kv_lens_cpu, view.query_lens_cpu,
@@ -92,7 +92,7 @@ class TorchReferenceBackend(AttentionBackend):
     supports_scores = True
 
     def forward(self, q, k_cache, v_cache, view, scale, return_scores=False):
-        from kernels.torch_ref import paged_attention, selected_slots_attention
+        from agentrt_kernels.torch_ref import paged_attention, selected_slots_attention
 
         if isinstance(view, QuantizedPagesView):
             return quantized_forward(q, view, scale, return_scores)
@@ -110,7 +110,7 @@ class TorchReferenceBackend(AttentionBackend):
 
 def quantized_forward(q, view: QuantizedPagesView, scale: float, return_scores: bool = False):
     """The torch reference over a codec's pages (decoded a block of pages at a time)."""
-    from kernels.torch_ref.quantized_attention import quantized_paged_attention
+    from agentrt_kernels.torch_ref.quantized_attention import quantized_paged_attention
 
     codec, d = view.codec, q.shape[-1]
     return quantized_paged_attention(

@@ -26,7 +26,7 @@ class TritonBackend(AttentionBackend):
     cuda_graph_safe = True
 
     def reads_codec(self, codec, head_dim=None) -> bool:
-        from kernels.triton.quant_decode import FORMATS, unsupported_shape
+        from agentrt_kernels.triton.quant_decode import FORMATS, unsupported_shape
 
         fmt = codec.kernel_format
         return fmt in FORMATS and (head_dim is None or unsupported_shape(fmt, head_dim) is None)
@@ -35,7 +35,7 @@ class TritonBackend(AttentionBackend):
         """Decode rows: the fused dequantizing kernel; prefill chunks and scores: the torch reference."""
         if return_scores:
             return quantized_forward(q, view, scale, return_scores)
-        from kernels.triton.quant_decode import quantized_decode_attention
+        from agentrt_kernels.triton.quant_decode import quantized_decode_attention
 
         if view.is_pure_decode:
             return quantized_decode_attention(
@@ -57,7 +57,7 @@ class TritonBackend(AttentionBackend):
         return out, None
 
     def __init__(self) -> None:
-        from kernels.triton import paged_decode_attention, paged_decode_logits, paged_prefill_attention
+        from agentrt_kernels.triton import paged_decode_attention, paged_decode_logits, paged_prefill_attention
 
         self._decode = paged_decode_attention
         self._logits = paged_decode_logits
@@ -68,7 +68,7 @@ class TritonBackend(AttentionBackend):
         if isinstance(view, QuantizedPagesView):
             return self._quantized(q, view, scale, return_scores)
         if return_scores and not view.is_pure_decode:
-            from kernels.torch_ref import paged_attention, selected_slots_attention
+            from agentrt_kernels.torch_ref import paged_attention, selected_slots_attention
 
             if isinstance(view, SelectedSlotsView):
                 return selected_slots_attention(
@@ -103,7 +103,7 @@ class TritonBackend(AttentionBackend):
         kernel reduces the recomputed probabilities per slot, so no probability matrix is held."""
         if type(view) is not PagedView or reduce not in RECEIVED_REDUCTIONS:
             return super().forward_received(q, k_cache, v_cache, view, scale, num_kv_heads, reduce)
-        from kernels.triton.received_attention import received_attention
+        from agentrt_kernels.triton.received_attention import received_attention
 
         lse = torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=q.device)
         out = self._prefill(q, k_cache, v_cache, view.block_tables, view.kv_lens, view.query_start_loc, scale,

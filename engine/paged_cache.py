@@ -561,7 +561,7 @@ class PagedCacheManager(CacheManager):
             return
         kv = self.kv[layer]
         if kv.is_cuda:
-            from kernels.triton import store_kv
+            from agentrt_kernels.triton import store_kv
 
             store_kv(k, v, kv[0], kv[1], slot_mapping)
             return
@@ -576,7 +576,7 @@ class PagedCacheManager(CacheManager):
         kv = self.kv[layer] if self.coded is None else None
         if kv is None or not fuse_rotary_store(kv) or type(self).write is not PagedCacheManager.write:
             return super().write_rotated(layer, q, k, v, slot_mapping, positions, rotary, qk_norm=qk_norm)
-        from kernels.triton import rotary_and_store
+        from agentrt_kernels.triton import rotary_and_store
 
         if slot_mapping.dim() == 2:
             slot_mapping = slot_mapping[layer]

@@ -63,15 +63,15 @@ def asym_quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits
 
 
 def use_kernel(x: torch.Tensor) -> bool:
-    """Whether ``store`` encodes with the fused Triton kernel (``kernels/triton/asym_encode.py``): on a GPU."""
+    """Whether ``store`` encodes with the fused Triton kernel (``agentrt_kernels/triton/asym_encode.py``): on a GPU."""
     return x.is_cuda
 
 
 def fused_store(x, slots, fields, bits: int, group: int, kernel: str) -> bool:
-    """Encode and store with ``kernels.triton.asym_encode.<kernel>`` where it applies; False if it did not."""
+    """Encode and store with ``agentrt_kernels.triton.asym_encode.<kernel>`` where it applies; False if it did not."""
     if not use_kernel(x):
         return False
-    from kernels.triton import asym_encode
+    from agentrt_kernels.triton import asym_encode
 
     if not asym_encode.supported(x.shape[-1], bits, group):
         return False

@@ -32,7 +32,7 @@ from engine.contract import Family, PagedView, SelectedSlotsView, SparseMethod, 
 from engine.contract.method import UNBOUNDED_WINDOW
 from engine.errors import ConfigError
 from engine.registry import register_method
-from kernels.dispatch import paged_decode_logits
+from agentrt_kernels.dispatch import paged_decode_logits
 from policies.scoring import all_rows_decode, check_int, view_slots
 
 SCRATCH_KEY = "omnikv"

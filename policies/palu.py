@@ -18,7 +18,7 @@ Fields per token and KV head: keys ``latent`` (``r`` values, ``latent_dtype``) +
 Bytes against bf16 at ``rank_ratio = 0.5``, fp16 latents, D = 128: keys 132 / 256, values 128 / 256.
 Reconstruction is exact at ``rank_ratio = 1`` (up to the latent dtype) and for projections of rank <= r.
 The bases depend on the weights, so the codec is bound to a model (``bind_model``) before it stores
-anything. On a GPU the Triton backend's fused decode kernel (``kernels.triton.lowrank_decode``) reads the
+anything. On a GPU the Triton backend's fused decode kernel (``agentrt_kernels.triton.lowrank_decode``) reads the
 latents and reconstructs keys (basis, bias, RoPE) and values (once per split, in the latent space) inside
 the attention loop; prefill chunks take the torch reference, a block of pages at a time.
 """

@@ -42,8 +42,8 @@ from engine.contract import Family, PagedView, SelectedPagesView, SparseMethod, 
 from engine.contract.method import UNBOUNDED_WINDOW
 from engine.errors import ConfigError
 from engine.registry import register_method
-from kernels.dispatch import quest_page_scores
-from kernels.torch_ref.quest import AGGREGATES, page_key_bounds
+from agentrt_kernels.dispatch import quest_page_scores
+from agentrt_kernels.torch_ref.quest import AGGREGATES, page_key_bounds
 from policies.scoring import all_rows_decode, check_int
 
 
@@ -280,7 +280,7 @@ class Quest(SparseMethod):
         )
 
     def _select_decode_fused(self, q, view, k_cache, kmin_l, kmax_l) -> SelectedPagesView:
-        from kernels.triton import quest_decode_scores, quest_decode_table
+        from agentrt_kernels.triton import quest_decode_scores, quest_decode_table
 
         ps, budget = view.page_size, self.config.token_budget
         bt, width = view.block_tables, view.block_tables.shape[1]

@@ -27,7 +27,7 @@ Storage is untouched and prefill runs dense. The computation runs in ``after_att
 the backend's output rows of the decode requests that have an index (``select`` returns the plain view and
 stashes ``q``; when every row of a step is such a decode row it returns a view of each request's newest
 slot only, so the backend's pass, which is overwritten, reads almost nothing). On the CPU it is the torch
-reference above over every slot of the request (``attend``); on a GPU (``attend_paged``) the exact part is ``kernels.triton.cluster_decode``, which reads only the chosen
+reference above over every slot of the request (``attend``); on a GPU (``attend_paged``) the exact part is ``agentrt_kernels.triton.cluster_decode``, which reads only the chosen
 clusters' member slots (the index keeps each head's slots grouped by cluster: ``members``, ``offsets``) and
 the recent range, and its per-split log-sum-exps are merged with the estimated clusters in torch.
 """
@@ -235,7 +235,7 @@ class RetroInfer(SparseMethod):
                      block_table: torch.Tensor, kv_len: int, index: ClusterIndex) -> torch.Tensor:
         """``attend`` reading the paged cache in place: the exact clusters and the recent range through the
         cluster-gather kernel (Triton; the interpreter on CPU), merged with the estimates -> [Hq, D] fp32."""
-        from kernels.triton.cluster_decode import cluster_decode_partials
+        from agentrt_kernels.triton.cluster_decode import cluster_decode_partials
 
         hkv, d = index.centroids.shape[0], q.shape[-1]
         scale = d**-0.5

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.paged_cache import PagedCacheManager
-from kernels.dispatch import window_votes
+from agentrt_kernels.dispatch import window_votes
 
 if TYPE_CHECKING:
     from engine.request import Request

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton")
 
-from kernels.triton.asym_encode import encode_channel_groups, encode_token_groups  # noqa: E402
+from agentrt_kernels.triton.asym_encode import encode_channel_groups, encode_token_groups  # noqa: E402
 from policies.kivi import PerChannelKeys, PerTokenValues  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -104,7 +104,7 @@ def test_engine_with_the_fused_encode_stores_the_same_bytes(bits, tiny_dirs, mon
         return [o.token_ids for o in outs], {(side, name): t.clone() for side, fields in coded.fields.items()
                                             for name, t in fields.items()}
 
-    import kernels.triton.asym_encode as fused
+    import agentrt_kernels.triton.asym_encode as fused
 
     monkeypatch.setattr(policies.kivi, "use_kernel", lambda x: False)
     want_tokens, want_fields = run()

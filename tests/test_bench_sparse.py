@@ -5,7 +5,7 @@ import torch
 
 import policies.quest  # noqa: F401
 from benchmarks.sparse_decode import main
-from kernels.torch_ref.quest import page_key_bounds
+from agentrt_kernels.torch_ref.quest import page_key_bounds
 
 
 def test_synthetic_kv_bench_admits_more_requests_under_snapkv():

@@ -49,7 +49,7 @@ ptr = {"ptr": "fp32", "aligned": True}
 base = {"mid_o_ptr": ptr, "mid_lse_ptr": ptr, "out_ptr": ptr, "stride_ob": {"value": 4096},
         "stride_oh": {"value": 128}, "HEAD_DIM": {"value": 128}, "BLOCK_D": {"value": 128},
         "NUM_SPLITS": {"value": 8}, "BLOCK_S": {"value": 8}}
-rec = {"module": "kernels.triton.decode_attention", "name": "_decode_combine_kernel", "options": {"num_warps": 4}}
+rec = {"module": "agentrt_kernels.triton.decode_attention", "name": "_decode_combine_kernel", "options": {"num_warps": 4}}
 compile_launch(dict(rec, args=base))
 from benchmarks.kernel_resources import cases
 fn, args, _ = cases()["dense bf16"]
@@ -83,7 +83,7 @@ values = dict(stride_xn=1024, stride_xh=128, stride_cn=512, stride_ch=64, stride
 ptrs = dict(x_ptr="bf16", slots_ptr="i64", codes_ptr="u8", scale_ptr="fp16", zero_ptr="fp16")
 args = {k: {"value": v} for k, v in values.items()} | {k: {"ptr": t, "aligned": True} for k, t in ptrs.items()}
 for name in ("_channel_groups_kernel", "_token_groups_kernel"):
-    k = compile_launch({"module": "kernels.triton.asym_encode", "name": name, "args": args,
+    k = compile_launch({"module": "agentrt_kernels.triton.asym_encode", "name": name, "args": args,
                         "options": {"num_warps": 4, "enable_fp_fusion": False}})
     print(name, sorted(set(re.findall(r"(div\.[a-z0-9.]+|fma\.[a-z0-9.]+)", k.asm["ptx"]))))
 """

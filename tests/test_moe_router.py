@@ -1,4 +1,4 @@
-"""kernels.triton.route_topk (fused MoE router softmax + top-k) vs the torch router, on fresh random inputs.
+"""agentrt_kernels.triton.route_topk (fused MoE router softmax + top-k) vs the torch router, on fresh random inputs.
 
 Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
 imported), so sizes stay tiny. The interpreter truncates fp32 -> bf16 instead of rounding to nearest, so
@@ -18,7 +18,7 @@ pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.triton import route_topk  # noqa: E402
+from agentrt_kernels.triton import route_topk  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (atol, rtol) on the weights, compared in their dtype: ~one ulp for fp16 / bf16

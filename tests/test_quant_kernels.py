@@ -1,7 +1,7 @@
 """The fused quantized decode kernels (Triton) against the torch reference over the same quantized pages.
 
 Without a GPU the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1), at tiny sizes, fp32/fp16.
-The reference (``kernels.torch_ref.quantized_attention``) decodes pages through the codecs' own decode; it is
+The reference (``agentrt_kernels.torch_ref.quantized_attention``) decodes pages through the codecs' own decode; it is
 itself checked against dense attention over the decoded KV here.
 """
 
@@ -16,9 +16,9 @@ pytest.importorskip("triton")
 
 from engine.contract.codec import decode_pages  # noqa: E402
 from engine.registry import create_kv_storage  # noqa: E402
-from kernels.torch_ref import paged_attention  # noqa: E402
-from kernels.torch_ref.quantized_attention import quantized_paged_attention  # noqa: E402
-from kernels.triton.quant_decode import quantized_decode_attention, unsupported_shape  # noqa: E402
+from agentrt_kernels.torch_ref import paged_attention  # noqa: E402
+from agentrt_kernels.torch_ref.quantized_attention import quantized_paged_attention  # noqa: E402
+from agentrt_kernels.triton.quant_decode import quantized_decode_attention, unsupported_shape  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -6,8 +6,8 @@ and its probabilities equal the dense ones."""
 import pytest
 import torch
 
-from kernels.torch_ref.paged_attention import paged_attention
-from kernels.torch_ref.quantized_attention import _pages_per_block, quantized_paged_attention
+from agentrt_kernels.torch_ref.paged_attention import paged_attention
+from agentrt_kernels.torch_ref.quantized_attention import _pages_per_block, quantized_paged_attention
 
 
 def _case(seed: int, page_size: int = 4, hkv: int = 2, group: int = 4, d: int = 16):

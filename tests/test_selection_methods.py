@@ -21,7 +21,7 @@ from engine.attention_backend import TorchReferenceBackend
 from engine.contract import PagedView, SelectedSlotsView
 from engine.errors import ConfigError
 from engine.registry import create_method
-from kernels.torch_ref import page_key_bounds, quest_page_scores, selected_slots_attention
+from agentrt_kernels.torch_ref import page_key_bounds, quest_page_scores, selected_slots_attention
 from tests.dense_reference import causal, greedy_with_mask
 
 PAGE = 4

@@ -21,8 +21,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from engine.models.layers import RMSNorm, RotaryEmbedding  # noqa: E402
 from engine.models.layers import silu_and_mul as torch_silu_and_mul  # noqa: E402
-from kernels.torch_ref import paged_attention  # noqa: E402
-from kernels.triton import (  # noqa: E402
+from agentrt_kernels.torch_ref import paged_attention  # noqa: E402
+from agentrt_kernels.triton import (  # noqa: E402
     apply_rotary,
     choose_num_splits,
     fused_moe,
@@ -171,7 +171,7 @@ def test_paged_decode_attention_strided_q_and_empty_rows():
 def test_paged_decode_attention_fused_combine(dtype, group, num_splits):
     """The last split of each KV head merges the partials itself: the same output as the two-launch merge and
     the reference, empty rows zeros, and the arrival counters back at zero for the next launch."""
-    from kernels.triton.decode_attention import _COUNTERS
+    from agentrt_kernels.triton.decode_attention import _COUNTERS
 
     _seed("decode-fused-combine", dtype, group, num_splits)
     hkv, d, page_size = 2, 64, 8
@@ -562,7 +562,7 @@ def test_engine_with_the_fused_rotary_store_equals_rotate_then_store(arch, tiny_
     q/k norms run in the kernel too; its fp32 sum of squares adds in another order than torch's, so its KV agrees
     to a few fp32 ulps rather than bit for bit."""
     import engine.paged_cache
-    import kernels.triton
+    import agentrt_kernels.triton
     from engine import LLM, SamplingParams
 
     def run():
@@ -576,8 +576,8 @@ def test_engine_with_the_fused_rotary_store_equals_rotate_then_store(arch, tiny_
     monkeypatch.setattr(engine.paged_cache, "fuse_rotary_store", lambda kv: False)
     want_tokens, want_kv, _ = run()
     calls = []
-    fused = kernels.triton.rotary_and_store
-    monkeypatch.setattr(kernels.triton, "rotary_and_store", lambda *a, **kw: calls.append(kw) or fused(*a, **kw))
+    fused = agentrt_kernels.triton.rotary_and_store
+    monkeypatch.setattr(agentrt_kernels.triton, "rotary_and_store", lambda *a, **kw: calls.append(kw) or fused(*a, **kw))
     monkeypatch.setattr(engine.paged_cache, "fuse_rotary_store", lambda kv: True)
     got_tokens, got_kv, cached = run()
     assert len(calls) > 10 and max(cached) > 0

@@ -21,8 +21,8 @@ pytest.importorskip("triton")
 from engine.attention_backend import TorchReferenceBackend  # noqa: E402
 from engine.contract.view import PagedView, SelectedSlotsView  # noqa: E402
 from engine.gpu_backends import TritonBackend  # noqa: E402
-from kernels.torch_ref import paged_decode_logits as ref_logits  # noqa: E402
-from kernels.triton import paged_decode_logits  # noqa: E402
+from agentrt_kernels.torch_ref import paged_decode_logits as ref_logits  # noqa: E402
+from agentrt_kernels.triton import paged_decode_logits  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (3e-3, 3e-3)}
@@ -130,8 +130,8 @@ def test_triton_backend_matches_torch_backend(dtype, query_lens, selected):
     (torch.float32, 1, "max", 16), (torch.float16, 4, "sum", 32), (torch.float16, 3, "max", 8),
     (torch.float32, 2, "sum", 64)])
 def test_quest_page_scores_match_reference(dtype, group, aggregate, block_p):
-    from kernels.torch_ref import quest_page_scores as ref_scores
-    from kernels.triton import quest_page_scores
+    from agentrt_kernels.torch_ref import quest_page_scores as ref_scores
+    from agentrt_kernels.triton import quest_page_scores
 
     _seed("quest", dtype, group, aggregate)
     num_pages, hkv, d = 40, 2, 64
@@ -152,10 +152,10 @@ def test_quest_page_scores_match_reference(dtype, group, aggregate, block_p):
     (torch.float32, 1, 1, False, "max")])
 def test_received_attention_matches_reference(dtype, group, page_size, causal, reduce):
     """Prefill with lse= then the column pass equals the reference's summed (maximised) probabilities."""
-    from kernels.torch_ref import paged_attention
-    from kernels.torch_ref.received_attention import received_attention as ref_received
-    from kernels.triton import paged_prefill_attention
-    from kernels.triton.received_attention import received_attention
+    from agentrt_kernels.torch_ref import paged_attention
+    from agentrt_kernels.torch_ref.received_attention import received_attention as ref_received
+    from agentrt_kernels.triton import paged_prefill_attention
+    from agentrt_kernels.triton.received_attention import received_attention
 
     _seed("received", dtype, group, page_size, causal, reduce)
     kv_lens, query_lens = [37, 16, 70, 9], [37, 5, 20, 1]  # a whole prompt, extends, a decode row
@@ -229,7 +229,7 @@ def test_probe_through_the_triton_backend_equals_the_reference_probe(tiny_dirs, 
     (torch.float32, 2, 4, True), (torch.float16, 4, 16, True), (torch.float32, 1, 8, False)])
 def test_key_split_lse_matches_logsumexp(dtype, group, page_size, causal):
     """``paged_lse`` (partial max / sum per key tile, merged) equals torch's log-sum-exp of the same logits."""
-    from kernels.triton.received_attention import paged_lse
+    from agentrt_kernels.triton.received_attention import paged_lse
 
     _seed("lse", dtype, group, page_size, causal)
     kv_lens, query_lens = [37, 16, 70, 9], [3, 5, 32, 1]
@@ -254,7 +254,7 @@ def test_key_split_lse_matches_logsumexp(dtype, group, page_size, causal):
 def test_window_votes_kernels_equal_the_reference(dtype, group, page_size, n, w):
     """SnapKV's window vote over paged keys: the Triton kernels equal the chunked torch reference, and both equal
     the observation-window definition (``policies.scoring.window_scores``) times the group size."""
-    from kernels.dispatch import window_votes
+    from agentrt_kernels.dispatch import window_votes
     from policies.scoring import window_scores
 
     _seed("votes", dtype, group, page_size, n, w)

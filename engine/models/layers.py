@@ -57,7 +57,7 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with ``residual``: (norm(x + residual), x + residual). One fused kernel on a GPU."""
         if x.is_cuda:
-            from kernels.triton import rms_norm
+            from agentrt_kernels.triton import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is not None:
@@ -73,7 +73,7 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if x.is_cuda:
-        from kernels.triton import silu_and_mul as fused
+        from agentrt_kernels.triton import silu_and_mul as fused
 
         return fused(x)
     gate, up = x.chunk(2, dim=-1)
@@ -174,7 +174,7 @@ class RotaryEmbedding(nn.Module):
         On a GPU one Triton kernel rotates q and k in place.
         """
         if q.is_cuda:
-            from kernels.triton import apply_rotary
+            from agentrt_kernels.triton import apply_rotary
 
             return apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)
         cos = self.cos_cache[positions].unsqueeze(1)

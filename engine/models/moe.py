@@ -79,7 +79,7 @@ class StackedExperts(nn.Module):
             hit = torch.zeros(self.num_experts, dtype=self.routed_counter.dtype, device=x.device)
             self.routed_counter += hit.index_fill_(0, topk_ids.flatten(), 1).sum()
         if x.is_cuda:
-            from kernels.triton import fused_moe
+            from agentrt_kernels.triton import fused_moe
 
             return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
         top_k = topk_ids.shape[1]
@@ -118,7 +118,7 @@ class SparseMoeBlock(nn.Module):
         the softmax, top-k and renormalization are one Triton launch (exact ties go to the lower expert id)."""
         router_logits = self.gate(x)
         if router_logits.is_cuda:
-            from kernels.triton import route_topk
+            from agentrt_kernels.triton import route_topk
 
             return route_topk(router_logits, self.top_k, self.norm_topk_prob)
         probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)

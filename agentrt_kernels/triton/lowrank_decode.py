@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2
-from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, combine_splits, split_partials
-from kernels.triton.quant_decode import _finish, _online_update, _split_program, _store_lse
+from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2
+from agentrt_kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, combine_splits, split_partials
+from agentrt_kernels.triton.quant_decode import _finish, _online_update, _split_program, _store_lse
 
 FORMAT = "lowrank-latent-rope"
 _LOG2E = 1.4426950408889634

@@ -10,7 +10,7 @@ result is cast back to the query dtype.
 
 import torch
 
-from kernels.torch_ref.paged_attention import _attend
+from agentrt_kernels.torch_ref.paged_attention import _attend
 
 
 def selected_slots_attention(

@@ -25,8 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2
-from kernels.triton.quant_decode import _online_update
+from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2
+from agentrt_kernels.triton.quant_decode import _online_update
 
 _LOG2E = 1.4426950408889634
 

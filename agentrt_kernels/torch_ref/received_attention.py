@@ -9,7 +9,7 @@ long prompt is ever held whole. Returns one fp32 [Hkv, kv_len] tensor per reques
 
 import torch
 
-from kernels.torch_ref.paged_attention import _gather
+from agentrt_kernels.torch_ref.paged_attention import _gather
 
 
 def received_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: list[int],

@@ -10,10 +10,10 @@ def paged_decode_logits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: to
                         kv_lens: torch.Tensor, kv_lens_cpu: list[int], scale: float, width: int) -> torch.Tensor:
     """[B, Hq, width] fp32 ``q . k * scale`` of one query per request over its paged context (-inf padding)."""
     if q.is_cuda:
-        from kernels.triton import paged_decode_logits as triton_logits
+        from agentrt_kernels.triton import paged_decode_logits as triton_logits
 
         return triton_logits(q, k_cache, block_tables, kv_lens, scale, width)
-    from kernels.torch_ref import paged_decode_logits as torch_logits
+    from agentrt_kernels.torch_ref import paged_decode_logits as torch_logits
 
     return torch_logits(q, k_cache, block_tables, kv_lens_cpu, scale, width)
 
@@ -23,10 +23,10 @@ def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, p
     """[S, W] fp32 Quest upper bounds of the pages ``pages[s]`` (ids into the layer's ``kmin``/``kmax``
     [num_pages, Hkv, D]) for the decode queries ``q`` [S, Hq, D], aggregated over query heads."""
     if q.is_cuda:
-        from kernels.triton import quest_page_scores as triton_scores
+        from agentrt_kernels.triton import quest_page_scores as triton_scores
 
         return triton_scores(q, kmin, kmax, pages, aggregate)
-    from kernels.torch_ref import quest_page_scores as torch_scores
+    from agentrt_kernels.torch_ref import quest_page_scores as torch_scores
 
     idx = pages.long()
     return torch_scores(q, kmin[idx], kmax[idx], aggregate)
@@ -42,12 +42,12 @@ def window_votes(q: torch.Tensor, k_cache: torch.Tensor, pages: torch.Tensor, n:
     w = q.shape[0]
     block_tables = pages[None].to(torch.int32)
     if q.is_cuda if use_triton is None else use_triton:
-        from kernels.triton.received_attention import paged_lse, received_attention
+        from agentrt_kernels.triton.received_attention import paged_lse, received_attention
 
         kv_lens = torch.tensor([n], dtype=torch.int32, device=q.device)
         qsl = torch.tensor([0, w], dtype=torch.int32, device=q.device)
         lse = paged_lse(q, k_cache, block_tables, kv_lens, qsl, scale, n, w)
         return received_attention(q, k_cache, block_tables, kv_lens, qsl, lse, scale, n, w)[0]
-    from kernels.torch_ref.received_attention import received_attention as torch_received
+    from agentrt_kernels.torch_ref.received_attention import received_attention as torch_received
 
     return torch_received(q, k_cache, block_tables, [n], [w], scale)[0]

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2
+from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2
 
 
 @triton.jit

@@ -26,7 +26,7 @@ Formats:
   Lloyd-Max levels (``tables``). Attention runs in the rotated basis: the query enters as q R^T, each tile
   is ``norm * levels[index]``, and the output leaves as o R (no window: this codec keeps none).
 * ``lowrank-latent-rope`` (Palu): latents and positions, reconstructed inside the loop by
-  ``kernels.triton.lowrank_decode`` (its own kernel; ``tables`` holds the layer's bases, biases and RoPE).
+  ``agentrt_kernels.triton.lowrank_decode`` (its own kernel; ``tables`` holds the layer's bases, biases and RoPE).
 
 Grid and split structure as ``decode_attention``: one program per (request, KV head, split) owns the whole
 query-head group and walks its slots in two loops, coded slots [start, quant_len) then window slots; partials
@@ -49,8 +49,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2
-from kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, combine_splits, split_partials
+from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2
+from agentrt_kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, combine_splits, split_partials
 
 FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok", "int2-asym-kchan-vtok", "lloydmax-rotated-bitplanes",
            "lowrank-latent-rope")
@@ -460,7 +460,7 @@ def quantized_decode_attention(
     num_stages = default_stages if num_stages is None else num_stages
     min_split_tokens = cdiv(max(0, int(min_split_tokens)), block_n) * block_n  # splits stay tile-aligned
     if fmt == "lowrank-latent-rope":
-        from kernels.triton.lowrank_decode import lowrank_decode_attention
+        from agentrt_kernels.triton.lowrank_decode import lowrank_decode_attention
 
         assert window_k is None, "the low-rank format keeps no full-precision window"
         return lowrank_decode_attention(q, k_fields, v_fields, block_tables, kv_lens, scale, tables, num_splits,

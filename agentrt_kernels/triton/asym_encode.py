@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import check_last_dim_contiguous
+from agentrt_kernels.triton._common import check_last_dim_contiguous
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2, num_sms
+from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2, num_sms
 
 _LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256

@@ -1,6 +1,6 @@
 """GPU micro-benchmarks of the Triton kernels against HBM / tensor-core ceilings.
 
-``python -m kernels.triton.bench [--quick] [--only decode,prefill,elementwise,moe,splits]``
+``python -m agentrt_kernels.triton.bench [--quick] [--only decode,prefill,elementwise,moe,splits]``
 
 Prints one table: per case the median time (triton.testing.do_bench, L2 flushed between runs; decode
 through CUDA-graph replay as the engine runs it), achieved GB/s over the minimum bytes (each input read
@@ -18,8 +18,8 @@ import torch
 import triton
 import triton.testing
 
-from kernels.torch_ref import paged_attention
-from kernels.triton import (
+from agentrt_kernels.torch_ref import paged_attention
+from agentrt_kernels.triton import (
     apply_rotary,
     fused_moe,
     paged_decode_attention,

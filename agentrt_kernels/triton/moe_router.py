@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton._common import check_last_dim_contiguous, next_pow2
+from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2
 
 _MAX_EXPERTS = 65536  # one tile per row
 
