@@ -110,8 +110,8 @@ def profile_steps(engine: LLMEngine, steps: int) -> dict:
             with torch.profiler.record_function("engine.step"):
                 engine.step()
             walls.append(time.perf_counter() - t)
-            timing = engine.last_step
-            phases.append({k: 1e3 * getattr(timing, f"{k}_s") for k in PHASES})
+            timing = engine.last_step  # None: the step only launched an overlapped window
+            phases.append({k: 0.0 if timing is None else 1e3 * getattr(timing, f"{k}_s") for k in PHASES})
         sync()
     windows = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "engine.step")
     per_step = device_timeline(prof, windows, phases)

@@ -9,6 +9,7 @@ downloaded. Prints one JSON object per run and a table.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -59,7 +60,8 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
         engine.step()
         te = time.perf_counter()
         timing = engine.last_step
-        k = timing.decode_steps if timing is not None else 1  # a step() may run several decode steps
+        # a step() may run several decode steps, or (overlap_decode) only launch a window the next one takes
+        k = timing.decode_steps if timing is not None else 0
         steps += k
         if timing is not None and timing.num_requests == batch:  # per decode step from here on
             full_steps.append((te - ts) / k)
@@ -175,6 +177,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--decode-steps", type=int, default=1,
                     help="decode steps run back to back per schedule (EngineConfig.decode_steps)")
+    ap.add_argument("--overlap-decode", choices=("auto", "on", "off", "both"), default="auto",
+                    help="EngineConfig.overlap_decode (auto: on a GPU with --decode-steps > 1); both: each case "
+                         "twice in the same engine, overlapped then not")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate (GPU) in the same run")
     ap.add_argument("--cases", help="batch@context pairs, e.g. 1@4096,8@4096,4@32768 (overrides --batch/--context)")
     ap.add_argument("--json", help="write the results here too")
@@ -194,8 +199,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
             num_pages=max(b * (-(-(c + args.decode_tokens) // 16) + 1) for b, c in cases),
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
             decode_steps=args.decode_steps,
+            overlap_decode={"auto": None, "off": False}.get(args.overlap_decode, True),
         )
         engine = LLMEngine(config)
+        modes = [True, False] if args.overlap_decode == "both" else [engine.overlap_decode]
         on_gpu = engine.device.type == "cuda"
         if on_gpu:
             from engine.roofline import copy_bandwidth, matmul_rate
@@ -204,11 +211,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for ctx in sorted({c for _, c in cases}):  # compile kernels for these shapes before timing
             run_one(engine, 1, ctx, 4, args.seed)
         results = []
-        for b, ctx in cases:
+        for (b, ctx), overlap in itertools.product(cases, modes):
+            engine.overlap_decode = overlap
             r = run_one(engine, b, ctx, args.decode_tokens, args.seed)
             r.update(shape=args.model or args.shape, device=str(engine.device), dtype=str(engine.cache.spec.dtype),
                      backend=engine.backend.name, cuda_graphs=engine.runner.graphs is not None,
-                     decode_steps=args.decode_steps)
+                     decode_steps=args.decode_steps, overlap_decode=overlap)
             if on_gpu:
                 if engine.model_config.num_experts:
                     from engine.roofline import measure_routed_experts
@@ -226,13 +234,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.hf and on_gpu:
             del engine
             torch.cuda.empty_cache()
+            hf: dict[tuple[int, int], dict] = {}  # one HF run per case, whatever the overlap modes
             for r in results:
-                r.update(hf_decode(Path(model_dir), r["batch"], r["context"], args.decode_tokens, torch.device("cuda")))
+                case = (r["batch"], r["context"])
+                if case not in hf:
+                    hf[case] = hf_decode(Path(model_dir), *case, args.decode_tokens, torch.device("cuda"))
+                r.update(hf[case])
                 r["speedup_vs_hf"] = r["decode_tok_s"] / r["hf_decode_tok_s"]
                 print(json.dumps(r), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
-    print(f"\n{'batch':>5} {'context':>7} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8} {'sched+prep ms':>14}")
+    print(f"\n{'batch':>5} {'context':>7} {'overlap':>7} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8} "
+          f"{'sched+prep ms':>14}")
     for r in results:
         sp = r["sched_prep_ms_per_decode_step"]
         extra = ""
@@ -244,7 +257,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if "speedup_vs_hf" in r:
             extra += f"  HF {r['hf_decode_tok_s']:.1f} tok/s ({r['speedup_vs_hf']:.1f}x)"
         extra += f"  graphs {r['graph_replayed_steps']}/{r['timed_decode_steps']} steps"
-        print(f"{r['batch']:>5} {r['context']:>7} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
+        print(f"{r['batch']:>5} {r['context']:>7} {str(r['overlap_decode']):>7} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
               f"{r['decode_step_ms']:>8.2f} {sp if sp is None else round(sp, 3):>14}{extra}")
     return results
 

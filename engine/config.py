@@ -38,6 +38,10 @@ class EngineConfig:
     # decode steps run back to back on the device per schedule when every request of a step decodes and its
     # method allows it (SparseMethod.max_decode_window): tokens reach the host once per window (1: every step)
     decode_steps: int = 1
+    # launch the next window of decode steps before reading this one's tokens, so that the host's work between
+    # windows overlaps the device's (a request that stops in a window has the next one computed and dropped);
+    # None: on a GPU with decode_steps > 1 and one rank (engine.decode_window)
+    overlap_decode: bool | None = None
     tensor_parallel_size: int = 1  # ranks (GPUs; gloo processes on CPU) the model and its KV heads split over
 
     def __post_init__(self) -> None:
@@ -57,6 +61,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
+            raise ConfigError(f"overlap_decode must be true, false or None, got {self.overlap_decode!r}")
+        if self.overlap_decode and self.tensor_parallel_size > 1:
+            raise ConfigError("overlap_decode needs tensor_parallel_size 1 (the ranks agree on tokens as they read "
+                              "them, which overlapping would delay)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.method_config, dict):
@@ -75,6 +84,11 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known - {'model'})}")
         return cls(model=model, **kwargs)
+
+    def resolved_overlap_decode(self, device: torch.device, world_size: int) -> bool:
+        if self.overlap_decode is not None:
+            return self.overlap_decode
+        return device.type == "cuda" and self.decode_steps > 1 and world_size == 1
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

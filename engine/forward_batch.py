@@ -182,3 +182,12 @@ def next_decode_step(batch: ForwardBatch, tokens: torch.Tensor) -> ForwardBatch:
     view = layer_views[0] if layer_views is not None else advance(batch.view)
     return dataclasses.replace(batch, input_ids=tokens, positions=batch.positions + 1, slot_mapping=slot_mapping,
                                view=view, layer_views=layer_views, scratch={})
+
+
+def with_block_tables(batch: ForwardBatch, block_tables: torch.Tensor) -> ForwardBatch:
+    """``batch`` reading through ``block_tables`` (every layer's view): the same requests' page tables after
+    pages were added for later steps (each row starts with the pages it had)."""
+    layer_views = None if batch.layer_views is None else [dataclasses.replace(v, block_tables=block_tables)
+                                                          for v in batch.layer_views]
+    view = layer_views[0] if layer_views is not None else dataclasses.replace(batch.view, block_tables=block_tables)
+    return dataclasses.replace(batch, view=view, layer_views=layer_views)

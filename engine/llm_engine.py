@@ -21,9 +21,11 @@ from engine.chain_manager import ChainManager, PruneResult
 from engine.config import DEFAULT_CPU_KV_BYTES, DTYPES, EngineConfig
 from engine.contract.cache import CacheSpec
 from engine.contract.codec import CodedCacheSpec, check_composes
-from engine.contract.method import SparseMethod
+from engine.contract.method import UNBOUNDED_WINDOW, SparseMethod
+from engine.decode_window import DecodeWindow, launch_copies
 from engine.detokenizer import IncrementalDetokenizer, decoder_for
 from engine.errors import CheckpointError, ConfigError, InvalidRequestError, InvalidSamplingParamsError, OutOfPagesError
+from engine.forward_batch import next_decode_step, with_block_tables
 from engine.loader import load_model
 from engine.method_set import MethodSet
 from engine.model_runner import ModelRunner
@@ -54,6 +56,7 @@ class StepTiming:
     decode_steps: int = 1  # decode steps this step() ran back to back (EngineConfig.decode_steps)
     prefill_tokens: int = 0  # of num_tokens, those of prompts (the rest decode)
     replayed: bool = False  # the forward replayed decode CUDA graphs
+    overlapped: bool = False  # the next window was launched before this one's tokens were read (overlap_decode)
 
     @property
     def kind(self) -> str:
@@ -135,6 +138,8 @@ class LLMEngine:
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._ids = itertools.count()
         self.last_step: StepTiming | None = None
+        self._window: DecodeWindow | None = None  # overlap_decode: the window launched, its tokens not taken
+        self._overlap_decode = config.resolved_overlap_decode(self.device, self.tp.world_size)
         self._tp_link.wait_ready()
         log.info("engine ready: %s, %d pages of %d tokens, method %s", mc.architecture, self.pool.num_pages,
                  config.page_size, self.method.name)
@@ -286,12 +291,30 @@ class LLMEngine:
         self._forget(req)
         return out
 
+    @property
+    def overlap_decode(self) -> bool:
+        """Whether decode windows are launched before the last one is read (``EngineConfig.overlap_decode``)."""
+        return self._overlap_decode
+
+    @overlap_decode.setter
+    def overlap_decode(self, on: bool) -> None:
+        if self._window is not None:
+            raise ConfigError("overlap_decode cannot change while a decode window is in flight")
+        if on and self.tp.world_size > 1:
+            raise ConfigError("overlap_decode needs tensor_parallel_size 1")
+        self._overlap_decode = bool(on)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     # --- one step -------------------------------------------------------------------------------
     @mirrored
     def step(self) -> list[RequestOutput]:
+        """Run one step (or one window of decode steps) and return what each request took in it. With
+        ``overlap_decode`` a window is launched and its tokens returned by the next ``step`` (which first
+        launches the window after it, when the same requests can go on decoding): see engine.decode_window."""
+        if self._window is not None:
+            return self._take_window_launching_the_next()
         t0 = time.perf_counter()
         self.last_step = None
         plan = self.scheduler.schedule()
@@ -303,7 +326,11 @@ class LLMEngine:
         batch = self.runner.prepare(plan)
         t2 = time.perf_counter()
         if k > 1:
-            return self._run_decode_steps(plan, batch, k, t0, t1, t2)
+            window = self._launch_window(batch, k)
+            if self._overlap_decode:
+                self._window = window
+                return []  # its tokens come with the next step
+            return self._take_window(window, (t1 - t0, t2 - t1), time.perf_counter() - t2)
         sampled = self.runner.execute(batch)
         if sampled is not None and self.tp.world_size > 1:  # unseeded sampling: every rank takes rank 0's
             sampled.token_ids = self.tp.broadcast_ints(sampled.token_ids, self.device)
@@ -339,24 +366,68 @@ class LLMEngine:
             return 1  # pages some requests took ahead stay theirs: later steps use them
         return k
 
-    def _run_decode_steps(self, plan, batch, k: int, t0: float, t1: float, t2: float) -> list[RequestOutput]:
-        """Run ``k`` decode steps of ``batch``, then take their tokens in order as ``k`` single steps would:
-        a request that stops (or reaches its length) at step ``j`` keeps nothing after it. One output per
-        request with every token it took."""
-        steps = self.runner.execute_decode_steps(batch, k)
-        tokens = torch.stack([t for t, _ in steps]).tolist()  # the one device sync of the k steps
+    def _launch_window(self, batch, k: int, ahead: int = 0) -> DecodeWindow:
+        steps, last = self.runner.execute_decode_steps(batch, k, ahead)
+        tokens, logprobs, ready = launch_copies(steps)
+        return DecodeWindow(list(batch.sample_requests), k, tokens, logprobs, ready, last, steps[-1][0],
+                            self.runner.last_replayed)
+
+    def _next_window_size(self, window: DecodeWindow) -> int:
+        """Decode steps the window after ``window`` may run before the host has read ``window`` (0: none):
+        its requests are the running ones and nothing waits to be admitted, each method's window is unbounded
+        (nothing the host learns from ``window`` changes it), each request has the length left, and pages are
+        allocated here."""
+        reqs = window.requests
+        running = {id(r) for r in self.scheduler.running}
+        if self.scheduler.waiting or len(running) != len(reqs) or not all(id(r) in running for r in reqs):
+            return 0
+        done = window.k
+        k = self.config.decode_steps
+        for req in reqs:
+            if req.method.max_decode_window(req) < UNBOUNDED_WINDOW:
+                return 0
+            k = min(k, req.params.max_tokens - req.num_output_tokens - done,
+                    req.max_model_len - req.num_tokens - done)
+        if k < 1 or not all(self.cache.allocate(req, done + k) for req in reqs):
+            return 0
+        return k
+
+    def _take_window_launching_the_next(self) -> list[RequestOutput]:
+        window, self._window = self._window, None
+        t0 = time.perf_counter()
+        k = self._next_window_size(window)
+        t1 = t2 = time.perf_counter()
+        if k:
+            batch = with_block_tables(window.last_batch, self.cache.block_tables(window.requests))
+            batch = next_decode_step(batch, window.last_tokens)
+            t2 = time.perf_counter()
+            self._window = self._launch_window(batch, k, ahead=window.k)
+        try:
+            return self._take_window(window, (t1 - t0, t2 - t1), time.perf_counter() - t2, overlapped=bool(k))
+        except BaseException:
+            self._window = None  # it follows tokens the host did not take: the requests go on from the host's
+            raise
+
+    def _take_window(self, window: DecodeWindow, host_s: tuple[float, float], launch_s: float,
+                     overlapped: bool = False) -> list[RequestOutput]:
+        """Wait for ``window``'s tokens, then take them in order as single steps would: a request that stops
+        (or reaches its length) at step ``j`` keeps nothing after it; one that finished (or was aborted)
+        before the window was read takes nothing from it. One output per request that took tokens."""
+        t_wait = time.perf_counter()
+        tokens, logprobs = window.wait()  # the window's one wait for the device
         if self.tp.world_size > 1:  # the ranks sampled alike (greedy / seeded); take rank 0's to be sure
             flat = self.tp.broadcast_ints([t for row in tokens for t in row], self.device)
             tokens = [flat[j * len(row):(j + 1) * len(row)] for j, row in enumerate(tokens)]
-        logprobs = (torch.stack([lp for _, lp in steps]).tolist() if steps[0][1] is not None
-                    else [[None] * len(plan.requests)] * k)
         t3 = time.perf_counter()
-        reqs = batch.sample_requests
-        taken: dict[str, list[int]] = {req.request_id: [] for req in reqs}
-        text_before = {req.request_id: len(self._detokenizers[req.request_id].text) for req in reqs}
+        reqs = window.requests
+        live = [i for i, req in enumerate(reqs) if not req.is_finished]
+        taken: dict[str, list[int]] = {reqs[i].request_id: [] for i in live}
+        text_before = {reqs[i].request_id: len(self._detokenizers[reqs[i].request_id].text) for i in live}
         stops: dict[str, str | int | None] = {}
-        live = list(range(len(reqs)))
-        for j in range(k):
+        taking = [reqs[i] for i in live]
+        for j in range(window.k):
+            if not live:
+                break
             self.scheduler.update(StepPlan([reqs[i] for i in live], [1] * len(live)))
             for i in live:
                 req = reqs[i]
@@ -364,12 +435,11 @@ class LLMEngine:
                 stops[req.request_id] = self._accept_token(req, tokens[j][i], lp)
                 taken[req.request_id].append(tokens[j][i])
             live = [i for i in live if not reqs[i].is_finished]
-            if not live:
-                break
-        outputs = [self._emit(req, taken[req.request_id], text_before[req.request_id], stops[req.request_id])
-                   for req in reqs]
-        self.last_step = StepTiming(len(plan.requests), plan.num_tokens, t1 - t0, t2 - t1, t3 - t2,
-                                    time.perf_counter() - t3, decode_steps=k, replayed=self.runner.last_replayed)
+        outputs = [self._emit(req, taken[req.request_id], text_before[req.request_id], stops.get(req.request_id))
+                   for req in taking]
+        self.last_step = StepTiming(len(reqs), len(reqs), host_s[0], host_s[1], launch_s + t3 - t_wait,
+                                    time.perf_counter() - t3, decode_steps=window.k, replayed=window.replayed,
+                                    overlapped=overlapped)
         return outputs
 
     def _append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestOutput:

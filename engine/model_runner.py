@@ -138,10 +138,14 @@ class ModelRunner:
             self._batch = None
 
     @torch.inference_mode()
-    def execute_decode_steps(self, batch: ForwardBatch, k: int) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def execute_decode_steps(
+        self, batch: ForwardBatch, k: int, ahead: int = 0
+    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], ForwardBatch]:
         """``k`` decode steps of a pure-decode batch of hookless methods, back to back on the device: step
         ``j + 1`` reads the tokens step ``j`` sampled (``next_decode_step``), so the host never waits between
-        them. Returns each step's (tokens, logprobs) tensors, still on the device."""
+        them. ``ahead``: decode steps of these requests already launched whose tokens the host has not taken
+        (``batch`` was then built on the device by ``next_decode_step``). Returns each step's (tokens, logprobs) tensors, still on the device, and the last
+        step's batch."""
         assert batch.groups is None and batch.view.is_pure_decode
         reqs = batch.sample_requests
         params, generators = [r.params for r in reqs], [r.generator for r in reqs]
@@ -155,12 +159,12 @@ class ModelRunner:
                     logits = self.graphs.run(batch)
                 else:
                     self.last_replayed = False
-                    if j:
+                    if j or ahead:
                         self.cache.plan_decode_writes(batch)
                     hidden = self.model(batch.input_ids, batch.positions, self)
                     logits = self.model.compute_logits(hidden[batch.logits_indices])
-                forced = [r.forced_next_token(j) for r in reqs]
+                forced = [r.forced_next_token(ahead + j) for r in reqs]
                 steps.append(self.sampler.sample_tensors(logits, params, generators, forced))
             finally:
                 self._batch = None
-        return steps
+        return steps, batch

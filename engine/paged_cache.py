@@ -488,6 +488,9 @@ class PagedCacheManager(CacheManager):
         n = t.layer_len(layer) + extra
         return self.codec.quant_len(n) if t.window is not None else n
 
+    def block_tables(self, reqs: list[Request]) -> torch.Tensor:
+        return self._host_block_tables([self._tables[r.request_id] for r in reqs]).to(self.spec.device)
+
     def build_view(self, reqs: list[Request], num_new_tokens: list[int], layer: int = 0) -> PagedView:
         tables = [self._tables[r.request_id] for r in reqs]
         kv_lens = [t.layer_len(layer) + n for t, n in zip(tables, num_new_tokens)]

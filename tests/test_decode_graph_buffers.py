@@ -29,14 +29,16 @@ METHODS = [("dense", {}), ("pyramidkv", {"budget": 24, "window": 4}), ("kvzip", 
 KIVI = ("kivi", {"bits": 4, "group_size": 4, "residual": 4})
 
 
-def _run(model_dir, method, cfg, fake_graphs: bool, per_request: bool = False, storage=None, decode_steps=1):
+def _run(model_dir, method, cfg, fake_graphs: bool, per_request: bool = False, storage=None, decode_steps=1,
+         overlap=False):
     """``per_request``: the engine runs dense and the requests ask for ``method``; ``storage``: a KV codec;
-    ``decode_steps``: windows of back-to-back decode steps."""
+    ``decode_steps``: windows of back-to-back decode steps; ``overlap``: each launched before the last is read."""
     engine_method = ("dense", {}) if per_request else (method, cfg)
     llm = LLM(model_dir, dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=64, num_pages=256,
               method=engine_method[0], method_config=engine_method[1], max_num_seqs=8,
               kv_storage=None if storage is None else storage[0],
-              kv_storage_config={} if storage is None else storage[1], decode_steps=decode_steps)
+              kv_storage_config={} if storage is None else storage[1], decode_steps=decode_steps,
+              overlap_decode=overlap)
     runner = llm.engine.runner
     replays, layered = [], []
     if fake_graphs:
@@ -106,20 +108,23 @@ def test_static_buffers_reproduce_eager_decode_over_codes(tiny_dirs, method, cfg
 @pytest.mark.parametrize("method,cfg,storage", [("dense", {}, None), ("dense", {}, ("fp8", {})), METHODS[3] + (None,),
                                                 ("kvzip", {"budget": 12, "window": 4}, None), ("dense", {}, KIVI)],
                          ids=["dense", "dense-fp8", "quest", "kvzip", "dense-kivi"])
-def test_windows_of_decode_steps_replay_the_static_buffers(tiny_dirs, monkeypatch, method, cfg, storage):
+@pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlap"])
+def test_windows_of_decode_steps_replay_the_static_buffers(tiny_dirs, monkeypatch, method, cfg, storage, overlap):
     """Back-to-back decode steps (``decode_steps``) feed each replay the batch built on the device from the
-    previous replay's tokens: the same greedy tokens as eager single steps, every window step replayed."""
+    previous replay's tokens (``overlap``: a window's first step from the last window's, through page tables
+    refreshed for its new pages): the same greedy tokens as eager single steps, every window step replayed."""
     from engine.model_runner import ModelRunner
 
     ref, _, _ = _run(tiny_dirs["qwen3"], method, cfg, fake_graphs=False, storage=storage)
     windows, inner = [], ModelRunner.execute_decode_steps
 
-    def counting(self, batch, k):
+    def counting(self, batch, k, ahead=0):
         windows.append(k)
-        return inner(self, batch, k)
+        return inner(self, batch, k, ahead)
 
     monkeypatch.setattr(ModelRunner, "execute_decode_steps", counting)
-    got, replays, _ = _run(tiny_dirs["qwen3"], method, cfg, fake_graphs=True, decode_steps=4, storage=storage)
+    got, replays, _ = _run(tiny_dirs["qwen3"], method, cfg, fake_graphs=True, decode_steps=4, storage=storage,
+                           overlap=overlap)
     assert windows and max(windows) == 4
     _, single_replays, _ = _run(tiny_dirs["qwen3"], method, cfg, fake_graphs=True, storage=storage)
     assert got == ref

@@ -3,7 +3,10 @@ each reading the tokens the previous one sampled, and the host takes their token
 
 Reference: the same engine with ``decode_steps=1`` (one host round trip per token), which the engine tests
 check against HF transformers. Every output must be the same (tokens, log-probabilities, text, finish and
-stop reasons), whatever step inside a window a request stops at; and the k-step path must really run.
+stop reasons), whatever step inside a window a request stops at; and the k-step path must really run. Every
+test runs twice: windows read one at a time (``serial``) and each window launched before the previous one is
+read (``overlap``, ``EngineConfig.overlap_decode``: a request that stops in a window has the next computed and
+dropped).
 """
 
 import pytest
@@ -13,6 +16,14 @@ from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError
 
 COMMON = dict(dtype="float32", device="cpu", page_size=4)
+OVERLAPPED: list[bool] = []  # StepTiming.overlapped of every window ``run`` took
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["serial", "overlap"])
+def overlap(request, monkeypatch):
+    monkeypatch.setitem(COMMON, "overlap_decode", request.param)
+    OVERLAPPED.clear()
+    return request.param
 
 
 def prompts(seed=0, lens=(5, 23, 41, 17)):
@@ -29,6 +40,7 @@ def run(model_dir, items, decode_steps, **options):
         outs = engine.step()
         if engine.last_step is not None:
             ks.append(engine.last_step.decode_steps)
+            OVERLAPPED.append(engine.last_step.overlapped)
         assert len({o.request_id for o in outs}) == len(outs)  # one output per request per step
         for o in outs:
             streamed[o.request_id] += o.new_token_ids
@@ -46,12 +58,14 @@ def assert_same(ref, got):
             torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-6)
 
 
-def test_greedy_mixed_lengths_equal_single_steps(tiny_dirs):
+def test_greedy_mixed_lengths_equal_single_steps(tiny_dirs, overlap):
     items = [(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=True))
              for p, m in zip(prompts(), (7, 13, 3, 20))]
     ref, _, ref_ks = run(tiny_dirs["qwen3"], items, 1)
+    OVERLAPPED.clear()
     got, streamed, ks = run(tiny_dirs["qwen3"], items, 4)
     assert_same(ref, got)
+    assert any(OVERLAPPED) is overlap
     assert [s for s in streamed] == [o.token_ids for o in got]  # the streamed deltas add up
     assert set(ref_ks) == {1} and max(ks) == 4 and (2 in ks or 3 in ks)  # full windows and shortened ones
     assert len(ks) < len(ref_ks)
@@ -174,7 +188,7 @@ def test_gpu_windows_replay_graphs_and_equal_single_steps(tiny_dirs, arch):
     items = [(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=True))
              for p, m in zip(prompts(8), (9, 17, 4, 12))]
     gpu = dict(dtype="float32", device="cuda", page_size=16, num_pages=256, attention_backend="triton",
-               max_num_seqs=8)  # num_pages: the suite's other GPU workers hold memory a utilization share misjudges
+               max_num_seqs=8, overlap_decode=COMMON["overlap_decode"])  # num_pages: the suite's other GPU workers hold memory a utilization share misjudges
     engines = []
     for k in (1, 4):
         engine = LLMEngine(EngineConfig(tiny_dirs[arch], decode_steps=k, **gpu))
@@ -190,8 +204,10 @@ def test_gpu_windows_replay_graphs_and_equal_single_steps(tiny_dirs, arch):
     assert replays >= ref_replays > 0
 
 
-def test_step_kinds_are_counted_exactly(tiny_dirs):
+def test_step_kinds_are_counted_exactly(tiny_dirs, overlap):
     """StepTiming: prompt tokens per step and the step's kind (what the server's per-kind counters add up)."""
+    if overlap:
+        pytest.skip("the serial sequence; test_overlapped_windows_are_counted_exactly counts the overlapped one")
     engine = LLMEngine(EngineConfig(tiny_dirs["qwen3"], max_num_batched_tokens=16, decode_steps=3, **COMMON))
     params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
     engine.add_request(prompts(9, (40,))[0], params)

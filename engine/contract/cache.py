@@ -120,6 +120,10 @@ class CacheManager(ABC):
         """[T] int64 physical slots (page * page_size + offset) where the step's new tokens are written."""
 
     @abstractmethod
+    def block_tables(self, reqs: list[Request]) -> torch.Tensor:
+        """[B, max_pages] int32 on the device: each request's pages in order (padding entries are never read)."""
+
+    @abstractmethod
     def build_view(self, reqs: list[Request], num_new_tokens: list[int]) -> PagedView:
         """The full resident view of this step's requests, new tokens included (shared by all layers)."""
 

@@ -1,0 +1,197 @@
+"""Overlapped decode windows (``EngineConfig.overlap_decode``): the next window is launched before the host
+reads the current one. tests/test_decode_steps.py runs every window test both ways; here what only the
+overlapped engine does: a step that returns nothing while its window runs, a request aborted or joining while
+a window is in flight, a launch that fails, and the knob's validation.
+
+Reference: the same requests through the engine with ``decode_steps=1`` (which the engine tests check against
+HF transformers), and exact page counts.
+"""
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import ConfigError
+from engine.model_runner import ModelRunner
+
+COMMON = dict(dtype="float32", device="cpu", page_size=4)
+
+
+def prompts(seed, lens):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
+
+
+def greedy(n):
+    return SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=True)
+
+
+def reference(model_dir, items):
+    engine = LLMEngine(EngineConfig(model_dir, **COMMON))
+    ids = [engine.add_request(p, sp) for p, sp in items]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i].token_ids for i in ids]
+
+
+def overlapped(model_dir, k=4, **options):
+    return LLMEngine(EngineConfig(model_dir, decode_steps=k, overlap_decode=True, **COMMON, **options))
+
+
+def test_overlapped_windows_are_counted_exactly(tiny_dirs):
+    """The step that launches the first window returns nothing and times nothing; each later step launches
+    the next window, then returns the previous one's tokens (StepTiming.overlapped); the last window has no
+    successor (the lengths are known), so no window is computed past max_tokens."""
+    engine = overlapped(tiny_dirs["qwen3"], max_num_batched_tokens=64)
+    rid = engine.add_request(prompts(0, (20,))[0], greedy(14))
+    seen, calls = [], []
+    inner = ModelRunner.execute_decode_steps
+
+    def counting(self, batch, k, ahead=0):
+        calls.append((k, ahead))
+        return inner(self, batch, k, ahead)
+
+    ModelRunner.execute_decode_steps = counting
+    try:
+        while engine.has_unfinished():
+            outs = engine.step()
+            t = engine.last_step
+            seen.append((len(outs[0].new_token_ids) if outs else 0,
+                         None if t is None else (t.kind, t.decode_steps, t.overlapped)))
+    finally:
+        ModelRunner.execute_decode_steps = inner
+    # the prompt (one step, the first token), then 13 tokens: windows of 4, 4, 4 and 1
+    assert seen == [(1, ("prefill", 1, False)), (0, None), (4, ("decode-eager", 4, True)),
+                    (4, ("decode-eager", 4, True)), (4, ("decode-eager", 4, True)), (1, ("decode-eager", 1, False))]
+    assert calls == [(4, 0), (4, 4), (4, 4), (1, 4)]
+    assert rid not in engine._requests and all(r == 0 for r in engine.pool.ref_counts)
+
+
+def test_a_stop_inside_a_window_drops_the_window_after_it(tiny_dirs):
+    """A request that stops in window N had window N + 1 launched for it: its tokens are dropped, the other
+    requests keep theirs, and every page comes back."""
+    ps = prompts(1, (13, 29))
+    (free, other) = reference(tiny_dirs["llama"], [(ps[0], greedy(20)), (ps[1], greedy(20))])
+    stop = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[free[6]])
+    engine = overlapped(tiny_dirs["llama"])
+    ids = [engine.add_request(ps[0], stop), engine.add_request(ps[1], greedy(20))]
+    done, dropped = {}, []
+    while engine.has_unfinished():
+        window = engine._window
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+        if window is not None and window.requests[0].is_finished and engine._window is not None:
+            dropped.append(engine._window.requests[0].request_id)  # launched for a request that had stopped
+    assert done[ids[0]].token_ids == free[:free.index(free[6]) + 1]
+    assert done[ids[1]].token_ids == other
+    assert dropped == [ids[0]]
+    assert all(r == 0 for r in engine.pool.ref_counts)
+
+
+def test_abort_and_a_new_request_while_a_window_is_in_flight(tiny_dirs):
+    """An abort between steps takes the request out of the window in flight (it takes nothing more); a request
+    added meanwhile ends the overlapping (it is admitted after the window is read) and the others go on."""
+    ps = prompts(2, (11, 19, 7))
+    ref = reference(tiny_dirs["qwen3"], [(p, greedy(18)) for p in ps])
+    engine = overlapped(tiny_dirs["qwen3"])
+    a, b = engine.add_request(ps[0], greedy(18)), engine.add_request(ps[1], greedy(18))
+    streamed = {a: [], b: []}
+    aborted = None
+    steps = 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            streamed.setdefault(o.request_id, []).extend(o.new_token_ids)
+        steps += 1
+        if steps == 3:
+            assert engine._window is not None
+            aborted = engine.abort(a)
+            c = engine.add_request(ps[2], greedy(18))
+            streamed[c] = []
+    assert aborted.finished and aborted.finish_reason == "abort"
+    assert streamed[a] == aborted.token_ids == ref[0][:len(aborted.token_ids)]
+    assert streamed[b] == ref[1] and streamed[c] == ref[2]
+    assert all(r == 0 for r in engine.pool.ref_counts)
+
+
+def test_a_launch_that_fails_loses_no_token(tiny_dirs, monkeypatch):
+    """The next window's launch raises: the step fails, the window it was to follow is dropped untaken, and
+    the requests go on from the tokens the host holds, to the same outputs."""
+    ps = prompts(3, (9, 21))
+    ref = reference(tiny_dirs["qwen3"], [(p, greedy(16)) for p in ps])
+    engine = overlapped(tiny_dirs["qwen3"])
+    ids = [engine.add_request(p, greedy(16)) for p in ps]
+    inner, failed = ModelRunner.execute_decode_steps, []
+
+    def failing(self, batch, k, ahead=0):
+        if ahead and not failed:
+            failed.append(k)
+            raise RuntimeError("device fault")
+        return inner(self, batch, k, ahead)
+
+    monkeypatch.setattr(ModelRunner, "execute_decode_steps", failing)
+    done, errors = {}, 0
+    while engine.has_unfinished():
+        try:
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        except RuntimeError:
+            errors += 1
+            assert engine._window is None
+    assert errors == 1 and failed
+    assert [done[i].token_ids for i in ids] == ref
+
+
+def test_bad_values(tiny_dirs):
+    with pytest.raises(ConfigError, match="overlap_decode must be"):
+        EngineConfig(tiny_dirs["qwen3"], overlap_decode="yes")
+    with pytest.raises(ConfigError, match="overlap_decode needs tensor_parallel_size 1"):
+        EngineConfig(tiny_dirs["qwen3"], overlap_decode=True, tensor_parallel_size=2)
+    cfg = EngineConfig(tiny_dirs["qwen3"], decode_steps=4)
+    assert cfg.resolved_overlap_decode(torch.device("cuda"), 1) is True
+    assert cfg.resolved_overlap_decode(torch.device("cpu"), 1) is False
+    assert cfg.resolved_overlap_decode(torch.device("cuda"), 2) is False
+    assert EngineConfig(tiny_dirs["qwen3"]).resolved_overlap_decode(torch.device("cuda"), 1) is False
+
+
+def test_the_switch_between_windows(tiny_dirs):
+    """``LLMEngine.overlap_decode`` turns on and off between windows (benchmarks time both in one engine), not
+    while one is in flight."""
+    engine = overlapped(tiny_dirs["qwen3"])
+    engine.add_request(prompts(4, (10,))[0], greedy(12))
+    engine.step()  # the prompt
+    engine.step()  # the first window, launched
+    with pytest.raises(ConfigError, match="while a decode window is in flight"):
+        engine.overlap_decode = False
+    while engine.has_unfinished():
+        engine.step()
+    engine.overlap_decode = False
+    engine.add_request(prompts(4, (10,))[0], greedy(12))
+    engine.step()
+    engine.step()
+    assert engine._window is None and engine.last_step.decode_steps == 4 and not engine.last_step.overlapped
+
+
+def test_a_take_that_fails_drops_the_window_launched_after_it(tiny_dirs, monkeypatch):
+    """Taking a window's tokens raises after the next window was launched: that one follows tokens the host
+    never took, so it is dropped too, and the requests go on from the host's tokens to the same outputs."""
+    ps = prompts(5, (12, 17))
+    ref = reference(tiny_dirs["qwen3"], [(p, greedy(16)) for p in ps])
+    engine = overlapped(tiny_dirs["qwen3"])
+    ids = [engine.add_request(p, greedy(16)) for p in ps]
+    inner, failed = LLMEngine._take_window, []
+
+    def failing(self, window, *args, **kw):
+        if self._window is not None and not failed:
+            failed.append(window.k)
+            raise RuntimeError("host fault")
+        return inner(self, window, *args, **kw)
+
+    monkeypatch.setattr(LLMEngine, "_take_window", failing)
+    done, errors = {}, 0
+    while engine.has_unfinished():
+        try:
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        except RuntimeError:
+            errors += 1
+            assert engine._window is None
+    assert errors == 1 and failed
+    assert [done[i].token_ids for i in ids] == ref
