@@ -17,7 +17,8 @@
 #   dense      Llama-3.1-8B shape decode roofline at bs1@4K, bs8@4K, bs4@32K, HF transformers in the same run
 #   prefill    prefill TFLOP/s of a 32K prompt (and 4 x 8K): triton vs triton+flashinfer
 #   dense8     the dense cases with --decode-steps 8 (8 decode steps per schedule, one host sync)
-#   dense8hf   the 4K cases with --decode-steps 8 and HF transformers in the same run
+#   dense8hf   the 4K cases with --decode-steps 8, overlapped windows and not, HF transformers in the same run
+#   overlap    overlapped decode windows vs not (--overlap-decode both): MoE bs8 / bs32 @ 4K, dense bs4 @ 32K
 #   splits     our paged decode kernel over split counts beside flashinfer's (TC on / off)
 #   backendtests  the backend-agreement and per-layer-length graph tests in one process (session 9: two workers
 #              died while eight JIT-built flashinfer at once)
@@ -105,9 +106,15 @@ for step in "$@"; do
     dense8)  # the same cases with 8 decode steps back to back per schedule (host work off the GPU's path)
         run dense8 200 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/dense8.json" ;;
-    dense8hf)  # the two 4K cases with 8 decode steps per schedule, HF transformers in the same run
-        run dense8hf 240 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
-            --max-num-batched-tokens 16384 --decode-steps 8 --hf --json "$OUT/dense8hf.json" ;;
+    dense8hf)  # the two 4K cases with 8 decode steps per schedule, overlapped windows and not (one engine), HF
+        # transformers in the same run
+        run dense8hf 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
+            --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --hf --json "$OUT/dense8hf.json" ;;
+    overlap)  # overlapped decode windows vs not, in one engine each: MoE bs8 / bs32 and dense bs4 @ 32K
+        run overlapmoe 240 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 64 \
+            --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --json "$OUT/overlapmoe.json"
+        run overlapdense 200 python -m engine.bench --shape llama-3.1-8b --cases 4@32768 --decode-tokens 64 \
+            --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --json "$OUT/overlapdense.json" ;;
     backendtests)  # the backend tests one at a time (no two processes JIT-building one flashinfer module)
         MAX_JOBS=${MAX_JOBS:-8} run backendtests 240 python -m pytest -v -p no:xdist --tb=short -rf --timeout 200 \
             -p no:cacheprovider tests/test_gpu_backends.py -k "bf16_logits or per_layer_lengths" ;;
