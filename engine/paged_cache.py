@@ -489,7 +489,12 @@ class PagedCacheManager(CacheManager):
         return self.codec.quant_len(n) if t.window is not None else n
 
     def block_tables(self, reqs: list[Request]) -> torch.Tensor:
-        return self._host_block_tables([self._tables[r.request_id] for r in reqs]).to(self.spec.device)
+        """Copied from pinned memory without waiting: a plain host-to-GPU copy waits for all the work queued
+        on the stream, and an overlapped decode window is launched while the previous one runs."""
+        host = self._host_block_tables([self._tables[r.request_id] for r in reqs])
+        if self.spec.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.spec.device, non_blocking=True)
 
     def build_view(self, reqs: list[Request], num_new_tokens: list[int], layer: int = 0) -> PagedView:
         tables = [self._tables[r.request_id] for r in reqs]
