@@ -18,6 +18,8 @@
 #   prefill    prefill TFLOP/s of a 32K prompt (and 4 x 8K): triton vs triton+flashinfer
 #   dense8     the dense cases with --decode-steps 8 (8 decode steps per schedule, one host sync)
 #   dense8hf   the 4K cases with --decode-steps 8, overlapped windows and not, HF transformers in the same run
+#   fusedlinears  benchmarks/decode_linear.py (RMSNorm / SiLU-and-mul fused before the decode projections vs
+#              our norm + cuBLAS, over launch configurations), then the 4K cases with them in the engine
 #   overlap    overlapped decode windows vs not (--overlap-decode both): MoE bs8 / bs32 @ 4K, dense bs4 @ 32K
 #   splits     our paged decode kernel over split counts beside flashinfer's (TC on / off)
 #   backendtests  the backend-agreement and per-layer-length graph tests in one process (session 9: two workers
@@ -110,6 +112,11 @@ for step in "$@"; do
         # transformers in the same run
         run dense8hf 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --hf --json "$OUT/dense8hf.json" ;;
+    fusedlinears)  # the fused decode linears beside norm / SiLU + cuBLAS, then the engine with them at 4K
+        run decodelinear 300 python -m benchmarks.decode_linear --json "$OUT/decodelinear.json"
+        run fusedlinears 240 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
+            --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --fused-decode-linears \
+            --json "$OUT/fusedlinears.json" ;;
     overlap)  # overlapped decode windows vs not, in one engine each: MoE bs8 / bs32 and dense bs4 @ 32K
         run overlapmoe 240 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --json "$OUT/overlapmoe.json"

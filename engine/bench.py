@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--overlap-decode", choices=("auto", "on", "off", "both"), default="auto",
                     help="EngineConfig.overlap_decode (auto: on a GPU with --decode-steps > 1); both: each case "
                          "twice in the same engine, overlapped then not")
+    ap.add_argument("--fused-decode-linears", action="store_true",
+                    help="EngineConfig.fused_decode_linears: norms and SiLU-and-mul inside the decode projections")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate (GPU) in the same run")
     ap.add_argument("--cases", help="batch@context pairs, e.g. 1@4096,8@4096,4@32768 (overrides --batch/--context)")
     ap.add_argument("--json", help="write the results here too")
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
             decode_steps=args.decode_steps,
             overlap_decode={"auto": None, "off": False}.get(args.overlap_decode, True),
+            fused_decode_linears=args.fused_decode_linears,
         )
         engine = LLMEngine(config)
         modes = [True, False] if args.overlap_decode == "both" else [engine.overlap_decode]
@@ -216,7 +219,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             r = run_one(engine, b, ctx, args.decode_tokens, args.seed)
             r.update(shape=args.model or args.shape, device=str(engine.device), dtype=str(engine.cache.spec.dtype),
                      backend=engine.backend.name, cuda_graphs=engine.runner.graphs is not None,
-                     decode_steps=args.decode_steps, overlap_decode=overlap)
+                     decode_steps=args.decode_steps, overlap_decode=overlap,
+                     fused_decode_linears=args.fused_decode_linears)
             if on_gpu:
                 if engine.model_config.num_experts:
                     from engine.roofline import measure_routed_experts

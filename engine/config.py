@@ -42,6 +42,10 @@ class EngineConfig:
     # windows overlaps the device's (a request that stops in a window has the next one computed and dropped);
     # None: on a GPU with decode_steps > 1 and one rank (engine.decode_window)
     overlap_decode: bool | None = None
+    # decode steps of at most 16 tokens run each RMSNorm inside the projection after it and SiLU-and-mul inside
+    # the down projection (agentrt_kernels.triton.decode_linear: a GPU, or TRITON_INTERPRET=1 on the CPU);
+    # off until an H200 run times it against cuBLAS (benchmarks/decode_linear.py)
+    fused_decode_linears: bool = False
     tensor_parallel_size: int = 1  # ranks (GPUs; gloo processes on CPU) the model and its KV heads split over
 
     def __post_init__(self) -> None:
@@ -66,6 +70,10 @@ class EngineConfig:
         if self.overlap_decode and self.tensor_parallel_size > 1:
             raise ConfigError("overlap_decode needs tensor_parallel_size 1 (the ranks agree on tokens as they read "
                               "them, which overlapping would delay)")
+        if not isinstance(self.fused_decode_linears, bool):
+            raise ConfigError(f"fused_decode_linears must be true or false, got {self.fused_decode_linears!r}")
+        if self.fused_decode_linears and self.tensor_parallel_size > 1:
+            raise ConfigError("fused_decode_linears needs tensor_parallel_size 1 (its kernels take whole weights)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.method_config, dict):

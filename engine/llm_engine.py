@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 import weakref
 from dataclasses import dataclass
@@ -97,6 +98,8 @@ class LLMEngine:
         self.model, self.model_config = load_model(
             config.model, dtype=dtype, device=self.device, load_format=config.load_format, tp=self.tp
         )
+        if config.fused_decode_linears:
+            self._fuse_decode_linears()
         self.tokenizer = load_tokenizer(config.model)
         self._decode = decoder_for(self.tokenizer)  # what every request's detokenizer decodes with
         if self.codec is not None:
@@ -143,6 +146,16 @@ class LLMEngine:
         self._tp_link.wait_ready()
         log.info("engine ready: %s, %d pages of %d tokens, method %s", mc.architecture, self.pool.num_pages,
                  config.page_size, self.method.name)
+
+    def _fuse_decode_linears(self) -> None:
+        decoder = getattr(self.model, "model", None)
+        if not hasattr(decoder, "fused_decode_rows"):
+            raise ConfigError(f"fused_decode_linears: {self.model_config.architecture} has no fused decode path")
+        if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("fused_decode_linears runs Triton kernels: a GPU, or TRITON_INTERPRET=1 on the CPU")
+        from agentrt_kernels.triton.decode_linear import MAX_ROWS
+
+        decoder.fused_decode_rows = MAX_ROWS
 
     def _maybe_capture_graphs(self) -> None:
         reasons = []

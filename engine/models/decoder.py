@@ -54,10 +54,13 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(
-        self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding, runner: LayerRunner
+        self, hidden: torch.Tensor | None, positions: torch.Tensor, rotary: RotaryEmbedding, runner: LayerRunner,
+        qkv: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        """``qkv``: the packed projection of the normed hidden, computed by the caller (then ``hidden`` is None)."""
+        qkv = self.qkv_proj(hidden) if qkv is None else qkv
+        num_tokens = qkv.shape[0]
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -95,6 +98,30 @@ class DecoderLayer(nn.Module):
         normed, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(normed), residual
 
+    def forward_fused(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        rotary: RotaryEmbedding, runner: LayerRunner,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` for a few rows (decode) with each norm fused into the projection after it, and SiLU-and-mul
+        into the down projection (agentrt_kernels.triton.decode_linear): three launches fewer a layer (two
+        under a MoE block, which keeps its own router after the norm)."""
+        from agentrt_kernels.triton.decode_linear import decode_linear
+
+        ln, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
+        if residual is None:
+            qkv, residual = decode_linear(hidden, qkv_proj.weight, qkv_proj.bias, norm=(ln.weight, ln.eps)), hidden
+        else:
+            qkv, residual = decode_linear(hidden, qkv_proj.weight, qkv_proj.bias, norm=(ln.weight, ln.eps),
+                                          residual=residual)
+        attn = self.self_attn(None, positions, rotary, runner, qkv=qkv)
+        post, mlp = self.post_attention_layernorm, self.mlp
+        if not isinstance(mlp, DenseMLP):
+            normed, residual = post(attn, residual)
+            return mlp(normed), residual
+        gate_up, residual = decode_linear(attn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                                          norm=(post.weight, post.eps), residual=residual)
+        return decode_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, silu_mul=True), residual
+
 
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig, mlps: list[nn.Module]) -> None:
@@ -105,12 +132,17 @@ class DecoderModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
         )
+        # DecoderLayer.forward_fused for steps of at most this many tokens (0: never); set by the engine
+        # (EngineConfig.fused_decode_linears) at one tensor-parallel rank
+        self.fused_decode_rows = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, runner: LayerRunner) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         wants_output = getattr(runner, "wants_layer_output", True)
+        fused = 0 < input_ids.shape[0] <= self.fused_decode_rows
         for layer in self.layers:
-            hidden, residual = layer(hidden, residual, positions, self.rotary_emb, runner)
+            forward = layer.forward_fused if fused else layer
+            hidden, residual = forward(hidden, residual, positions, self.rotary_emb, runner)
             if wants_output:
                 runner.end_layer(layer.layer_idx, hidden + residual)
         return self.norm(hidden, residual)[0]

@@ -1,0 +1,157 @@
+"""A decode-size linear (a few rows) with the elementwise op before it fused in: one launch in place of two.
+
+``decode_linear(x, weight, bias=None, *, norm=None, residual=None, silu_mul=False)``
+    x:        [M, K] (``silu_mul``: [M, 2K], gate columns first), fp32 / fp16 / bf16, M <= 16
+    weight:   [N, K] (torch's ``F.linear`` layout), x's dtype
+    bias:     optional [N]
+    norm:     optional (norm_weight [K], eps): RMSNorm of x (of x + residual) before the product
+    residual: optional, [M, K] like x (only with ``norm``)
+    returns   y [M, N] in x's dtype, or (y, x + residual) with ``residual``
+
+The operand each output column reads is what the unfused ops would hand ``F.linear``, rounded where they
+round: ``rms_norm`` (engine.models.layers.RMSNorm: the sum rounded to x's dtype, normalised in fp32, rounded,
+times the weight, rounded) or ``silu_and_mul`` (silu in fp32 rounded, times up, rounded). The product
+accumulates in fp32 (``tl.dot`` over rows padded to 16), the bias is added to the fp32 sum, rounded once.
+
+Design: decode steps are memory-bound on the weights, so each program streams a BLOCK_N x K slice of the
+weight once (BLOCK_K columns at a time, pipelined) against the few rows of x, which every program reads
+(from L2: M x K elements). With ``norm`` a first pass over x gives each row's 1 / rms (and, from program 0
+only, the new residual; so ``residual`` is never written in place). No split over K: N / BLOCK_N programs
+(192 for Llama-3.1-8B's packed QKV at BLOCK_N 32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args
+
+MAX_ROWS = 16
+DEFAULT_LAUNCH = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+
+
+@triton.jit
+def _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r, rstd,
+             NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] tile of what the linear multiplies, in x's dtype (rows past M are 0)."""
+    k_mask = offs_k < K
+    mask = m_mask[:, None] & k_mask[None, :]
+    ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :]
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if SILU_MUL:
+        gate = x.to(tl.float32)
+        up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
+        return (act * up).to(x_ptr.dtype.element_ty)
+    if NORM:
+        s = x.to(tl.float32)
+        if RESIDUAL:
+            r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_r + offs_k[None, :], mask=mask, other=0.0)
+            s = (s + r.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        h = (s * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
+        return (h * nw[None, :]).to(x_ptr.dtype.element_ty)
+    return x
+
+
+@triton.jit
+def _decode_linear_kernel(
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ro_ptr,
+    M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, eps,
+    NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_mask = offs_m < M
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask = m_mask[:, None] & (offs_k < K)[None, :]
+            s = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :], mask=mask, other=0.0)
+            s = s.to(tl.float32)
+            if RESIDUAL:
+                r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_r + offs_k[None, :], mask=mask, other=0.0)
+                s_x = (s + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                if pid == 0:
+                    tl.store(ro_ptr + offs_m[:, None].to(tl.int64) * stride_ro + offs_k[None, :], s_x, mask=mask)
+                s = s_x.to(tl.float32)
+            sq += tl.sum(s * s, 1)
+        rstd = tl.rsqrt(sq / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r, rstd,
+                     NORM, RESIDUAL, SILU_MUL)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        if UPCAST:  # the interpreter's bf16 dot is wrong: multiply the (exact) fp32 copies
+            acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
+    if HAS_BIAS:  # added to the fp32 sum, rounded once with it (F.linear's addmm epilogue)
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
+
+
+def decode_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: tuple[torch.Tensor, float] | None = None,
+    residual: torch.Tensor | None = None,
+    silu_mul: bool = False,
+    launch: dict | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """See the module docstring. ``launch``: BLOCK_N / BLOCK_K / num_warps / num_stages (DEFAULT_LAUNCH)."""
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
+    rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
+    if rows > MAX_ROWS:
+        raise ValueError(f"decode_linear takes at most {MAX_ROWS} rows, got {rows}")
+    if norm is not None and silu_mul:
+        raise ValueError("norm and silu_mul are exclusive")
+    if residual is not None and norm is None:
+        raise ValueError("residual needs norm")
+    if x.shape[1] != (2 * k if silu_mul else k):
+        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)} (silu_mul={silu_mul})")
+    if x.dtype != weight.dtype:
+        raise ValueError(f"x is {x.dtype}, weight {weight.dtype}")
+    check_last_dim_contiguous("x", x)
+    check_last_dim_contiguous("weight", weight)
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    residual_out = None
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x")
+        check_last_dim_contiguous("residual", residual)
+        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if norm is not None and norm[0].shape != (k,):
+        raise ValueError(f"norm weight {tuple(norm[0].shape)} does not match K = {k}")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match N = {n}")
+    if rows == 0:
+        return (y, residual_out) if residual is not None else y
+    cfg = {**DEFAULT_LAUNCH, **(launch or {})}
+    upcast, precision = dot_args(_decode_linear_kernel, x.dtype)
+    r = residual if residual is not None else x
+    ro = residual_out if residual_out is not None else x
+    nw = norm[0] if norm is not None else x
+    _decode_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, r, nw, weight, bias if bias is not None else weight, y, ro,
+        rows, n, k, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), ro.stride(0),
+        norm[1] if norm is not None else 0.0,
+        NORM=norm is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+        BLOCK_M=MAX_ROWS, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], UPCAST=upcast, PRECISION=precision,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return (y, residual_out) if residual is not None else y

@@ -1,0 +1,132 @@
+"""The fused decode linear (RMSNorm or SiLU-and-mul before the product, one launch) beside the engine's two
+launches (our Triton RMSNorm / SiLU-and-mul, then cuBLAS through F.linear), in one run, against the copy
+bandwidth measured in the same run.
+
+    python -m benchmarks.decode_linear --json decode_linear.json     # GPU: Llama-3.1-8B's decode linears
+    python -m benchmarks.decode_linear --tiny                        # anywhere (interpreter on a CPU): a smoke run
+
+Cases (bf16, M = 1 and 8 rows): the packed QKV projection (6144 x 4096) after the input norm with its residual
+add, gate_up (28672 x 4096) after the post-attention norm, down (4096 x 14336) after SiLU-and-mul, and o_proj
+(4096 x 4096) alone (no prologue: the plain GEMV against cuBLAS). Each path is replayed from a CUDA graph
+(``triton.testing.do_bench_cudagraph``, as decode steps run) over four copies of the weights taken in turn,
+so no copy stays in the 50 MB L2 between calls. The fused path runs its default launch and a grid of
+launches; each output is checked against the two-launch path. The table gives each path's time, its weight
+bytes over the copy rate (the roofline fraction), and the saving per decode step over Llama-3.1-8B's 32
+layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run: Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.sweep_helpers import grid, max_rel, save_rows, timer  # noqa: E402
+
+COPIES = 4
+LAYERS = 32
+SHAPES = {  # name: (N, K, prologue)
+    "qkv+norm": (6144, 4096, "norm"),
+    "gate_up+norm": (28672, 4096, "norm"),
+    "down+silu": (4096, 14336, "silu"),
+    "o_proj": (4096, 4096, None),
+}
+TINY_SHAPES = {"qkv+norm": (96, 256, "norm"), "down+silu": (64, 128, "silu"), "o_proj": (64, 128, None)}
+SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256, 512], "num_warps": [4, 8], "num_stages": [2, 3, 4]}
+TINY_SPACE = {"BLOCK_N": [16, 32], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2]}
+
+
+def case(name: str, n: int, k: int, prologue: str | None, rows: int, device, dtype, time_fn, space) -> dict:
+    from agentrt_kernels.triton import rms_norm, silu_and_mul
+    from agentrt_kernels.triton.decode_linear import DEFAULT_LAUNCH, decode_linear
+
+    width = 2 * k if prologue == "silu" else k
+    x = torch.randn(rows, width, device=device).to(dtype)
+    residual = torch.randn(rows, k, device=device).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(k, device=device)).to(dtype)
+    weights = [(torch.randn(n, k, device=device) / k**0.5).to(dtype) for _ in range(COPIES)]
+
+    def unfused(w):
+        if prologue == "norm":
+            normed, _ = rms_norm(x, norm_w, 1e-5, residual)
+            return F.linear(normed, w)
+        return F.linear(silu_and_mul(x) if prologue == "silu" else x, w)
+
+    def fused(w, launch):
+        kw = {"norm": (norm_w, 1e-5), "residual": residual} if prologue == "norm" else {"silu_mul": prologue == "silu"}
+        out = decode_linear(x, w, launch=launch, **kw)
+        return out[0] if prologue == "norm" else out
+
+    def cycling(fn):
+        turn = itertools.cycle(weights)
+        return lambda: fn(next(turn))
+
+    want = unfused(weights[0])
+    row = {"case": name, "rows": rows, "N": n, "K": k, "weight_bytes": n * k * dtype.itemsize,
+           "unfused_s": time_fn(cycling(unfused))}
+    launches = []
+    for launch in [DEFAULT_LAUNCH] + [c for c in grid(space) if c != DEFAULT_LAUNCH]:
+        try:
+            err = max_rel(fused(weights[0], launch), want)
+            seconds = time_fn(cycling(lambda w, launch=launch: fused(w, launch)))
+        except Exception as exc:  # a launch that does not compile (registers, shared memory): skip it
+            launches.append({**launch, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        launches.append({**launch, "s": seconds, "max_rel_err": err})
+    timed = [c for c in launches if "s" in c]
+    row["default_s"] = launches[0].get("s")  # launches[0] is the default
+    best = min(timed, key=lambda c: c["s"])
+    row.update(best_s=best["s"], best_launch={k: best[k] for k in DEFAULT_LAUNCH},
+               max_rel_err=max(c["max_rel_err"] for c in timed), launches=launches)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiny", action="store_true", help="tiny shapes, a small grid, wall clock (CPU smoke run)")
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    on_gpu = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    copy_bw = None
+    if on_gpu:
+        from engine.roofline import copy_bandwidth
+
+        copy_bw = copy_bandwidth(device)
+    shapes, space = (TINY_SHAPES, TINY_SPACE) if args.tiny else (SHAPES, SPACE)
+    rows_out = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        for name, (n, k, prologue) in shapes.items():
+            row = case(name, n, k, prologue, rows, device, dtype, timer(not on_gpu), space)
+            row["copy_bw"] = copy_bw
+            if copy_bw:
+                for path in ("unfused", "default", "best"):
+                    if row[f"{path}_s"]:
+                        row[f"{path}_roofline"] = row["weight_bytes"] / copy_bw / row[f"{path}_s"]
+            print(json.dumps({k: v for k, v in row.items() if k != "launches"}), flush=True)
+            rows_out.append(row)
+            save_rows(args.json, rows_out)
+    print(f"\n{'case':>13} {'M':>3} {'unfused us':>11} {'fused us':>9} {'best us':>8} {'best launch':>22} "
+          f"{'roofline u/f':>13} {'saved us/step':>13}")
+    for r in rows_out:
+        best, unf = 1e6 * r["best_s"], 1e6 * r["unfused_s"]
+        default = "-" if r["default_s"] is None else f"{1e6 * r['default_s']:.1f}"
+        launch = "/".join(str(v) for v in r["best_launch"].values())
+        roof = (f"{r['unfused_roofline']:.2f}/{r['best_roofline']:.2f}" if r.get("unfused_roofline") else "-")
+        print(f"{r['case']:>13} {r['rows']:>3} {unf:>11.1f} {default:>9} {best:>8.1f} {launch:>22} {roof:>13} "
+              f"{LAYERS * (unf - best):>13.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""``EngineConfig.fused_decode_linears``: steps of at most 16 tokens run each RMSNorm inside the projection
+after it and SiLU-and-mul inside the down projection (agentrt_kernels.triton.decode_linear).
+
+Reference: the same engine without it (the unfused layers, which the engine tests check against HF
+transformers). fp32 on the CPU through Triton's interpreter: the same greedy tokens, log-probabilities to
+fp32 summation order, for every architecture (Qwen2's QKV bias, Qwen3's q/k norms, Qwen3-MoE's router after
+the fused norm), and the fused kernel must really run.
+"""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+import agentrt_kernels.triton.decode_linear as decode_linear_module  # noqa: E402
+from engine import LLM, EngineConfig, SamplingParams  # noqa: E402
+from engine.errors import ConfigError  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def prompts(lens=(9, 23, 14)):
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, monkeypatch):
+    calls = []
+    inner = decode_linear_module.decode_linear
+
+    def counting(x, weight, *args, **kw):
+        calls.append(("silu" if kw.get("silu_mul") else "norm", x.shape[0]))
+        return inner(x, weight, *args, **kw)
+
+    monkeypatch.setattr(decode_linear_module, "decode_linear", counting)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
+    outs = []
+    for fused in (False, True):
+        llm = LLM(tiny_dirs[arch], dtype="float32", device=DEVICE, page_size=4, max_num_batched_tokens=16,
+                  fused_decode_linears=fused, enforce_eager=True)
+        outs.append(llm.generate(prompts(), params))
+    ref, got = outs
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-4)
+    kinds = {k for k, _ in calls}
+    assert kinds == ({"norm"} if arch == "qwen3_moe" else {"norm", "silu"})
+    assert calls and max(rows for _, rows in calls) <= 16
+
+
+def test_bad_values(tiny_dirs):
+    with pytest.raises(ConfigError, match="fused_decode_linears must be"):
+        EngineConfig(tiny_dirs["qwen3"], fused_decode_linears="yes")
+    with pytest.raises(ConfigError, match="fused_decode_linears needs tensor_parallel_size 1"):
+        EngineConfig(tiny_dirs["qwen3"], fused_decode_linears=True, tensor_parallel_size=2)
