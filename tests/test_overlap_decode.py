@@ -35,6 +35,18 @@ def reference(model_dir, items):
     return [done[i].token_ids for i in ids]
 
 
+def finish_through_faults(engine):
+    """Step until done, counting the steps that raise (a fault leaves no window in flight)."""
+    done, errors = {}, 0
+    while engine.has_unfinished():
+        try:
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        except RuntimeError:
+            errors += 1
+            assert engine._window is None
+    return done, errors
+
+
 def overlapped(model_dir, k=4, **options):
     return LLMEngine(EngineConfig(model_dir, decode_steps=k, overlap_decode=True, **COMMON, **options))
 
@@ -129,13 +141,7 @@ def test_a_launch_that_fails_loses_no_token(tiny_dirs, monkeypatch):
         return inner(self, batch, k, ahead)
 
     monkeypatch.setattr(ModelRunner, "execute_decode_steps", failing)
-    done, errors = {}, 0
-    while engine.has_unfinished():
-        try:
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        except RuntimeError:
-            errors += 1
-            assert engine._window is None
+    done, errors = finish_through_faults(engine)
     assert errors == 1 and failed
     assert [done[i].token_ids for i in ids] == ref
 
@@ -186,12 +192,6 @@ def test_a_take_that_fails_drops_the_window_launched_after_it(tiny_dirs, monkeyp
         return inner(self, window, *args, **kw)
 
     monkeypatch.setattr(LLMEngine, "_take_window", failing)
-    done, errors = {}, 0
-    while engine.has_unfinished():
-        try:
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        except RuntimeError:
-            errors += 1
-            assert engine._window is None
+    done, errors = finish_through_faults(engine)
     assert errors == 1 and failed
     assert [done[i].token_ids for i in ids] == ref
