@@ -135,7 +135,10 @@ for step in "$@"; do
         run profile_moe8 150 python benchmarks/profile_decode.py --shape qwen3-30b-a3b --batch 8 --context 4096 \
             --steps 8 --json "$OUT/profile_moe8.json"
         run profile_dense1 150 python benchmarks/profile_decode.py --shape llama-3.1-8b --batch 1 --context 4096 \
-            --steps 8 --json "$OUT/profile_dense1.json" ;;
+            --steps 8 --json "$OUT/profile_dense1.json"
+        # windows of 8 decode steps, overlapped (the default on a GPU): what idle time is left between them
+        run profile_dense8w 150 python benchmarks/profile_decode.py --shape llama-3.1-8b --batch 8 --context 4096 \
+            --steps 8 --decode-steps 8 --json "$OUT/profile_dense8w.json" ;;
     select)
         run select 300 $SPARSE --context 128000 --max-batch 16 \
             --methods 'dense;quest:{"token_budget":4096};omnikv:{"token_budget":4096}' --json "$OUT/select.json" ;;
