@@ -326,6 +326,8 @@ class LLMEngine:
         """Run one step (or one window of decode steps) and return what each request took in it. With
         ``overlap_decode`` a window is launched and its tokens returned by the next ``step`` (which first
         launches the window after it, when the same requests can go on decoding): see engine.decode_window."""
+        if self._window is not None and all(r.is_finished for r in self._window.requests):
+            self._window = None  # every request it ran for was aborted since: nothing to take from it
         if self._window is not None:
             return self._take_window_launching_the_next()
         t0 = time.perf_counter()

@@ -195,3 +195,25 @@ def test_a_take_that_fails_drops_the_window_launched_after_it(tiny_dirs, monkeyp
     done, errors = finish_through_faults(engine)
     assert errors == 1 and failed
     assert [done[i].token_ids for i in ids] == ref
+
+
+def test_aborting_every_request_of_the_window_in_flight(tiny_dirs):
+    """With every request of the window in flight aborted, the engine is idle: the window is not waited on
+    nor counted, and the next request runs as on a fresh engine."""
+    ps = prompts(6, (10, 14))
+    ref = reference(tiny_dirs["qwen3"], [(ps[1], greedy(9))])
+    engine = overlapped(tiny_dirs["qwen3"])
+    ids = [engine.add_request(p, greedy(30)) for p in ps[:1]]
+    engine.step()
+    engine.step()
+    assert engine._window is not None
+    engine.abort(ids[0])
+    assert not engine.has_unfinished()
+    rid = engine.add_request(ps[1], greedy(9))
+    first = engine.step()
+    assert engine.last_step.kind == "prefill" and [o.request_id for o in first] == [rid]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[rid].token_ids == ref[0]
+    assert all(r == 0 for r in engine.pool.ref_counts)
