@@ -144,8 +144,8 @@ class ModelRunner:
         """``k`` decode steps of a pure-decode batch of hookless methods, back to back on the device: step
         ``j + 1`` reads the tokens step ``j`` sampled (``next_decode_step``), so the host never waits between
         them. ``ahead``: decode steps of these requests already launched whose tokens the host has not taken
-        (``batch`` was then built on the device by ``next_decode_step``). Returns each step's (tokens, logprobs) tensors, still on the device, and the last
-        step's batch."""
+        (``batch`` was then built on the device by ``next_decode_step``). Returns each step's (tokens,
+        logprobs) tensors, still on the device, and the last step's batch."""
         assert batch.groups is None and batch.view.is_pure_decode
         reqs = batch.sample_requests
         params, generators = [r.params for r in reqs], [r.generator for r in reqs]
