@@ -217,3 +217,62 @@ def test_aborting_every_request_of_the_window_in_flight(tiny_dirs):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     assert done[rid].token_ids == ref[0]
     assert all(r == 0 for r in engine.pool.ref_counts)
+
+
+
+def _plans(seed):
+    """Five requests: prompt, max_tokens, a stop token or none, when it arrives (tokens the client has seen),
+    after how many of its tokens the client aborts it (or never)."""
+    import random
+
+    rng = random.Random(seed)
+    ps = prompts(100 + seed, [rng.randrange(5, 40) for _ in range(5)])
+    return [(p, rng.randrange(6, 24), rng.random() < 0.5, rng.randrange(0, 30) if i else 0,
+             rng.randrange(3, 20) if rng.random() < 0.3 else None) for i, p in enumerate(ps)]
+
+
+def _run_scenario(engine, plans, free):
+    """Requests arriving and aborted on what the client has seen, as a server's clients do. Returns each
+    request's final (tokens, finish reason), and how many windows were taken overlapped."""
+    seen, ids, final, overlapped = 0, {}, {}, 0
+    while len(final) < len(plans):
+        for i, (p, max_tokens, stops, arrive, _) in enumerate(plans):
+            if i not in ids and seen >= arrive:
+                stop = [free[i][len(free[i]) // 2]] if stops else []
+                ids[i] = engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                                                              stop_token_ids=stop))
+        for i, (*_, abort_at) in enumerate(plans):
+            req = engine._requests.get(ids.get(i))
+            if req is not None and abort_at is not None and req.num_output_tokens >= abort_at:
+                out = engine.abort(ids[i])
+                final[i] = (out.token_ids, out.finish_reason)
+        for o in engine.step():
+            seen += len(o.new_token_ids)
+            if o.finished:
+                final[next(i for i, r in ids.items() if r == o.request_id)] = (o.token_ids, o.finish_reason)
+        overlapped += engine.last_step is not None and engine.last_step.overlapped
+    assert all(r == 0 for r in engine.pool.ref_counts)
+    return [final[i] for i in range(len(plans))], overlapped
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_arrivals_stops_and_aborts_match_single_steps(tiny_dirs, seed):
+    """Under client events keyed to what the client has seen (arrivals, aborts), overlapped windows of 4,
+    serial windows of 4 and single steps give every request that is not aborted the same tokens and finish
+    reason, and an aborted one a prefix of its free run at least as long as the client waited for."""
+    plans = _plans(seed)
+    free = reference(tiny_dirs["qwen3"], [(p, greedy(n)) for p, n, *_ in plans])
+    results = []
+    for overlap, k in ((False, 1), (False, 4), (True, 4)):
+        engine = LLMEngine(EngineConfig(tiny_dirs["qwen3"], decode_steps=k, overlap_decode=overlap, **COMMON))
+        outcome, overlapped = _run_scenario(engine, plans, free)
+        assert (overlapped > 0) is overlap
+        results.append(outcome)
+    for i, (*_, abort_at) in enumerate(plans):
+        outcomes = [r[i] for r in results]
+        if abort_at is None or all(reason != "abort" for _, reason in outcomes):
+            assert outcomes[1] == outcomes[0] and outcomes[2] == outcomes[0]
+        else:
+            for tokens, reason in outcomes:
+                assert tokens == free[i][:len(tokens)]
+                assert reason != "abort" or len(tokens) >= abort_at
