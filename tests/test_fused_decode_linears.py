@@ -43,7 +43,7 @@ def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, monkeypa
     outs = []
     for fused in (False, True):
         llm = LLM(tiny_dirs[arch], dtype="float32", device=DEVICE, page_size=4, max_num_batched_tokens=16,
-                  fused_decode_linears=fused, enforce_eager=True)
+                  fused_decode_linears=fused, enforce_eager=True, num_pages=256)
         outs.append(llm.generate(prompts(), params))
     ref, got = outs
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
