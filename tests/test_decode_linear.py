@@ -80,6 +80,25 @@ def test_norm_then_linear(dtype, rows, n, k, residual, bias):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_the_normed_rows_come_back_too(dtype):
+    """``return_normed``: the operand every column read, as the torch norm computes it (a MoE block's experts
+    read it after the router's product)."""
+    _seed("normed", dtype)
+    rows, n, k = 6, 20, 192  # N below one block: the one program writes every normed row
+    x, res = (torch.randn(rows, k, device=DEVICE).to(dtype) for _ in range(2))
+    norm_w = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype)
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    got, got_res, got_normed = decode_linear(x, w, norm=(norm_w, 1e-6), residual=res, return_normed=True,
+                                             launch={"BLOCK_N": 16, "BLOCK_K": 64})
+    normed, want_res = _torch_norm(x, norm_w, 1e-6, res)
+    if dtype == torch.bfloat16 and DEVICE.type != "cuda":
+        torch.testing.assert_close(got_normed, normed, rtol=2e-2, atol=2e-2)  # two truncations, ~2 bf16 ulp
+    else:
+        assert torch.equal(got_normed, normed) and torch.equal(got_res, want_res)
+    assert_close(got, F.linear(normed.float(), w.float()).to(dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n,k", [(1, 64, 200), (8, 48, 128)])
 def test_silu_and_mul_then_linear(dtype, rows, n, k):
     _seed("silu", dtype, rows, n, k)
@@ -102,8 +121,10 @@ def test_bad_arguments_are_refused():
         decode_linear(torch.randn(17, 8, device=DEVICE), w)
     with pytest.raises(ValueError, match="exclusive"):
         decode_linear(x, w, norm=(torch.ones(8, device=DEVICE), 1e-6), silu_mul=True)
-    with pytest.raises(ValueError, match="residual needs norm"):
+    with pytest.raises(ValueError, match="residual and return_normed need norm"):
         decode_linear(x, w, residual=x)
+    with pytest.raises(ValueError, match="residual and return_normed need norm"):
+        decode_linear(x, w, return_normed=True)
     with pytest.raises(ValueError, match="does not match weight"):
         decode_linear(x, w, silu_mul=True)
     with pytest.raises(ValueError, match="norm weight"):

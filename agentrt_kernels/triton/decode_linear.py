@@ -1,12 +1,13 @@
 """A decode-size linear (a few rows) with the elementwise op before it fused in: one launch in place of two.
 
-``decode_linear(x, weight, bias=None, *, norm=None, residual=None, silu_mul=False)``
+``decode_linear(x, weight, bias=None, *, norm=None, residual=None, silu_mul=False, return_normed=False)``
     x:        [M, K] (``silu_mul``: [M, 2K], gate columns first), fp32 / fp16 / bf16, M <= 16
     weight:   [N, K] (torch's ``F.linear`` layout), x's dtype
     bias:     optional [N]
     norm:     optional (norm_weight [K], eps): RMSNorm of x (of x + residual) before the product
     residual: optional, [M, K] like x (only with ``norm``)
-    returns   y [M, N] in x's dtype, or (y, x + residual) with ``residual``
+    returns   y [M, N] in x's dtype, or (y, x + residual) with ``residual``; ``return_normed`` (with
+              ``norm``) adds the normed rows [M, K] (what else reads them: a MoE block's experts after its router)
 
 The operand each output column reads is what the unfused ops would hand ``F.linear``, rounded where they
 round: ``rms_norm`` (engine.models.layers.RMSNorm: the sum rounded to x's dtype, normalised in fp32, rounded,
@@ -58,9 +59,10 @@ def _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r
 
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ro_ptr,
-    M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, eps,
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ro_ptr, no_ptr,
+    M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, stride_no, eps,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    STORE_OPERAND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -91,6 +93,10 @@ def _decode_linear_kernel(
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r, rstd,
                      NORM, RESIDUAL, SILU_MUL)
+        if STORE_OPERAND:
+            if pid == 0:
+                tl.store(no_ptr + offs_m[:, None].to(tl.int64) * stride_no + offs_k[None, :], a,
+                         mask=m_mask[:, None] & (offs_k < K)[None, :])
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
         if UPCAST:  # the interpreter's bf16 dot is wrong: multiply the (exact) fp32 copies
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -110,8 +116,9 @@ def decode_linear(
     norm: tuple[torch.Tensor, float] | None = None,
     residual: torch.Tensor | None = None,
     silu_mul: bool = False,
+    return_normed: bool = False,
     launch: dict | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """See the module docstring. ``launch``: BLOCK_N / BLOCK_K / num_warps / num_stages (DEFAULT_LAUNCH)."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -120,8 +127,8 @@ def decode_linear(
         raise ValueError(f"decode_linear takes at most {MAX_ROWS} rows, got {rows}")
     if norm is not None and silu_mul:
         raise ValueError("norm and silu_mul are exclusive")
-    if residual is not None and norm is None:
-        raise ValueError("residual needs norm")
+    if (residual is not None or return_normed) and norm is None:
+        raise ValueError("residual and return_normed need norm")
     if x.shape[1] != (2 * k if silu_mul else k):
         raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)} (silu_mul={silu_mul})")
     if x.dtype != weight.dtype:
@@ -139,19 +146,24 @@ def decode_linear(
         raise ValueError(f"norm weight {tuple(norm[0].shape)} does not match K = {k}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias {tuple(bias.shape)} does not match N = {n}")
+    normed = torch.empty((rows, k), dtype=x.dtype, device=x.device) if return_normed else None
+    outputs = (y,) + ((residual_out,) if residual is not None else ()) + ((normed,) if return_normed else ())
+    result = outputs if len(outputs) > 1 else y
     if rows == 0:
-        return (y, residual_out) if residual is not None else y
+        return result
     cfg = {**DEFAULT_LAUNCH, **(launch or {})}
     upcast, precision = dot_args(_decode_linear_kernel, x.dtype)
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else x
     nw = norm[0] if norm is not None else x
+    no = normed if normed is not None else x
     _decode_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, r, nw, weight, bias if bias is not None else weight, y, ro,
-        rows, n, k, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), ro.stride(0),
+        x, r, nw, weight, bias if bias is not None else weight, y, ro, no,
+        rows, n, k, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), ro.stride(0), no.stride(0),
         norm[1] if norm is not None else 0.0,
         NORM=norm is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+        STORE_OPERAND=return_normed,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], UPCAST=upcast, PRECISION=precision,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return (y, residual_out) if residual is not None else y
+    return result

@@ -102,9 +102,9 @@ class DecoderLayer(nn.Module):
         self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
         rotary: RotaryEmbedding, runner: LayerRunner,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``forward`` for a few rows (decode) with each norm fused into the projection after it, and SiLU-and-mul
-        into the down projection (agentrt_kernels.triton.decode_linear): three launches fewer a layer (two
-        under a MoE block, which keeps its own router after the norm)."""
+        """``forward`` for a few rows (decode) with each norm fused into the projection after it (under a MoE
+        block: its router's, which hands the normed rows on to the experts), and SiLU-and-mul into the down
+        projection (agentrt_kernels.triton.decode_linear): three launches fewer a dense layer, two a MoE one."""
         from agentrt_kernels.triton.decode_linear import decode_linear
 
         ln, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
@@ -115,9 +115,10 @@ class DecoderLayer(nn.Module):
                                           residual=residual)
         attn = self.self_attn(None, positions, rotary, runner, qkv=qkv)
         post, mlp = self.post_attention_layernorm, self.mlp
-        if not isinstance(mlp, DenseMLP):
-            normed, residual = post(attn, residual)
-            return mlp(normed), residual
+        if not isinstance(mlp, DenseMLP):  # a sparse MoE block (engine.models.moe)
+            logits, residual, normed = decode_linear(attn, mlp.gate.weight, mlp.gate.bias, norm=(post.weight, post.eps),
+                                                     residual=residual, return_normed=True)
+            return mlp(normed, router_logits=logits), residual
         gate_up, residual = decode_linear(attn, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
                                           norm=(post.weight, post.eps), residual=residual)
         return decode_linear(gate_up, mlp.down_proj.weight, mlp.down_proj.bias, silu_mul=True), residual

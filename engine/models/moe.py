@@ -113,10 +113,12 @@ class SparseMoeBlock(nn.Module):
                                           reduce_results=False)
             self.shared_expert_gate = Linear(config.hidden_size, 1)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] in x.dtype), as HF's TopKRouter. On a GPU
-        the softmax, top-k and renormalization are one Triton launch (exact ties go to the lower expert id)."""
-        router_logits = self.gate(x)
+    def route(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] in x.dtype), as HF's TopKRouter
+        (``router_logits``: ``gate(x)``, computed by the caller). On a GPU the softmax, top-k and
+        renormalization are one Triton launch (exact ties go to the lower expert id)."""
+        if router_logits is None:
+            router_logits = self.gate(x)
         if router_logits.is_cuda:
             from agentrt_kernels.triton import route_topk
 
@@ -127,8 +129,8 @@ class SparseMoeBlock(nn.Module):
             topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
         return topk_ids, topk_weights.to(router_logits.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = self.route(x)
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
+        topk_ids, topk_weights = self.route(x, router_logits)
         out = self.experts(x, topk_ids, topk_weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
