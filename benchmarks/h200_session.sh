@@ -14,7 +14,8 @@
 #              batches, over tile sizes, warps, stages and splits (coded time vs the bytes it saves)
 #   moekernels the fused MoE kernel at T = 8 / 32 decode tokens (Qwen3-30B-A3B layer) against its routed
 #              experts' bytes at the copy rate, over block sizes, warps and stages
-#   dense      Llama-3.1-8B shape decode roofline at bs1@4K, bs8@4K, bs4@32K, HF transformers in the same run
+#   dense      Llama-3.1-8B shape decode roofline at bs1@4K, bs8@4K, bs4@32K (single steps overlapped and not),
+#              HF transformers in the same run
 #   prefill    prefill TFLOP/s of a 32K prompt (and 4 x 8K): triton vs triton+flashinfer
 #   dense8     the dense cases with --decode-steps 8 (8 decode steps per schedule, one host sync)
 #   dense8hf   the 4K cases with --decode-steps 8, overlapped windows and not, HF transformers in the same run
@@ -97,9 +98,9 @@ for step in "$@"; do
         run splits 240 python benchmarks/attention_kernels.py --splits --json "$OUT/splits.json" ;;
     sweep)
         run sweep 400 python benchmarks/attention_kernels.py --sweep --json "$OUT/sweep.json" ;;
-    dense)
-        run dense 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
-            --max-num-batched-tokens 16384 --hf --json "$OUT/dense.json" ;;
+    dense)  # one decode step a schedule, each launched before the last is read and not (one engine), HF once
+        run dense 360 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+            --max-num-batched-tokens 16384 --overlap-decode both --hf --json "$OUT/dense.json" ;;
     prefill)  # a 32K prompt's prefill, Triton's kernel against flashinfer's (triton+flashinfer), one process each
         for backend in triton triton+flashinfer; do
             tag=prefill_${backend//+/_}  # plain file names

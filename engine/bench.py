@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--decode-steps", type=int, default=1,
                     help="decode steps run back to back per schedule (EngineConfig.decode_steps)")
     ap.add_argument("--overlap-decode", choices=("auto", "on", "off", "both"), default="auto",
-                    help="EngineConfig.overlap_decode (auto: on a GPU with --decode-steps > 1); both: each case "
+                    help="EngineConfig.overlap_decode (auto: on a GPU); both: each case "
                          "twice in the same engine, overlapped then not")
     ap.add_argument("--fused-decode-linears", action="store_true",
                     help="EngineConfig.fused_decode_linears: norms and SiLU-and-mul inside the decode projections")

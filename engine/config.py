@@ -38,9 +38,9 @@ class EngineConfig:
     # decode steps run back to back on the device per schedule when every request of a step decodes and its
     # method allows it (SparseMethod.max_decode_window): tokens reach the host once per window (1: every step)
     decode_steps: int = 1
-    # launch the next window of decode steps before reading this one's tokens, so that the host's work between
-    # windows overlaps the device's (a request that stops in a window has the next one computed and dropped);
-    # None: on a GPU with decode_steps > 1 and one rank (engine.decode_window)
+    # launch the next window of decode steps (or the next decode step) before reading this one's tokens, so that
+    # the host's work between them overlaps the device's (a request that stops in one has the next computed and
+    # dropped); None: on a GPU at one rank (engine.decode_window)
     overlap_decode: bool | None = None
     # decode steps of at most 16 tokens run each RMSNorm inside the projection after it and SiLU-and-mul inside
     # the down projection (agentrt_kernels.triton.decode_linear: a GPU, or TRITON_INTERPRET=1 on the CPU);
@@ -96,7 +96,7 @@ class EngineConfig:
     def resolved_overlap_decode(self, device: torch.device, world_size: int) -> bool:
         if self.overlap_decode is not None:
             return self.overlap_decode
-        return device.type == "cuda" and self.decode_steps > 1 and world_size == 1
+        return device.type == "cuda" and world_size == 1
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

@@ -335,12 +335,12 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
-        k = self._decode_steps(plan)
+        k = self._decode_window(plan)
         prefill_tokens = _prefill_tokens(plan)
         t1 = time.perf_counter()
         batch = self.runner.prepare(plan)
         t2 = time.perf_counter()
-        if k > 1:
+        if k:
             window = self._launch_window(batch, k)
             if self._overlap_decode:
                 self._window = window
@@ -362,23 +362,26 @@ class LLMEngine:
                                     replayed=self.runner.last_replayed)
         return outputs
 
-    def _decode_steps(self, plan) -> int:
-        """How many decode steps this plan may run back to back on the device (``config.decode_steps`` at
-        most; 1 unless every request decodes one token with a method whose hooks would do nothing on those
-        steps (``SparseMethod.max_decode_window``), on several ranks only greedy or seeded ones, and each has
-        the length and the pages left for them: pages for the extra steps are allocated here)."""
+    def _decode_window(self, plan) -> int:
+        """How many decode steps this plan runs as a window on the device (0: a plain step): at most
+        ``config.decode_steps``, when every request decodes one token with a method whose hooks would do
+        nothing on those steps (``SparseMethod.max_decode_window`` >= 2), on several ranks only greedy or seeded
+        ones, and each has the length and the pages left for them (pages for the extra steps are allocated
+        here); two steps at least, or one with ``overlap_decode`` (the next launched before it is read)."""
         k = self.config.decode_steps
-        if k == 1 or plan.preempted:
-            return 1
+        if (k == 1 and not self._overlap_decode) or plan.preempted:
+            return 0
         for req, n in zip(plan.requests, plan.num_new_tokens):
             if n != 1 or req.num_computed_tokens < req.num_prompt_tokens:
-                return 1
+                return 0
             if self.tp.world_size > 1 and not (req.params.is_greedy or req.params.seed is not None):
-                return 1  # every rank must sample the same tokens on its own: unseeded draws differ
-            k = min(k, req.params.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens,
-                    req.method.max_decode_window(req))
-        if k < 2 or not all(self.cache.allocate(req, k) for req in plan.requests):
-            return 1  # pages some requests took ahead stay theirs: later steps use them
+                return 0  # every rank must sample the same tokens on its own: unseeded draws differ
+            window = req.method.max_decode_window(req)
+            if window < 2:
+                return 0  # its hooks act on the next step
+            k = min(k, req.params.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens, window)
+        if k < (1 if self._overlap_decode else 2) or not all(self.cache.allocate(req, k) for req in plan.requests):
+            return 0  # pages some requests took ahead stay theirs: later steps use them
         return k
 
     def _launch_window(self, batch, k: int, ahead: int = 0) -> DecodeWindow:

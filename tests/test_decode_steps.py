@@ -33,7 +33,8 @@ def prompts(seed=0, lens=(5, 23, 41, 17)):
 
 def run(model_dir, items, decode_steps, **options):
     """items: (prompt, params[, chain_id]); returns (outputs in order, step() outputs per request, k per step)."""
-    engine = LLMEngine(EngineConfig(model_dir, decode_steps=decode_steps, **COMMON, **options))
+    common = {**COMMON, "overlap_decode": False} if decode_steps == 1 else COMMON  # the reference: single steps
+    engine = LLMEngine(EngineConfig(model_dir, decode_steps=decode_steps, **common, **options))
     ids = [engine.add_request(p, sp, chain_id=c) for p, sp, c in ((*i, None)[:3] for i in items)]
     final, streamed, ks = {}, {i: [] for i in ids}, []
     while engine.has_unfinished():

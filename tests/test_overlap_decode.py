@@ -151,11 +151,12 @@ def test_bad_values(tiny_dirs):
         EngineConfig(tiny_dirs["qwen3"], overlap_decode="yes")
     with pytest.raises(ConfigError, match="overlap_decode needs tensor_parallel_size 1"):
         EngineConfig(tiny_dirs["qwen3"], overlap_decode=True, tensor_parallel_size=2)
-    cfg = EngineConfig(tiny_dirs["qwen3"], decode_steps=4)
-    assert cfg.resolved_overlap_decode(torch.device("cuda"), 1) is True
-    assert cfg.resolved_overlap_decode(torch.device("cpu"), 1) is False
-    assert cfg.resolved_overlap_decode(torch.device("cuda"), 2) is False
-    assert EngineConfig(tiny_dirs["qwen3"]).resolved_overlap_decode(torch.device("cuda"), 1) is False
+    for k in (1, 4):
+        cfg = EngineConfig(tiny_dirs["qwen3"], decode_steps=k)
+        assert cfg.resolved_overlap_decode(torch.device("cuda"), 1) is True
+        assert cfg.resolved_overlap_decode(torch.device("cpu"), 1) is False
+        assert cfg.resolved_overlap_decode(torch.device("cuda"), 2) is False
+    assert EngineConfig(tiny_dirs["qwen3"], overlap_decode=False).resolved_overlap_decode(torch.device("cuda"), 1) is False
 
 
 def test_the_switch_between_windows(tiny_dirs):
@@ -257,13 +258,14 @@ def _run_scenario(engine, plans, free):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_arrivals_stops_and_aborts_match_single_steps(tiny_dirs, seed):
-    """Under client events keyed to what the client has seen (arrivals, aborts), overlapped windows of 4,
-    serial windows of 4 and single steps give every request that is not aborted the same tokens and finish
-    reason, and an aborted one a prefix of its free run at least as long as the client waited for."""
+    """Under client events keyed to what the client has seen (arrivals, aborts), overlapped windows of 4 and
+    of 1 (single steps, each launched before the last is read), serial windows of 4 and single steps give every
+    request that is not aborted the same tokens and finish reason, and an aborted one a prefix of its free run
+    at least as long as the client waited for."""
     plans = _plans(seed)
     free = reference(tiny_dirs["qwen3"], [(p, greedy(n)) for p, n, *_ in plans])
     results = []
-    for overlap, k in ((False, 1), (False, 4), (True, 4)):
+    for overlap, k in ((False, 1), (False, 4), (True, 4), (True, 1)):
         engine = LLMEngine(EngineConfig(tiny_dirs["qwen3"], decode_steps=k, overlap_decode=overlap, **COMMON))
         outcome, overlapped = _run_scenario(engine, plans, free)
         assert (overlapped > 0) is overlap
@@ -271,8 +273,33 @@ def test_random_arrivals_stops_and_aborts_match_single_steps(tiny_dirs, seed):
     for i, (*_, abort_at) in enumerate(plans):
         outcomes = [r[i] for r in results]
         if abort_at is None or all(reason != "abort" for _, reason in outcomes):
-            assert outcomes[1] == outcomes[0] and outcomes[2] == outcomes[0]
+            assert all(o == outcomes[0] for o in outcomes[1:])
         else:
             for tokens, reason in outcomes:
                 assert tokens == free[i][:len(tokens)]
                 assert reason != "abort" or len(tokens) >= abort_at
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+def test_overlapped_single_steps_stream_one_token_a_step(tiny_dirs, arch):
+    """``decode_steps=1`` with ``overlap_decode``: each decode step is launched before the last one is read, so
+    the deltas stay one token long and the tokens and log-probabilities equal plain single steps'."""
+    ps = prompts(7, (11, 26, 5))
+    params = [greedy(n) for n in (9, 4, 13)]
+    serial = LLMEngine(EngineConfig(tiny_dirs[arch], overlap_decode=False, **COMMON))
+    engine = LLMEngine(EngineConfig(tiny_dirs[arch], overlap_decode=True, **COMMON))
+    outs = []
+    for e in (serial, engine):
+        ids = [e.add_request(p, sp) for p, sp in zip(ps, params)]
+        done, overlapped = {}, 0
+        while e.has_unfinished():
+            step = e.step()
+            assert all(len(o.new_token_ids) <= 1 for o in step)
+            overlapped += e.last_step is not None and e.last_step.overlapped
+            done.update({o.request_id: o for o in step if o.finished})
+        outs.append(([done[i] for i in ids], overlapped))
+    (ref, none), (got, some) = outs
+    assert none == 0 and some > 0
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-6)

@@ -21,8 +21,8 @@ def test_measured_routed_experts_equal_the_routes_taken(tiny_dirs, decode_steps)
     for block in [m for m in engine.model.modules() if isinstance(m, SparseMoeBlock)]:
         route = block.route
 
-        def recording(x, route=route):
-            ids, weights = route(x)
+        def recording(x, router_logits=None, route=route):
+            ids, weights = route(x, router_logits)
             if x.shape[0] == len(requests):  # decode steps: one token per request
                 distinct.append(len(set(ids.flatten().tolist())))
             return ids, weights

@@ -1,4 +1,4 @@
-"""The server with overlapped decode windows (``decode_steps=4``, ``overlap_decode``): an agent session's turns
+"""The server with overlapped decode windows (``overlap_decode``, ``decode_steps`` 4 and 1): an agent session's turns
 (a tool call, its result, a question; streamed and not) resume the chain and generate what a bare engine
 generates one step at a time on the same history, and the streamed deltas add up to the turn."""
 
@@ -12,7 +12,6 @@ from agentrt.config import ServerConfig
 from engine.tiny_checkpoint import default_model_dir
 from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, generate_direct, make_engine, sse_events
 
-WINDOWS = {**ENGINE_OPTIONS, "decode_steps": 4, "overlap_decode": True}
 SAMPLING = {"temperature": 0.0, "max_tokens": 14}
 
 
@@ -21,11 +20,13 @@ def model_dir():
     return default_model_dir()
 
 
-@pytest.fixture(scope="module")
-def client(model_dir, tmp_path_factory):
+@pytest.fixture(scope="module", params=[4, 1], ids=["windows-of-4", "single-steps"])
+def client(request, model_dir, tmp_path_factory):
     db_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'windows.db'}"
-    with TestClient(app=create_app(ServerConfig(model=model_dir, db_url=db_url, engine_options=WINDOWS)),
+    options = {**ENGINE_OPTIONS, "decode_steps": request.param, "overlap_decode": True}
+    with TestClient(app=create_app(ServerConfig(model=model_dir, db_url=db_url, engine_options=options)),
                     timeout=120) as c:
+        c.decode_steps = request.param
         yield c
 
 
@@ -50,7 +51,7 @@ def test_turns_through_overlapped_windows_equal_single_steps(client, model_dir):
     chain = client.get(f"/v1/chains/{cid}", params={"include_tokens": True}).json()
     assert [t for d in deltas for t in d["token_ids"]] == chain["turns"][-1]["generated_token_ids"]
     assert "".join(d["text"] for d in deltas) == final["message"]["content"]
-    assert any(len(d["token_ids"]) > 1 for d in deltas)  # windows: deltas of several tokens
+    assert max(len(d["token_ids"]) for d in deltas) == client.decode_steps  # a window's tokens come together
     engine = make_engine(model_dir)  # single steps, no windows
     for t in chain["turns"]:
         prompt = chain["token_ids"][:t["usage"]["prompt_tokens"]]
