@@ -364,13 +364,15 @@ class LLMEngine:
 
     def _decode_window(self, plan) -> int:
         """How many decode steps this plan runs as a window on the device (0: a plain step): at most
-        ``config.decode_steps``, when every request decodes one token with a method whose hooks would do
+        ``config.decode_steps``, when every request decodes one token with the same method, whose hooks would do
         nothing on those steps (``SparseMethod.max_decode_window`` >= 2), on several ranks only greedy or seeded
         ones, and each has the length and the pages left for them (pages for the extra steps are allocated
         here); two steps at least, or one with ``overlap_decode`` (the next launched before it is read)."""
         k = self.config.decode_steps
         if (k == 1 and not self._overlap_decode) or plan.preempted:
             return 0
+        if any(req.method is not plan.requests[0].method for req in plan.requests):
+            return 0  # requests of several methods: each method's hooks see its own sub-batch, step by step
         for req, n in zip(plan.requests, plan.num_new_tokens):
             if n != 1 or req.num_computed_tokens < req.num_prompt_tokens:
                 return 0

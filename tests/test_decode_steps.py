@@ -171,6 +171,17 @@ def test_methods_window_only_when_their_hooks_allow(tiny_dirs, method, cfg, wind
     assert (max(ks) > 1) is windowed
 
 
+def test_requests_of_several_methods_run_single_steps(tiny_dirs):
+    """A batch whose requests name different methods (each method's hooks see its own sub-batch) runs plain
+    steps, whatever ``decode_steps``: the same outputs as single steps."""
+    ps = prompts(12)
+    params = SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True)
+    methods = [None, ("snapkv", {"budget": 12, "window": 4}), None, ("quest", {"token_budget": 8})]
+    ref = LLM(tiny_dirs["qwen3"], **{**COMMON, "overlap_decode": False}).generate(ps, params, methods=methods)
+    got = LLM(tiny_dirs["qwen3"], decode_steps=4, **COMMON).generate(ps, params, methods=methods)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+
+
 def test_llm_generate_and_bad_values(tiny_dirs):
     ps = prompts(7)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
