@@ -33,8 +33,8 @@ def prompts(seed=0, lens=(5, 23, 41, 17)):
 
 def run(model_dir, items, decode_steps, **options):
     """items: (prompt, params[, chain_id]); returns (outputs in order, step() outputs per request, k per step)."""
-    common = {**COMMON, "overlap_decode": False} if decode_steps == 1 else COMMON  # the reference: single steps
-    engine = LLMEngine(EngineConfig(model_dir, decode_steps=decode_steps, **common, **options))
+    serial = {"overlap_decode": False} if decode_steps == 1 else {}  # the reference: plain single steps
+    engine = LLMEngine(EngineConfig(model_dir, decode_steps=decode_steps, **{**COMMON, **serial, **options}))
     ids = [engine.add_request(p, sp, chain_id=c) for p, sp, c in ((*i, None)[:3] for i in items)]
     final, streamed, ks = {}, {i: [] for i in ids}, []
     while engine.has_unfinished():
@@ -161,7 +161,7 @@ def test_a_pool_too_small_for_the_extra_steps_falls_back(tiny_dirs):
     ("quest", {"token_budget": 16, "dense_layers": 1}, True),  # selection: device work over each step's batch
     ("omnikv", {"token_budget": 16}, True),
 ])
-def test_methods_window_only_when_their_hooks_allow(tiny_dirs, method, cfg, windowed):
+def test_methods_window_only_when_their_hooks_allow(tiny_dirs, method, cfg, windowed, overlap):
     items = [(p, SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=True))
              for p in prompts(6)]
     options = dict(method=method, method_config=cfg)
@@ -169,6 +169,12 @@ def test_methods_window_only_when_their_hooks_allow(tiny_dirs, method, cfg, wind
     got, _, ks = run(tiny_dirs["qwen3"], items, 4, **options)
     assert_same(ref, got)
     assert (max(ks) > 1) is windowed
+    if overlap:  # single steps, each launched before the last is read (windows of one)
+        OVERLAPPED.clear()
+        single, _, _ = run(tiny_dirs["qwen3"], items, 1, overlap_decode=True, **options)
+        assert_same(ref, single)
+        bounded = method in ("rkv", "streaming_llm") or bool(cfg.get("evict_every"))  # windows end at compactions
+        assert any(OVERLAPPED) is (windowed and not bounded)  # the next step is launched early only when unbounded
 
 
 def test_requests_of_several_methods_run_single_steps(tiny_dirs):
