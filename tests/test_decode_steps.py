@@ -248,7 +248,7 @@ def test_step_kinds_are_counted_exactly(tiny_dirs, overlap):
                                                   ("palu", {"rank_ratio": 0.75}, True),
                                                   ("kivi", {"bits": 4, "group_size": 4, "residual": 4}, True),
                                                   ("kivi", {"bits": 2, "group_size": 4, "residual": 8}, True)])
-def test_codecs_run_windows(tiny_dirs, storage, cfg, windowed):
+def test_codecs_run_windows(tiny_dirs, storage, cfg, windowed, overlap):
     """Under every codec back-to-back steps equal single steps: windowless ones read every slot from codes
     (Palu with positions); KIVI's window writes (ring row, open group) are planned on the device each step."""
     items = [(p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, logprobs=True))
@@ -258,3 +258,7 @@ def test_codecs_run_windows(tiny_dirs, storage, cfg, windowed):
     got, _, ks = run(tiny_dirs["qwen3"], items, 4, **options)
     assert_same(ref, got)
     assert (max(ks) > 1) is windowed
+    if overlap:  # single steps, each launched before the last is read
+        OVERLAPPED.clear()
+        assert_same(ref, run(tiny_dirs["qwen3"], items, 1, overlap_decode=True, **options)[0])
+        assert any(OVERLAPPED)
