@@ -29,6 +29,23 @@ def generate_direct(engine, prompt: list[int], max_tokens: int) -> list[int]:
     raise AssertionError("request did not finish")
 
 
+def post_turn(client, cid: str, body: dict) -> dict:
+    r = client.post(f"/v1/chains/{cid}/turns", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def weather_tool_round(client, cid: str, sampling: dict) -> tuple[dict, dict]:
+    """An agent's first two turns on a chain: the user's question answered with a tool call (forced through
+    ``assistant_prefix``), then the tool's result."""
+    first = post_turn(client, cid, {"sampling": sampling, "assistant_prefix": TOOL_CALL,
+                                    "messages": [{"role": "user", "content": "Weather in Paris?"}]})
+    call = first["message"]["tool_calls"][0]
+    second = post_turn(client, cid, {"sampling": sampling, "messages": [
+        {"role": "tool", "tool_call_id": call["id"], "content": '{"temp_c": 18}'}]})
+    return first, second
+
+
 def sse_events(lines) -> list[tuple[str, dict]]:
     events, name = [], "message"
     for line in lines:

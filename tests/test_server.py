@@ -8,7 +8,8 @@ from litestar.testing import TestClient
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
 from engine.tiny_checkpoint import default_model_dir
-from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, generate_direct, make_engine, sse_events
+from tests.server_helpers import (ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, generate_direct, make_engine, post_turn,
+                                  sse_events, weather_tool_round)
 
 SAMPLING = {"temperature": 0.0, "max_tokens": 12}
 IM_END = "<|im_end|>"
@@ -45,16 +46,8 @@ def session(client):
                                             "metadata": {"test": "session"}})
     assert chain.status_code == 201, chain.text
     cid = chain.json()["id"]
-
-    def turn(body):
-        r = client.post(f"/v1/chains/{cid}/turns", json={"sampling": SAMPLING, **body})
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    first = turn({"messages": [{"role": "user", "content": "Weather in Paris?"}], "assistant_prefix": TOOL_CALL})
-    call = first["message"]["tool_calls"][0]
-    second = turn({"messages": [{"role": "tool", "tool_call_id": call["id"], "content": '{"temp_c": 18}'}]})
-    third = turn({"messages": [{"role": "user", "content": "Umbrella?"}]})
+    first, second = weather_tool_round(client, cid, SAMPLING)
+    third = post_turn(client, cid, {"sampling": SAMPLING, "messages": [{"role": "user", "content": "Umbrella?"}]})
     return cid, [first, second, third]
 
 

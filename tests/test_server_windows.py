@@ -10,7 +10,7 @@ from litestar.testing import TestClient
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
 from engine.tiny_checkpoint import default_model_dir
-from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, generate_direct, make_engine, sse_events
+from tests.server_helpers import ENGINE_OPTIONS, WEATHER_TOOL, generate_direct, make_engine, sse_events, weather_tool_round
 
 SAMPLING = {"temperature": 0.0, "max_tokens": 14}
 
@@ -33,14 +33,7 @@ def client(request, model_dir, tmp_path_factory):
 def test_turns_through_overlapped_windows_equal_single_steps(client, model_dir):
     cid = client.post("/v1/chains", json={"system_prompt": "You are a weather agent.", "tools": [WEATHER_TOOL]}).json()["id"]
 
-    def turn(body):
-        r = client.post(f"/v1/chains/{cid}/turns", json={"sampling": SAMPLING, **body})
-        assert r.status_code == 200, r.text
-        return r.json()
-
-    first = turn({"messages": [{"role": "user", "content": "Weather in Paris?"}], "assistant_prefix": TOOL_CALL})
-    call = first["message"]["tool_calls"][0]
-    turn({"messages": [{"role": "tool", "tool_call_id": call["id"], "content": '{"temp_c": 18}'}]})
+    weather_tool_round(client, cid, SAMPLING)
     body = {"messages": [{"role": "user", "content": "Umbrella?"}], "sampling": SAMPLING, "stream": True}
     with client.stream("POST", f"/v1/chains/{cid}/turns", json=body) as r:
         assert r.status_code == 200
