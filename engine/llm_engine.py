@@ -144,8 +144,9 @@ class LLMEngine:
         self._window: DecodeWindow | None = None  # overlap_decode: the window launched, its tokens not taken
         self._overlap_decode = config.resolved_overlap_decode(self.device, self.tp.world_size)
         self._tp_link.wait_ready()
-        log.info("engine ready: %s, %d pages of %d tokens, method %s", mc.architecture, self.pool.num_pages,
-                 config.page_size, self.method.name)
+        log.info("engine ready: %s, %d pages of %d tokens, method %s, decode windows of %d%s", mc.architecture,
+                 self.pool.num_pages, config.page_size, self.method.name, config.decode_steps,
+                 " (overlapped)" if self._overlap_decode else "")
 
     def _fuse_decode_linears(self) -> None:
         decoder = getattr(self.model, "model", None)
