@@ -158,7 +158,9 @@ class SparseMethod:
         is fresh). Default: unbounded when the method overrides no hook (``is_hookless``), else 1 (no
         window). A selection computed on the device from the batch answers unbounded; an eviction method
         whose request is evicted for good, unbounded; one that compresses periodically, the steps left
-        before its hooks matter again."""
+        before its hooks matter again. A window (a single step too, under ``overlap_decode``) runs only where
+        this is 2 or more; the next one is launched before the host reads the last only where it is
+        unbounded."""
         return UNBOUNDED_WINDOW if self.is_hookless() else 1
 
     def kv_loaded(self, req: Request, cache: CacheManager) -> None:
