@@ -40,8 +40,8 @@ def run(model_dir, backend: str, dtype: str, eager: bool = True):
     from engine import LLM, SamplingParams
 
     llm = LLM(model_dir, device="cuda", dtype=dtype, attention_backend=backend, max_num_batched_tokens=64,
-              enforce_eager=eager, max_num_seqs=16,
-              kv_cache_memory_bytes=256 * 2**20)
+              enforce_eager=eager, max_num_seqs=16, kv_cache_memory_bytes=256 * 2**20,
+              overlap_decode=False)  # plain steps: every step's logits pass the sampler recorded below
     logits_log, routes, pending = [], [], []
     sample = llm.engine.runner.sampler.sample
 
