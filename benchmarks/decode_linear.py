@@ -11,7 +11,8 @@ add, gate_up (28672 x 4096) after the post-attention norm, down (4096 x 14336) a
 final norm (a fusion the engine does not make yet: is it worth making). Each path is replayed from a CUDA graph
 (``triton.testing.do_bench_cudagraph``, as decode steps run) over four copies of the weights taken in turn,
 so no copy stays in the 50 MB L2 between calls. The fused path runs its default launch and a grid of
-launches; each output is checked against the two-launch path. The table gives each path's time, its weight
+launches (for one row also multiply-adds in registers, ``FMA``); each output is checked against the two-launch
+path. The table gives each path's time, its weight
 bytes over the copy rate (the roofline fraction), and the saving per decode step (over Llama-3.1-8B's 32
 layers; the LM head once).
 """
@@ -43,11 +44,13 @@ SHAPES = {  # name: (N, K, prologue)
     "lm_head+norm": (128256, 4096, "norm"),  # the final norm into the LM head (not wired in the engine)
 }
 TINY_SHAPES = {"qkv+norm": (96, 256, "norm"), "down+silu": (64, 128, "silu"), "o_proj": (64, 128, None)}
-SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256], "num_warps": [4, 8], "num_stages": [3, 4]}
-TINY_SPACE = {"BLOCK_N": [16, 32], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2]}
+SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256], "num_warps": [4, 8], "num_stages": [3, 4], "FMA": [False]}
+TINY_SPACE = {"BLOCK_N": [16, 32], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [False]}
+FMA_SPACE = {"BLOCK_N": [4, 8, 16], "BLOCK_K": [256, 512], "num_warps": [4, 8], "num_stages": [3, 4], "FMA": [True]}
+TINY_FMA_SPACE = {"BLOCK_N": [8], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [True]}
 
 
-def case(name: str, n: int, k: int, prologue: str | None, rows: int, device, dtype, time_fn, space) -> dict:
+def case(name: str, n: int, k: int, prologue: str | None, rows: int, device, dtype, time_fn, space: list) -> dict:
     from agentrt_kernels.triton import rms_norm, silu_and_mul
     from agentrt_kernels.triton.decode_linear import DEFAULT_LAUNCH, decode_linear
 
@@ -76,7 +79,7 @@ def case(name: str, n: int, k: int, prologue: str | None, rows: int, device, dty
     row = {"case": name, "rows": rows, "N": n, "K": k, "weight_bytes": n * k * dtype.itemsize,
            "unfused_s": time_fn(cycling(unfused))}
     launches = []
-    for launch in [DEFAULT_LAUNCH] + [c for c in grid(space) if c != DEFAULT_LAUNCH]:
+    for launch in [DEFAULT_LAUNCH] + [c for c in space if c != DEFAULT_LAUNCH]:
         try:
             err = max_rel(fused(weights[0], launch), want)
             seconds = time_fn(cycling(lambda w, launch=launch: fused(w, launch)))
@@ -106,11 +109,12 @@ def main() -> None:
         from engine.roofline import copy_bandwidth
 
         copy_bw = copy_bandwidth(device)
-    shapes, space = (TINY_SHAPES, TINY_SPACE) if args.tiny else (SHAPES, SPACE)
+    shapes, space = (TINY_SHAPES, (TINY_SPACE, TINY_FMA_SPACE)) if args.tiny else (SHAPES, (SPACE, FMA_SPACE))
     rows_out = []
     for rows in (int(r) for r in args.rows.split(",")):
         for name, (n, k, prologue) in shapes.items():
-            row = case(name, n, k, prologue, rows, device, dtype, timer(not on_gpu), space)
+            launches = grid(space[0]) + (grid(space[1]) if rows == 1 else [])  # FMA: one row only
+            row = case(name, n, k, prologue, rows, device, dtype, timer(not on_gpu), launches)
             row["copy_bw"] = copy_bw
             if copy_bw:
                 for path in ("unfused", "default", "best"):

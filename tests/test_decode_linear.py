@@ -54,17 +54,18 @@ def _torch_silu_mul(x):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n,k", [(1, 96, 160), (5, 64, 384), (16, 40, 256)])
+@pytest.mark.parametrize("rows,n,k,fma", [(1, 96, 160, False), (1, 96, 160, True), (5, 64, 384, False),
+                                          (16, 40, 256, False)])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_norm_then_linear(dtype, rows, n, k, residual, bias):
+def test_norm_then_linear(dtype, rows, n, k, fma, residual, bias):
     _seed("norm", dtype, rows, n, k, residual, bias)
     x = torch.randn(rows, k, device=DEVICE).to(dtype)
     res = torch.randn(rows, k, device=DEVICE).to(dtype) if residual else None
     norm_w = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype)
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
     b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
-    got = decode_linear(x, w, b, norm=(norm_w, 1e-6), residual=res, launch={"BLOCK_N": 32, "BLOCK_K": 64})
+    got = decode_linear(x, w, b, norm=(norm_w, 1e-6), residual=res, launch={"BLOCK_N": 32, "BLOCK_K": 64, "FMA": fma})
     if residual:
         normed, want_res = _torch_norm(x, norm_w, 1e-6, res)
         got, got_res = got
@@ -99,12 +100,12 @@ def test_the_normed_rows_come_back_too(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n,k", [(1, 64, 200), (8, 48, 128)])
-def test_silu_and_mul_then_linear(dtype, rows, n, k):
+@pytest.mark.parametrize("rows,n,k,fma", [(1, 64, 200, False), (1, 64, 200, True), (8, 48, 128, False)])
+def test_silu_and_mul_then_linear(dtype, rows, n, k, fma):
     _seed("silu", dtype, rows, n, k)
     x = (2 * torch.randn(rows, 2 * k, device=DEVICE)).to(dtype)
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
-    got = decode_linear(x, w, silu_mul=True, launch={"BLOCK_N": 16, "BLOCK_K": 64})
+    got = decode_linear(x, w, silu_mul=True, launch={"BLOCK_N": 16, "BLOCK_K": 64, "FMA": fma})
     want = F.linear(_torch_silu_mul(x).float(), w.float()).to(dtype)
     assert_close(got, want, dtype)
 

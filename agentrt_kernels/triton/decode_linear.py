@@ -12,7 +12,8 @@
 The operand each output column reads is what the unfused ops would hand ``F.linear``, rounded where they
 round: ``rms_norm`` (engine.models.layers.RMSNorm: the sum rounded to x's dtype, normalised in fp32, rounded,
 times the weight, rounded) or ``silu_and_mul`` (silu in fp32 rounded, times up, rounded). The product
-accumulates in fp32 (``tl.dot`` over rows padded to 16), the bias is added to the fp32 sum, rounded once.
+accumulates in fp32 (``tl.dot`` over rows padded to 16, or for one row multiply-adds in registers: launch
+``FMA``), the bias is added to the fp32 sum, rounded once.
 
 Design: decode steps are memory-bound on the weights, so each program streams a BLOCK_N x K slice of the
 weight once (BLOCK_K columns at a time, pipelined) against the few rows of x, which every program reads
@@ -30,7 +31,7 @@ import triton.language as tl
 from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args
 
 MAX_ROWS = 16
-DEFAULT_LAUNCH = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3}
+DEFAULT_LAUNCH = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False}
 
 
 @triton.jit
@@ -64,7 +65,7 @@ def _decode_linear_kernel(
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
     STORE_OPERAND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr,
 ):
     pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
@@ -98,7 +99,9 @@ def _decode_linear_kernel(
                 tl.store(no_ptr + offs_m[:, None].to(tl.int64) * stride_no + offs_k[None, :], a,
                          mask=m_mask[:, None] & (offs_k < K)[None, :])
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        if UPCAST:  # the interpreter's bf16 dot is wrong: multiply the (exact) fp32 copies
+        if FMA:  # one row: multiply-adds in registers, the weight tile never staged for a dot
+            acc += tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        elif UPCAST:  # the interpreter's bf16 dot is wrong: multiply the (exact) fp32 copies
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
@@ -119,7 +122,8 @@ def decode_linear(
     return_normed: bool = False,
     launch: dict | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
-    """See the module docstring. ``launch``: BLOCK_N / BLOCK_K / num_warps / num_stages (DEFAULT_LAUNCH)."""
+    """See the module docstring. ``launch``: BLOCK_N / BLOCK_K / num_warps / num_stages, and FMA (one row:
+    multiply-adds in registers instead of a ``tl.dot`` over 16 padded rows) (DEFAULT_LAUNCH)."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
     rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
@@ -152,6 +156,7 @@ def decode_linear(
     if rows == 0:
         return result
     cfg = {**DEFAULT_LAUNCH, **(launch or {})}
+    fma = bool(cfg["FMA"]) and rows == 1
     upcast, precision = dot_args(_decode_linear_kernel, x.dtype)
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else x
@@ -163,7 +168,8 @@ def decode_linear(
         norm[1] if norm is not None else 0.0,
         NORM=norm is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
         STORE_OPERAND=return_normed,
-        BLOCK_M=MAX_ROWS, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], UPCAST=upcast, PRECISION=precision,
+        BLOCK_M=1 if fma else MAX_ROWS, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], UPCAST=upcast,
+        PRECISION=precision, FMA=fma,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return result
