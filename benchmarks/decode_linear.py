@@ -44,9 +44,9 @@ SHAPES = {  # name: (N, K, prologue)
     "lm_head+norm": (128256, 4096, "norm"),  # the final norm into the LM head (not wired in the engine)
 }
 TINY_SHAPES = {"qkv+norm": (96, 256, "norm"), "down+silu": (64, 128, "silu"), "o_proj": (64, 128, None)}
-SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256], "num_warps": [4, 8], "num_stages": [3, 4], "FMA": [False]}
+SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256], "num_warps": [4], "num_stages": [3, 4], "FMA": [False]}
 TINY_SPACE = {"BLOCK_N": [16, 32], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [False]}
-FMA_SPACE = {"BLOCK_N": [4, 8, 16], "BLOCK_K": [256, 512], "num_warps": [4, 8], "num_stages": [3, 4], "FMA": [True]}
+FMA_SPACE = {"BLOCK_N": [4, 8, 16], "BLOCK_K": [256, 512], "num_warps": [4], "num_stages": [3], "FMA": [True]}
 TINY_FMA_SPACE = {"BLOCK_N": [8], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [True]}
 
 

@@ -115,7 +115,7 @@ for step in "$@"; do
         run dense8hf 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --hf --json "$OUT/dense8hf.json" ;;
     fusedlinears)  # the fused decode linears beside norm / SiLU + cuBLAS, then the engine with them at 4K
-        run decodelinear 300 python -m benchmarks.decode_linear --json "$OUT/decodelinear.json"
+        run decodelinear 360 python -m benchmarks.decode_linear --json "$OUT/decodelinear.json"
         run fusedlinears 240 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --fused-decode-linears \
             --json "$OUT/fusedlinears.json" ;;
