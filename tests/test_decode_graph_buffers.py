@@ -129,3 +129,9 @@ def test_windows_of_decode_steps_replay_the_static_buffers(tiny_dirs, monkeypatc
     _, single_replays, _ = _run(tiny_dirs["qwen3"], method, cfg, fake_graphs=True, storage=storage)
     assert got == ref
     assert len(replays) == len(single_replays) and 4 in replays  # one replay per decode step either way
+    if overlap:  # single steps, each launched (a window of one) before the last is read
+        windows.clear()
+        got_single, replays_single, _ = _run(tiny_dirs["qwen3"], method, cfg, fake_graphs=True, storage=storage,
+                                             overlap=True)
+        assert got_single == ref and len(replays_single) == len(single_replays)
+        assert windows and set(windows) == {1}
