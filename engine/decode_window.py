@@ -2,9 +2,9 @@
 
 ``LLMEngine`` runs ``decode_steps`` decode steps back to back (one window) and reads their tokens once. With
 ``EngineConfig.overlap_decode`` (a window may then be a single step) it launches the next window of the same
-requests, from the device-side tokens of the current one, before it reads the current one's tokens: the host's work between windows
-(accepting tokens, detokenizing, the next schedule) then runs while the device computes instead of between
-its kernels. What the host learns from a window (a stop token, a stop string) reaches the next window one
+requests, from the device-side tokens of the current one, before it reads the current one's tokens: the
+host's work between windows (accepting tokens, detokenizing, the next launch) then runs while the device
+computes instead of between its kernels. What the host learns from a window (a stop token, a stop string) reaches the next window one
 window late: a request that stops in window N has window N + 1 computed for it and dropped. Its KV writes
 land past the request's accepted length, where nothing reads them and later writes of that slot (in stream
 order, after them) replace them, as the tail of a window after a mid-window stop already does.

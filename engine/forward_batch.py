@@ -151,21 +151,26 @@ def build_forward_batch(plan: StepPlan, cache: CacheManager, device: torch.devic
     return batch
 
 
-def next_decode_step(batch: ForwardBatch, tokens: torch.Tensor) -> ForwardBatch:
+def next_decode_step(batch: ForwardBatch, tokens: torch.Tensor, block_tables: torch.Tensor | None = None
+                     ) -> ForwardBatch:
     """The decode step after ``batch`` (every row one decoding request), built on the device from the tokens
     ``batch`` sampled (``tokens`` [B] int64): each request's next token at the next logical position, written
-    to its next physical slot in every layer through its page table (whose pages must already cover it). No
-    host sync; the host-side lengths advance by one. Per-layer views (layers of different lengths, a codec's
-    layers) advance each; under a codec with windows the codes' lengths follow ``quant_len`` (and the cache
-    plans the step's window writes: ``CacheManager.plan_decode_writes``)."""
+    to its next physical slot in every layer through its page table (whose pages must already cover it;
+    ``block_tables``: the requests' tables when pages were added after ``batch``, each row starting with the
+    pages it had). No host sync; the host-side lengths advance by one. Per-layer views (layers of different
+    lengths, a codec's layers) advance each; under a codec with windows the codes' lengths follow ``quant_len``
+    (and the cache plans the step's window writes: ``CacheManager.plan_decode_writes``)."""
     rows = torch.arange(tokens.shape[0], device=tokens.device)
 
     def next_slots(view: PagedView) -> torch.Tensor:
         nxt = view.kv_lens.long()  # physical index of the next slot (== its logical position unless compacted)
-        return view.block_tables[rows, nxt // view.page_size].long() * view.page_size + nxt % view.page_size
+        tables = view.block_tables if block_tables is None else block_tables
+        return tables[rows, nxt // view.page_size].long() * view.page_size + nxt % view.page_size
 
     def advance(view: PagedView) -> PagedView:
         fields = {"kv_lens": view.kv_lens + 1, "kv_lens_cpu": [n + 1 for n in view.kv_lens_cpu]}
+        if block_tables is not None:
+            fields["block_tables"] = block_tables
         if isinstance(view, QuantizedPagesView):
             if view.window_k is None:  # every slot from codes
                 fields.update(quant_lens=fields["kv_lens"], quant_lens_cpu=fields["kv_lens_cpu"])
@@ -183,11 +188,3 @@ def next_decode_step(batch: ForwardBatch, tokens: torch.Tensor) -> ForwardBatch:
     return dataclasses.replace(batch, input_ids=tokens, positions=batch.positions + 1, slot_mapping=slot_mapping,
                                view=view, layer_views=layer_views, scratch={})
 
-
-def with_block_tables(batch: ForwardBatch, block_tables: torch.Tensor) -> ForwardBatch:
-    """``batch`` reading through ``block_tables`` (every layer's view): the same requests' page tables after
-    pages were added for later steps (each row starts with the pages it had)."""
-    layer_views = None if batch.layer_views is None else [dataclasses.replace(v, block_tables=block_tables)
-                                                          for v in batch.layer_views]
-    view = layer_views[0] if layer_views is not None else dataclasses.replace(batch.view, block_tables=block_tables)
-    return dataclasses.replace(batch, view=view, layer_views=layer_views)

@@ -26,7 +26,7 @@ from engine.contract.method import UNBOUNDED_WINDOW, SparseMethod
 from engine.decode_window import DecodeWindow, launch_copies
 from engine.detokenizer import IncrementalDetokenizer, decoder_for
 from engine.errors import CheckpointError, ConfigError, InvalidRequestError, InvalidSamplingParamsError, OutOfPagesError
-from engine.forward_batch import next_decode_step, with_block_tables
+from engine.forward_batch import next_decode_step
 from engine.loader import load_model
 from engine.method_set import MethodSet
 from engine.model_runner import ModelRunner
@@ -71,6 +71,12 @@ def _prefill_tokens(plan) -> int:
     """Prompt tokens among the plan's scheduled tokens (before ``Scheduler.update`` advances the counts)."""
     return sum(max(0, min(req.num_computed_tokens + n, req.num_prompt_tokens) - req.num_computed_tokens)
                for req, n in zip(plan.requests, plan.num_new_tokens))
+
+
+def _steps_left(req: Request, launched: int) -> int:
+    """Decode steps ``req`` may still take after the ``launched`` ones whose tokens the host has not read: its
+    ``max_tokens`` and ``max_model_len`` both bound them."""
+    return min(req.params.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens) - launched
 
 
 def load_tokenizer(model_dir: str | Path):
@@ -382,7 +388,7 @@ class LLMEngine:
             window = req.method.max_decode_window(req)
             if window < 2:
                 return 0  # its hooks act on the next step
-            k = min(k, req.params.max_tokens - req.num_output_tokens, req.max_model_len - req.num_tokens, window)
+            k = min(k, _steps_left(req, 0), window)
         if k < (1 if self._overlap_decode else 2) or not all(self.cache.allocate(req, k) for req in plan.requests):
             return 0  # pages some requests took ahead stay theirs: later steps use them
         return k
@@ -407,8 +413,7 @@ class LLMEngine:
         for req in reqs:
             if req.method.max_decode_window(req) < UNBOUNDED_WINDOW:
                 return 0
-            k = min(k, req.params.max_tokens - req.num_output_tokens - done,
-                    req.max_model_len - req.num_tokens - done)
+            k = min(k, _steps_left(req, done))
         if k < 1 or not all(self.cache.allocate(req, done + k) for req in reqs):
             return 0
         return k
@@ -419,8 +424,7 @@ class LLMEngine:
         k = self._next_window_size(window)
         t1 = t2 = time.perf_counter()
         if k:
-            batch = with_block_tables(window.last_batch, self.cache.block_tables(window.requests))
-            batch = next_decode_step(batch, window.last_tokens)
+            batch = next_decode_step(window.last_batch, window.last_tokens, self.cache.block_tables(window.requests))
             t2 = time.perf_counter()
             self._window = self._launch_window(batch, k, ahead=window.k)
         try:
