@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if "speedup_vs_hf" in r:
             extra += f"  HF {r['hf_decode_tok_s']:.1f} tok/s ({r['speedup_vs_hf']:.1f}x)"
         extra += f"  graphs {r['graph_replayed_steps']}/{r['timed_decode_steps']} steps"
-        print(f"{r['batch']:>5} {r['context']:>7} {str(r['overlap_decode']):>7} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} "
+        print(f"{r['batch']:>5} {r['context']:>7} {str(r['overlap_decode']):>7} {r['prefill_tok_s']:>14.1f} "
+              f"{r['decode_tok_s']:>13.1f} "
               f"{r['decode_step_ms']:>8.2f} {sp if sp is None else round(sp, 3):>14}{extra}")
     return results
 
