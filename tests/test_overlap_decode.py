@@ -51,7 +51,7 @@ def overlapped(model_dir, k=4, **options):
     return LLMEngine(EngineConfig(model_dir, decode_steps=k, overlap_decode=True, **COMMON, **options))
 
 
-def test_overlapped_windows_are_counted_exactly(tiny_dirs):
+def test_overlapped_windows_are_counted_exactly(tiny_dirs, monkeypatch):
     """The step that launches the first window returns nothing and times nothing; each later step launches
     the next window, then returns the previous one's tokens (StepTiming.overlapped); the last window has no
     successor (the lengths are known), so no window is computed past max_tokens."""
@@ -64,15 +64,12 @@ def test_overlapped_windows_are_counted_exactly(tiny_dirs):
         calls.append((k, ahead))
         return inner(self, batch, k, ahead)
 
-    ModelRunner.execute_decode_steps = counting
-    try:
-        while engine.has_unfinished():
-            outs = engine.step()
-            t = engine.last_step
-            seen.append((len(outs[0].new_token_ids) if outs else 0,
-                         None if t is None else (t.kind, t.decode_steps, t.overlapped)))
-    finally:
-        ModelRunner.execute_decode_steps = inner
+    monkeypatch.setattr(ModelRunner, "execute_decode_steps", counting)
+    while engine.has_unfinished():
+        outs = engine.step()
+        t = engine.last_step
+        seen.append((len(outs[0].new_token_ids) if outs else 0,
+                     None if t is None else (t.kind, t.decode_steps, t.overlapped)))
     # the prompt (one step, the first token), then 13 tokens: windows of 4, 4, 4 and 1
     assert seen == [(1, ("prefill", 1, False)), (0, None), (4, ("decode-eager", 4, True)),
                     (4, ("decode-eager", 4, True)), (4, ("decode-eager", 4, True)), (1, ("decode-eager", 1, False))]
