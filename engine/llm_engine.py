@@ -318,11 +318,16 @@ class LLMEngine:
 
     @overlap_decode.setter
     def overlap_decode(self, on: bool) -> None:
-        if self._window is not None:
+        if self._window_in_flight():
             raise ConfigError("overlap_decode cannot change while a decode window is in flight")
         if on and self.tp.world_size > 1:
             raise ConfigError("overlap_decode needs tensor_parallel_size 1")
         self._overlap_decode = bool(on)
+
+    def _window_in_flight(self) -> bool:
+        if self._window is not None and all(r.is_finished for r in self._window.requests):
+            self._window = None  # every request it ran for was aborted since: nothing to take from it
+        return self._window is not None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -333,9 +338,7 @@ class LLMEngine:
         """Run one step (or one window of decode steps) and return what each request took in it. With
         ``overlap_decode`` a window is launched and its tokens returned by the next ``step`` (which first
         launches the window after it, when the same requests can go on decoding): see engine.decode_window."""
-        if self._window is not None and all(r.is_finished for r in self._window.requests):
-            self._window = None  # every request it ran for was aborted since: nothing to take from it
-        if self._window is not None:
+        if self._window_in_flight():
             return self._take_window_launching_the_next()
         t0 = time.perf_counter()
         self.last_step = None

@@ -36,7 +36,7 @@ def prompts(vocab: int) -> list[list[int]]:
     return out
 
 
-def run(model_dir, backend: str, dtype: str, eager: bool = True):
+def run(model_dir, backend: str, dtype: str, eager: bool = True, forced_routes: list | None = None):
     from engine import LLM, SamplingParams
 
     llm = LLM(model_dir, device="cuda", dtype=dtype, attention_backend=backend, max_num_batched_tokens=64,
@@ -52,7 +52,7 @@ def run(model_dir, backend: str, dtype: str, eager: bool = True):
         return sample(logits, *args)
 
     llm.engine.runner.sampler.sample = recording
-    record_routes(llm.engine.model, pending)
+    record_routes(llm.engine.model, pending, forced_routes)
     ps = prompts(llm.engine.model_config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     llm.generate(ps[:1], params)  # warm the prefix cache
@@ -60,14 +60,24 @@ def run(model_dir, backend: str, dtype: str, eager: bool = True):
     return [o.token_ids for o in outs], (logits_log, routes), [o.num_cached_tokens for o in outs]
 
 
-def record_routes(model, out: list) -> None:
-    """Append each MoE layer's chosen experts (sorted per token) to ``out`` at every forward (eager steps)."""
+def record_routes(model, out: list, forced: list | None = None) -> None:
+    """Append each MoE layer's chosen experts (sorted per token) to ``out`` at every forward (eager steps).
+    ``forced``: another run's routes in the order they were recorded, taken instead of this run's own (the
+    weights are still this run's router probabilities at those experts)."""
     from engine.models.moe import SparseMoeBlock
 
+    forced = None if forced is None else list(forced)
     for m in model.modules():
         if isinstance(m, SparseMoeBlock):
-            def route(x, _route=m.route):
-                ids, weights = _route(x)
+            def route(x, router_logits=None, _route=m.route, _block=m):
+                ids, weights = _route(x, router_logits)
+                if forced:
+                    ids = forced.pop(0).to(ids.device)
+                    logits = _block.gate(x) if router_logits is None else router_logits
+                    probs = torch.softmax(logits.float(), dim=-1).gather(1, ids)
+                    if _block.norm_topk_prob:
+                        probs = probs / probs.sum(dim=-1, keepdim=True)
+                    weights = probs.to(logits.dtype)
                 out.append(ids.sort(dim=-1).values.cpu())
                 return ids, weights
             m.route = route
@@ -92,22 +102,26 @@ def test_fp32_greedy_tokens_match_torch_backend(arch, backend, tiny_dirs):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("backend", backends())
 def test_bf16_logits_match_torch_backend(arch, backend, tiny_dirs_hf_init):
-    """Every step's logits agree until the runs take different discrete decisions: a differing greedy token, or
-    (MoE) a token routed to different experts -- a bf16 rounding can flip a near-tied router top-k, after which
-    the two runs compute different functions (MoE runs eager, so every step's routes are recorded)."""
+    """Every step's logits agree until the runs take a different discrete decision (a greedy token). MoE: a bf16
+    rounding can flip a near-tied router top-k (HF-init routers are nearly uniform), after which the two runs
+    would compute different functions, so the run under test takes the reference's experts (MoE runs eager, so
+    every forward's routes are recorded and replayed)."""
     ref_tokens, (ref_logits, ref_routes), _ = run(tiny_dirs_hf_init[arch], "torch", "bfloat16")
     eager = backend == "flashinfer" or arch == "qwen3_moe"  # graph replays run no Python: no routes recorded
-    tokens, (logits, routes), _ = run(tiny_dirs_hf_init[arch], backend, "bfloat16", eager=eager)
-    compared = 0
+    forced = [r for step in ref_routes for r in step]
+    tokens, (logits, routes), _ = run(tiny_dirs_hf_init[arch], backend, "bfloat16", eager=eager, forced_routes=forced)
+    compared, stop = 0, "ran out of steps"
     for a, b, ra, rb in zip(ref_logits, logits, ref_routes, routes):
         if a.shape != b.shape or len(ra) != len(rb) or not all(torch.equal(x, y) for x, y in zip(ra, rb)):
+            stop = f"step {compared}: logits {tuple(a.shape)} vs {tuple(b.shape)}, other routes"
             break
         err = ((a - b).norm() / a.norm()).item()
         assert err <= 1e-2, f"step {compared}: relative error {err:.2e}"
         compared += 1
         if not torch.equal(a.argmax(-1), b.argmax(-1)):
+            stop = f"step {compared - 1}: a greedy token differs"
             break
-    assert compared >= 2
+    assert compared >= 2, f"{stop} ({len(ref_logits)} vs {len(logits)} steps recorded)"
 
 
 def test_auto_takes_flashinfers_prefill_when_installed(tiny_dirs):
