@@ -11,8 +11,8 @@ add, gate_up (28672 x 4096) after the post-attention norm, down (4096 x 14336) a
 final norm (a fusion the engine does not make yet: is it worth making). Each path is replayed from a CUDA graph
 (``triton.testing.do_bench_cudagraph``, as decode steps run) over four copies of the weights taken in turn,
 so no copy stays in the 50 MB L2 between calls. The fused path runs its default launch and a grid of
-launches (for one row also multiply-adds in registers, ``FMA``); each output is checked against the two-launch
-path. The table gives each path's time, its weight
+launches (tile sizes, warps, K split over programs; for one row also multiply-adds in registers, ``FMA``); each
+output is checked against the two-launch path, and cuBLAS alone (the GEMV without its prologue) is timed too. The table gives each path's time, its weight
 bytes over the copy rate (the roofline fraction), and the saving per decode step (over Llama-3.1-8B's 32
 layers; the LM head once).
 """
@@ -44,10 +44,19 @@ SHAPES = {  # name: (N, K, prologue)
     "lm_head+norm": (128256, 4096, "norm"),  # the final norm into the LM head (not wired in the engine)
 }
 TINY_SHAPES = {"qkv+norm": (96, 256, "norm"), "down+silu": (64, 128, "silu"), "o_proj": (64, 128, None)}
-SPACE = {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256], "num_warps": [4], "num_stages": [3, 4], "FMA": [False]}
-TINY_SPACE = {"BLOCK_N": [16, 32], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [False]}
-FMA_SPACE = {"BLOCK_N": [4, 8, 16], "BLOCK_K": [256, 512], "num_warps": [4], "num_stages": [3], "FMA": [True]}
-TINY_FMA_SPACE = {"BLOCK_N": [8], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [True]}
+SPACE = [  # tl.dot over rows padded to 16 (any rows)
+    {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256], "num_warps": [4], "num_stages": [3], "FMA": [False],
+     "SPLIT_K": [1, 2, 4]},
+    {"BLOCK_N": [64], "BLOCK_K": [128, 256], "num_warps": [8], "num_stages": [3], "FMA": [False], "SPLIT_K": [1, 2, 4]},
+]
+FMA_SPACE = [  # one row: products in registers
+    {"BLOCK_N": [8, 16, 32], "BLOCK_K": [256, 512], "num_warps": [4, 8], "num_stages": [3], "FMA": [True],
+     "SPLIT_K": [1, 4]},
+]
+TINY_SPACE = [{"BLOCK_N": [16, 32], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [False],
+               "SPLIT_K": [1, 2]}]
+TINY_FMA_SPACE = [{"BLOCK_N": [8], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [True],
+                   "SPLIT_K": [1, 2]}]
 
 
 def case(name: str, n: int, k: int, prologue: str | None, rows: int, device, dtype, time_fn, space: list) -> dict:
@@ -75,9 +84,10 @@ def case(name: str, n: int, k: int, prologue: str | None, rows: int, device, dty
         turn = itertools.cycle(weights)
         return lambda: fn(next(turn))
 
+    operand = x[:, :k].contiguous()  # cuBLAS alone: the GEMV the unfused path runs after its prologue
     want = unfused(weights[0])
     row = {"case": name, "rows": rows, "N": n, "K": k, "weight_bytes": n * k * dtype.itemsize,
-           "unfused_s": time_fn(cycling(unfused))}
+           "unfused_s": time_fn(cycling(unfused)), "cublas_s": time_fn(cycling(lambda w: F.linear(operand, w)))}
     launches = []
     for launch in [DEFAULT_LAUNCH] + [c for c in space if c != DEFAULT_LAUNCH]:
         try:
@@ -111,26 +121,28 @@ def main() -> None:
         copy_bw = copy_bandwidth(device)
     shapes, space = (TINY_SHAPES, (TINY_SPACE, TINY_FMA_SPACE)) if args.tiny else (SHAPES, (SPACE, FMA_SPACE))
     rows_out = []
-    for rows in (int(r) for r in args.rows.split(",")):
-        for name, (n, k, prologue) in shapes.items():
-            launches = grid(space[0]) + (grid(space[1]) if rows == 1 else [])  # FMA: one row only
+    for name, (n, k, prologue) in shapes.items():  # each shape's rows together: a cut run keeps whole shapes
+        for rows in (int(r) for r in args.rows.split(",")):
+            launches = [c for part in space[0] + (space[1] if rows == 1 else []) for c in grid(part)]  # FMA: 1 row
             row = case(name, n, k, prologue, rows, device, dtype, timer(not on_gpu), launches)
             row["copy_bw"] = copy_bw
             if copy_bw:
-                for path in ("unfused", "default", "best"):
+                for path in ("unfused", "cublas", "default", "best"):
                     if row[f"{path}_s"]:
                         row[f"{path}_roofline"] = row["weight_bytes"] / copy_bw / row[f"{path}_s"]
             print(json.dumps({k: v for k, v in row.items() if k != "launches"}), flush=True)
             rows_out.append(row)
             save_rows(args.json, rows_out)
-    print(f"\n{'case':>13} {'M':>3} {'unfused us':>11} {'fused us':>9} {'best us':>8} {'best launch':>22} "
-          f"{'roofline u/f':>13} {'saved us/step':>13}")
+    print(f"\n{'case':>13} {'M':>3} {'unfused us':>11} {'cuBLAS us':>10} {'fused us':>9} {'best us':>8} "
+          f"{'best launch':>26} {'roofline u/c/f':>15} {'saved us/step':>13}")
     for r in rows_out:
         best, unf = 1e6 * r["best_s"], 1e6 * r["unfused_s"]
         default = "-" if r["default_s"] is None else f"{1e6 * r['default_s']:.1f}"
         launch = "/".join(str(v) for v in r["best_launch"].values())
-        roof = (f"{r['unfused_roofline']:.2f}/{r['best_roofline']:.2f}" if r.get("unfused_roofline") else "-")
-        print(f"{r['case']:>13} {r['rows']:>3} {unf:>11.1f} {default:>9} {best:>8.1f} {launch:>22} {roof:>13} "
+        roof = (f"{r['unfused_roofline']:.2f}/{r['cublas_roofline']:.2f}/{r['best_roofline']:.2f}"
+                if r.get("unfused_roofline") else "-")
+        print(f"{r['case']:>13} {r['rows']:>3} {unf:>11.1f} {1e6 * r['cublas_s']:>10.1f} {default:>9} {best:>8.1f} "
+              f"{launch:>26} {roof:>15} "
               f"{(1 if r['case'].startswith('lm_head') else LAYERS) * (unf - best):>13.1f}")
 
 

@@ -110,11 +110,14 @@ for step in "$@"; do
         # transformers in the same run
         run dense8hf 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --hf --json "$OUT/dense8hf.json" ;;
-    fusedlinears)  # the fused decode linears beside norm / SiLU + cuBLAS, then the engine with them at 4K
-        run decodelinear 360 python -m benchmarks.decode_linear --json "$OUT/decodelinear.json"
-        run fusedlinears 240 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
-            --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --fused-decode-linears \
-            --json "$OUT/fusedlinears.json" ;;
+    fusedlinears)  # the fused decode linears over launches beside norm / SiLU + cuBLAS, then the engine at 4K
+        # without and with them (each projection at its best launch from the sweep), one process
+        run decodelinear 440 python -m benchmarks.decode_linear --json "$OUT/decodelinear.json"
+        run fusedlinears 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
+            --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both \
+            --decode-linear-launches "$OUT/decodelinear.json" --json "$OUT/fusedlinears.json" ;;
+    decodelinear)  # the launch sweep alone
+        run decodelinear 440 python -m benchmarks.decode_linear --json "$OUT/decodelinear.json" ;;
     overlap)  # overlapped decode windows vs not, in one engine each: MoE bs8 / bs32 and dense bs4 @ 32K
         run overlapmoe 240 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --json "$OUT/overlapmoe.json"

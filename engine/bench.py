@@ -9,6 +9,7 @@ downloaded. Prints one JSON object per run and a table.
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import random
@@ -162,6 +163,41 @@ def hf_decode(model_dir: Path, batch: int, context: int, decode_tokens: int, dev
     return {"hf_decode_tok_s": batch * (decode_tokens - 1) / (tn - t1)}
 
 
+def run_cases(engine: LLMEngine, cases: list[tuple[int, int]], args: argparse.Namespace, fused: bool) -> list[dict]:
+    """Every case in every overlap mode on one engine, each a JSON line; the engine is closed after."""
+    modes = [True, False] if args.overlap_decode == "both" else [engine.overlap_decode]
+    on_gpu = engine.device.type == "cuda"
+    if on_gpu:
+        from engine.roofline import copy_bandwidth, matmul_rate
+
+        copy_bw, matmul = copy_bandwidth(engine.device), matmul_rate(engine.device)
+    for ctx in sorted({c for _, c in cases}):  # compile kernels for these shapes before timing
+        run_one(engine, 1, ctx, 4, args.seed)
+    results = []
+    for (b, ctx), overlap in itertools.product(cases, modes):
+        engine.overlap_decode = overlap
+        r = run_one(engine, b, ctx, args.decode_tokens, args.seed)
+        r.update(shape=args.model or args.shape, device=str(engine.device), dtype=str(engine.cache.spec.dtype),
+                 backend=engine.backend.name, cuda_graphs=engine.runner.graphs is not None,
+                 decode_steps=args.decode_steps, overlap_decode=overlap, fused_decode_linears=fused)
+        if on_gpu:
+            if engine.model_config.num_experts:
+                from engine.roofline import measure_routed_experts
+
+                # the timed run's prompts (run_one's seed and order) over as many decode passes: greedy
+                # decoding repeats its tokens, so this counts the experts the timed steps routed to
+                rng = random.Random(args.seed)
+                vocab = engine.model_config.vocab_size
+                r["routed_experts_per_layer"] = measure_routed_experts(
+                    engine, [[rng.randrange(vocab) for _ in range(ctx)] for _ in range(b)],
+                    steps=args.decode_tokens - 1)
+            add_roofline(r, engine, copy_bw, matmul)
+        print(json.dumps(r), flush=True)
+        results.append(r)
+    engine.close()
+    return results
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny")
@@ -180,8 +216,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--overlap-decode", choices=("auto", "on", "off", "both"), default="auto",
                     help="EngineConfig.overlap_decode (auto: on a GPU); both: each case "
                          "twice in the same engine, overlapped then not")
-    ap.add_argument("--fused-decode-linears", action="store_true",
-                    help="EngineConfig.fused_decode_linears: norms and SiLU-and-mul inside the decode projections")
+    ap.add_argument("--fused-decode-linears", nargs="?", const="on", default="off", choices=("on", "off", "both"),
+                    help="EngineConfig.fused_decode_linears: norms and SiLU-and-mul inside the decode projections; "
+                         "both: every case without them, then in a second engine with them")
+    ap.add_argument("--decode-linear-launches",
+                    help="the fused decode linears' launches from this benchmarks.decode_linear --json file")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate (GPU) in the same run")
     ap.add_argument("--cases", help="batch@context pairs, e.g. 1@4096,8@4096,4@32768 (overrides --batch/--context)")
     ap.add_argument("--json", help="write the results here too")
@@ -191,53 +230,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
     else:
         cases = [(int(b), args.context) for b in args.batch.split(",")]
     batches = [b for b, _ in cases]
+    if args.decode_linear_launches:
+        from agentrt_kernels.triton.decode_linear import load_tuned_launches
+
+        load_tuned_launches(json.loads(Path(args.decode_linear_launches).read_text()))
+    fused_modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused_decode_linears]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or write_shape_dir(args.shape, Path(tmp))
         tokens_per_req = max(c for _, c in cases) + args.decode_tokens
-        config = EngineConfig(
-            model=model_dir, dtype=args.dtype, device=args.device, load_format="safetensors" if args.model else "dummy",
-            max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max(tokens_per_req + 1, 64), enable_prefix_caching=False,
-            num_pages=max(b * (-(-(c + args.decode_tokens) // 16) + 1) for b, c in cases),
-            attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
-            decode_steps=args.decode_steps,
-            overlap_decode={"auto": None, "off": False}.get(args.overlap_decode, True),
-            fused_decode_linears=args.fused_decode_linears,
-        )
-        engine = LLMEngine(config)
-        modes = [True, False] if args.overlap_decode == "both" else [engine.overlap_decode]
-        on_gpu = engine.device.type == "cuda"
-        if on_gpu:
-            from engine.roofline import copy_bandwidth, matmul_rate
-
-            copy_bw, matmul = copy_bandwidth(engine.device), matmul_rate(engine.device)
-        for ctx in sorted({c for _, c in cases}):  # compile kernels for these shapes before timing
-            run_one(engine, 1, ctx, 4, args.seed)
         results = []
-        for (b, ctx), overlap in itertools.product(cases, modes):
-            engine.overlap_decode = overlap
-            r = run_one(engine, b, ctx, args.decode_tokens, args.seed)
-            r.update(shape=args.model or args.shape, device=str(engine.device), dtype=str(engine.cache.spec.dtype),
-                     backend=engine.backend.name, cuda_graphs=engine.runner.graphs is not None,
-                     decode_steps=args.decode_steps, overlap_decode=overlap,
-                     fused_decode_linears=args.fused_decode_linears)
-            if on_gpu:
-                if engine.model_config.num_experts:
-                    from engine.roofline import measure_routed_experts
-
-                    # the timed run's prompts (run_one's seed and order) over as many decode passes: greedy
-                    # decoding repeats its tokens, so this counts the experts the timed steps routed to
-                    rng = random.Random(args.seed)
-                    vocab = engine.model_config.vocab_size
-                    r["routed_experts_per_layer"] = measure_routed_experts(
-                        engine, [[rng.randrange(vocab) for _ in range(ctx)] for _ in range(b)],
-                        steps=args.decode_tokens - 1)
-                add_roofline(r, engine, copy_bw, matmul)
-            print(json.dumps(r), flush=True)
-            results.append(r)
+        for fused in fused_modes:
+            config = EngineConfig(
+                model=model_dir, dtype=args.dtype, device=args.device,
+                load_format="safetensors" if args.model else "dummy",
+                max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=max(tokens_per_req + 1, 64), enable_prefix_caching=False,
+                num_pages=max(b * (-(-(c + args.decode_tokens) // 16) + 1) for b, c in cases),
+                attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
+                decode_steps=args.decode_steps,
+                overlap_decode={"auto": None, "off": False}.get(args.overlap_decode, True),
+                fused_decode_linears=fused,
+            )
+            results += run_cases(LLMEngine(config), cases, args, fused)
+            gc.collect()  # the engine (its weights, pool and graphs) goes before the next one or HF loads
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        on_gpu = results[0]["device"].startswith("cuda")
         if args.hf and on_gpu:
-            del engine
-            torch.cuda.empty_cache()
             hf: dict[tuple[int, int], dict] = {}  # one HF run per case, whatever the overlap modes
             for r in results:
                 case = (r["batch"], r["context"])
@@ -248,7 +267,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(json.dumps(r), flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(results, indent=1))
-    print(f"\n{'batch':>5} {'context':>7} {'overlap':>7} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8} "
+    print(f"\n{'batch':>5} {'context':>7} {'overlap':>7} {'fused':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'step ms':>8} "
           f"{'sched+prep ms':>14}")
     for r in results:
         sp = r["sched_prep_ms_per_decode_step"]
@@ -261,7 +280,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if "speedup_vs_hf" in r:
             extra += f"  HF {r['hf_decode_tok_s']:.1f} tok/s ({r['speedup_vs_hf']:.1f}x)"
         extra += f"  graphs {r['graph_replayed_steps']}/{r['timed_decode_steps']} steps"
-        print(f"{r['batch']:>5} {r['context']:>7} {str(r['overlap_decode']):>7} {r['prefill_tok_s']:>14.1f} "
+        print(f"{r['batch']:>5} {r['context']:>7} {str(r['overlap_decode']):>7} {str(r['fused_decode_linears']):>5} "
+              f"{r['prefill_tok_s']:>14.1f} "
               f"{r['decode_tok_s']:>13.1f} "
               f"{r['decode_step_ms']:>8.2f} {sp if sp is None else round(sp, 3):>14}{extra}")
     return results

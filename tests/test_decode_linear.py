@@ -54,18 +54,19 @@ def _torch_silu_mul(x):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n,k,fma", [(1, 96, 160, False), (1, 96, 160, True), (5, 64, 384, False),
-                                          (16, 40, 256, False)])
+@pytest.mark.parametrize("rows,n,k,fma,split", [(1, 96, 160, False, 1), (1, 96, 160, True, 1), (5, 64, 384, False, 1),
+                                                (16, 40, 256, False, 1), (1, 96, 448, True, 3), (5, 64, 384, False, 4)])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_norm_then_linear(dtype, rows, n, k, fma, residual, bias):
+def test_norm_then_linear(dtype, rows, n, k, fma, split, residual, bias):
     _seed("norm", dtype, rows, n, k, residual, bias)
     x = torch.randn(rows, k, device=DEVICE).to(dtype)
     res = torch.randn(rows, k, device=DEVICE).to(dtype) if residual else None
     norm_w = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype)
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
     b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
-    got = decode_linear(x, w, b, norm=(norm_w, 1e-6), residual=res, launch={"BLOCK_N": 32, "BLOCK_K": 64, "FMA": fma})
+    got = decode_linear(x, w, b, norm=(norm_w, 1e-6), residual=res,
+                        launch={"BLOCK_N": 32, "BLOCK_K": 64, "FMA": fma, "SPLIT_K": split})
     if residual:
         normed, want_res = _torch_norm(x, norm_w, 1e-6, res)
         got, got_res = got
@@ -103,14 +104,53 @@ def test_the_normed_rows_come_back_too(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n,k,fma", [(1, 64, 200, False), (1, 64, 200, True), (8, 48, 128, False)])
-def test_silu_and_mul_then_linear(dtype, rows, n, k, fma):
+@pytest.mark.parametrize("rows,n,k,fma,split", [(1, 64, 200, False, 1), (1, 64, 200, True, 1), (8, 48, 128, False, 1),
+                                                (1, 64, 200, True, 2), (8, 48, 448, False, 7)])
+def test_silu_and_mul_then_linear(dtype, rows, n, k, fma, split):
     _seed("silu", dtype, rows, n, k)
     x = (2 * torch.randn(rows, 2 * k, device=DEVICE)).to(dtype)
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
-    got = decode_linear(x, w, silu_mul=True, launch={"BLOCK_N": 16, "BLOCK_K": 64, "FMA": fma})
+    got = decode_linear(x, w, silu_mul=True, launch={"BLOCK_N": 16, "BLOCK_K": 64, "FMA": fma, "SPLIT_K": split})
     want = F.linear(_torch_silu_mul(x).float(), w.float()).to(dtype)
     assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("fma", [False, True])
+def test_split_k_sums_in_split_order_and_leaves_the_counters_at_zero(fma):
+    """SPLIT_K > 1: the last split of a block to arrive adds every split's fp32 sum in split order, so the
+    result equals a sequential sum of the same partial products whoever arrives last; the per-block counters
+    are zero again after the launch (the next launch, or a graph replay, counts from zero)."""
+    from agentrt_kernels.triton import decode_linear as module
+
+    _seed("split", fma)
+    rows = 1 if fma else 3
+    n, k, block_k, split = 80, 320, 64, 5  # a split per K tile
+    x, w = torch.randn(rows, k, device=DEVICE), torch.randn(n, k, device=DEVICE) / 20
+    b = torch.randn(n, device=DEVICE)
+    got = decode_linear(x, w, b, launch={"BLOCK_N": 16, "BLOCK_K": block_k, "FMA": fma, "SPLIT_K": split})
+    partials = [F.linear(x[:, s * block_k:(s + 1) * block_k].double(), w[:, s * block_k:(s + 1) * block_k].double())
+                for s in range(split)]
+    torch.testing.assert_close(got.double(), sum(partials) + b.double(), rtol=1e-5, atol=1e-5)
+    assert not module._COUNTERS[x.device].any()
+    again = decode_linear(x, w, b, launch={"BLOCK_N": 16, "BLOCK_K": block_k, "FMA": fma, "SPLIT_K": split})
+    assert torch.equal(again, got)
+    single = decode_linear(x, w, b, launch={"BLOCK_N": 16, "BLOCK_K": block_k, "FMA": fma, "SPLIT_K": 1})
+    torch.testing.assert_close(got, single, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [1, 3])
+def test_normed_rows_and_residual_come_back_whole_when_k_is_split(split):
+    _seed("normed-split", split)
+    rows, n, k = 4, 40, 384
+    x, res = torch.randn(rows, k, device=DEVICE), torch.randn(rows, k, device=DEVICE)
+    norm_w = 1 + 0.1 * torch.randn(k, device=DEVICE)
+    w = torch.randn(n, k, device=DEVICE) / k**0.5
+    got, got_res, got_normed = decode_linear(x, w, norm=(norm_w, 1e-6), residual=res, return_normed=True,
+                                             launch={"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": split})
+    normed, want_res = _torch_norm(x, norm_w, 1e-6, res)
+    torch.testing.assert_close(got_normed, normed, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got_res, want_res)
+    torch.testing.assert_close(got, F.linear(normed, w), **TOL[torch.float32])
 
 
 def test_plain_linear_and_the_default_launch():
@@ -135,3 +175,21 @@ def test_bad_arguments_are_refused():
         decode_linear(x, w, norm=(torch.ones(7, device=DEVICE), 1e-6))
     with pytest.raises(ValueError, match="contiguous"):
         decode_linear(torch.randn(8, 2, device=DEVICE).t(), w)
+
+
+def test_tuned_launches_are_taken_by_shape_and_rows(monkeypatch):
+    """The sweep's rows become each shape's launch: the fewest measured rows >= the call's, else the most;
+    other shapes keep the default."""
+    from agentrt_kernels.triton import decode_linear as module
+
+    monkeypatch.setattr(module, "TUNED_LAUNCHES", {})
+    one = {"BLOCK_N": 8, "BLOCK_K": 64, "FMA": True, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2}
+    eight = {"BLOCK_N": 16, "BLOCK_K": 128, "FMA": False, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+    module.load_tuned_launches([{"N": 40, "K": 256, "rows": 1, "best_launch": one},
+                                {"N": 40, "K": 256, "rows": 8, "best_launch": eight}])
+    assert module.tuned_launch(40, 256, 1) == one
+    assert module.tuned_launch(40, 256, 5) == eight and module.tuned_launch(40, 256, 16) == eight
+    assert module.tuned_launch(40, 512, 1) == module.DEFAULT_LAUNCH
+    _seed("tuned")
+    x, w = torch.randn(1, 256, device=DEVICE), torch.randn(40, 256, device=DEVICE) / 16
+    torch.testing.assert_close(decode_linear(x, w), F.linear(x, w), **TOL[torch.float32])
