@@ -44,17 +44,20 @@ SHAPES = {  # name: (N, K, prologue)
     "lm_head+norm": (128256, 4096, "norm"),  # the final norm into the LM head (not wired in the engine)
 }
 TINY_SHAPES = {"qkv+norm": (96, 256, "norm"), "down+silu": (64, 128, "silu"), "o_proj": (64, 128, None)}
-SPACE = [  # tl.dot over rows padded to 16 (any rows)
-    {"BLOCK_N": [16, 32, 64], "BLOCK_K": [128, 256], "num_warps": [4], "num_stages": [3], "FMA": [False],
-     "SPLIT_K": [1, 2, 4]},
-    {"BLOCK_N": [64], "BLOCK_K": [128, 256], "num_warps": [8], "num_stages": [3], "FMA": [False], "SPLIT_K": [1, 2, 4]},
-]
-FMA_SPACE = [  # one row: products in registers
-    {"BLOCK_N": [8, 16, 32], "BLOCK_K": [256, 512], "num_warps": [4, 8], "num_stages": [3], "FMA": [True],
+SPACE = [  # tl.dot over rows padded to 16 (any rows); SWAP: the weight tile as the dot's left operand
+    {"BLOCK_N": [64, 128], "BLOCK_K": [128, 256], "num_warps": [4], "num_stages": [3, 4], "FMA": [False],
+     "SWAP": [True], "SPLIT_K": [1, 2]},
+    {"BLOCK_N": [128], "BLOCK_K": [128, 256], "num_warps": [8], "num_stages": [3], "FMA": [False], "SWAP": [True],
+     "SPLIT_K": [1, 2]},
+    {"BLOCK_N": [64], "BLOCK_K": [256], "num_warps": [4], "num_stages": [3], "FMA": [False], "SWAP": [False],
      "SPLIT_K": [1, 4]},
 ]
+FMA_SPACE = [  # one row: products in registers
+    {"BLOCK_N": [8, 16, 32], "BLOCK_K": [512, 1024], "num_warps": [4, 8], "num_stages": [3], "FMA": [True],
+     "SPLIT_K": [1, 2]},
+]
 TINY_SPACE = [{"BLOCK_N": [16, 32], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [False],
-               "SPLIT_K": [1, 2]}]
+               "SWAP": [False, True], "SPLIT_K": [1, 2]}]
 TINY_FMA_SPACE = [{"BLOCK_N": [8], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [True],
                    "SPLIT_K": [1, 2]}]
 
@@ -123,7 +126,8 @@ def main() -> None:
     rows_out = []
     for name, (n, k, prologue) in shapes.items():  # each shape's rows together: a cut run keeps whole shapes
         for rows in (int(r) for r in args.rows.split(",")):
-            launches = [c for part in space[0] + (space[1] if rows == 1 else []) for c in grid(part)]  # FMA: 1 row
+            # one row: the multiply-adds in registers (the dots measured slower there, session 12); more: the dots
+            launches = [c for part in (space[1] if rows == 1 else space[0]) for c in grid(part)]
             row = case(name, n, k, prologue, rows, device, dtype, timer(not on_gpu), launches)
             row["copy_bw"] = copy_bw
             if copy_bw:

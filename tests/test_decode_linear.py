@@ -54,11 +54,13 @@ def _torch_silu_mul(x):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n,k,fma,split", [(1, 96, 160, False, 1), (1, 96, 160, True, 1), (5, 64, 384, False, 1),
-                                                (16, 40, 256, False, 1), (1, 96, 448, True, 3), (5, 64, 384, False, 4)])
+@pytest.mark.parametrize("rows,n,k,fma,swap,split", [
+    (1, 96, 160, False, False, 1), (1, 96, 160, True, False, 1), (5, 64, 384, False, False, 1),
+    (16, 40, 256, False, True, 1), (5, 64, 384, False, True, 1), (1, 96, 448, True, False, 3),
+    (5, 64, 384, False, True, 4)])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_norm_then_linear(dtype, rows, n, k, fma, split, residual, bias):
+def test_norm_then_linear(dtype, rows, n, k, fma, swap, split, residual, bias):
     _seed("norm", dtype, rows, n, k, residual, bias)
     x = torch.randn(rows, k, device=DEVICE).to(dtype)
     res = torch.randn(rows, k, device=DEVICE).to(dtype) if residual else None
@@ -66,7 +68,7 @@ def test_norm_then_linear(dtype, rows, n, k, fma, split, residual, bias):
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
     b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
     got = decode_linear(x, w, b, norm=(norm_w, 1e-6), residual=res,
-                        launch={"BLOCK_N": 32, "BLOCK_K": 64, "FMA": fma, "SPLIT_K": split})
+                        launch={"BLOCK_N": 32, "BLOCK_K": 64, "FMA": fma, "SWAP": swap, "SPLIT_K": split})
     if residual:
         normed, want_res = _torch_norm(x, norm_w, 1e-6, res)
         got, got_res = got
@@ -104,13 +106,15 @@ def test_the_normed_rows_come_back_too(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n,k,fma,split", [(1, 64, 200, False, 1), (1, 64, 200, True, 1), (8, 48, 128, False, 1),
-                                                (1, 64, 200, True, 2), (8, 48, 448, False, 7)])
-def test_silu_and_mul_then_linear(dtype, rows, n, k, fma, split):
+@pytest.mark.parametrize("rows,n,k,fma,swap,split", [
+    (1, 64, 200, False, False, 1), (1, 64, 200, True, False, 1), (8, 48, 128, False, False, 1),
+    (8, 48, 128, False, True, 1), (1, 64, 200, True, False, 2), (8, 48, 448, False, True, 7)])
+def test_silu_and_mul_then_linear(dtype, rows, n, k, fma, swap, split):
     _seed("silu", dtype, rows, n, k)
     x = (2 * torch.randn(rows, 2 * k, device=DEVICE)).to(dtype)
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
-    got = decode_linear(x, w, silu_mul=True, launch={"BLOCK_N": 16, "BLOCK_K": 64, "FMA": fma, "SPLIT_K": split})
+    got = decode_linear(x, w, silu_mul=True,
+                        launch={"BLOCK_N": 16, "BLOCK_K": 64, "FMA": fma, "SWAP": swap, "SPLIT_K": split})
     want = F.linear(_torch_silu_mul(x).float(), w.float()).to(dtype)
     assert_close(got, want, dtype)
 
@@ -193,3 +197,32 @@ def test_tuned_launches_are_taken_by_shape_and_rows(monkeypatch):
     _seed("tuned")
     x, w = torch.randn(1, 256, device=DEVICE), torch.randn(40, 256, device=DEVICE) / 16
     torch.testing.assert_close(decode_linear(x, w), F.linear(x, w), **TOL[torch.float32])
+
+
+def test_a_shape_where_cublas_measured_faster_runs_unfused(monkeypatch):
+    """A sweep row whose prologue kernel + cuBLAS beat every fused launch becomes UNFUSED: the same outputs
+    (y, the new residual, the normed rows) from the prologue's own kernel and F.linear."""
+    from agentrt_kernels.triton import decode_linear as module
+
+    monkeypatch.setattr(module, "TUNED_LAUNCHES", {})
+    launch = {"BLOCK_N": 16, "BLOCK_K": 64, "FMA": False, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+    module.load_tuned_launches([{"N": 24, "K": 128, "rows": 4, "best_launch": launch, "best_s": 2.0, "unfused_s": 1.0},
+                                {"N": 24, "K": 64, "rows": 4, "best_launch": launch, "best_s": 1.0, "unfused_s": 2.0}])
+    assert module.tuned_launch(24, 128, 3) is module.UNFUSED and module.tuned_launch(24, 64, 3) == launch
+    calls = []
+    monkeypatch.setattr(module, "_decode_linear_kernel", None)  # the fused kernel must not run
+    real = module._unfused
+    monkeypatch.setattr(module, "_unfused", lambda *a: calls.append(1) or real(*a))
+    _seed("unfused")
+    x, res = torch.randn(3, 128, device=DEVICE), torch.randn(3, 128, device=DEVICE)
+    norm_w = 1 + 0.1 * torch.randn(128, device=DEVICE)
+    w, b = torch.randn(24, 128, device=DEVICE) / 11, torch.randn(24, device=DEVICE)
+    got, got_res, got_normed = decode_linear(x, w, b, norm=(norm_w, 1e-6), residual=res, return_normed=True)
+    normed, want_res = _torch_norm(x, norm_w, 1e-6, res)
+    torch.testing.assert_close(got_normed, normed, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got_res, want_res)
+    torch.testing.assert_close(got, F.linear(normed, w, b), **TOL[torch.float32])
+    gate_up = torch.randn(3, 256, device=DEVICE)
+    torch.testing.assert_close(decode_linear(gate_up, w, silu_mul=True), F.linear(_torch_silu_mul(gate_up), w),
+                               **TOL[torch.float32])
+    assert len(calls) == 2

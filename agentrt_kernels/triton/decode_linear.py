@@ -9,45 +9,75 @@
     returns   y [M, N] in x's dtype, or (y, x + residual) with ``residual``; ``return_normed`` (with
               ``norm``) adds the normed rows [M, K] (what else reads them: a MoE block's experts after its router)
 
-The operand each output column reads is what the unfused ops would hand ``F.linear``, rounded where they
-round: ``rms_norm`` (engine.models.layers.RMSNorm: the sum rounded to x's dtype, normalised in fp32, rounded,
-times the weight, rounded) or ``silu_and_mul`` (silu in fp32 rounded, times up, rounded). The product
-accumulates in fp32 (``tl.dot`` over rows padded to 16, or for one row multiply-adds in registers: launch
-``FMA``), the bias is added to the fp32 sum, rounded once.
+The operand is what the unfused ops would hand ``F.linear`` up to where 1 / rms is applied: ``silu_and_mul``
+exactly (silu in fp32 rounded, times up, rounded); ``rms_norm`` (engine.models.layers.RMSNorm: the sum rounded
+to x's dtype, normalised in fp32, rounded, times the weight, rounded) exactly when the normed rows are returned
+or K is split (two passes over x), else in one pass: the product runs over (x + residual) * weight, rounded,
+and its fp32 sums are scaled by 1 / rms at the end (the same function, one rounding in another place). The
+product accumulates in fp32; the bias is added to the fp32 sum, rounded once.
 
 Design: decode steps are memory-bound on the weights, so each program streams a BLOCK_N x (K / SPLIT_K) slice
-of the weight once (BLOCK_K columns at a time, pipelined) against the few rows of x, which every program reads
-(from L2: M x K elements). With ``norm`` a first pass over x gives each row's 1 / rms (and, from program 0
-only, the new residual; so ``residual`` is never written in place). ``SPLIT_K`` > 1 splits K over programs
-for more bytes in flight (a short N: Llama-3.1-8B's o_proj and down have 4096 rows): each writes its fp32 sum to
-a scratch row and counts itself in on a per-block counter; the last to arrive adds the partial sums in split
-order (so the result does not depend on who came last), writes y and resets the counter, all in one launch.
-``FMA`` (one row) keeps a BLOCK_N x BLOCK_K fp32 accumulator of products in registers and reduces it once at
-the end, in place of a ``tl.dot`` over 16 padded rows.
+of the weight once (BLOCK_K columns at a time) against the few rows of x, which every program reads (from L2:
+M x K elements); program 0 writes the new residual (``residual`` is never written in place). With one pass
+over x the weight loads start at once: the sum of squares rides along. Launch knobs: ``FMA`` (one row) keeps a
+BLOCK_N x BLOCK_K fp32 accumulator of products in registers and reduces it once at the end; otherwise a
+``tl.dot`` over rows padded to 16, with ``SWAP`` the weight tile as its left operand (BLOCK_N is the MMA's M,
+which Hopper's wgmma wants >= 64) instead of the rows. ``SPLIT_K`` > 1 splits K over programs for more bytes in
+flight (a short N: Llama-3.1-8B's o_proj and down have 4096 rows): each writes its fp32 sum to a scratch row
+and counts itself in on a per-block counter; the last to arrive adds the partial sums in split order (so the
+result does not depend on who came last), writes y and resets the counter, all in one launch.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args
 
 MAX_ROWS = 16
-DEFAULT_LAUNCH = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False, "SPLIT_K": 1}
+DEFAULT_LAUNCH = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False, "SWAP": False,
+                  "SPLIT_K": 1}
 _COUNTERS: dict[torch.device, torch.Tensor] = {}  # SPLIT_K > 1: per-block arrival counts, zero between launches
 _MAX_BLOCKS = 1 << 16
+UNFUSED = {"UNFUSED": True}  # a tuned entry: the prologue's own kernel, then cuBLAS (it measured faster)
 # (N, K) -> {rows: launch}: the fastest launches benchmarks.decode_linear measured (load_tuned_launches); a call
-# takes the entry for the fewest measured rows >= its rows (else the most), and DEFAULT_LAUNCH for other shapes
+# takes the entry for the fewest measured rows >= its rows (else the most), and DEFAULT_LAUNCH for other shapes.
+# On a GPU the table of its name (tuned/decode_linear_<name>.json, the sweep's rows) fills what is not set.
 TUNED_LAUNCHES: dict[tuple[int, int], dict[int, dict]] = {}
+_TUNED_DIR = Path(__file__).with_name("tuned")
+_DEVICES_LOADED: set[str] = set()
 
 
-def load_tuned_launches(rows: list[dict]) -> None:
-    """Take each row's ``best_launch`` (the rows ``python -m benchmarks.decode_linear --json`` writes)."""
+def load_tuned_launches(rows: list[dict], replace: bool = True) -> None:
+    """Take each row's fastest path (the rows ``python -m benchmarks.decode_linear --json`` writes): its
+    ``best_launch``, or ``UNFUSED`` where the prologue's kernel plus cuBLAS was faster. ``replace``: over
+    entries already set."""
     for row in rows:
-        launch = {k: row["best_launch"][k] for k in DEFAULT_LAUNCH if k in row["best_launch"]}
-        TUNED_LAUNCHES.setdefault((row["N"], row["K"]), {})[row["rows"]] = launch
+        if row.get("best_s") is not None and row.get("unfused_s") is not None and row["unfused_s"] <= row["best_s"]:
+            launch = UNFUSED
+        else:
+            launch = {k: row["best_launch"][k] for k in DEFAULT_LAUNCH if k in row["best_launch"]}
+        by_rows = TUNED_LAUNCHES.setdefault((row["N"], row["K"]), {})
+        if replace or row["rows"] not in by_rows:
+            by_rows[row["rows"]] = launch
+
+
+def _load_device_table(device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    name = torch.cuda.get_device_name(device)
+    if name in _DEVICES_LOADED:
+        return
+    _DEVICES_LOADED.add(name)
+    path = _TUNED_DIR / f"decode_linear_{name.replace(' ', '_')}.json"
+    if path.exists():
+        load_tuned_launches(json.loads(path.read_text()), replace=False)
 
 
 def tuned_launch(n: int, k: int, rows: int) -> dict:
@@ -58,10 +88,28 @@ def tuned_launch(n: int, k: int, rows: int) -> dict:
     return by_rows[min(fits) if fits else max(by_rows)]
 
 
+def _unfused(x, weight, bias, norm, residual, silu_mul, return_normed):
+    """What ``decode_linear`` computes, as the engine's unfused layers do: the prologue's kernel, then F.linear."""
+    from agentrt_kernels.triton import rms_norm, silu_and_mul
+
+    if silu_mul:
+        return F.linear(silu_and_mul(x), weight, bias)
+    if norm is None:
+        return F.linear(x, weight, bias)
+    if residual is None:
+        normed, residual_out = rms_norm(x, norm[0], norm[1]), None
+    else:
+        normed, residual_out = rms_norm(x, norm[0], norm[1], residual)
+    outputs = (F.linear(normed, weight, bias),) + ((residual_out,) if residual is not None else ()) + (
+        (normed,) if return_normed else ())
+    return outputs if len(outputs) > 1 else outputs[0]
+
+
 @triton.jit
 def _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r, rstd,
-             NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr):
-    """The [BLOCK_M, BLOCK_K] tile of what the linear multiplies, in x's dtype (rows past M are 0)."""
+             NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, ONE_PASS: tl.constexpr):
+    """The [BLOCK_M, BLOCK_K] tile of what the linear multiplies, in x's dtype (rows past M are 0), and the
+    fp32 (x + residual) tile the sum of squares takes (``ONE_PASS``: the operand is not yet scaled by 1 / rms)."""
     k_mask = offs_k < K
     mask = m_mask[:, None] & k_mask[None, :]
     ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :]
@@ -70,16 +118,18 @@ def _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r
         gate = x.to(tl.float32)
         up = tl.load(ptrs + K, mask=mask, other=0.0).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(x_ptr.dtype.element_ty).to(tl.float32)
-        return (act * up).to(x_ptr.dtype.element_ty)
+        return (act * up).to(x_ptr.dtype.element_ty), gate
     if NORM:
         s = x.to(tl.float32)
         if RESIDUAL:
             r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_r + offs_k[None, :], mask=mask, other=0.0)
             s = (s + r.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
-        h = (s * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
         nw = tl.load(nw_ptr + offs_k, mask=k_mask, other=0.0).to(tl.float32)
-        return (h * nw[None, :]).to(x_ptr.dtype.element_ty)
-    return x
+        if ONE_PASS:
+            return (s * nw[None, :]).to(x_ptr.dtype.element_ty), s
+        h = (s * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        return (h * nw[None, :]).to(x_ptr.dtype.element_ty), s
+    return x, x.to(tl.float32)
 
 
 @triton.jit
@@ -89,7 +139,8 @@ def _decode_linear_kernel(
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
     STORE_OPERAND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr, SPLIT_K: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -97,8 +148,11 @@ def _decode_linear_kernel(
     m_mask = offs_m < M
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
+    # one pass: the sum of squares rides along the weight stream and 1 / rms scales the fp32 sums at the end,
+    # so the weight loads start at once (two passes when the normed rows are stored, or K is split)
+    ONE_PASS: tl.constexpr = NORM and not STORE_OPERAND and SPLIT_K == 1
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:
+    if NORM and not ONE_PASS:
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -107,33 +161,44 @@ def _decode_linear_kernel(
             s = s.to(tl.float32)
             if RESIDUAL:
                 r = tl.load(r_ptr + offs_m[:, None].to(tl.int64) * stride_r + offs_k[None, :], mask=mask, other=0.0)
-                s_x = (s + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
-                if pid == 0 and pid_k == 0:
-                    tl.store(ro_ptr + offs_m[:, None].to(tl.int64) * stride_ro + offs_k[None, :], s_x, mask=mask)
-                s = s_x.to(tl.float32)
+                s = (s + r.to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
             sq += tl.sum(s * s, 1)
         rstd = tl.rsqrt(sq / K + eps)
+    sq = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # SWAP: W is the dot's left operand (wgmma's M)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # FMA: products summed over K tiles, reduced once
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
     k_lo = pid_k * K_PER_SPLIT
     for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r, rstd,
-                     NORM, RESIDUAL, SILU_MUL)
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
+        a, s = _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r, rstd,
+                        NORM, RESIDUAL, SILU_MUL, ONE_PASS)
+        if ONE_PASS:
+            sq += tl.sum(s * s, 1)
+        if RESIDUAL:
+            if pid == 0:
+                tl.store(ro_ptr + offs_m[:, None].to(tl.int64) * stride_ro + offs_k[None, :],
+                         s.to(x_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_k < K)[None, :])
         if STORE_OPERAND:
             if pid == 0:
                 tl.store(no_ptr + offs_m[:, None].to(tl.int64) * stride_no + offs_k[None, :], a,
                          mask=m_mask[:, None] & (offs_k < K)[None, :])
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
         if FMA:  # one row: multiply-adds in registers, the weight tile never staged for a dot
             acc2 += a.to(tl.float32) * w.to(tl.float32)
         elif UPCAST:  # the interpreter's bf16 dot is wrong: multiply the (exact) fp32 copies
             acc += tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        elif SWAP:
+            acc_t += tl.dot(w, tl.trans(a), input_precision=PRECISION)
         else:
             acc += tl.dot(a, tl.trans(w), input_precision=PRECISION)
     if FMA:
         acc += tl.sum(acc2, 1)[None, :]
+    if SWAP and not UPCAST and not FMA:
+        acc += tl.trans(acc_t)
+    if ONE_PASS:
+        acc = acc * tl.rsqrt(sq / K + eps)[:, None]
     out_mask = m_mask[:, None] & n_mask[None, :]
     y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :]
     if SPLIT_K == 1:
@@ -208,7 +273,12 @@ def decode_linear(
     result = outputs if len(outputs) > 1 else y
     if rows == 0:
         return result
-    cfg = {**DEFAULT_LAUNCH, **(launch if launch is not None else tuned_launch(n, k, rows))}
+    if launch is None:
+        _load_device_table(x.device)
+        launch = tuned_launch(n, k, rows)
+    if launch.get("UNFUSED"):
+        return _unfused(x, weight, bias, norm, residual, silu_mul, return_normed)
+    cfg = {**DEFAULT_LAUNCH, **launch}
     fma = bool(cfg["FMA"]) and rows == 1
     split = max(1, min(int(cfg["SPLIT_K"]), triton.cdiv(k, cfg["BLOCK_K"])))
     k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
@@ -228,7 +298,7 @@ def decode_linear(
         NORM=norm is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
         STORE_OPERAND=return_normed,
         BLOCK_M=1 if fma else MAX_ROWS, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], UPCAST=upcast,
-        PRECISION=precision, FMA=fma, SPLIT_K=split,
+        PRECISION=precision, FMA=fma, SWAP=bool(cfg["SWAP"]), SPLIT_K=split,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return result
