@@ -103,7 +103,7 @@ def case(name: str, n: int, k: int, prologue: str | None, rows: int, device, dty
     timed = [c for c in launches if "s" in c]
     row["default_s"] = launches[0].get("s")  # launches[0] is the default
     best = min(timed, key=lambda c: c["s"])
-    row.update(best_s=best["s"], best_launch={k: best[k] for k in DEFAULT_LAUNCH},
+    row.update(best_s=best["s"], best_launch={k: best.get(k, v) for k, v in DEFAULT_LAUNCH.items()},
                max_rel_err=max(c["max_rel_err"] for c in timed), launches=launches)
     return row
 
