@@ -11,7 +11,7 @@ add, gate_up (28672 x 4096) after the post-attention norm, down (4096 x 14336) a
 final norm (a fusion the engine does not make yet: is it worth making). Each path is replayed from a CUDA graph
 (``triton.testing.do_bench_cudagraph``, as decode steps run) over four copies of the weights taken in turn,
 so no copy stays in the 50 MB L2 between calls. The fused path runs its default launch and a grid of
-launches (tile sizes, warps, K split over programs; for one row also multiply-adds in registers, ``FMA``); each
+launches (tile sizes, warps, which operand is the weight; for one row multiply-adds in registers, ``FMA``); each
 output is checked against the two-launch path, and cuBLAS alone (the GEMV without its prologue) is timed too. The table gives each path's time, its weight
 bytes over the copy rate (the roofline fraction), and the saving per decode step (over Llama-3.1-8B's 32
 layers; the LM head once).
@@ -46,20 +46,16 @@ SHAPES = {  # name: (N, K, prologue)
 TINY_SHAPES = {"qkv+norm": (96, 256, "norm"), "down+silu": (64, 128, "silu"), "o_proj": (64, 128, None)}
 SPACE = [  # tl.dot over rows padded to 16 (any rows); SWAP: the weight tile as the dot's left operand
     {"BLOCK_N": [64, 128], "BLOCK_K": [128, 256], "num_warps": [4], "num_stages": [3, 4], "FMA": [False],
-     "SWAP": [True], "SPLIT_K": [1, 2]},
-    {"BLOCK_N": [128], "BLOCK_K": [128, 256], "num_warps": [8], "num_stages": [3], "FMA": [False], "SWAP": [True],
-     "SPLIT_K": [1, 2]},
-    {"BLOCK_N": [64], "BLOCK_K": [256], "num_warps": [4], "num_stages": [3], "FMA": [False], "SWAP": [False],
-     "SPLIT_K": [1, 4]},
+     "SWAP": [True]},
+    {"BLOCK_N": [128], "BLOCK_K": [128, 256], "num_warps": [8], "num_stages": [3], "FMA": [False], "SWAP": [True]},
+    {"BLOCK_N": [64], "BLOCK_K": [256], "num_warps": [4], "num_stages": [3], "FMA": [False], "SWAP": [False]},
 ]
 FMA_SPACE = [  # one row: products in registers
-    {"BLOCK_N": [8, 16, 32], "BLOCK_K": [512, 1024], "num_warps": [4, 8], "num_stages": [3], "FMA": [True],
-     "SPLIT_K": [1, 2]},
+    {"BLOCK_N": [8, 16, 32], "BLOCK_K": [512, 1024], "num_warps": [4, 8], "num_stages": [3], "FMA": [True]},
 ]
 TINY_SPACE = [{"BLOCK_N": [16, 32], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [False],
-               "SWAP": [False, True], "SPLIT_K": [1, 2]}]
-TINY_FMA_SPACE = [{"BLOCK_N": [8], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [True],
-                   "SPLIT_K": [1, 2]}]
+               "SWAP": [False, True]}]
+TINY_FMA_SPACE = [{"BLOCK_N": [8], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [True]}]
 
 
 def case(name: str, n: int, k: int, prologue: str | None, rows: int, device, dtype, time_fn, space: list) -> dict:

@@ -19,6 +19,8 @@
 #   prefill    prefill TFLOP/s of a 32K prompt (and 4 x 8K): triton vs triton+flashinfer
 #   dense8     the dense cases with --decode-steps 8 (8 decode steps per schedule, one host sync)
 #   dense8hf   the 4K cases with --decode-steps 8, overlapped windows and not, HF transformers in the same run
+#   dense8fused  bs1 / bs8 @ 4K and bs4 @ 32K with --decode-steps 8, fused decode linears off then on, HF once
+#   decodelinear  the fused decode linears' launch sweep alone (fusedlinears: the sweep, then the engine with it)
 #   fusedlinears  benchmarks/decode_linear.py (RMSNorm / SiLU-and-mul fused before the decode projections vs
 #              our norm + cuBLAS, over launch configurations), then the 4K cases with them in the engine
 #   overlap    overlapped decode windows vs not (--overlap-decode both): MoE bs8 / bs32 @ 4K, dense bs4 @ 32K
@@ -116,6 +118,11 @@ for step in "$@"; do
         run fusedlinears 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both \
             --decode-linear-launches "$OUT/decodelinear.json" --json "$OUT/fusedlinears.json" ;;
+    dense8fused)  # the dense cases with 8 decode steps a schedule, without then with the fused decode linears
+        # (the H200's tuned table), HF transformers in the same run
+        run dense8fused 360 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+            --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both --hf \
+            --json "$OUT/dense8fused.json" ;;
     decodelinear)  # the launch sweep alone
         run decodelinear 440 python -m benchmarks.decode_linear --json "$OUT/decodelinear.json" ;;
     overlap)  # overlapped decode windows vs not, in one engine each: MoE bs8 / bs32 and dense bs4 @ 32K

@@ -163,7 +163,7 @@ def hf_decode(model_dir: Path, batch: int, context: int, decode_tokens: int, dev
     return {"hf_decode_tok_s": batch * (decode_tokens - 1) / (tn - t1)}
 
 
-def run_cases(engine: LLMEngine, cases: list[tuple[int, int]], args: argparse.Namespace, fused: bool) -> list[dict]:
+def run_cases(engine: LLMEngine, cases: list[tuple[int, int]], args: argparse.Namespace) -> list[dict]:
     """Every case in every overlap mode on one engine, each a JSON line; the engine is closed after."""
     modes = [True, False] if args.overlap_decode == "both" else [engine.overlap_decode]
     on_gpu = engine.device.type == "cuda"
@@ -174,6 +174,7 @@ def run_cases(engine: LLMEngine, cases: list[tuple[int, int]], args: argparse.Na
     for ctx in sorted({c for _, c in cases}):  # compile kernels for these shapes before timing
         run_one(engine, 1, ctx, 4, args.seed)
     results = []
+    fused = getattr(engine.model, "model", None) is not None and getattr(engine.model.model, "fused_decode_rows", 0) > 0
     for (b, ctx), overlap in itertools.product(cases, modes):
         engine.overlap_decode = overlap
         r = run_one(engine, b, ctx, args.decode_tokens, args.seed)
@@ -216,9 +217,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--overlap-decode", choices=("auto", "on", "off", "both"), default="auto",
                     help="EngineConfig.overlap_decode (auto: on a GPU); both: each case "
                          "twice in the same engine, overlapped then not")
-    ap.add_argument("--fused-decode-linears", nargs="?", const="on", default="off", choices=("on", "off", "both"),
-                    help="EngineConfig.fused_decode_linears: norms and SiLU-and-mul inside the decode projections; "
-                         "both: every case without them, then in a second engine with them")
+    ap.add_argument("--fused-decode-linears", nargs="?", const="on", default="auto",
+                    choices=("auto", "on", "off", "both"),
+                    help="EngineConfig.fused_decode_linears (auto: on a GPU): norms and SiLU-and-mul inside the "
+                         "decode projections; both: every case without them, then in a second engine with them")
     ap.add_argument("--decode-linear-launches",
                     help="the fused decode linears' launches from this benchmarks.decode_linear --json file")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate (GPU) in the same run")
@@ -234,7 +236,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from agentrt_kernels.triton.decode_linear import load_tuned_launches
 
         load_tuned_launches(json.loads(Path(args.decode_linear_launches).read_text()))
-    fused_modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused_decode_linears]
+    fused_modes = {"auto": [None], "on": [True], "off": [False], "both": [False, True]}[args.fused_decode_linears]
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model or write_shape_dir(args.shape, Path(tmp))
         tokens_per_req = max(c for _, c in cases) + args.decode_tokens
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 overlap_decode={"auto": None, "off": False}.get(args.overlap_decode, True),
                 fused_decode_linears=fused,
             )
-            results += run_cases(LLMEngine(config), cases, args, fused)
+            results += run_cases(LLMEngine(config), cases, args)
             gc.collect()  # the engine (its weights, pool and graphs) goes before the next one or HF loads
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()

@@ -43,9 +43,10 @@ class EngineConfig:
     # dropped); None: on a GPU at one rank (engine.decode_window)
     overlap_decode: bool | None = None
     # decode steps of at most 16 tokens run each RMSNorm inside the projection after it and SiLU-and-mul inside
-    # the down projection (agentrt_kernels.triton.decode_linear: a GPU, or TRITON_INTERPRET=1 on the CPU);
-    # off until an H200 run times it against cuBLAS (benchmarks/decode_linear.py)
-    fused_decode_linears: bool = False
+    # the down projection, each projection at its tuned launch or through cuBLAS where that measured faster
+    # (agentrt_kernels.triton.decode_linear: a GPU, or TRITON_INTERPRET=1 on the CPU); None: on a GPU at one rank
+    # for the architectures that have the fused path
+    fused_decode_linears: bool | None = None
     tensor_parallel_size: int = 1  # ranks (GPUs; gloo processes on CPU) the model and its KV heads split over
 
     def __post_init__(self) -> None:
@@ -70,8 +71,8 @@ class EngineConfig:
         if self.overlap_decode and self.tensor_parallel_size > 1:
             raise ConfigError("overlap_decode needs tensor_parallel_size 1 (the ranks agree on tokens as they read "
                               "them, which overlapping would delay)")
-        if not isinstance(self.fused_decode_linears, bool):
-            raise ConfigError(f"fused_decode_linears must be true or false, got {self.fused_decode_linears!r}")
+        if self.fused_decode_linears is not None and not isinstance(self.fused_decode_linears, bool):
+            raise ConfigError(f"fused_decode_linears must be true, false or None, got {self.fused_decode_linears!r}")
         if self.fused_decode_linears and self.tensor_parallel_size > 1:
             raise ConfigError("fused_decode_linears needs tensor_parallel_size 1 (its kernels take whole weights)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -92,6 +93,11 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known - {'model'})}")
         return cls(model=model, **kwargs)
+
+    def resolved_fused_decode_linears(self, device: torch.device, world_size: int) -> bool:
+        if self.fused_decode_linears is not None:
+            return self.fused_decode_linears
+        return device.type == "cuda" and world_size == 1
 
     def resolved_overlap_decode(self, device: torch.device, world_size: int) -> bool:
         if self.overlap_decode is not None:

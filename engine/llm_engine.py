@@ -104,8 +104,8 @@ class LLMEngine:
         self.model, self.model_config = load_model(
             config.model, dtype=dtype, device=self.device, load_format=config.load_format, tp=self.tp
         )
-        if config.fused_decode_linears:
-            self._fuse_decode_linears()
+        if config.resolved_fused_decode_linears(self.device, self.tp.world_size):
+            self._fuse_decode_linears(asked=config.fused_decode_linears is True)
         self.tokenizer = load_tokenizer(config.model)
         self._decode = decoder_for(self.tokenizer)  # what every request's detokenizer decodes with
         if self.codec is not None:
@@ -154,9 +154,11 @@ class LLMEngine:
                  self.pool.num_pages, config.page_size, self.method.name, config.decode_steps,
                  " (overlapped)" if self._overlap_decode else "")
 
-    def _fuse_decode_linears(self) -> None:
+    def _fuse_decode_linears(self, asked: bool) -> None:
         decoder = getattr(self.model, "model", None)
         if not hasattr(decoder, "fused_decode_rows"):
+            if not asked:  # the default: the architectures that have the fused path
+                return
             raise ConfigError(f"fused_decode_linears: {self.model_config.architecture} has no fused decode path")
         if self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ConfigError("fused_decode_linears runs Triton kernels: a GPU, or TRITON_INTERPRET=1 on the CPU")

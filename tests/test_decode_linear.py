@@ -54,13 +54,12 @@ def _torch_silu_mul(x):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n,k,fma,swap,split", [
-    (1, 96, 160, False, False, 1), (1, 96, 160, True, False, 1), (5, 64, 384, False, False, 1),
-    (16, 40, 256, False, True, 1), (5, 64, 384, False, True, 1), (1, 96, 448, True, False, 3),
-    (5, 64, 384, False, True, 4)])
+@pytest.mark.parametrize("rows,n,k,fma,swap", [
+    (1, 96, 160, False, False), (1, 96, 160, True, False), (5, 64, 384, False, False), (16, 40, 256, False, True),
+    (5, 64, 384, False, True)])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
-def test_norm_then_linear(dtype, rows, n, k, fma, swap, split, residual, bias):
+def test_norm_then_linear(dtype, rows, n, k, fma, swap, residual, bias):
     _seed("norm", dtype, rows, n, k, residual, bias)
     x = torch.randn(rows, k, device=DEVICE).to(dtype)
     res = torch.randn(rows, k, device=DEVICE).to(dtype) if residual else None
@@ -68,7 +67,7 @@ def test_norm_then_linear(dtype, rows, n, k, fma, swap, split, residual, bias):
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
     b = torch.randn(n, device=DEVICE).to(dtype) if bias else None
     got = decode_linear(x, w, b, norm=(norm_w, 1e-6), residual=res,
-                        launch={"BLOCK_N": 32, "BLOCK_K": 64, "FMA": fma, "SWAP": swap, "SPLIT_K": split})
+                        launch={"BLOCK_N": 32, "BLOCK_K": 64, "FMA": fma, "SWAP": swap})
     if residual:
         normed, want_res = _torch_norm(x, norm_w, 1e-6, res)
         got, got_res = got
@@ -106,51 +105,27 @@ def test_the_normed_rows_come_back_too(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,n,k,fma,swap,split", [
-    (1, 64, 200, False, False, 1), (1, 64, 200, True, False, 1), (8, 48, 128, False, False, 1),
-    (8, 48, 128, False, True, 1), (1, 64, 200, True, False, 2), (8, 48, 448, False, True, 7)])
-def test_silu_and_mul_then_linear(dtype, rows, n, k, fma, swap, split):
+@pytest.mark.parametrize("rows,n,k,fma,swap", [
+    (1, 64, 200, False, False), (1, 64, 200, True, False), (8, 48, 128, False, False), (8, 48, 448, False, True)])
+def test_silu_and_mul_then_linear(dtype, rows, n, k, fma, swap):
     _seed("silu", dtype, rows, n, k)
     x = (2 * torch.randn(rows, 2 * k, device=DEVICE)).to(dtype)
     w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
     got = decode_linear(x, w, silu_mul=True,
-                        launch={"BLOCK_N": 16, "BLOCK_K": 64, "FMA": fma, "SWAP": swap, "SPLIT_K": split})
+                        launch={"BLOCK_N": 16, "BLOCK_K": 64, "FMA": fma, "SWAP": swap})
     want = F.linear(_torch_silu_mul(x).float(), w.float()).to(dtype)
     assert_close(got, want, dtype)
 
 
-@pytest.mark.parametrize("fma", [False, True])
-def test_split_k_sums_in_split_order_and_leaves_the_counters_at_zero(fma):
-    """SPLIT_K > 1: the last split of a block to arrive adds every split's fp32 sum in split order, so the
-    result equals a sequential sum of the same partial products whoever arrives last; the per-block counters
-    are zero again after the launch (the next launch, or a graph replay, counts from zero)."""
-    from agentrt_kernels.triton import decode_linear as module
-
-    _seed("split", fma)
-    rows = 1 if fma else 3
-    n, k, block_k, split = 80, 320, 64, 5  # a split per K tile
-    x, w = torch.randn(rows, k, device=DEVICE), torch.randn(n, k, device=DEVICE) / 20
-    b = torch.randn(n, device=DEVICE)
-    got = decode_linear(x, w, b, launch={"BLOCK_N": 16, "BLOCK_K": block_k, "FMA": fma, "SPLIT_K": split})
-    partials = [F.linear(x[:, s * block_k:(s + 1) * block_k].double(), w[:, s * block_k:(s + 1) * block_k].double())
-                for s in range(split)]
-    torch.testing.assert_close(got.double(), sum(partials) + b.double(), rtol=1e-5, atol=1e-5)
-    assert not module._COUNTERS[x.device].any()
-    again = decode_linear(x, w, b, launch={"BLOCK_N": 16, "BLOCK_K": block_k, "FMA": fma, "SPLIT_K": split})
-    assert torch.equal(again, got)
-    single = decode_linear(x, w, b, launch={"BLOCK_N": 16, "BLOCK_K": block_k, "FMA": fma, "SPLIT_K": 1})
-    torch.testing.assert_close(got, single, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("split", [1, 3])
-def test_normed_rows_and_residual_come_back_whole_when_k_is_split(split):
-    _seed("normed-split", split)
+def test_the_normed_rows_and_residual_of_the_two_pass_norm_are_the_torch_ones():
+    """return_normed keeps the two-pass norm: the rows it hands on are RMSNorm's, exactly as torch computes them."""
+    _seed("normed-two-pass")
     rows, n, k = 4, 40, 384
     x, res = torch.randn(rows, k, device=DEVICE), torch.randn(rows, k, device=DEVICE)
     norm_w = 1 + 0.1 * torch.randn(k, device=DEVICE)
     w = torch.randn(n, k, device=DEVICE) / k**0.5
     got, got_res, got_normed = decode_linear(x, w, norm=(norm_w, 1e-6), residual=res, return_normed=True,
-                                             launch={"BLOCK_N": 16, "BLOCK_K": 64, "SPLIT_K": split})
+                                             launch={"BLOCK_N": 16, "BLOCK_K": 64, "SWAP": True})
     normed, want_res = _torch_norm(x, norm_w, 1e-6, res)
     torch.testing.assert_close(got_normed, normed, rtol=1e-5, atol=1e-6)
     assert torch.equal(got_res, want_res)
@@ -187,13 +162,16 @@ def test_tuned_launches_are_taken_by_shape_and_rows(monkeypatch):
     from agentrt_kernels.triton import decode_linear as module
 
     monkeypatch.setattr(module, "TUNED_LAUNCHES", {})
-    one = {"BLOCK_N": 8, "BLOCK_K": 64, "FMA": True, "SPLIT_K": 2, "num_warps": 4, "num_stages": 2}
-    eight = {"BLOCK_N": 16, "BLOCK_K": 128, "FMA": False, "SPLIT_K": 1, "num_warps": 4, "num_stages": 3}
+    one = {"BLOCK_N": 8, "BLOCK_K": 64, "FMA": True, "SWAP": False, "num_warps": 4, "num_stages": 2}
+    eight = {"BLOCK_N": 16, "BLOCK_K": 128, "FMA": False, "SWAP": True, "num_warps": 4, "num_stages": 3}
     module.load_tuned_launches([{"N": 40, "K": 256, "rows": 1, "best_launch": one},
                                 {"N": 40, "K": 256, "rows": 8, "best_launch": eight}])
     assert module.tuned_launch(40, 256, 1) == one
     assert module.tuned_launch(40, 256, 5) == eight and module.tuned_launch(40, 256, 16) == eight
-    assert module.tuned_launch(40, 512, 1) == module.DEFAULT_LAUNCH
+    # a shape not measured: one row the multiply-adds launch; more rows cuBLAS on a GPU (the kernel elsewhere)
+    assert module.tuned_launch(40, 512, 1) == module.ONE_ROW_LAUNCH
+    assert module.tuned_launch(40, 512, 4, torch.device("cuda")) is module.UNFUSED
+    assert module.tuned_launch(40, 512, 4) == module.DEFAULT_LAUNCH
     _seed("tuned")
     x, w = torch.randn(1, 256, device=DEVICE), torch.randn(40, 256, device=DEVICE) / 16
     torch.testing.assert_close(decode_linear(x, w), F.linear(x, w), **TOL[torch.float32])
@@ -205,7 +183,7 @@ def test_a_shape_where_cublas_measured_faster_runs_unfused(monkeypatch):
     from agentrt_kernels.triton import decode_linear as module
 
     monkeypatch.setattr(module, "TUNED_LAUNCHES", {})
-    launch = {"BLOCK_N": 16, "BLOCK_K": 64, "FMA": False, "SPLIT_K": 1, "num_warps": 4, "num_stages": 2}
+    launch = {"BLOCK_N": 16, "BLOCK_K": 64, "FMA": False, "SWAP": True, "num_warps": 4, "num_stages": 2}
     module.load_tuned_launches([{"N": 24, "K": 128, "rows": 4, "best_launch": launch, "best_s": 2.0, "unfused_s": 1.0},
                                 {"N": 24, "K": 64, "rows": 4, "best_launch": launch, "best_s": 1.0, "unfused_s": 2.0}])
     assert module.tuned_launch(24, 128, 3) is module.UNFUSED and module.tuned_launch(24, 64, 3) == launch
@@ -226,3 +204,25 @@ def test_a_shape_where_cublas_measured_faster_runs_unfused(monkeypatch):
     torch.testing.assert_close(decode_linear(gate_up, w, silu_mul=True), F.linear(_torch_silu_mul(gate_up), w),
                                **TOL[torch.float32])
     assert len(calls) == 2
+
+
+def test_the_h200_table_loads_and_each_of_its_launches_computes_the_product(monkeypatch):
+    """The committed sweep rows (tuned/decode_linear_NVIDIA_H200.json) become launches: UNFUSED exactly where the
+    prologue + cuBLAS measured faster, and every fused launch in it runs the kernel right (a small shape)."""
+    import json
+
+    from agentrt_kernels.triton import decode_linear as module
+
+    rows = json.loads((module._TUNED_DIR / "decode_linear_NVIDIA_H200.json").read_text())
+    monkeypatch.setattr(module, "TUNED_LAUNCHES", {})
+    module.load_tuned_launches(rows)
+    for row in rows:
+        launch = module.tuned_launch(row["N"], row["K"], row["rows"])
+        assert (launch is module.UNFUSED) == (row["unfused_s"] <= row["best_s"]), row["case"]
+        if launch is module.UNFUSED:
+            continue
+        _seed("h200", row["case"], row["rows"])
+        x, w = torch.randn(row["rows"], 320, device=DEVICE), torch.randn(48, 320, device=DEVICE) / 18
+        norm_w = 1 + 0.1 * torch.randn(320, device=DEVICE)
+        got = decode_linear(x, w, norm=(norm_w, 1e-6), launch=launch)
+        torch.testing.assert_close(got, F.linear(_torch_norm(x, norm_w, 1e-6), w), **TOL[torch.float32])

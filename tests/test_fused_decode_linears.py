@@ -36,7 +36,9 @@ def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, eager, m
     inner = decode_linear_module.decode_linear
 
     def counting(x, weight, *args, **kw):
-        calls.append(("silu" if kw.get("silu_mul") else "router" if kw.get("return_normed") else "norm", x.shape[0]))
+        kind = ("silu" if kw.get("silu_mul") else "router" if kw.get("return_normed") else
+                "norm" if kw.get("norm") else "o_proj")
+        calls.append((kind, x.shape[0]))
         return inner(x, weight, *args, **kw)
 
     monkeypatch.setattr(decode_linear_module, "decode_linear", counting)
@@ -51,7 +53,7 @@ def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, eager, m
     for a, b in zip(ref, got):
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-4)
     kinds = {k for k, _ in calls}  # (decode graphs: the calls of their capture)
-    assert kinds == ({"norm", "router"} if arch == "qwen3_moe" else {"norm", "silu"})
+    assert kinds == ({"norm", "o_proj", "router"} if arch == "qwen3_moe" else {"norm", "o_proj", "silu"})
     assert calls and max(rows for _, rows in calls) <= 16
 
 

@@ -12,20 +12,22 @@
 The operand is what the unfused ops would hand ``F.linear`` up to where 1 / rms is applied: ``silu_and_mul``
 exactly (silu in fp32 rounded, times up, rounded); ``rms_norm`` (engine.models.layers.RMSNorm: the sum rounded
 to x's dtype, normalised in fp32, rounded, times the weight, rounded) exactly when the normed rows are returned
-or K is split (two passes over x), else in one pass: the product runs over (x + residual) * weight, rounded,
+(two passes over x), else in one pass: the product runs over (x + residual) * weight, rounded,
 and its fp32 sums are scaled by 1 / rms at the end (the same function, one rounding in another place). The
 product accumulates in fp32; the bias is added to the fp32 sum, rounded once.
 
-Design: decode steps are memory-bound on the weights, so each program streams a BLOCK_N x (K / SPLIT_K) slice
-of the weight once (BLOCK_K columns at a time) against the few rows of x, which every program reads (from L2:
+Design: decode steps are memory-bound on the weights, so each program streams a BLOCK_N x K slice of the
+weight once (BLOCK_K columns at a time) against the few rows of x, which every program reads (from L2:
 M x K elements); program 0 writes the new residual (``residual`` is never written in place). With one pass
 over x the weight loads start at once: the sum of squares rides along. Launch knobs: ``FMA`` (one row) keeps a
 BLOCK_N x BLOCK_K fp32 accumulator of products in registers and reduces it once at the end; otherwise a
 ``tl.dot`` over rows padded to 16, with ``SWAP`` the weight tile as its left operand (BLOCK_N is the MMA's M,
-which Hopper's wgmma wants >= 64) instead of the rows. ``SPLIT_K`` > 1 splits K over programs for more bytes in
-flight (a short N: Llama-3.1-8B's o_proj and down have 4096 rows): each writes its fp32 sum to a scratch row
-and counts itself in on a per-block counter; the last to arrive adds the partial sums in split order (so the
-result does not depend on who came last), writes y and resets the counter, all in one launch.
+which Hopper's wgmma wants >= 64) instead of the rows.
+
+Which launch: ``tuned_launch`` -- the per-shape winners of ``python -m benchmarks.decode_linear`` on this GPU
+(tuned/decode_linear_<GPU name>.json), where the prologue's own kernel plus cuBLAS (``UNFUSED``) may be the
+winner; for a shape not measured, ``ONE_ROW_LAUNCH`` for one row and, on a GPU, ``UNFUSED`` for more (on an H200
+the fused dot beat cuBLAS only on o_proj at 8 rows, session 12; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -41,13 +43,11 @@ import triton.language as tl
 from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args
 
 MAX_ROWS = 16
-DEFAULT_LAUNCH = {"BLOCK_N": 32, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False, "SWAP": False,
-                  "SPLIT_K": 1}
-_COUNTERS: dict[torch.device, torch.Tensor] = {}  # SPLIT_K > 1: per-block arrival counts, zero between launches
-_MAX_BLOCKS = 1 << 16
+DEFAULT_LAUNCH = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False, "SWAP": True}
+ONE_ROW_LAUNCH = {**DEFAULT_LAUNCH, "BLOCK_N": 8, "BLOCK_K": 1024, "FMA": True}  # session 12's H200 winner
 UNFUSED = {"UNFUSED": True}  # a tuned entry: the prologue's own kernel, then cuBLAS (it measured faster)
 # (N, K) -> {rows: launch}: the fastest launches benchmarks.decode_linear measured (load_tuned_launches); a call
-# takes the entry for the fewest measured rows >= its rows (else the most), and DEFAULT_LAUNCH for other shapes.
+# takes the entry for the fewest measured rows >= its rows (else the most); other shapes: ``_untuned_launch``.
 # On a GPU the table of its name (tuned/decode_linear_<name>.json, the sweep's rows) fills what is not set.
 TUNED_LAUNCHES: dict[tuple[int, int], dict[int, dict]] = {}
 _TUNED_DIR = Path(__file__).with_name("tuned")
@@ -80,10 +80,16 @@ def _load_device_table(device: torch.device) -> None:
         load_tuned_launches(json.loads(path.read_text()), replace=False)
 
 
-def tuned_launch(n: int, k: int, rows: int) -> dict:
+def _untuned_launch(rows: int, device: torch.device) -> dict:
+    if rows == 1:
+        return ONE_ROW_LAUNCH
+    return UNFUSED if device.type == "cuda" else DEFAULT_LAUNCH  # the interpreter still runs the kernel
+
+
+def tuned_launch(n: int, k: int, rows: int, device: torch.device = torch.device("cpu")) -> dict:
     by_rows = TUNED_LAUNCHES.get((n, k))
     if not by_rows:
-        return DEFAULT_LAUNCH
+        return _untuned_launch(rows, device)
     fits = [r for r in by_rows if r >= rows]
     return by_rows[min(fits) if fits else max(by_rows)]
 
@@ -134,23 +140,21 @@ def _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r
 
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ro_ptr, no_ptr, part_ptr, count_ptr,
-    M, N, K, K_PER_SPLIT, stride_x, stride_r, stride_w, stride_y, stride_ro, stride_no, eps,
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ro_ptr, no_ptr,
+    M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, stride_no, eps,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
     STORE_OPERAND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr,
-    SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     # one pass: the sum of squares rides along the weight stream and 1 / rms scales the fp32 sums at the end,
-    # so the weight loads start at once (two passes when the normed rows are stored, or K is split)
-    ONE_PASS: tl.constexpr = NORM and not STORE_OPERAND and SPLIT_K == 1
+    # so the weight loads start at once (two passes when the normed rows are stored)
+    ONE_PASS: tl.constexpr = NORM and not STORE_OPERAND
     rstd = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM and not ONE_PASS:
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -169,8 +173,7 @@ def _decode_linear_kernel(
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # SWAP: W is the dot's left operand (wgmma's M)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # FMA: products summed over K tiles, reduced once
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-    k_lo = pid_k * K_PER_SPLIT
-    for k0 in range(k_lo, k_lo + K_PER_SPLIT, BLOCK_K):
+    for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
         a, s = _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r, rstd,
@@ -199,34 +202,10 @@ def _decode_linear_kernel(
         acc += tl.trans(acc_t)
     if ONE_PASS:
         acc = acc * tl.rsqrt(sq / K + eps)[:, None]
-    out_mask = m_mask[:, None] & n_mask[None, :]
-    y_ptrs = y_ptr + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :]
-    if SPLIT_K == 1:
-        if HAS_BIAS:  # added to the fp32 sum, rounded once with it (F.linear's addmm epilogue)
-            acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        part = part_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-        tl.store(part + pid_k.to(tl.int64) * M * N, acc, mask=out_mask)
-        tl.debug_barrier()  # every thread's partial is written before the release below
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:  # the last of the block's splits: sum them in split order
-            tl.debug_barrier()
-            total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(SPLIT_K):
-                total += tl.load(part + s * M * N, mask=out_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                total += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=out_mask)
-            tl.atomic_xchg(count_ptr + pid, 0)
-
-
-def _counters(device: torch.device, blocks: int) -> torch.Tensor:
-    if blocks > _MAX_BLOCKS:
-        raise ValueError(f"decode_linear with SPLIT_K > 1 takes at most {_MAX_BLOCKS} column blocks, got {blocks}")
-    if device not in _COUNTERS:
-        _COUNTERS[device] = torch.zeros(_MAX_BLOCKS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]
+    if HAS_BIAS:  # added to the fp32 sum, rounded once with it (F.linear's addmm epilogue)
+        acc += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_y + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=m_mask[:, None] & n_mask[None, :])
 
 
 def decode_linear(
@@ -241,7 +220,8 @@ def decode_linear(
     launch: dict | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """See the module docstring. ``launch``: BLOCK_N / BLOCK_K / num_warps / num_stages, FMA (one row:
-    multiply-adds in registers instead of a ``tl.dot`` over 16 padded rows) and SPLIT_K (default: ``tuned_launch``)."""
+    multiply-adds in registers instead of a ``tl.dot`` over 16 padded rows), SWAP; or ``UNFUSED`` (default:
+    ``tuned_launch``)."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
     rows, n, k = x.shape[0], weight.shape[0], weight.shape[1]
@@ -275,30 +255,24 @@ def decode_linear(
         return result
     if launch is None:
         _load_device_table(x.device)
-        launch = tuned_launch(n, k, rows)
+        launch = tuned_launch(n, k, rows, x.device)
     if launch.get("UNFUSED"):
         return _unfused(x, weight, bias, norm, residual, silu_mul, return_normed)
     cfg = {**DEFAULT_LAUNCH, **launch}
     fma = bool(cfg["FMA"]) and rows == 1
-    split = max(1, min(int(cfg["SPLIT_K"]), triton.cdiv(k, cfg["BLOCK_K"])))
-    k_per_split = triton.cdiv(triton.cdiv(k, split), cfg["BLOCK_K"]) * cfg["BLOCK_K"]
-    split = triton.cdiv(k, k_per_split)  # no empty split
-    blocks = triton.cdiv(n, cfg["BLOCK_N"])
-    part = torch.empty((split, rows, n), dtype=torch.float32, device=x.device) if split > 1 else y
-    counts = _counters(x.device, blocks) if split > 1 else y
     upcast, precision = dot_args(_decode_linear_kernel, x.dtype)
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else x
     nw = norm[0] if norm is not None else x
     no = normed if normed is not None else x
-    _decode_linear_kernel[(blocks, split)](
-        x, r, nw, weight, bias if bias is not None else weight, y, ro, no, part, counts,
-        rows, n, k, k_per_split, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), ro.stride(0),
-        no.stride(0), norm[1] if norm is not None else 0.0,
+    _decode_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
+        x, r, nw, weight, bias if bias is not None else weight, y, ro, no,
+        rows, n, k, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), ro.stride(0), no.stride(0),
+        norm[1] if norm is not None else 0.0,
         NORM=norm is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
         STORE_OPERAND=return_normed,
         BLOCK_M=1 if fma else MAX_ROWS, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], UPCAST=upcast,
-        PRECISION=precision, FMA=fma, SWAP=bool(cfg["SWAP"]), SPLIT_K=split,
+        PRECISION=precision, FMA=fma, SWAP=bool(cfg["SWAP"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return result

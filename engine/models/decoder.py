@@ -55,9 +55,10 @@ class Attention(nn.Module):
 
     def forward(
         self, hidden: torch.Tensor | None, positions: torch.Tensor, rotary: RotaryEmbedding, runner: LayerRunner,
-        qkv: torch.Tensor | None = None,
+        qkv: torch.Tensor | None = None, out_proj=None,
     ) -> torch.Tensor:
-        """``qkv``: the packed projection of the normed hidden, computed by the caller (then ``hidden`` is None)."""
+        """``qkv``: the packed projection of the normed hidden, computed by the caller (then ``hidden`` is None);
+        ``out_proj(x, weight, bias)``: the output projection in place of ``o_proj``'s own (DecoderLayer.forward_fused)."""
         qkv = self.qkv_proj(hidden) if qkv is None else qkv
         num_tokens = qkv.shape[0]
         q, k, v = qkv.split(self.split_sizes, dim=-1)
@@ -73,7 +74,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = rotary(positions, q, k)
             out = runner.attention(self.layer_idx, q, k, v)
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        out = out.reshape(num_tokens, self.num_heads * self.head_dim)
+        return self.o_proj(out) if out_proj is None else out_proj(out, self.o_proj.weight, self.o_proj.bias)
 
 
 class DecoderLayer(nn.Module):
@@ -104,7 +106,9 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` for a few rows (decode) with each norm fused into the projection after it (under a MoE
         block: its router's, which hands the normed rows on to the experts), and SiLU-and-mul into the down
-        projection (agentrt_kernels.triton.decode_linear): three launches fewer a dense layer, two a MoE one."""
+        projection (agentrt_kernels.triton.decode_linear): three launches fewer a dense layer, two a MoE one. The
+        output projection runs through decode_linear too (no prologue: its launch where it measured faster than
+        cuBLAS, cuBLAS where not)."""
         from agentrt_kernels.triton.decode_linear import decode_linear
 
         ln, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
@@ -113,7 +117,7 @@ class DecoderLayer(nn.Module):
         else:
             qkv, residual = decode_linear(hidden, qkv_proj.weight, qkv_proj.bias, norm=(ln.weight, ln.eps),
                                           residual=residual)
-        attn = self.self_attn(None, positions, rotary, runner, qkv=qkv)
+        attn = self.self_attn(None, positions, rotary, runner, qkv=qkv, out_proj=decode_linear)
         post, mlp = self.post_attention_layernorm, self.mlp
         if not isinstance(mlp, DenseMLP):  # a sparse MoE block (engine.models.moe)
             logits, residual, normed = decode_linear(attn, mlp.gate.weight, mlp.gate.bias, norm=(post.weight, post.eps),
