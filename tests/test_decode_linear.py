@@ -192,17 +192,18 @@ def test_a_shape_where_cublas_measured_faster_runs_unfused(monkeypatch):
     real = module._unfused
     monkeypatch.setattr(module, "_unfused", lambda *a: calls.append(1) or real(*a))
     _seed("unfused")
-    x, res = torch.randn(3, 128, device=DEVICE), torch.randn(3, 128, device=DEVICE)
-    norm_w = 1 + 0.1 * torch.randn(128, device=DEVICE)
-    w, b = torch.randn(24, 128, device=DEVICE) / 11, torch.randn(24, device=DEVICE)
+    half = torch.float16  # the table is for 16-bit rows
+    x, res = torch.randn(3, 128, device=DEVICE).to(half), torch.randn(3, 128, device=DEVICE).to(half)
+    norm_w = (1 + 0.1 * torch.randn(128, device=DEVICE)).to(half)
+    w, b = (torch.randn(24, 128, device=DEVICE) / 11).to(half), torch.randn(24, device=DEVICE).to(half)
     got, got_res, got_normed = decode_linear(x, w, b, norm=(norm_w, 1e-6), residual=res, return_normed=True)
     normed, want_res = _torch_norm(x, norm_w, 1e-6, res)
-    torch.testing.assert_close(got_normed, normed, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(got_res, want_res)
-    torch.testing.assert_close(got, F.linear(normed, w, b), **TOL[torch.float32])
-    gate_up = torch.randn(3, 256, device=DEVICE)
+    torch.testing.assert_close(got_normed, normed, **TOL[half])  # the GPU's rsqrt: not bit-equal there
+    assert torch.equal(got_res, want_res)
+    torch.testing.assert_close(got, F.linear(normed, w, b), **TOL[half])
+    gate_up = torch.randn(3, 256, device=DEVICE).to(half)
     torch.testing.assert_close(decode_linear(gate_up, w, silu_mul=True), F.linear(_torch_silu_mul(gate_up), w),
-                               **TOL[torch.float32])
+                               **TOL[half])
     assert len(calls) == 2
 
 
@@ -222,7 +223,13 @@ def test_the_h200_table_loads_and_each_of_its_launches_computes_the_product(monk
         if launch is module.UNFUSED:
             continue
         _seed("h200", row["case"], row["rows"])
+        dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # the sweep's dtype on a GPU
         x, w = torch.randn(row["rows"], 320, device=DEVICE), torch.randn(48, 320, device=DEVICE) / 18
         norm_w = 1 + 0.1 * torch.randn(320, device=DEVICE)
+        x, w, norm_w = x.to(dtype), w.to(dtype), norm_w.to(dtype)
         got = decode_linear(x, w, norm=(norm_w, 1e-6), launch=launch)
-        torch.testing.assert_close(got, F.linear(_torch_norm(x, norm_w, 1e-6), w), **TOL[torch.float32])
+        want = F.linear(_torch_norm(x, norm_w, 1e-6).float(), w.float()).to(dtype)
+        assert_close(got, want, dtype)
+    # fp32 rows never take the table (its 16-bit tiles would not fit fp32's shared memory on the GPU)
+    assert module.tuned_launch(4096, 4096, 8, torch.device("cuda"), itemsize=2)["SWAP"]
+    assert module.tuned_launch(4096, 4096, 8, torch.device("cuda"), itemsize=4) is module.UNFUSED

@@ -86,8 +86,9 @@ def _untuned_launch(rows: int, device: torch.device) -> dict:
     return UNFUSED if device.type == "cuda" else DEFAULT_LAUNCH  # the interpreter still runs the kernel
 
 
-def tuned_launch(n: int, k: int, rows: int, device: torch.device = torch.device("cpu")) -> dict:
-    by_rows = TUNED_LAUNCHES.get((n, k))
+def tuned_launch(n: int, k: int, rows: int, device: torch.device = torch.device("cpu"), itemsize: int = 2) -> dict:
+    """The table's entry for a 16-bit x (what the sweep measures: its tiles would not fit fp32's shared memory)."""
+    by_rows = TUNED_LAUNCHES.get((n, k)) if itemsize == 2 else None
     if not by_rows:
         return _untuned_launch(rows, device)
     fits = [r for r in by_rows if r >= rows]
@@ -255,7 +256,7 @@ def decode_linear(
         return result
     if launch is None:
         _load_device_table(x.device)
-        launch = tuned_launch(n, k, rows, x.device)
+        launch = tuned_launch(n, k, rows, x.device, x.element_size())
     if launch.get("UNFUSED"):
         return _unfused(x, weight, bias, norm, residual, silu_mul, return_normed)
     cfg = {**DEFAULT_LAUNCH, **launch}
