@@ -65,6 +65,10 @@ run() {  # run NAME LIMIT_S COMMAND...
     grep -v "capturing\|it/s\]\| PASSED \|PytestBenchmark\|warner(" "$OUT/$name.txt" | tail -n 25
 }
 
+sweep_decode_linear() {  # the fused decode linears' launch sweep (steps decodelinear and fusedlinears)
+    run decodelinear 440 python -m benchmarks.decode_linear --json "$OUT/decodelinear.json"
+}
+
 for step in "$@"; do
     case $step in
     setup)  # the device image lacks the server's packages and flashinfer: wheels carried beside the checkout
@@ -114,7 +118,7 @@ for step in "$@"; do
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --hf --json "$OUT/dense8hf.json" ;;
     fusedlinears)  # the fused decode linears over launches beside norm / SiLU + cuBLAS, then the engine at 4K
         # without and with them (each projection at its best launch from the sweep), one process
-        run decodelinear 440 python -m benchmarks.decode_linear --json "$OUT/decodelinear.json"
+        sweep_decode_linear
         run fusedlinears 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both \
             --decode-linear-launches "$OUT/decodelinear.json" --json "$OUT/fusedlinears.json" ;;
@@ -124,7 +128,7 @@ for step in "$@"; do
             --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both --hf \
             --json "$OUT/dense8fused.json" ;;
     decodelinear)  # the launch sweep alone
-        run decodelinear 440 python -m benchmarks.decode_linear --json "$OUT/decodelinear.json" ;;
+        sweep_decode_linear ;;
     overlap)  # overlapped decode windows vs not, in one engine each: MoE bs8 / bs32 and dense bs4 @ 32K
         run overlapmoe 240 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --json "$OUT/overlapmoe.json"

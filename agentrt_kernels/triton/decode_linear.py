@@ -41,6 +41,8 @@ import triton
 import triton.language as tl
 
 from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args
+from agentrt_kernels.triton.activation import silu_and_mul
+from agentrt_kernels.triton.norm import rms_norm
 
 MAX_ROWS = 16
 DEFAULT_LAUNCH = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False, "SWAP": True}
@@ -51,7 +53,7 @@ UNFUSED = {"UNFUSED": True}  # a tuned entry: the prologue's own kernel, then cu
 # On a GPU the table of its name (tuned/decode_linear_<name>.json, the sweep's rows) fills what is not set.
 TUNED_LAUNCHES: dict[tuple[int, int], dict[int, dict]] = {}
 _TUNED_DIR = Path(__file__).with_name("tuned")
-_DEVICES_LOADED: set[str] = set()
+_DEVICES_LOADED: set[torch.device] = set()
 
 
 def load_tuned_launches(rows: list[dict], replace: bool = True) -> None:
@@ -69,12 +71,10 @@ def load_tuned_launches(rows: list[dict], replace: bool = True) -> None:
 
 
 def _load_device_table(device: torch.device) -> None:
-    if device.type != "cuda":
+    if device.type != "cuda" or device in _DEVICES_LOADED:
         return
+    _DEVICES_LOADED.add(device)
     name = torch.cuda.get_device_name(device)
-    if name in _DEVICES_LOADED:
-        return
-    _DEVICES_LOADED.add(name)
     path = _TUNED_DIR / f"decode_linear_{name.replace(' ', '_')}.json"
     if path.exists():
         load_tuned_launches(json.loads(path.read_text()), replace=False)
@@ -97,8 +97,6 @@ def tuned_launch(n: int, k: int, rows: int, device: torch.device = torch.device(
 
 def _unfused(x, weight, bias, norm, residual, silu_mul, return_normed):
     """What ``decode_linear`` computes, as the engine's unfused layers do: the prologue's kernel, then F.linear."""
-    from agentrt_kernels.triton import rms_norm, silu_and_mul
-
     if silu_mul:
         return F.linear(silu_and_mul(x), weight, bias)
     if norm is None:
@@ -238,27 +236,26 @@ def decode_linear(
         raise ValueError(f"x is {x.dtype}, weight {weight.dtype}")
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
-    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
-    residual_out = None
     if residual is not None:
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x")
         check_last_dim_contiguous("residual", residual)
-        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
     if norm is not None and norm[0].shape != (k,):
         raise ValueError(f"norm weight {tuple(norm[0].shape)} does not match K = {k}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias {tuple(bias.shape)} does not match N = {n}")
+    if launch is None:
+        _load_device_table(x.device)
+        launch = tuned_launch(n, k, rows, x.device, x.element_size())
+    if launch.get("UNFUSED") and rows > 0:
+        return _unfused(x, weight, bias, norm, residual, silu_mul, return_normed)
+    y = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    residual_out = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else None
     normed = torch.empty((rows, k), dtype=x.dtype, device=x.device) if return_normed else None
     outputs = (y,) + ((residual_out,) if residual is not None else ()) + ((normed,) if return_normed else ())
     result = outputs if len(outputs) > 1 else y
     if rows == 0:
         return result
-    if launch is None:
-        _load_device_table(x.device)
-        launch = tuned_launch(n, k, rows, x.device, x.element_size())
-    if launch.get("UNFUSED"):
-        return _unfused(x, weight, bias, norm, residual, silu_mul, return_normed)
     cfg = {**DEFAULT_LAUNCH, **launch}
     fma = bool(cfg["FMA"]) and rows == 1
     upcast, precision = dot_args(_decode_linear_kernel, x.dtype)
