@@ -37,7 +37,7 @@ from engine.parallel.workers import start as start_tensor_parallel
 from engine.probe import Prober
 from engine.registry import create_kv_storage, create_method, create_scorer
 from engine.request import FinishReason, Request
-from engine.sampler import make_generator
+from engine.sampler import TopLogprobs, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
 
@@ -367,8 +367,9 @@ class LLMEngine:
             method.end_step(part)
         outputs = []
         if sampled is not None:
-            for req, token_id, logprob in zip(batch.sample_requests, sampled.token_ids, sampled.logprobs):
-                outputs.append(self._append_token(req, token_id, logprob))
+            for req, token_id, logprob, top in zip(batch.sample_requests, sampled.token_ids, sampled.logprobs,
+                                                   sampled.top_logprobs):
+                outputs.append(self._append_token(req, token_id, logprob, top))
         self.last_step = StepTiming(len(plan.requests), plan.num_tokens, t1 - t0, t2 - t1, t3 - t2,
                                     time.perf_counter() - t3, prefill_tokens=prefill_tokens,
                                     replayed=self.runner.last_replayed)
@@ -400,8 +401,8 @@ class LLMEngine:
 
     def _launch_window(self, batch, k: int, ahead: int = 0) -> DecodeWindow:
         steps, last = self.runner.execute_decode_steps(batch, k, ahead)
-        tokens, logprobs, ready = launch_copies(steps)
-        return DecodeWindow(list(batch.sample_requests), k, tokens, logprobs, ready, last, steps[-1][0],
+        tokens, logprobs, top, ready = launch_copies(steps)
+        return DecodeWindow(list(batch.sample_requests), k, tokens, logprobs, top, ready, last, steps[-1][0],
                             self.runner.last_replayed)
 
     def _next_window_size(self, window: DecodeWindow) -> int:
@@ -444,7 +445,7 @@ class LLMEngine:
         (or reaches its length) at step ``j`` keeps nothing after it; one that finished (or was aborted)
         before the window was read takes nothing from it. One output per request that took tokens."""
         t_wait = time.perf_counter()
-        tokens, logprobs = window.wait()  # the window's one wait for the device
+        tokens, logprobs, tops = window.wait()  # the window's one wait for the device
         if self.tp.world_size > 1:  # the ranks sampled alike (greedy / seeded); take rank 0's to be sure
             flat = self.tp.broadcast_ints([t for row in tokens for t in row], self.device)
             tokens = [flat[j * len(row):(j + 1) * len(row)] for j, row in enumerate(tokens)]
@@ -462,7 +463,7 @@ class LLMEngine:
             for i in live:
                 req = reqs[i]
                 lp = logprobs[j][i] if req.params.logprobs else None
-                stops[req.request_id] = self._accept_token(req, tokens[j][i], lp)
+                stops[req.request_id] = self._accept_token(req, tokens[j][i], lp, tops[j][i])
                 taken[req.request_id].append(tokens[j][i])
             live = [i for i in live if not reqs[i].is_finished]
         outputs = [self._emit(req, taken[req.request_id], text_before[req.request_id], stops.get(req.request_id))
@@ -472,13 +473,15 @@ class LLMEngine:
                                     overlapped=overlapped)
         return outputs
 
-    def _append_token(self, req: Request, token_id: int, logprob: float | None) -> RequestOutput:
+    def _append_token(self, req: Request, token_id: int, logprob: float | None,
+                      top: TopLogprobs | None) -> RequestOutput:
         before = len(self._detokenizers[req.request_id].text)
-        return self._emit(req, [token_id], before, self._accept_token(req, token_id, logprob))
+        return self._emit(req, [token_id], before, self._accept_token(req, token_id, logprob, top))
 
-    def _accept_token(self, req: Request, token_id: int, logprob: float | None) -> str | int | None:
+    def _accept_token(self, req: Request, token_id: int, logprob: float | None,
+                      top: TopLogprobs | None) -> str | int | None:
         """Append one sampled token; finish the request if it stops or reaches its length (its stop reason)."""
-        req.append_output(token_id, logprob)
+        req.append_output(token_id, logprob, top)
         detok = self._detokenizers[req.request_id]
         delta = detok.update(req.token_ids)
         stop_reason: str | int | None = None
@@ -521,6 +524,7 @@ class LLMEngine:
             new_token_ids=new_ids,
             new_text=new_text,
             logprobs=list(req.output_logprobs) if req.params.logprobs else None,
+            top_logprobs=list(req.output_top_logprobs) if req.params.top_logprobs else None,
             stop_reason=stop_reason,
             chain_id=req.chain_id,
             resume_status=req.resume_status,

@@ -140,12 +140,13 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_decode_steps(
         self, batch: ForwardBatch, k: int, ahead: int = 0
-    ) -> tuple[list[tuple[torch.Tensor, torch.Tensor | None]], ForwardBatch]:
+    ) -> tuple[list[tuple], ForwardBatch]:
         """``k`` decode steps of a pure-decode batch of hookless methods, back to back on the device: step
         ``j + 1`` reads the tokens step ``j`` sampled (``next_decode_step``), so the host never waits between
         them. ``ahead``: decode steps of these requests already launched whose tokens the host has not taken
-        (``batch`` was then built on the device by ``next_decode_step``). Returns each step's (tokens,
-        logprobs) tensors, still on the device, and the last step's batch."""
+        (``batch`` was then built on the device by ``next_decode_step``). Returns each step's
+        ``Sampler.sample_tensors`` result (tokens, logprobs, top logprobs), still on the device, and the last
+        step's batch."""
         assert batch.groups is None and batch.view.is_pure_decode
         reqs = batch.sample_requests
         params, generators = [r.params for r in reqs], [r.generator for r in reqs]

@@ -22,3 +22,5 @@ class RequestOutput:
     resume_status: str | None = None
     num_prefilled_tokens: int = 0
     num_resumed_tokens: int = 0
+    # per generated token, its K most likely alternatives as (token_id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None

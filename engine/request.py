@@ -34,6 +34,7 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # aligned with the above
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1
@@ -81,10 +82,13 @@ class Request:
         n = self.num_output_tokens + ahead
         return forced[n] if n < len(forced) else None
 
-    def append_output(self, token_id: int, logprob: float | None) -> None:
+    def append_output(self, token_id: int, logprob: float | None,
+                      top_logprobs: list[tuple[int, float]] | None = None) -> None:
         self.token_ids.append(token_id)
         if logprob is not None:
             self.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            self.output_top_logprobs.append(top_logprobs)
 
     def stop_by_token(self, token_id: int) -> bool:
         if token_id in self.params.stop_token_ids:

@@ -1,4 +1,4 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, min-p."""
+"""Batched token sampling: greedy, temperature, top-k, top-p, min-p; the logprobs (and top logprobs) asked for."""
 
 from __future__ import annotations
 
@@ -9,10 +9,14 @@ import torch
 from engine.sampling_params import SamplingParams
 
 
+TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
 @dataclass(slots=True)
 class SampleOutput:
     token_ids: list[int]
     logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs | None]  # per row; None where not asked
 
 
 def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator | None:
@@ -45,10 +49,45 @@ def _filter_mask(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor 
     return torch.empty_like(keep).scatter_(1, order, keep)
 
 
-def to_host(tokens: torch.Tensor, logprobs: torch.Tensor | None, params: list[SamplingParams]) -> SampleOutput:
+def top_rows(params: list[SamplingParams]) -> list[int]:
+    """The rows whose top logprobs ``sample_tensors`` returns, in the order of its top tensors' rows."""
+    return [i for i, p in enumerate(params) if p.top_logprobs]
+
+
+def top_lists(values: list[list[float]], ids: list[list[int]],
+              params: list[SamplingParams]) -> list[TopLogprobs | None]:
+    """Host lists of one step's top tensors (rows of ``top_rows(params)``, each ``max K`` wide) as one list per
+    row of the batch: each asking row keeps its own K, the rest get None."""
+    out: list[TopLogprobs | None] = [None] * len(params)
+    for r, i in enumerate(top_rows(params)):
+        k = params[i].top_logprobs
+        out[i] = list(zip(ids[r][:k], values[r][:k]))
+    return out
+
+
+def fetch(tensors: list[torch.Tensor]) -> list[list]:
+    """``tensors`` as host lists after a single wait for the device (``tolist`` per tensor would wait for each)."""
+    if tensors[0].device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    ready.synchronize()
+    return [h.tolist() for h in host]
+
+
+def to_host(tokens: torch.Tensor, logprobs: torch.Tensor | None, top: tuple[torch.Tensor, torch.Tensor] | None,
+            params: list[SamplingParams]) -> SampleOutput:
     """One step's sampled tensors as host lists (the step's one device sync); logprobs only where asked."""
-    lps = logprobs.tolist() if logprobs is not None else [None] * len(params)
-    return SampleOutput(token_ids=tokens.tolist(), logprobs=[lp if p.logprobs else None for lp, p in zip(lps, params)])
+    n = len(params)
+    if logprobs is None:
+        return SampleOutput(token_ids=tokens.tolist(), logprobs=[None] * n, top_logprobs=[None] * n)
+    host = fetch([tokens, logprobs] if top is None else [tokens, logprobs, *top])
+    lps = [lp if p.logprobs else None for lp, p in zip(host[1], params)]
+    tops = [None] * n if top is None else top_lists(host[2], host[3], params)
+    return SampleOutput(token_ids=host[0], logprobs=lps, top_logprobs=tops)
 
 
 class Sampler:
@@ -59,10 +98,9 @@ class Sampler:
         generators: list[torch.Generator | None],
         forced: list[int | None] | None = None,
     ) -> SampleOutput:
-        """``forced[i]``, when not None, is emitted for row i instead of a sample (its logprob is still the
-        model's)."""
-        tokens, logprobs = self.sample_tensors(logits, params, generators, forced)
-        return to_host(tokens, logprobs, params)
+        """``forced[i]``, when not None, is emitted for row i instead of a sample (its logprob and top
+        logprobs are still the model's)."""
+        return to_host(*self.sample_tensors(logits, params, generators, forced), params)
 
     def sample_tensors(
         self,
@@ -70,9 +108,12 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         forced: list[int | None] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``sample`` without the copy to the host: (tokens [n] int64, logprobs [n] fp32 of the emitted tokens,
-        or None when no row asks for them), on the logits' device, with no host sync."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
+        """``sample`` without the copy to the host: (tokens [n] int64, logprobs [n] fp32 of the emitted tokens
+        or None when no row asks for them, top logprobs or None when no row asks for them), on the logits'
+        device, with no host sync. The top logprobs are (values [m, K] fp32 descending, token ids [m, K]
+        int64) for the m rows of ``top_rows(params)``, K the largest ``top_logprobs`` among them (at most the
+        vocabulary): both logprobs are of the raw logits' log_softmax, before temperature and filtering."""
         n = logits.shape[0]
         assert logits.dim() == 2 and len(params) == n and len(generators) == n
         logits = logits.float()
@@ -98,13 +139,27 @@ class Sampler:
                 [forced[i] for i in rows], device=logits.device, dtype=tokens.dtype)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs]
         if not lp_rows:
-            return tokens, None
+            return tokens, None, None
         if len(lp_rows) == n:
-            return tokens, torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-        li = torch.tensor(lp_rows, device=logits.device)
-        logprobs = torch.zeros(n, dtype=torch.float32, device=logits.device)  # rows that do not ask: unused
-        logprobs[li] = torch.log_softmax(logits[li], dim=-1).gather(1, tokens[li, None]).squeeze(1)
-        return tokens, logprobs
+            logp = torch.log_softmax(logits, dim=-1)
+            logprobs = logp.gather(1, tokens[:, None]).squeeze(1)
+        else:
+            li = torch.tensor(lp_rows, device=logits.device)
+            logp = torch.log_softmax(logits[li], dim=-1)  # row r is batch row lp_rows[r]
+            logprobs = torch.zeros(n, dtype=torch.float32, device=logits.device)  # rows that do not ask: unused
+            logprobs[li] = logp.gather(1, tokens[li, None]).squeeze(1)
+        return tokens, logprobs, self._top(logp, [params[i].top_logprobs for i in lp_rows])
+
+    @staticmethod
+    def _top(logp: torch.Tensor, ks: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The ``max(ks)`` most likely tokens of the rows of ``logp`` whose ``ks`` entry is not 0 (top_logprobs
+        implies logprobs, so these rows are ``top_rows`` in order): one topk over just them."""
+        rows = [r for r, k in enumerate(ks) if k]
+        if not rows:
+            return None
+        if len(rows) < len(ks):
+            logp = logp[torch.tensor(rows, device=logp.device)]
+        return logp.topk(min(max(ks), logp.shape[1]), dim=-1, sorted=True)
 
     @staticmethod
     def _sample_random(

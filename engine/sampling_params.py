@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.errors import InvalidSamplingParamsError
 
 _GREEDY_EPS = 1e-5
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 
 def _is_int(x: object) -> bool:
@@ -32,6 +33,7 @@ class SamplingParams:
     logprobs: bool = False
     include_stop_str_in_output: bool = False
     forced_token_ids: list[int] = field(default_factory=list)  # emitted first, in order (replays, tests)
+    top_logprobs: int = 0  # with logprobs: also the K most likely tokens of each step, K <= MAX_TOP_LOGPROBS
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidSamplingParamsError:
@@ -81,6 +83,10 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
+        if not (_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):
+            raise bad("top_logprobs", f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
+        if self.top_logprobs and not self.logprobs:
+            raise bad("top_logprobs", "> 0 requires logprobs=True")
 
     @property
     def is_greedy(self) -> bool:
