@@ -5,7 +5,10 @@ The chain is an append-only log, so a request whose history differs from the cha
 naming the first differing message) rather than a silent rewrite: to branch, fork or rewind the chain first,
 or drop ``chain_id`` for a stateless completion. The system message is optional (the chain's own is implied);
 an assistant message matches the chain's turn either as generated (tool-call markup in the text) or as this
-route returned it (markup stripped, ``tool_calls`` with the same names and arguments; ids are not compared).
+route returned it (``strip_tool_calls`` of the text, ``tool_calls`` with the same names and arguments; ids are
+not compared).
+
+Log-probabilities (``logprobs``) are refused with ``chain_id``: a chain turn does not carry them.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from agentrt.chain_state import ChainState
 from agentrt.chat import Message, parse_tool_calls, strip_tool_calls
 from agentrt.errors import bad_field
 from agentrt.openai_types import (AssistantMessageIn, ChatMessage, CompletionUsage, Content, DeveloperMessage,
-                                  PromptTokensDetails, SystemMessage, ToolMessage, UserMessage)
+                                  PromptTokensDetails, RefusalPart, SystemMessage, TextPart, ToolMessage,
+                                  UserMessage)
 from agentrt.openai_types import Message as OpenAIMessage
 from sdk.schema import ToolCall, TurnCreate, TurnResult, Usage
 
@@ -36,9 +40,11 @@ class HistoryDiverged(HTTPException):
 
 
 def text_of(content: Content | None) -> str:
+    """A message's text: its string, or its text parts joined (other parts are refused before this)."""
     if content is None or isinstance(content, str):
         return content or ""
-    return "".join(part.text for part in content)
+    return "".join(part.text if isinstance(part, TextPart) else part.refusal if isinstance(part, RefusalPart) else ""
+                   for part in content)
 
 
 def _arguments(text: str) -> Any:
@@ -64,7 +70,7 @@ def _differs(sent: OpenAIMessage, kept: Message) -> str | None:
         sent_calls = _calls(sent.tool_calls or [])
         if text == raw and (not sent_calls or sent_calls == _calls(calls)):
             return None
-        if calls and sent_calls == _calls(calls) and text == strip_tool_calls(raw):
+        if sent_calls == _calls(calls) and text == strip_tool_calls(raw):
             return None
         return "differs from the chain's assistant message"
     if text != kept["content"]:
@@ -113,13 +119,16 @@ def turn_request(new: list[OpenAIMessage], offset: int, sampling: dict[str, Any]
         raise bad_field("messages", str(exc)) from None
 
 
-def assistant_message(result: TurnResult) -> tuple[ChatMessage, str]:
-    """The turn's message as OpenAI returns one: tool-call markup out of the text, calls in ``tool_calls``."""
-    calls, finish = result.message.tool_calls, result.finish_reason
-    if calls:
-        text = strip_tool_calls(result.message.content)
-        return ChatMessage(content=text or None, tool_calls=calls), "tool_calls" if finish == "stop" else finish
-    return ChatMessage(content=result.message.content), finish
+def assistant_message(result: TurnResult, parse_calls: bool = True) -> tuple[ChatMessage, str]:
+    """The turn's message as the stateless route returns one (agentrt.completions): ``strip_tool_calls`` of
+    the text as content (None when empty), the chain's calls (with their ids) in ``tool_calls``; with
+    ``parse_calls`` False (``tool_choice: "none"``) the text as generated."""
+    text, finish = result.message.content, result.finish_reason
+    if not parse_calls:
+        return ChatMessage(content=text or None), finish
+    calls = result.message.tool_calls
+    message = ChatMessage(content=strip_tool_calls(text) or None, tool_calls=calls or None)
+    return message, "tool_calls" if calls and finish == "stop" else finish
 
 
 def usage(u: Usage) -> CompletionUsage:

@@ -20,7 +20,8 @@ from sdk.schema import FunctionCall, RegionKind, ToolCall
 
 Message = dict[str, Any]
 
-_TOOL_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
+# one tool call: the opening tag, a JSON object (up to the first `}` that the closing tag follows), the closing tag
+TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 _KINDS: dict[str, RegionKind] = {"system": "system", "user": "user", "tool": "tool_result", "assistant": "assistant"}
 
 
@@ -112,21 +113,25 @@ def _common_prefix(a: str, b: str, start: int = 0) -> int:
     return i
 
 
+def tool_call_from_json(body: str) -> ToolCall | None:
+    """The call that a ``TOOL_CALL_RE`` match's JSON body (``{"name": ..., "arguments": ...}``) names; None when
+    malformed."""
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", {})
+    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=obj["name"], arguments=arguments))
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks; malformed ones are skipped."""
-    calls = []
-    for match in _TOOL_CALL.finditer(text):
-        try:
-            obj = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            continue
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
-        args = obj.get("arguments", {})
-        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        calls.append(ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=obj["name"], arguments=arguments)))
-    return calls
+    return [call for match in TOOL_CALL_RE.finditer(text) if (call := tool_call_from_json(match.group(1)))]
 
 
 def strip_tool_calls(text: str) -> str:
-    return _TOOL_CALL.sub("", text).strip()
+    """The text without its tool-call blocks (malformed ones too), stripped of surrounding whitespace."""
+    return TOOL_CALL_RE.sub("", text).strip()

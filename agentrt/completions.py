@@ -1,36 +1,53 @@
 """OpenAI-compatible chat completions: stateless (prefix caching still reuses shared prompt pages), or, with the
-``chain_id`` extension, a turn of that chain (agentrt.chain_completions)."""
+``chain_id`` extension, a turn of that chain (agentrt.chain_completions).
+
+A response's message is the generated text split by the tool-call rules of agentrt.chat: ``content`` is
+``strip_tool_calls(text)`` (None when nothing is left), ``tool_calls`` is ``parse_tool_calls(text)``, and a
+stop with calls finishes as ``tool_calls``. A stream gives the same message: its text goes through a
+ToolCallStream, so markup never arrives as content, and each call arrives as one ``tool_calls`` delta.
+``tool_choice: "none"`` leaves the text unparsed: the content is the text as generated, markup and all (the
+tools stay in the prompt, as with OpenAI, so a prefix cached with them still serves).
+"""
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from agentrt import chain_completions
+from agentrt.chain_completions import text_of
 from agentrt.chat import ChatRenderer, Message, parse_tool_calls, strip_tool_calls
 from agentrt.config import ServerConfig
 from agentrt.engine_worker import EngineWorker, RequestStream, prefill_counts
-from agentrt.errors import TurnFailed, bad_field
+from agentrt.errors import ModelNotFound, TurnFailed, bad_field, openai_error_body
 from agentrt.metrics import Metrics
 from agentrt.models import LOCAL_TENANT
-from agentrt.openai_types import ChainCompletion, ChainCompletionChunk, ChainTurn
-from agentrt.openai_types import (AssistantMessageIn, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest, ChatMessage, Choice,
-                                  ChunkChoice, CompletionUsage, Content, Delta, PromptTokensDetails, ToolCallDelta)
-from agentrt.openai_types import DeveloperMessage, ToolMessage
+from agentrt.openai_types import (AssistantMessageIn, ChainCompletion, ChainCompletionChunk, ChainTurn, ChatCompletion,
+                                  ChatCompletionChunk, ChatCompletionRequest, ChatMessage, Choice, ChoiceLogprobs,
+                                  ChunkChoice, CompletionUsage, Delta, DeveloperMessage, FunctionMessage,
+                                  PromptTokensDetails, RefusalPart, TextPart, TokenLogprob, ToolCallDelta, ToolMessage,
+                                  TopLogprob)
 from agentrt.openai_types import Message as OpenAIMessage
+from agentrt.tool_call_stream import ToolCallStream
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from sdk.schema import TurnDelta, TurnResult
+from sdk.schema import ToolCall, TurnDelta, TurnResult
 
 if TYPE_CHECKING:
     from agentrt.chains import ChainService
     from agentrt.turns import PendingTurn
+
+log = logging.getLogger(__name__)
+ENGINE_TOP_LOGPROBS = "top_logprobs" in getattr(SamplingParams, "__dataclass_fields__", {})
+_LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability zero (JSON has no -inf)
 
 
 @dataclass(slots=True)
@@ -40,6 +57,9 @@ class Completion:
     model: str
     stream: RequestStream
     include_usage: bool
+    parse_calls: bool = True  # False with tool_choice "none": the text is the content, as generated
+    logprobs: bool = False
+    top_logprobs: int = 0
     turn: PendingTurn | None = None  # with chain_id
 
     async def abort(self) -> None:
@@ -60,22 +80,27 @@ class CompletionService:
         self.renderer = renderer
         self.metrics = metrics
         self.chains = chains
+        self.tokens = TokenText(renderer.tokenizer)
 
     async def start(self, req: ChatCompletionRequest, tenant: str = LOCAL_TENANT) -> Completion:
         if req.model != self.model_name:
-            raise bad_field("model", f"unknown model {req.model!r}; this server serves {self.model_name!r}")
+            raise ModelNotFound(req.model, self.model_name)
+        check_supported(req)
         if req.chain_id is not None:
             return await self._start_chain(req, tenant)
         tools = msgspec.to_builtins(req.tools) if req.tools else None
         prompt = self.renderer.prompt([_template_message(m) for m in req.messages], tools)
         stream = await self.worker.submit(prompt, self._params(req))
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, stream, include_usage)
+        return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, stream,
+                          _include_usage(req), req.tool_choice != "none", bool(req.logprobs), req.top_logprobs or 0)
 
     async def _start_chain(self, req: ChatCompletionRequest, tenant: str) -> Completion:
         assert req.chain_id is not None
         if self.chains is None:
             raise bad_field("chain_id", "this server keeps no chains")
+        if req.logprobs:
+            raise bad_field("logprobs", "not available with chain_id (a chain turn carries no log-probabilities): "
+                                        "leave out chain_id for a stateless completion", "unsupported_parameter")
         state = await self.chains.state(req.chain_id, tenant)
         if req.tools is not None and msgspec.to_builtins(req.tools) != state.row.tools:
             raise bad_field("tools", "must equal the chain's tools (or be left out)")
@@ -84,19 +109,18 @@ class CompletionService:
         sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
                     "seed": p.seed, "max_tokens": p.max_tokens, "stop": p.stop,
                     "forced_token_ids": p.forced_token_ids}
-        turn = await self.chains.start_turn(req.chain_id, chain_completions.turn_request(new, offset, sampling,
-                                                                                           req.stream), tenant=tenant)
+        turn_data = chain_completions.turn_request(new, offset, sampling, bool(req.stream))
+        turn = await self.chains.start_turn(req.chain_id, turn_data, tenant=tenant)
         if turn.state.num_turns != state.num_turns:  # another request appended a turn meanwhile
             await turn.close()
             raise chain_completions.HistoryDiverged(offset, "the chain gained a turn while this request was read")
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, turn.stream,
-                          include_usage, turn)
+                          _include_usage(req), req.tool_choice != "none", turn=turn)
 
     async def complete(self, c: Completion) -> ChatCompletion:
         if c.turn is not None:
             result = await c.turn.result()
-            message, finish = chain_completions.assistant_message(result)
+            message, finish = chain_completions.assistant_message(result, c.parse_calls)
             return ChainCompletion(id=c.id, created=c.created, model=c.model,
                                    usage=chain_completions.usage(result.usage), chain=_chain_turn(result),
                                    choices=[Choice(index=0, message=message, finish_reason=finish)])
@@ -105,55 +129,91 @@ class CompletionService:
             async for out in outputs:
                 last = out
         last = self._finished(last)
-        message, finish = _message(last)
+        message, finish = _message(last.text, last.finish_reason or "stop", c.parse_calls)
+        logprobs = None
+        if c.logprobs:
+            logprobs = self._logprobs(c, last.token_ids, last.logprobs, getattr(last, "top_logprobs", None))
         return ChatCompletion(id=c.id, created=c.created, model=c.model, usage=self._usage(last),
-                              choices=[Choice(index=0, message=message, finish_reason=finish)])
+                              choices=[Choice(index=0, message=message, finish_reason=finish, logprobs=logprobs)])
 
     async def chunks(self, c: Completion) -> AsyncGenerator[str, None]:
+        """The SSE data of a streamed completion: a role chunk, content and tool-call chunks, a chunk with the
+        finish reason, the usage chunk (with ``include_usage``), ``[DONE]``. An error after the response
+        started arrives as an event whose data is OpenAI's error object (what the OpenAI clients raise)."""
         def chunk(delta: Delta, finish: str | None = None, usage: CompletionUsage | None = None,
-                  choices: bool = True, chain: ChainTurn | None = None) -> str:
+                  choices: bool = True, chain: ChainTurn | None = None, logprobs: ChoiceLogprobs | None = None) -> str:
             fields = dict(id=c.id, created=c.created, model=c.model, usage=usage,
-                          choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish)] if choices else [])
+                          choices=[ChunkChoice(index=0, delta=delta, finish_reason=finish, logprobs=logprobs)]
+                          if choices else [])
             body = ChatCompletionChunk(**fields) if chain is None else ChainCompletionChunk(**fields, chain=chain)
             return msgspec.json.encode(body).decode()
 
-        yield chunk(Delta(role="assistant", content=""))
-        if c.turn is not None:
-            result: TurnResult | None = None
-            async with aclosing(c.turn.events()) as events:
-                async for event in events:
-                    if isinstance(event, TurnDelta):
-                        if event.text:
-                            yield chunk(Delta(content=event.text))
-                    else:
-                        result = event
-            assert result is not None
-            message, finish = chain_completions.assistant_message(result)
-            calls = [ToolCallDelta(index=i, id=t.id, function=t.function) for i, t in enumerate(message.tool_calls or [])]
-            yield chunk(Delta(tool_calls=calls or None), finish, chain=_chain_turn(result))
+        def calls_delta(calls: list[ToolCall], first: int) -> Delta:
+            return Delta(tool_calls=[ToolCallDelta(index=first + i, id=t.id, function=t.function)
+                                     for i, t in enumerate(calls)])
+
+        parser = ToolCallStream() if c.parse_calls else None
+        try:
+            yield chunk(Delta(role="assistant"))
+            if c.turn is not None:
+                result: TurnResult | None = None
+                async with aclosing(c.turn.events()) as events:
+                    async for event in events:
+                        if isinstance(event, TurnDelta):
+                            text = parser.feed(event.text)[0] if parser else event.text
+                            if text:
+                                yield chunk(Delta(content=text))
+                        else:
+                            result = event
+                assert result is not None
+                text = parser.finish()[0] if parser else ""
+                if text:
+                    yield chunk(Delta(content=text))
+                message, finish = chain_completions.assistant_message(result, c.parse_calls)
+                if message.tool_calls:  # the chain's ids: its tool results are matched to its calls by id
+                    yield chunk(calls_delta(message.tool_calls, 0))
+                yield chunk(Delta(), finish, chain=_chain_turn(result))
+                if c.include_usage:
+                    yield chunk(Delta(), usage=chain_completions.usage(result.usage), choices=False)
+                yield "[DONE]"
+                return
+            last = None
+            sent_calls = 0
+            async with aclosing(c.stream.outputs()) as outputs:
+                async for out in outputs:
+                    last = out
+                    text, calls = parser.feed(out.new_text) if parser else (out.new_text, [])
+                    logprobs = None
+                    if c.logprobs and out.new_token_ids:
+                        n = len(out.new_token_ids)
+                        top = getattr(out, "top_logprobs", None)
+                        logprobs = self._logprobs(c, out.new_token_ids, (out.logprobs or [])[-n:],
+                                                  top[-n:] if top else None)
+                    if text or logprobs:
+                        yield chunk(Delta(content=text or None), logprobs=logprobs)
+                    if calls:
+                        yield chunk(calls_delta(calls, sent_calls))
+                        sent_calls += len(calls)
+            last = self._finished(last)
+            text, calls = parser.finish() if parser else ("", [])
+            if text:
+                yield chunk(Delta(content=text))
+            if calls:
+                yield chunk(calls_delta(calls, sent_calls))
+            _, finish = _message(last.text, last.finish_reason or "stop", c.parse_calls)
+            yield chunk(Delta(), finish)
             if c.include_usage:
-                yield chunk(Delta(), usage=chain_completions.usage(result.usage), choices=False)
+                yield chunk(Delta(), usage=self._usage(last), choices=False)
             yield "[DONE]"
-            return
-        last = None
-        async with aclosing(c.stream.outputs()) as outputs:
-            async for out in outputs:
-                last = out
-                if out.new_text:
-                    yield chunk(Delta(content=out.new_text))
-        last = self._finished(last)
-        message, finish = _message(last)
-        calls = [ToolCallDelta(index=i, id=t.id, function=t.function) for i, t in enumerate(message.tool_calls or [])]
-        yield chunk(Delta(tool_calls=calls or None), finish)
-        if c.include_usage:
-            yield chunk(Delta(), usage=self._usage(last), choices=False)
-        yield "[DONE]"
+        except Exception as exc:  # the status line is sent: the error goes into the stream
+            log.info("stream %s failed: %r", c.id, exc)
+            yield msgspec.json.encode(openai_error_body(exc)).decode()
 
     def _params(self, req: ChatCompletionRequest) -> SamplingParams:
         max_tokens = req.max_completion_tokens or req.max_tokens or self.config.default_max_tokens
         if max_tokens > self.config.max_tokens_per_turn:
             key = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-            raise bad_field(key, f"must be <= {self.config.max_tokens_per_turn}")
+            raise bad_field(key, f"must be <= {self.config.max_tokens_per_turn}", "invalid_value")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         forced = list(req.forced_token_ids or [])
         vocab = self.worker.engine.model_config.vocab_size
@@ -161,12 +221,32 @@ class CompletionService:
             raise bad_field("forced_token_ids", f"has {len(forced)} tokens, more than max_tokens ({max_tokens})")
         if any(t >= vocab for t in forced):
             raise bad_field("forced_token_ids", f"every id must be < the vocabulary size {vocab}")
+        extra: dict[str, Any] = {}
+        if req.top_logprobs:
+            if not ENGINE_TOP_LOGPROBS:
+                raise bad_field("top_logprobs", "this engine reports only the chosen token's log-probability: "
+                                                "leave top_logprobs out or 0", "unsupported_value")
+            extra["top_logprobs"] = req.top_logprobs
+        greedy = req.top_p == 0  # nucleus of one token; the engine takes top_p in (0, 1]
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            temperature=0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None or greedy else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
-            seed=req.seed, max_tokens=max_tokens, stop=stop, forced_token_ids=forced)
+            seed=req.seed, max_tokens=max_tokens, stop=stop, forced_token_ids=forced,
+            logprobs=bool(req.logprobs), **extra)
+
+    def _logprobs(self, c: Completion, token_ids: Sequence[int], logprobs: Sequence[float] | None,
+                  top: Sequence[Sequence[tuple[int, float]]] | None) -> ChoiceLogprobs:
+        entries = []
+        for k, (token_id, logprob) in enumerate(zip(token_ids, logprobs or [])):
+            text, raw = self.tokens(token_id)
+            alternatives = []
+            for alt_id, alt_logprob in (top[k][:c.top_logprobs] if top and c.top_logprobs else []):
+                alt_text, alt_raw = self.tokens(alt_id)
+                alternatives.append(TopLogprob(token=alt_text, logprob=_finite(alt_logprob), bytes=alt_raw))
+            entries.append(TokenLogprob(token=text, logprob=_finite(logprob), bytes=raw, top_logprobs=alternatives))
+        return ChoiceLogprobs(content=entries)
 
     def _finished(self, last: RequestOutput | None) -> RequestOutput:
         if last is None or last.finish_reason == "abort":
@@ -182,19 +262,128 @@ class CompletionService:
                                prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
 
 
+class TokenText:
+    """A token's text (the tokenizer's decoding of the id alone) and its bytes, for ``logprobs``. For a
+    byte-level BPE the bytes are the token's own (a token may hold part of a UTF-8 character, whose text
+    alone is U+FFFD); otherwise the UTF-8 of its text."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._byte_level = backend is not None and "ByteLevel" in repr(getattr(backend, "decoder", None))
+        self._added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            hit = self._cache[token_id] = (text, list(self._bytes(token_id, text)))
+        return hit
+
+    def _bytes(self, token_id: int, text: str) -> bytes:
+        if self._byte_level and token_id not in self._added:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(ch in _BYTE_OF_CHAR for ch in piece):
+                return bytes(_BYTE_OF_CHAR[ch] for ch in piece)
+        return text.encode("utf-8")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte-level BPE's printable stand-in for each byte (GPT-2's ``bytes_to_unicode``), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {ch: b for b, ch in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def check_supported(req: ChatCompletionRequest) -> None:
+    """Refuse, with a 400 naming the field, what this server cannot do as OpenAI would (docs/server.md has
+    the table of every request field)."""
+    def refuse(key: str, why: str, code: str = "unsupported_parameter") -> None:
+        raise bad_field(key, why, code)
+
+    if req.functions is not None:
+        refuse("functions", "deprecated by OpenAI and not supported: declare functions as `tools` "
+                            '([{"type": "function", "function": {...}}])')
+    if req.function_call is not None:
+        refuse("function_call", "deprecated by OpenAI and not supported: use `tool_choice` with `tools`")
+    if req.n is not None and req.n != 1:
+        refuse("n", "only one choice per request is generated here (n = 1)", "unsupported_value")
+    _check_tool_choice(req.tool_choice)
+    if req.response_format is not None and req.response_format.get("type") != "text":
+        refuse("response_format", f"only {{\"type\": \"text\"}}: {req.response_format.get('type')!r} needs "
+                                  "constrained decoding, which this server does not do", "unsupported_value")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if getattr(req, key):
+            refuse(key, "must be 0 or left out: the engine applies no penalties", "unsupported_value")
+    if req.logit_bias:
+        refuse("logit_bias", "must be empty or left out: the engine applies no logit bias", "unsupported_value")
+    if req.modalities is not None and req.modalities != ["text"]:
+        refuse("modalities", 'only ["text"]: this model generates text', "unsupported_value")
+    if req.audio is not None:
+        refuse("audio", "this model generates text only")
+    if req.reasoning_effort not in (None, "none"):
+        refuse("reasoning_effort", "this model does not reason: leave it out (or \"none\")", "unsupported_value")
+    if req.verbosity is not None:
+        refuse("verbosity", "not supported by this model: leave it out")
+    if req.web_search_options is not None:
+        refuse("web_search_options", "this server does not search the web")
+    if req.moderation is not None:
+        refuse("moderation", "this server runs no moderation")
+    if req.top_logprobs and not req.logprobs:
+        refuse("top_logprobs", "requires `logprobs: true`", "invalid_value")
+    for i, m in enumerate(req.messages):
+        if isinstance(m, FunctionMessage):
+            refuse(f"messages[{i}].role", "role 'function' is deprecated by OpenAI and not supported: send a "
+                                          "tool's result as a 'tool' message with its tool_call_id", "invalid_value")
+        if isinstance(m, AssistantMessageIn):
+            if m.function_call is not None:
+                refuse(f"messages[{i}].function_call", "deprecated by OpenAI and not supported: use tool_calls")
+            if m.audio is not None:
+                refuse(f"messages[{i}].audio", "this model takes text only")
+        if isinstance(m.content, list):
+            for j, part in enumerate(m.content):
+                if not isinstance(part, (TextPart, RefusalPart)) or (isinstance(part, RefusalPart)
+                                                                      and not isinstance(m, AssistantMessageIn)):
+                    refuse(f"messages[{i}].content[{j}].type",
+                           f"this model takes text only, not {part.__struct_config__.tag!r} parts", "invalid_value")
+
+
+def _check_tool_choice(choice: str | dict[str, Any] | None) -> None:
+    if choice is None or choice in ("auto", "none"):
+        return
+    if choice == "required":
+        raise bad_field("tool_choice", "'required' needs constrained decoding, which this server does not do: use "
+                                       "'auto' (the model may call a tool) or 'none'", "unsupported_value")
+    if isinstance(choice, str):
+        raise bad_field("tool_choice", f"must be 'auto', 'none' or 'required', not {choice!r}", "invalid_value")
+    raise bad_field("tool_choice", f"forcing a tool ({choice.get('type')!r}) needs constrained decoding, which this "
+                                   "server does not do: use 'auto' or 'none'", "unsupported_value")
+
+
+def _include_usage(req: ChatCompletionRequest) -> bool:
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _LOGPROB_FLOOR
+
+
 def _chain_turn(result: TurnResult) -> ChainTurn:
     return ChainTurn(id=result.chain_id, turn=result.turn, resume_status=result.resume_status)
 
 
-def _text(content: Content | None) -> str:
-    if content is None or isinstance(content, str):
-        return content or ""
-    return "".join(part.text for part in content)
-
-
 def _template_message(m: OpenAIMessage) -> Message:
     role = "system" if isinstance(m, DeveloperMessage) else str(m.__struct_config__.tag)
-    out: Message = {"role": role, "content": _text(m.content)}
+    out: Message = {"role": role, "content": text_of(m.content)}
     if isinstance(m, AssistantMessageIn) and m.tool_calls:
         out["tool_calls"] = msgspec.to_builtins(m.tool_calls)
     if isinstance(m, ToolMessage):
@@ -202,10 +391,9 @@ def _template_message(m: OpenAIMessage) -> Message:
     return out
 
 
-def _message(out: RequestOutput) -> tuple[ChatMessage, str]:
-    finish = out.finish_reason or "stop"
-    calls = parse_tool_calls(out.text)
-    if calls:
-        text = strip_tool_calls(out.text)
-        return ChatMessage(content=text or None, tool_calls=calls),  "tool_calls" if finish == "stop" else finish
-    return ChatMessage(content=out.text), finish
+def _message(text: str, finish: str, parse_calls: bool) -> tuple[ChatMessage, str]:
+    if not parse_calls:
+        return ChatMessage(content=text or None), finish
+    calls = parse_tool_calls(text)
+    message = ChatMessage(content=strip_tool_calls(text) or None, tool_calls=calls or None)
+    return message, "tool_calls" if calls and finish == "stop" else finish

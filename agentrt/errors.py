@@ -1,4 +1,5 @@
-"""HTTP errors and the exception handlers that give every error one body shape (sdk.schema.ErrorBody)."""
+"""HTTP errors and the exception handlers that give every error one body shape (sdk.schema.ErrorBody), and on the
+OpenAI-compatible routes OpenAI's error object instead (``OPENAI_EXCEPTION_HANDLERS``: the same mapping, reshaped)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from litestar import MediaType, Request, Response
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
 from agentrt.chat import TemplateMismatchError
-from agentrt.engine_worker import EngineUnavailable
+from agentrt.engine_worker import EngineOverloaded, EngineUnavailable
+from agentrt.openai_types import ErrorObject, ErrorResponse
 from engine.chain_index import ChainBusyError, UnknownChainError
 from engine.errors import InvalidRequestError, InvalidSamplingParamsError
 from sdk.schema import ErrorBody, ErrorDetail
@@ -23,6 +25,11 @@ _NAMED_FIELD = re.compile(r"(?:unknown|required) field `([^`]+)`")
 class ChainNotFound(NotFoundException):
     def __init__(self, chain_id: str):
         super().__init__(detail=f"no chain {chain_id!r}")
+
+
+class ModelNotFound(NotFoundException):
+    def __init__(self, model: str, served: str):
+        super().__init__(detail=f"the model {model!r} does not exist; this server serves {served!r}")
 
 
 class ChainBusy(HTTPException):
@@ -43,8 +50,10 @@ class TurnFailed(HTTPException):
     status_code = 503
 
 
-def bad_field(key: str, message: str) -> ValidationException:
-    return ValidationException(detail=f"{key}: {message}", extra=[{"message": message, "key": key, "source": "body"}])
+def bad_field(key: str, message: str, code: str | None = None) -> ValidationException:
+    """A 400 naming the request field ``key``; ``code`` is the OpenAI error code on the OpenAI routes."""
+    item = {"message": message, "key": key, "source": "body", **({"code": code} if code else {})}
+    return ValidationException(detail=f"{key}: {message}", extra=[item])
 
 
 def _body(status: int, detail: str, extra: list[ErrorDetail] | None = None,
@@ -72,7 +81,15 @@ def _details(extra: Any) -> list[ErrorDetail] | None:
     return out
 
 
-def on_http_error(_: Request, exc: HTTPException) -> Response[ErrorBody]:
+def on_http_error(request: Request | None, exc: HTTPException) -> Response[ErrorBody | ErrorResponse]:
+    """``request`` None: for a WebSocket's error message (always the chain routes' shape). On an OpenAI path
+    this handler answers only the router's own errors (405, ...), raised before any route's handlers."""
+    if request is not None and _openai_path(request.url.path):
+        return _openai(_http_error)(request, exc)
+    return _http_error(request, exc)
+
+
+def _http_error(_: Request, exc: HTTPException) -> Response[ErrorBody]:
     details = _details(exc.extra)
     detail = exc.detail
     if isinstance(exc, ValidationException) and details:
@@ -123,3 +140,95 @@ EXCEPTION_HANDLERS: Any = {
     RecursionError: on_too_deep,  # msgspec on a deeply nested body ("[[[[...")
     Exception: on_unexpected,
 }
+
+
+# --- the OpenAI-compatible routes ------------------------------------------------------------------
+def _openai_path(path: str) -> bool:
+    path = path.rstrip("/")
+    return path in ("/v1/chat/completions", "/v1/models") or path.startswith("/v1/models/")
+
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
+                 503: "service_unavailable_error"}
+_OPENAI_CODES = {401: "invalid_api_key", 405: "method_not_allowed", 409: "conflict", 413: "request_too_large",
+                 415: "unsupported_media_type", 429: "rate_limit_exceeded", 500: "internal_error"}
+
+
+def _msgspec_code(message: str) -> str | None:
+    if "unknown field" in message:
+        return "unknown_parameter"
+    if "missing required field" in message:
+        return "missing_required_parameter"
+    if message.startswith("Expected `") and ", got `" in message:
+        return "invalid_type"
+    if message.startswith(("Expected `", "Invalid")):
+        return "invalid_value"
+    return None
+
+
+def openai_error(exc: Exception, body: ErrorBody) -> tuple[int, ErrorObject]:
+    """The status and OpenAI error object for an error that the chain routes would answer with ``body``.
+
+    What OpenAI answers with 400 is a 400 here too: the engine's refusals (a prompt longer than the model
+    takes, more KV than the pool holds) and chat-template failures, which the chain routes give as 422."""
+    status, message = body.status_code, body.detail
+    param = next((d.key for d in body.extra or [] if d.key), None)
+    raw = exc.extra[0] if isinstance(exc, HTTPException) and isinstance(exc.extra, list) and exc.extra else None
+    code = raw.get("code") if isinstance(raw, dict) else None
+    if param == "data":  # the body as a whole (msgspec's name for it)
+        param = None
+    if status == 400 and param is not None and code is None:
+        code = _msgspec_code(body.extra[0].message if body.extra else "")
+        if code == "unknown_parameter":
+            message = f"Unrecognized request argument supplied: {param}"
+    elif isinstance(exc, InvalidSamplingParamsError):
+        param = str(exc).split(" ", 1)[0]
+        code = "invalid_value"
+    elif isinstance(exc, InvalidRequestError):
+        status, param = 400, "messages"
+        code = "context_length_exceeded" if "max_model_len" in message or "KV pages" in message else None
+    elif isinstance(exc, (TemplateMismatchError, TemplateError)):
+        status, param, code = 400, "messages", "invalid_value"
+    elif isinstance(exc, ModelNotFound):
+        param, code = "model", "model_not_found"
+    elif isinstance(exc, (ChainNotFound, UnknownChainError)):
+        param, code = "chain_id", "chain_not_found"
+    elif isinstance(exc, EngineOverloaded):
+        code = "server_is_overloaded"
+    error_type = _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return status, ErrorObject(message=message, type=error_type, param=param,
+                               code=code or _OPENAI_CODES.get(status))
+
+
+def _openai(handler: Any) -> Any:
+    def reshaped(request: Request, exc: Exception) -> Response[ErrorResponse]:
+        response = handler(request, exc)
+        status, error = openai_error(exc, response.content)
+        return Response(ErrorResponse(error=error), status_code=status, media_type=MediaType.JSON,
+                        headers=dict(response.headers) or None)
+    return reshaped
+
+
+OPENAI_EXCEPTION_HANDLERS: Any = {cls: _openai(_http_error if handler is on_http_error else handler)
+                                  for cls, handler in EXCEPTION_HANDLERS.items()}
+
+
+def openai_error_body(exc: Exception) -> ErrorResponse:
+    """OpenAI's error object for ``exc``, as the OpenAI routes answer it (for an error in a started stream)."""
+    handler = next(OPENAI_EXCEPTION_HANDLERS[cls] for cls in type(exc).__mro__ if cls in OPENAI_EXCEPTION_HANDLERS)
+    return handler(None, exc).content
+
+
+class TooManyMethodConfigs(HTTPException):
+    """429 on create: the tenant's chains already use its limit of distinct method configurations (each one
+    a slot of the engine's ``max_methods``, held while a chain uses it)."""
+
+    status_code = 429
+
+    def __init__(self, tenant: str, limit: int):
+        message = (f"tenant {tenant!r} already uses {limit} distinct method configurations, its limit "
+                   "(max_method_configs_per_tenant): reuse one of them, or delete the chains using one first")
+        super().__init__(detail=f"method_config: {message}",
+                         extra=[{"message": message, "key": "method_config", "source": "body"}])
+

@@ -1,7 +1,9 @@
 """The OpenAI chat-completions wire types the compatible route reads and writes.
 
-Unlike agentrt's own API, requests tolerate unknown fields (OpenAI clients send many optional knobs); the
-fields declared here are validated.
+Requests forbid unknown fields, as OpenAI does: a field that is neither OpenAI's nor one of agentrt's extensions
+(``chain_id``, ``forced_token_ids``, ``top_k``, ``min_p``) is a 400 naming it. Every field of OpenAI's request is
+declared; those this server cannot honor are refused by ``agentrt.completions`` with a 400 naming them
+(docs/server.md lists each field and what it does here).
 """
 
 from __future__ import annotations
@@ -13,77 +15,143 @@ from msgspec import Meta, Struct
 from sdk.schema import FunctionCall, ToolCall
 
 
-class ContentPart(Struct, kw_only=True):
-    type: Literal["text"]
+class _Strict(Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class TextPart(_Strict, tag_field="type", tag="text", kw_only=True):
     text: str
+    prompt_cache_breakpoint: Any = None  # no effect: prefix caching here is automatic
 
 
+class ImagePart(_Strict, tag_field="type", tag="image_url", kw_only=True):
+    image_url: Any = None
+
+
+class AudioPart(_Strict, tag_field="type", tag="input_audio", kw_only=True):
+    input_audio: Any = None
+
+
+class FilePart(_Strict, tag_field="type", tag="file", kw_only=True):
+    file: Any = None
+    prompt_cache_breakpoint: Any = None
+
+
+class RefusalPart(_Strict, tag_field="type", tag="refusal", kw_only=True):
+    refusal: str
+
+
+ContentPart = TextPart | ImagePart | AudioPart | FilePart | RefusalPart
 Content = str | list[ContentPart]
 
 
-class _Message(Struct, tag_field="role", kw_only=True):
+class _Message(_Strict, tag_field="role", kw_only=True):
     name: str | None = None
 
 
-class SystemMessage(_Message, kw_only=True, tag="system"):
+class SystemMessage(_Message, tag="system", kw_only=True):
     content: Content
 
 
-class DeveloperMessage(_Message, kw_only=True, tag="developer"):
+class DeveloperMessage(_Message, tag="developer", kw_only=True):
     content: Content
 
 
-class UserMessage(_Message, kw_only=True, tag="user"):
+class UserMessage(_Message, tag="user", kw_only=True):
     content: Content
 
 
-class AssistantMessageIn(_Message, kw_only=True, tag="assistant"):
+class AssistantMessageIn(_Message, tag="assistant", kw_only=True):
     content: Content | None = None
     tool_calls: list[ToolCall] | None = None
+    # what a client echoes back of a response message (``message.model_dump()``): null, or ignored
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+    audio: Any = None
+    function_call: Any = None
 
 
-class ToolMessage(_Message, kw_only=True, tag="tool"):
+class ToolMessage(_Message, tag="tool", kw_only=True):
     content: Content
     tool_call_id: str
 
 
-Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessageIn | ToolMessage
+class FunctionMessage(_Message, tag="function", kw_only=True):
+    """Deprecated by OpenAI (tool messages replace it); refused with a pointer to ``tool``."""
+
+    content: str | None = None
 
 
-class FunctionDef(Struct, kw_only=True, omit_defaults=True):
+Message = SystemMessage | DeveloperMessage | UserMessage | AssistantMessageIn | ToolMessage | FunctionMessage
+
+
+class FunctionDef(_Strict, omit_defaults=True, kw_only=True):
     name: Annotated[str, Meta(min_length=1)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: bool | None = None  # accepted; arguments are not schema-constrained here
 
 
-class Tool(Struct, kw_only=True):
-    type: Literal["function"] = "function"
+class Tool(_Strict, kw_only=True):
+    type: Literal["function"]
     function: FunctionDef
 
 
-class StreamOptions(Struct, kw_only=True):
-    include_usage: bool = False
+class StreamOptions(_Strict, kw_only=True):
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = None  # no effect: chunks are not padded
 
 
-class ChatCompletionRequest(Struct, kw_only=True):
+Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)] | None
+
+
+class ChatCompletionRequest(_Strict, kw_only=True):
     model: str
     messages: Annotated[list[Message], Meta(min_length=1)]
+    # honored
     tools: list[Tool] | None = None
-    tool_choice: Any = None
+    tool_choice: str | dict[str, Any] | None = None  # "none" and "auto" honored; the rest refused
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # 0: the most likely token only (greedy)
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Meta(ge=1)] | None = None
     stop: str | list[str] | None = None
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
-    n: Annotated[int, Meta(ge=1, le=1)] = 1
-    stream: bool = False
+    n: Annotated[int, Meta(ge=1)] | None = None  # 1 only
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    chain_id: Annotated[str, Meta(min_length=1, max_length=64)] | None = None  # agentrt extension: resume a chain
-    forced_token_ids: list[Annotated[int, Meta(ge=0, le=2**31)]] | None = None  # agentrt extension (replays)
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    # accepted with no effect here
+    user: str | None = None
+    safety_identifier: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
+    # accepted only at their neutral value
+    frequency_penalty: Penalty = None
+    presence_penalty: Penalty = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    # refused unless null
+    audio: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    functions: Any = None
+    function_call: Any = None
+    # agentrt extensions
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    chain_id: Annotated[str, Meta(min_length=1, max_length=64)] | None = None  # resume a chain
+    forced_token_ids: list[Annotated[int, Meta(ge=0, le=2**31)]] | None = None  # emitted first (replays, tests)
 
 
 class ChatMessage(Struct, kw_only=True):
@@ -92,11 +160,28 @@ class ChatMessage(Struct, kw_only=True):
     tool_calls: list[ToolCall] | None = None
 
 
+class TopLogprob(Struct, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob, kw_only=True):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(Struct, kw_only=True):
+    """One entry per generated token (tool-call markup and a stop token included)."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
 class Choice(Struct, kw_only=True):
     index: int
     message: ChatMessage
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class PromptTokensDetails(Struct, kw_only=True):
@@ -148,7 +233,7 @@ class ChunkChoice(Struct, kw_only=True):
     index: int
     delta: Delta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None  # with ``logprobs``: the tokens this chunk's engine step generated
 
 
 class ChatCompletionChunk(Struct, kw_only=True):
@@ -176,3 +261,16 @@ class ModelCard(Struct, kw_only=True):
 class ModelList(Struct, kw_only=True):
     data: list[ModelCard]
     object: Literal["list"] = "list"
+
+
+class ErrorObject(Struct, kw_only=True):
+    message: str
+    type: str
+    param: str | None = None  # the offending request field (``messages[0].role``)
+    code: str | None = None
+
+
+class ErrorResponse(Struct, kw_only=True):
+    """OpenAI's error body, on the OpenAI-compatible routes (also as the ``data`` of an SSE event mid-stream)."""
+
+    error: ErrorObject
