@@ -25,6 +25,7 @@ from agentrt.db import open_database
 from agentrt.engine_worker import EngineWorker
 from agentrt.errors import EXCEPTION_HANDLERS
 from agentrt.metrics import Metrics
+from agentrt.request_guards import strict_json_body
 from agentrt.routes import ChainController, OpenAIController, SystemController
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litest
                       "completions": Provide(_completions, sync_to_thread=False),
                       "tenant": Provide(_tenant, sync_to_thread=False)},
         guards=[auth_guard],
+        before_request=strict_json_body,
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         request_max_body_size=config.max_body_size,
