@@ -8,12 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "data" / "qwen3-tiny-trained"
-
-
-def embedded_model_dir() -> Path:
-    """The embedded default model: a tiny Qwen3 trained on long-context retrieval (package data; docs/quality.md)."""
-    return EMBEDDED_MODEL_DIR
+from engine.tiny_checkpoint import embedded_model_dir  # noqa: F401  (the server's default model)
 
 
 def default_db_url() -> str:
@@ -53,6 +48,24 @@ class ServerConfig:
     max_chains_per_tenant: int | None = 1000  # 429 on create / fork beyond; None: unlimited
     max_queue_depth: int | None = 256  # engine requests in flight; a new one beyond -> 503 with Retry-After
     retry_after_s: int = 2
+    # distinct (method, method_config) pairs other than the server's that one tenant's chains may use at once
+    # (429 on create beyond): each holds one of the engine's max_methods slots while a chain uses it
+    max_method_configs_per_tenant: int | None = 4
+    # chat rendering and tokenization run on this many threads, off the event loop (agentrt.render_pool)
+    render_workers: int = 2
+    # a turn's messages and tools, as JSON, may hold this many characters per token of the model's context
+    # (413 beyond, before any rendering): more cannot fit the context whatever the tokenizer makes of them
+    max_chars_per_token: int = 32
+    # the names a keyless loopback server answers to in ``Host`` (agentrt.host_guard); None: localhost and
+    # loopback addresses when auth is off, any name when it is on; ("*",): any name
+    allowed_hosts: tuple[str, ...] | None = None
+
+    @property
+    def host_allow_list(self) -> tuple[str, ...] | None:
+        """The ``Host`` names to admit, or None for any."""
+        if self.allowed_hosts is not None:
+            return None if "*" in self.allowed_hosts else self.allowed_hosts
+        return None if self.auth_required else ("localhost", "127.0.0.1", "::1")
 
     @property
     def auth_required(self) -> bool:
@@ -65,10 +78,10 @@ class ServerConfig:
                 f"refusing to serve without API keys on {self.host!r}, which is not a loopback address: "
                 "bind to 127.0.0.1 for keyless local development, or enable auth and create a key with "
                 "`agentrt keys create --tenant NAME`")
-        for name in ("max_body_size", "max_tokens_per_turn", "retry_after_s"):
+        for name in ("max_body_size", "max_tokens_per_turn", "retry_after_s", "render_workers", "max_chars_per_token"):
             if getattr(self, name) < 1:
                 raise ConfigurationError(f"{name} must be >= 1")
-        for name in ("max_chains_per_tenant", "max_queue_depth"):
+        for name in ("max_chains_per_tenant", "max_queue_depth", "max_method_configs_per_tenant"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigurationError(f"{name} must be >= 0 (or None for no limit)")

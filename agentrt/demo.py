@@ -5,7 +5,8 @@ checks the weather of four cities, one tool call per turn (the calls are supplie
 so the session is the same whatever the model writes after them), then asks three follow-up questions. The
 chain keeps its KV between turns, so each turn prefills only its new tokens; once a fifth tool result
 arrives the policy has pruned the oldest rounds. One table row per turn: the tokens the turn appended,
-prefilled and resumed, the KV pages the chain holds afterwards, and the tokens its policy pruned.
+prefilled and resumed, the KV pages the chain holds afterwards, and the tokens its policy pruned; a legend
+under the table says what each column means.
 """
 
 from __future__ import annotations
@@ -25,6 +26,20 @@ CITIES = {"Paris": (18, "clear"), "Oslo": (-3, "snow"), "Rome": (24, "sunny"), "
 FOLLOW_UPS = ["Which of these cities is the warmest?", "Where will I need a coat?",
               "Thanks! Summarise the trip plan in one line."]
 LAG = 2
+LEGEND = f"""
+  status     created: the turn that started the chain; resumed: the turn reused the KV the chain kept;
+             recomputed: the chain's KV had been reclaimed, so the turn computed it again
+  new        tokens the turn appended to the chain: its messages and the assistant header, as the chat
+             template renders them
+  prefilled  tokens whose KV the turn computed: from turn 1 on, new + 1, because the previous reply's last
+             token was sampled but never fed back through the model, so its KV is computed with the new ones
+  resumed    tokens whose KV the chain kept from earlier turns (reused, not recomputed)
+  pages      KV pages the chain holds after the turn (16 tokens each on the in-process server)
+  pruned     tokens the lag-{LAG} policy freed in the turn: the tool result {LAG} rounds behind the one
+             the turn appended
+  reply      every turn's messages are scripted, and so are the tool calls of turns 0-3 (sent as assistant
+             prefixes, so the session is the same whatever the model writes after them); from turn 4 on the
+             reply is the model's own (at most --max-tokens tokens)"""
 
 
 @dataclass(slots=True)
@@ -88,6 +103,7 @@ def _print(rows: list[DemoRow]) -> None:
         reply = r.reply if len(r.reply) <= 48 else r.reply[:45] + "..."
         print(f"{r.turn:>4} {r.status:>10} {r.appended:>5} {r.prefilled:>9} {r.resumed:>7} {r.pages:>5} "
               f"{r.pruned:>6}  {reply}")
+    print(LEGEND)
 
 
 def run(url: str | None = None, max_tokens: int = 16) -> list[DemoRow]:

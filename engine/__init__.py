@@ -11,6 +11,7 @@ _EXPORTS = {
     "EngineConfig": "engine.config",
     "RequestOutput": "engine.outputs",
     "SamplingParams": "engine.sampling_params",
+    "embedded_model_dir": "engine.tiny_checkpoint",
 }
 
 __all__ = list(_EXPORTS)

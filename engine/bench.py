@@ -1,9 +1,9 @@
 """Offline throughput benchmark: prefill and decode tok/s for a batch, context length and model shape.
 
-Model shapes come by name (``engine.model_shapes``) with random weights, so it runs where no weights can be
-downloaded. Prints one JSON object per run and a table.
+Model shapes come by name with random weights, so it runs where no weights can be downloaded (or --model
+times a checkpoint directory). Prints one JSON object per run and a table.
 
-    python -m engine.bench --shape tiny --batch 1,32 --context 256 --decode-tokens 64
+    agentrt bench --shape tiny --batch 1,32 --context 256 --decode-tokens 64
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_shapes import get_shape
 from engine.sampling_params import SamplingParams
+from engine.cli_args import checked_after_parsing
 
 
 def write_shape_dir(shape: str, root: Path) -> Path:
@@ -199,20 +200,72 @@ def run_cases(engine: LLMEngine, cases: list[tuple[int, int]], args: argparse.Na
     return results
 
 
+def _cases(text: str) -> list[tuple[int, int]]:
+    """batch@context pairs, e.g. 1@4096,8@4096."""
+    cases = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        batch, _, context = part.partition("@")
+        try:
+            case = (int(batch), int(context))
+        except ValueError:
+            case = (0, 0)
+        if min(case) < 1:
+            raise argparse.ArgumentTypeError(f"expected batch@context pairs of integers >= 1 such as "
+                                             f"1@4096,8@4096, got {part!r}")
+        cases.append(case)
+    if not cases:
+        raise argparse.ArgumentTypeError(f"expected batch@context pairs such as 1@4096,8@4096, got {text!r}")
+    return cases
+
+
+def _read_json(text: str) -> None:
+    try:
+        json.loads(Path(text).read_text())
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {exc.strerror}") from None
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text} is not JSON ({exc})") from None
+
+
+def _parent_exists(text: str) -> None:
+    if not Path(text).parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the directory of {text} does not exist")
+
+
+@checked_after_parsing(_read_json)
+def _json_file(text: str) -> str:
+    return text
+
+
+@checked_after_parsing(_parent_exists)
+def _output_file(text: str) -> str:
+    return text
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="tiny")
-    ap.add_argument("--model", help="a checkpoint dir instead of a named shape with random weights")
-    ap.add_argument("--batch", default="1,32", help="comma-separated batch sizes")
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--attention-backend", default="auto")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--decode-steps", type=int, default=1,
+    from engine.attention_backend import BACKEND_NAMES
+    from engine.config import DTYPES
+    from engine.model_shapes import SHAPES
+    from engine.cli_args import CommandLineParser, checkpoint_dir, device, positive_int, positive_ints
+
+    ap = CommandLineParser(prog="agentrt bench", description=__doc__)
+    ap.add_argument("--shape", default="tiny", choices=sorted(SHAPES), metavar="SHAPE",
+                    help=f"a named model shape with random weights: {', '.join(sorted(SHAPES))}")
+    ap.add_argument("--model", type=checkpoint_dir,
+                    help="a checkpoint directory with weights instead of a named shape (default: --shape)")
+    ap.add_argument("--batch", type=positive_ints, default=[1, 32], help="comma-separated batch sizes")
+    ap.add_argument("--context", type=positive_int, default=256, help="prompt tokens of every request")
+    ap.add_argument("--decode-tokens", type=positive_int, default=64, help="tokens generated per request")
+    ap.add_argument("--device", type=device, default="auto", help="auto (a GPU when visible), cpu or cuda[:N]")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
+                    help="weights and KV dtype (auto: the checkpoint's or the shape's)")
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
+                    help="token budget of one engine step (the prefill chunk)")
+    ap.add_argument("--attention-backend", default="auto", choices=BACKEND_NAMES,
+                    help="EngineConfig.attention_backend")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    ap.add_argument("--enforce-eager", action="store_true", help="never replay decode CUDA graphs")
+    ap.add_argument("--decode-steps", type=positive_int, default=1,
                     help="decode steps run back to back per schedule (EngineConfig.decode_steps)")
     ap.add_argument("--overlap-decode", choices=("auto", "on", "off", "both"), default="auto",
                     help="EngineConfig.overlap_decode (auto: on a GPU); both: each case "
@@ -221,16 +274,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     choices=("auto", "on", "off", "both"),
                     help="EngineConfig.fused_decode_linears (auto: on a GPU): norms and SiLU-and-mul inside the "
                          "decode projections; both: every case without them, then in a second engine with them")
-    ap.add_argument("--decode-linear-launches",
+    ap.add_argument("--decode-linear-launches", type=_json_file,
                     help="the fused decode linears' launches from this benchmarks.decode_linear --json file")
     ap.add_argument("--hf", action="store_true", help="also time HF transformers generate (GPU) in the same run")
-    ap.add_argument("--cases", help="batch@context pairs, e.g. 1@4096,8@4096,4@32768 (overrides --batch/--context)")
-    ap.add_argument("--json", help="write the results here too")
+    ap.add_argument("--cases", type=_cases,
+                    help="batch@context pairs, e.g. 1@4096,8@4096,4@32768 (overrides --batch/--context)")
+    ap.add_argument("--json", type=_output_file, help="write the results here too")
     args = ap.parse_args(argv)
-    if args.cases:
-        cases = [tuple(int(x) for x in c.split("@")) for c in args.cases.split(",")]
-    else:
-        cases = [(int(b), args.context) for b in args.batch.split(",")]
+    cases = args.cases or [(b, args.context) for b in args.batch]
     batches = [b for b, _ in cases]
     if args.decode_linear_launches:
         from agentrt_kernels.triton.decode_linear import load_tuned_launches

@@ -16,7 +16,7 @@ from engine.sampling_params import SamplingParams
 class LLM:
     """``LLM(model_dir, **engine_options).generate(prompts, params)``.
 
-    >>> llm = LLM(default_model_dir(), max_num_batched_tokens=256)   # doctest: +SKIP
+    >>> llm = LLM(embedded_model_dir(), max_num_batched_tokens=256)   # doctest: +SKIP
     >>> llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=8))[0].text  # doctest: +SKIP
     """
 

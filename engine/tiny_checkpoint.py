@@ -1,8 +1,9 @@
-"""Seeded, random-initialised Hugging Face checkpoints for tests, examples and the embedded default model.
+"""Tiny Hugging Face checkpoints: the embedded trained model, and seeded random ones for tests and examples.
 
-Everything is built locally: a byte-level BPE tokenizer trained on an embedded corpus, a ChatML chat
-template with tool calling (Qwen2.5 style), and a model of one of the supported architectures whose
-weights depend only on the arguments.
+``embedded_model_dir()`` is the default model of every command: a tiny Qwen3 trained on long-context
+retrieval, shipped as package data (docs/quality.md). Random checkpoints are built locally: a byte-level BPE
+tokenizer trained on an embedded corpus, a ChatML chat template with tool calling (Qwen2.5 style), and a
+model of one of the supported architectures whose weights depend only on the arguments.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from engine.cli_args import CommandLineParser, json_object, positive_int, usage_error
 from engine.errors import ConfigError
 
 ENDOFTEXT = "<|endoftext|>"
@@ -31,6 +33,8 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 VOCAB_PAD_MULTIPLE = 64
 CHECKPOINT_FORMAT_VERSION = 1
+
+EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "data" / "qwen3-tiny-trained"
 
 DEFAULT_MODEL_NAME = "qwen3-tiny"
 DEFAULT_MODEL_ARGS: dict[str, Any] = {
@@ -447,42 +451,58 @@ def cached_checkpoint_dir(name: str, **kwargs: Any) -> Path:
     return final_dir
 
 
-def default_model_dir() -> Path:
-    """The embedded default model (a small random qwen3), built on first use and reused afterwards."""
+def embedded_model_dir() -> Path:
+    """The embedded default model: a tiny Qwen3 trained on long-context retrieval (package data; docs/quality.md)."""
+    return EMBEDDED_MODEL_DIR
+
+
+def random_model_dir() -> Path:
+    """A small random qwen3 for tests, built on first use into the cache and reused afterwards."""
     return cached_checkpoint_dir(DEFAULT_MODEL_NAME, **DEFAULT_MODEL_ARGS)
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m engine.tiny_checkpoint", description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="llama", choices=SUPPORTED_ARCHS)
-    parser.add_argument("--out", required=True, type=Path)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=512)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--head-dim", type=int, default=None)
-    parser.add_argument("--intermediate-size", type=int, default=128)
-    parser.add_argument("--max-position-embeddings", type=int, default=2048)
-    parser.add_argument("--tie-word-embeddings", action="store_true")
-    parser.add_argument("--rope-scaling", type=json.loads, default=None, help="JSON object, e.g. '{\"rope_type\": \"linear\", \"factor\": 2.0}'")
-    parser.add_argument("--rope-theta", type=float, default=10000.0)
-    parser.add_argument("--initializer-range", type=float, default=0.02)
-    parser.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES)
-    parser.add_argument("--num-experts", type=int, default=4)
-    parser.add_argument("--num-experts-per-tok", type=int, default=2)
-    parser.add_argument("--moe-intermediate-size", type=int, default=32)
-    parser.add_argument("--no-norm-topk-prob", dest="norm_topk_prob", action="store_false")
-    parser.add_argument("--max-shard-size", default=None)
+    parser = CommandLineParser(prog="agentrt make-tiny", description=(
+        "Write a seeded random Hugging Face checkpoint of a supported architecture: config.json,\n"
+        "safetensors, a locally trained tokenizer and a ChatML chat template with tool calls."))
+    parser.add_argument("--arch", default="llama", choices=SUPPORTED_ARCHS, help="the architecture")
+    parser.add_argument("--out", required=True, type=Path, help="the directory to write (created)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument("--vocab-size", type=positive_int, default=512,
+                        help="tokenizer vocabulary (the model's is padded to a multiple of 64)")
+    parser.add_argument("--hidden-size", type=positive_int, default=64, help="model width")
+    parser.add_argument("--num-layers", type=positive_int, default=2, help="decoder layers")
+    parser.add_argument("--num-heads", type=positive_int, default=4, help="query heads")
+    parser.add_argument("--num-kv-heads", type=positive_int, default=2, help="key/value heads (divides --num-heads)")
+    parser.add_argument("--head-dim", type=positive_int, default=None,
+                        help="size of one head (default: hidden size / heads)")
+    parser.add_argument("--intermediate-size", type=positive_int, default=128, help="MLP width (dense architectures)")
+    parser.add_argument("--max-position-embeddings", type=positive_int, default=2048, help="the longest context")
+    parser.add_argument("--tie-word-embeddings", action="store_true", help="share the embedding and output matrices")
+    parser.add_argument("--rope-scaling", type=json_object, default=None,
+                        help="JSON object, e.g. '{\"rope_type\": \"linear\", \"factor\": 2.0}' (default: none)")
+    parser.add_argument("--rope-theta", type=float, default=10000.0, help="RoPE base")
+    parser.add_argument("--initializer-range", type=float, default=0.02, help="std of the random weights")
+    parser.add_argument("--dtype", default="float32", choices=SUPPORTED_DTYPES, help="dtype of the weights")
+    parser.add_argument("--num-experts", type=positive_int, default=4, help="experts per MoE layer (qwen3_moe)")
+    parser.add_argument("--num-experts-per-tok", type=positive_int, default=2, help="experts routed per token (qwen3_moe)")
+    parser.add_argument("--moe-intermediate-size", type=positive_int, default=32, help="expert MLP width (qwen3_moe)")
+    parser.add_argument("--no-norm-topk-prob", dest="norm_topk_prob", action="store_false",
+                        help="do not renormalise the routed experts' weights (qwen3_moe)")
+    parser.add_argument("--max-shard-size", default=None,
+                        help="split the safetensors into shards of at most this size, e.g. 1MB (default: one file)")
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     args = vars(_parse_args(argv))
     out_dir = args.pop("out")
-    print(make_tiny_checkpoint(out_dir, **args))
+    try:
+        print(make_tiny_checkpoint(out_dir, **args))
+    except ConfigError as exc:
+        return usage_error("agentrt make-tiny", exc)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

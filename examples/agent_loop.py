@@ -4,8 +4,8 @@
     python examples/agent_loop.py --scripted       # or --url http://HOST:PORT, --api-key KEY
 
 ``Agent`` turns the tool calls the server parsed from each reply into tool-result turns until a reply has no
-call. The embedded model has random weights and never calls a tool by itself: ``--scripted`` starts the
-first two replies with a tool call (an assistant prefix; generation continues after it), so both tools run.
+call. The embedded model (trained on long-context retrieval, not on tool use) does not call these tools by
+itself: ``--scripted`` starts the first two replies with a tool call (an assistant prefix; generation continues after it), so both tools run.
 With a real model, leave it off.
 """
 

@@ -17,11 +17,11 @@ from agentrt.replay.report import summarize, table, with_speedups
 from agentrt.replay.synth import SynthShape, synth_traces
 from agentrt.replay.trace import load, write_many
 from engine.llm_engine import load_tokenizer
-from engine.tiny_checkpoint import default_model_dir
+from engine.tiny_checkpoint import random_model_dir
 
 
 def main() -> None:
-    tokenizer = load_tokenizer(default_model_dir())
+    tokenizer = load_tokenizer(random_model_dir())
     tokenizer.model_max_length = 2**62
     shape = SynthShape(num_turns=(8, 8), system_tokens=400, tool_tokens=(50, 250), output_tokens=(56, 72))
     with tempfile.TemporaryDirectory() as tmp:

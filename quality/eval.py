@@ -1,4 +1,4 @@
-"""``python -m quality.eval`` (also ``agentrt eval``): accuracy per method x budget x context length x depth.
+"""``agentrt eval``: accuracy per method x budget x context length x depth.
 
 Every sample runs through the real engine (`LLMEngine`, greedy) with the method configured for the budget
 (`quality.budgets`); an answer counts when the exact answer tokens come out, then the end token. Writes
@@ -18,26 +18,41 @@ from collections import defaultdict
 from pathlib import Path
 
 from agentrt.config import embedded_model_dir
+from engine.cli_args import (CommandLineParser, checkpoint_dir, device, fraction, json_object,
+                                    non_negative_ints, positive_int, positive_ints)
 from quality.budgets import METHODS, method_config
 from quality.multiturn import run_lag, tool_chain
 from quality.runner import make_engine, run_samples
 from quality.tasks import TASKS, make_sample
 
 
-def _floats(text: str) -> list[float]:
-    return [float(x) for x in text.split(",") if x]
+def _numbers(low: float, high: float, low_open: bool = False):
+    """A type: comma-separated numbers in [low, high] ((low, high] when ``low_open``)."""
+    what = f"comma-separated numbers in {'(' if low_open else '['}{low:g}, {high:g}]"
+
+    def parse(text: str) -> list[float]:
+        try:
+            values = [float(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            values = []
+        if not values or not all((low < v if low_open else low <= v) and v <= high for v in values):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return values
+
+    return parse
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+def _names(known: tuple[str, ...], what: str):
+    """A type: a comma-separated subset of ``known``, or all."""
 
+    def parse(text: str) -> list[str]:
+        names = list(known) if text == "all" else [x for x in text.split(",") if x]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {unknown or [text]}; known: {', '.join(known)} or all")
+        return names
 
-def _names(text: str, known: tuple[str, ...], what: str) -> list[str]:
-    names = list(known) if text == "all" else [x for x in text.split(",") if x]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"unknown {what} {unknown}; known: {', '.join(known)}")
-    return names
+    return parse
 
 
 def grid_samples(tokenizer, tasks, lengths, depths, samples: int, seed: int) -> dict[tuple[str, int], list]:
@@ -156,31 +171,49 @@ def _write_csv(path: Path, rows: list[dict]) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m quality.eval", description=__doc__.splitlines()[0])
-    p.add_argument("--model", help="checkpoint dir (default: the embedded trained model)")
-    p.add_argument("--out", type=Path, default=Path("quality-eval"))
-    p.add_argument("--tasks", default="needle,tool_lookup", help=f"comma list or all ({', '.join(TASKS)})")
-    p.add_argument("--methods", default="all", help=f"comma list or all ({', '.join(METHODS)})")
-    p.add_argument("--budgets", type=_floats, default=[0.1, 0.25, 0.5])
-    p.add_argument("--lengths", type=_ints, default=[512, 1024, 2048])
-    p.add_argument("--depths", type=_floats, default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    p.add_argument("--samples", type=int, default=2, help="samples per task x length x depth")
-    p.add_argument("--knobs", type=json.loads, default={},
-                   help='per-method knob overrides as JSON, e.g. \'{"snapkv": {"kernel_size": 7}}\'')
-    p.add_argument("--heatmap-budget", type=float, default=0.25)
-    p.add_argument("--rounds", type=int, default=6, help="tool rounds per lag-test chain")
-    p.add_argument("--lags", type=_ints, default=[1, 2, 4])
-    p.add_argument("--keep-ratios", type=_floats, default=[0.0, 0.2, 0.5])
-    p.add_argument("--lag-samples", type=int, default=4, help="chains per asked round")
-    p.add_argument("--no-lag", action="store_true")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--seed", type=int, default=0)
+    p = CommandLineParser(prog="agentrt eval", description=__doc__)
+    p.add_argument("--model", type=checkpoint_dir,
+                   help="a local Hugging Face checkpoint directory (default: the embedded trained model)")
+    p.add_argument("--out", type=Path, default=Path("quality-eval"), help="directory for the results (created)")
+    p.add_argument("--tasks", type=_names(TASKS, "task(s)"), default=["needle", "tool_lookup"],
+                   help=f"comma list or all ({', '.join(TASKS)})")
+    p.add_argument("--methods", type=_names(METHODS, "method(s)"), default=list(METHODS),
+                   help=f"comma list or all ({', '.join(METHODS)}) (default: all)")
+    p.add_argument("--budgets", type=_numbers(0, 1, low_open=True), default=[0.1, 0.25, 0.5],
+                   help="KV budgets as fractions of the prompt")
+    p.add_argument("--lengths", type=positive_ints, default=[512, 1024, 2048],
+                   help="prompt lengths in tokens (each >= 64 and within the model's context)")
+    p.add_argument("--depths", type=_numbers(0, 1), default=[0.0, 0.25, 0.5, 0.75, 1.0],
+                   help="where the asked fact sits, as fractions of the prompt (0: start)")
+    p.add_argument("--samples", type=positive_int, default=2, help="samples per task x length x depth")
+    p.add_argument("--knobs", type=json_object, default={},
+                   help='per-method knob overrides as JSON, e.g. \'{"snapkv": {"kernel_size": 7}}\' (default: none)')
+    p.add_argument("--heatmap-budget", type=fraction, default=0.25, help="the budget the depth x length heatmap shows")
+    p.add_argument("--rounds", type=int, default=6, help="tool rounds per lag-test chain (>= 2)")
+    p.add_argument("--lags", type=non_negative_ints, default=[1, 2, 4],
+                   help="lag pruning policies to test (tool rounds kept whole)")
+    p.add_argument("--keep-ratios", type=_numbers(0, 1), default=[0.0, 0.2, 0.5],
+                   help="fractions of a pruned tool result kept")
+    p.add_argument("--lag-samples", type=positive_int, default=4, help="chains per asked round")
+    p.add_argument("--no-lag", action="store_true", help="skip the lag-pruning table")
+    p.add_argument("--device", type=device, default="cpu", help="auto (a GPU when visible), cpu or cuda[:N]")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype (auto: the checkpoint's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the samples")
     args = p.parse_args(argv)
-    args.tasks = _names(args.tasks, TASKS, "tasks")
-    args.methods = _names(args.methods, METHODS, "methods")
-    if args.samples < 1 or args.lag_samples < 1 or args.rounds < 2:
-        raise SystemExit("--samples and --lag-samples must be >= 1 and --rounds >= 2")
+    if args.rounds < 2:
+        p.error(f"argument --rounds: expected an integer >= 2, got {args.rounds}")
+    unknown = sorted(set(args.knobs) - set(METHODS))
+    if unknown or not all(isinstance(v, dict) for v in args.knobs.values()):
+        p.error(f"argument --knobs: expected {{method: {{knob: value}}}} for methods among {', '.join(METHODS)}, "
+                f"got {json.dumps(args.knobs)}")
+    if min(args.lengths) < 64:
+        p.error(f"argument --lengths: each length must be >= 64 tokens, got {min(args.lengths)}")
+    context = json.loads((Path(args.model or embedded_model_dir()) / "config.json").read_text()).get(
+        "max_position_embeddings")
+    if context and max(args.lengths) + 64 > context:  # the prompt (within a filler sentence) and its answer
+        p.error(f"argument --lengths: {max(args.lengths)} does not fit the model's context of {context} tokens "
+                f"with the answer; use lengths up to {context - 64}")
     return args
 
 

@@ -17,3 +17,8 @@ def test_demo_session_resumes_every_turn_and_its_policy_prunes(capsys):
     assert [r.reply for r in rows[:4]] == [f"call get_weather({c})" for c in demo.CITIES]
     out = capsys.readouterr().out
     assert "2 of 4 rounds pruned" in out
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["turn", "status"])
+    assert out.index(header) < out.index(demo.LEGEND)  # the legend is printed under the table
+    explained = {line.split()[0] for line in demo.LEGEND.splitlines() if line[:2] == "  " and line[2] != " "}
+    assert explained == set(header.split()) - {"turn"}  # a line for every column but the turn number
+    assert "new + 1" in demo.LEGEND and "scripted" in demo.LEGEND

@@ -14,9 +14,9 @@ from agentrt.replay.synth import SynthShape, SynthShapeError, synth_trace
 @pytest.fixture(scope="module")
 def tokenizer():
     from engine.llm_engine import load_tokenizer
-    from engine.tiny_checkpoint import default_model_dir
+    from engine.tiny_checkpoint import random_model_dir
 
-    tok = load_tokenizer(default_model_dir())
+    tok = load_tokenizer(random_model_dir())
     tok.model_max_length = 2**62
     return tok
 
@@ -109,7 +109,7 @@ def test_forced_tokens_on_the_wire_are_validated():
             body = {"model": "qwen3-tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
                     "forced_token_ids": [5, 6]}
             r = http.post("/v1/chat/completions", json=body)
-            assert r.status_code == 400 and r.json()["extra"][0]["key"] == "forced_token_ids", r.text
+            assert r.status_code == 400 and r.json()["error"]["param"] == "forced_token_ids", r.text
 
 
 def test_chain_cache_prefills_5x_fewer_tokens_than_dense_without_prefix_cache(tokenizer, tmp_path):
@@ -165,3 +165,69 @@ def test_chain_cache_prefills_5x_fewer_tokens_than_dense_without_prefix_cache(to
         assert 0 < sum(seconds.values()) <= run.wall_s
     pngs = write_plots(summaries, tmp_path)
     assert [p.read_bytes()[:8] for p in pngs] == [b"\x89PNG\r\n\x1a\n"] * 2
+
+
+def _renderer(model_dir):
+    from agentrt.chat import ChatRenderer
+    from engine.llm_engine import load_tokenizer
+
+    return ChatRenderer(load_tokenizer(model_dir), [])
+
+
+def test_fit_trace_scales_the_long_parts_until_the_conversation_fits():
+    from agentrt.replay.replayer import context_tokens
+    from agentrt.replay.synth import fit_trace
+    from engine.tiny_checkpoint import embedded_model_dir
+
+    renderer = _renderer(embedded_model_dir())
+    tok = renderer.tokenizer
+    count = lambda t: context_tokens(renderer, t)  # noqa: E731
+    shape = SynthShape(num_turns=(8, 8))  # the coding-agent shape: about 3x the embedded model's 4096
+    whole = synth_trace(tok, 0, shape)
+    assert count(whole) > 4096
+    fitted = fit_trace(tok, 0, shape, 4096, count)
+    assert count(fitted) <= 4096 and fitted.num_turns == 8
+    assert 0 < fitted.header.metadata["scale"] < 1
+    assert tr.dumps(fitted) == tr.dumps(fit_trace(tok, 0, shape, 4096, count))  # deterministic
+    assert tr.dumps(fit_trace(tok, 0, shape, 10**6, count)) == tr.dumps(whole)  # fits: untouched
+    with pytest.raises(SynthShapeError) as info:  # the outputs and tool definitions alone do not fit
+        fit_trace(tok, 0, SynthShape(num_turns=(60, 60)), 4096, count)
+    assert info.value.field == "num_turns"
+
+
+def test_replay_cli_refuses_traces_that_cannot_fit_in_one_line(tmp_path, capsys):
+    from agentrt.replay.cli import main
+    from engine.tiny_checkpoint import embedded_model_dir
+
+    # explicit token sizes are kept as given: a trace they make too long is the flags' fault
+    assert main(["run", "--sessions", "1", "--turns", "8,8", "--system-tokens", "3000", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("agentrt replay run: --system-tokens: trace synth-0")
+    assert "max_model_len" in err
+    # a recorded trace longer than the model's context
+    tok = _renderer(embedded_model_dir()).tokenizer
+    tr.write(synth_trace(tok, 0, SynthShape(num_turns=(8, 8))), tmp_path / "long.jsonl")
+    assert main(["run", "--traces", str(tmp_path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"agentrt replay run: --traces {tmp_path}: trace synth-0")
+    # a context set below the model's own
+    assert main(["run", "--sessions", "1", "--turns", "2,2", "--engine-options", '{"max_model_len": 512}',
+                 "--device", "cpu"]) == 2
+    assert "--turns 2,2: trace synth-0" in capsys.readouterr().err
+
+
+def test_replay_run_fits_generated_traces_to_the_embedded_model(tmp_path, capsys):
+    """The README's `agentrt replay run` at a smaller size: the default shape does not fit the embedded model's
+    4096 tokens, so its long parts are scaled down and every turn is served (no 422)."""
+    import json
+
+    from agentrt.replay.cli import main
+
+    assert main(["run", "--sessions", "1", "--turns", "3,3", "--configs", "dense-chain", "--think-scale", "0",
+                 "--device", "cpu", "--num-pages", "512", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "replay.json").read_text())
+    assert report["model"] == "embedded tiny" and report["turns_per_session"] == [3]
+    assert 0 < report["trace_scale"][0] < 1
+    (result,) = report["results"]
+    assert result["config"] == "dense-chain" and len(result["prefilled_per_turn"]) == 3
+    assert "scaled by" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The server against the real app (Litestar's TestClient) on the embedded tiny model, SQLite in tmp_path."""
+"""The server against the real app (Litestar's TestClient) on the random tiny model, SQLite in tmp_path."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from litestar.testing import TestClient
 
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
-from engine.tiny_checkpoint import default_model_dir
+from engine.tiny_checkpoint import random_model_dir
 from tests.server_helpers import (ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, generate_direct, make_engine, post_turn,
                                   sse_events, weather_tool_round)
 
@@ -17,7 +17,7 @@ IM_END = "<|im_end|>"
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return default_model_dir()
+    return random_model_dir()
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def db_url(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(model_dir, db_url):
     app = create_app(ServerConfig(model=model_dir, db_url=db_url, engine_options=ENGINE_OPTIONS))
-    with TestClient(app=app, timeout=120) as c:
+    with TestClient(base_url="http://127.0.0.1", app=app, timeout=120) as c:
         yield c
 
 
@@ -241,7 +241,7 @@ def test_a_new_app_on_the_same_database_sees_everything_and_continues(client, se
         assert r.status_code == 200, r.text
     before = {c: _chain(client, c) for c in (cid, other)}
     app = create_app(ServerConfig(model=model_dir, db_url=db_url, engine_options=ENGINE_OPTIONS))
-    with TestClient(app=app, timeout=120) as fresh:
+    with TestClient(base_url="http://127.0.0.1", app=app, timeout=120) as fresh:
         listed = [c["id"] for c in fresh.get("/v1/chains", params={"limit": 100}).json()["data"]]
         for c, old in before.items():
             new = _chain(fresh, c)

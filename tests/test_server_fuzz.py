@@ -12,7 +12,7 @@ from litestar.testing import TestClient
 
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
-from engine.tiny_checkpoint import default_model_dir
+from engine.tiny_checkpoint import random_model_dir
 from tests.server_helpers import ENGINE_OPTIONS, WEATHER_TOOL
 from tests.test_server_auth import bearer, make_keys
 
@@ -191,9 +191,9 @@ class Fuzzer:
 def fuzz_app(tmp_path_factory):
     db_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'fuzz.db'}"
     keys = make_keys(db_url, "alice", "bob")
-    config = ServerConfig(model=default_model_dir(), db_url=db_url, engine_options=ENGINE_OPTIONS, require_auth=True,
+    config = ServerConfig(model=random_model_dir(), db_url=db_url, engine_options=ENGINE_OPTIONS, require_auth=True,
                           max_body_size=BODY_LIMIT, max_tokens_per_turn=MAX_TOKENS, max_chains_per_tenant=40)
-    with TestClient(app=create_app(config), timeout=60, raise_server_exceptions=False) as client:
+    with TestClient(base_url="http://127.0.0.1", app=create_app(config), timeout=60, raise_server_exceptions=False) as client:
         yield client, keys
 
 
@@ -231,7 +231,9 @@ def test_hostile_requests_never_5xx_and_the_server_still_serves(fuzz_app):
                 failures.append((i, method, path, (body or b"")[:300], r.status_code, "leak: " + r.text[:300]))
         if r.status_code < 500 and r.headers.get("content-type", "").startswith("application/json") and r.content:
             payload = r.json()
-            if r.status_code >= 400:
+            if r.status_code >= 400 and path.split("?")[0].startswith(("/v1/chat/completions", "/v1/models")):
+                assert set(payload) == {"error"} and set(payload["error"]) == {"message", "type", "param", "code"}
+            elif r.status_code >= 400:
                 assert set(payload) <= {"status_code", "detail", "extra"} and payload["status_code"] == r.status_code
     assert not failures, failures[:10]
     assert sum(statuses.values()) == NUM_HTTP

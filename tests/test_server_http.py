@@ -12,7 +12,7 @@ import pytest
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
 from agentrt.local_server import LocalServer
-from engine.tiny_checkpoint import default_model_dir
+from engine.tiny_checkpoint import random_model_dir
 from tests.server_helpers import ENGINE_OPTIONS, WEATHER_TOOL, sse_events
 
 USER = [{"role": "user", "content": "Tell me a long story"}]
@@ -21,7 +21,7 @@ USER = [{"role": "user", "content": "Tell me a long story"}]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     db = tmp_path_factory.mktemp("db") / "http.db"
-    app = create_app(ServerConfig(model=default_model_dir(), db_url=f"sqlite+aiosqlite:///{db}",
+    app = create_app(ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{db}",
                                   engine_options=ENGINE_OPTIONS))
     with LocalServer(app) as s:
         yield s
@@ -76,7 +76,7 @@ def test_openai_client_streaming_and_not(server):
 
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=messages, n=2)
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):  # as OpenAI answers an unknown model
         client.chat.completions.create(model="nope", messages=messages)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "x"}])

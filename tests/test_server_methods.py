@@ -1,4 +1,4 @@
-"""Per-chain sparse methods on one server (the real app, Litestar's TestClient, the embedded tiny model).
+"""Per-chain sparse methods on one server (the real app, Litestar's TestClient, the random tiny model).
 
 A chain created with its own method runs every turn with it; the reference is a bare engine *configured*
 with that method replaying the chain's turns (the same token log, Chain Cache on), which must emit the same
@@ -12,7 +12,7 @@ from litestar.testing import TestClient
 
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
-from engine.tiny_checkpoint import default_model_dir
+from engine.tiny_checkpoint import random_model_dir
 from tests.server_helpers import ENGINE_OPTIONS
 
 SAMPLING = {"temperature": 0.0, "max_tokens": 8, "ignore_eos": True}
@@ -23,8 +23,8 @@ STREAMING = {"method": "streaming_llm", "method_config": {"sink_tokens": 4, "win
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
     db = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'methods.db'}"
-    app = create_app(ServerConfig(model=default_model_dir(), db_url=db, engine_options=ENGINE_OPTIONS))
-    with TestClient(app=app, timeout=120) as c:
+    app = create_app(ServerConfig(model=random_model_dir(), db_url=db, engine_options=ENGINE_OPTIONS))
+    with TestClient(base_url="http://127.0.0.1", app=app, timeout=120) as c:
         yield c
 
 
@@ -45,7 +45,7 @@ def _replay_on_engine(method: str, config: dict, chain: dict) -> list[list[int]]
     """Each turn's generated tokens from a bare engine configured with ``method``, fed the chain's log."""
     from engine import EngineConfig, LLMEngine, SamplingParams
 
-    engine = LLMEngine(EngineConfig(default_model_dir(), method=method, method_config=config, **ENGINE_OPTIONS))
+    engine = LLMEngine(EngineConfig(random_model_dir(), method=method, method_config=config, **ENGINE_OPTIONS))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     history, generated = [], []
     for turn in chain["turns"]:
@@ -105,14 +105,14 @@ def test_a_chain_whose_method_cannot_run_after_a_restart_is_a_400_and_keeps_its_
     read: the next turn is a 400 naming ``method`` and the chain is as it was."""
     db = f"sqlite+aiosqlite:///{tmp_path / 'restart.db'}"
     quest = {"method": "quest", "method_config": {"token_budget": 32, "dense_layers": 1}}
-    app = create_app(ServerConfig(model=default_model_dir(), db_url=db, engine_options=ENGINE_OPTIONS))
-    with TestClient(app=app, timeout=120) as c:
+    app = create_app(ServerConfig(model=random_model_dir(), db_url=db, engine_options=ENGINE_OPTIONS))
+    with TestClient(base_url="http://127.0.0.1", app=app, timeout=120) as c:
         cid = _create(c, **quest)["id"]
         _turn(c, cid, "hello " * 10)
         before = c.get(f"/v1/chains/{cid}", params={"include_tokens": True}).json()
     options = {**ENGINE_OPTIONS, "kv_storage": "fp8"}
-    app = create_app(ServerConfig(model=default_model_dir(), db_url=db, engine_options=options))
-    with TestClient(app=app, timeout=120) as c:
+    app = create_app(ServerConfig(model=random_model_dir(), db_url=db, engine_options=options))
+    with TestClient(base_url="http://127.0.0.1", app=app, timeout=120) as c:
         r = c.post(f"/v1/chains/{cid}/turns", json={"messages": [{"role": "user", "content": "again"}],
                                                    "sampling": SAMPLING})
         assert r.status_code == 400, r.text

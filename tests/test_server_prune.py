@@ -1,5 +1,5 @@
 """Prune / fork / rewind, pruning policies and the WebSocket route, against the real app (Litestar's TestClient)
-on the embedded tiny model, SQLite in tmp_path."""
+on the random tiny model, SQLite in tmp_path."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from litestar.testing import TestClient
 
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
-from engine.tiny_checkpoint import default_model_dir
+from engine.tiny_checkpoint import random_model_dir
 from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, generate_direct, make_engine
 
 SAMPLING = {"temperature": 0.0, "max_tokens": 6}
@@ -19,7 +19,7 @@ SEARCH_TOOL = {"type": "function", "function": {"name": "search", "description":
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return default_model_dir()
+    return random_model_dir()
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def db_url(tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(model_dir, db_url):
     app = create_app(ServerConfig(model=model_dir, db_url=db_url, engine_options=ENGINE_OPTIONS))
-    with TestClient(app=app, timeout=120) as c:
+    with TestClient(base_url="http://127.0.0.1", app=app, timeout=120) as c:
         yield c
 
 
@@ -345,7 +345,7 @@ def test_after_a_restart_pruning_persists_until_the_recomputed_turn(client, mode
     assert len(_turn(client, cid, [_tool(first["message"]["tool_calls"][0]["id"], 0)])["pruned"]) == 1
     before = _chain(client, cid)
     app = create_app(ServerConfig(model=model_dir, db_url=db_url, engine_options=ENGINE_OPTIONS))
-    with TestClient(app=app, timeout=120) as fresh:
+    with TestClient(base_url="http://127.0.0.1", app=app, timeout=120) as fresh:
         after = _chain(fresh, cid)
         for key in ("regions", "prune_policy", "pruned_intervals", "prune_events"):
             assert after[key] == before[key], key

@@ -9,7 +9,7 @@ from litestar.testing import TestClient
 
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
-from engine.tiny_checkpoint import default_model_dir
+from engine.tiny_checkpoint import random_model_dir
 from tests.server_helpers import ENGINE_OPTIONS, WEATHER_TOOL, generate_direct, make_engine, sse_events, weather_tool_round
 
 SAMPLING = {"temperature": 0.0, "max_tokens": 14}
@@ -17,14 +17,14 @@ SAMPLING = {"temperature": 0.0, "max_tokens": 14}
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return default_model_dir()
+    return random_model_dir()
 
 
 @pytest.fixture(scope="module", params=[4, 1], ids=["windows-of-4", "single-steps"])
 def client(request, model_dir, tmp_path_factory):
     db_url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'windows.db'}"
     options = {**ENGINE_OPTIONS, "decode_steps": request.param, "overlap_decode": True}
-    with TestClient(app=create_app(ServerConfig(model=model_dir, db_url=db_url, engine_options=options)),
+    with TestClient(base_url="http://127.0.0.1", app=create_app(ServerConfig(model=model_dir, db_url=db_url, engine_options=options)),
                     timeout=120) as c:
         c.decode_steps = request.param
         yield c

@@ -18,7 +18,7 @@ from engine.tiny_checkpoint import (
     SUPPORTED_ARCHS,
     TOOL_CALL_END,
     TOOL_CALL_START,
-    default_model_dir,
+    random_model_dir,
     make_tiny_checkpoint,
     train_tokenizer,
 )
@@ -225,13 +225,13 @@ def test_key_real_shapes():
     assert get_shape("qwen2.5-7b")["vocab_size"] == 152064
 
 
-def test_default_model_dir_is_built_once_and_reused(tmp_path, monkeypatch):
+def test_random_model_dir_is_built_once_and_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTRT_CACHE", str(tmp_path))
 
-    first = default_model_dir()
+    first = random_model_dir()
     marker = first / "config.json"
     built_at = marker.stat().st_mtime_ns
-    second = default_model_dir()
+    second = random_model_dir()
 
     assert second == first
     assert marker.stat().st_mtime_ns == built_at

@@ -87,6 +87,21 @@ def _message(m: TraceMessage) -> dict[str, Any]:
     return out
 
 
+def last_request(trace: Trace) -> list[dict[str, Any]]:
+    """The messages of the trace's last turn on the stateless route: the system prompt, then every turn's
+    messages, each turn but the last followed by its recorded reply."""
+    messages: list[dict[str, Any]] = [{"role": "system", "content": trace.header.system_prompt}]
+    for turn in trace.turns[:-1]:
+        messages += [_message(m) for m in turn.messages] + [{"role": "assistant", "content": turn.output_text}]
+    return messages + [_message(m) for m in trace.turns[-1].messages]
+
+
+def context_tokens(renderer: Any, trace: Trace) -> int:
+    """The tokens the trace's last turn holds when it ends, its prompt as ``renderer`` (the server's
+    agentrt.chat.ChatRenderer) renders it plus its recorded output: what the model's max_model_len must hold."""
+    return len(renderer.prompt(last_request(trace), trace.header.tools)) + len(trace.turns[-1].output_token_ids)
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """The samples of a Prometheus text exposition: ``name`` for unlabelled ones, ``name|k=v,...`` else."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -166,23 +181,24 @@ class Replayer:
         records = []
         for turn in trace.turns:
             messages += [_message(m) for m in turn.messages]
+            # tool_choice "none": the text as generated, tool-call markup and all, is what the trace recorded
             body = {"model": self.model, "messages": messages, "tools": h.tools or None, "temperature": 0.0,
                     "max_tokens": len(turn.output_token_ids), "forced_token_ids": turn.output_token_ids,
-                    "stream": True, "stream_options": {"include_usage": True}}
+                    "tool_choice": "none", "stream": True, "stream_options": {"include_usage": True}}
             start = time.perf_counter() - t0
             first, text, usage = None, [], None
             async with http.stream("POST", "/v1/chat/completions", json=body) as response:
                 if response.status_code >= 400:
                     await response.aread()
-                    raise AgentrtError(f"session {session} turn {turn.index}: HTTP {response.status_code} "
-                                       f"{response.text}")
+                    raise AgentrtError(f"session {session} turn {turn.index}: {response.text}",
+                                       status_code=response.status_code)
                 async for line in response.aiter_lines():
                     if not line.startswith("data:") or line[5:].strip() == "[DONE]":
                         continue
                     chunk = json.loads(line[5:])
                     for choice in chunk.get("choices", []):
                         delta = choice["delta"]
-                        if delta.get("content"):  # the raw text; parsed tool calls come again at the end
+                        if delta.get("content"):
                             first = first if first is not None else time.perf_counter() - t0
                             text.append(delta["content"])
                     usage = chunk.get("usage") or usage

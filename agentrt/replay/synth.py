@@ -5,6 +5,10 @@ call), ending with a short answer. Lengths come from a seeded ``random.Random``;
 log-uniform lengths (many short outputs, a few long file dumps). Text is random code-like words, and every
 count is measured with the given tokenizer (``len(tokenizer.encode(text))``), so the same seed and
 tokenizer always give the same trace.
+
+``fit_trace`` makes a trace fit a model's context (``max_model_len``): it scales the system prompt, the task
+and the tool results down by one factor (turns and assistant outputs stay as sampled) until the whole
+conversation fits.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -31,7 +36,12 @@ class Tokenizer(Protocol):
 
 
 class SynthShapeError(ValueError):
-    """A shape whose ranges are empty or negative."""
+    """A shape whose ranges are empty or negative, or a trace that cannot fit a model's context; ``field`` names
+    the shape's field to change."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +60,11 @@ class SynthShape:
         for name in ("num_turns", "task_tokens", "tool_tokens", "output_tokens", "think_time_s"):
             lo, hi = getattr(self, name)
             if not 0 <= lo <= hi:
-                raise SynthShapeError(f"{name} must be a range 0 <= lo <= hi, got {(lo, hi)}")
-        if self.num_turns[0] < 1 or self.system_tokens < 1 or self.output_tokens[0] < 8:
-            raise SynthShapeError("num_turns and system_tokens must be >= 1 and output_tokens >= 8")
+                raise SynthShapeError(f"{name} must be a range 0 <= lo <= hi, got {(lo, hi)}", name)
+        for name, low, least in (("num_turns", self.num_turns[0], 1), ("system_tokens", self.system_tokens, 1),
+                                 ("output_tokens", self.output_tokens[0], 8)):
+            if low < least:
+                raise SynthShapeError(f"{name} must be >= {least}, got {getattr(self, name)}", name)
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -93,11 +105,12 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
 
 
 def synth_trace(tokenizer: Tokenizer, seed: int, shape: SynthShape = SynthShape(), *,
-                tokenizer_name: str | None = None, vocab_size: int | None = None) -> Trace:
+                tokenizer_name: str | None = None, vocab_size: int | None = None, scale: float = 1.0) -> Trace:
+    """``scale`` multiplies the lengths of the system prompt, the task and every tool result (fit_trace)."""
     rng = random.Random(seed)
     num_turns = rng.randint(*shape.num_turns)
     system = "You are a coding agent. Use the tools to inspect and change the repository.\n"
-    system += text_of_tokens(tokenizer, rng, max(0, shape.system_tokens - len(tokenizer.encode(system))))
+    system += text_of_tokens(tokenizer, rng, max(0, round(shape.system_tokens * scale) - len(tokenizer.encode(system))))
     tools: list[dict[str, Any]] = [{"type": "function", "function": {
         "name": t, "description": f"{t} in the repository",
         "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}} for t in TOOLS]
@@ -106,10 +119,11 @@ def synth_trace(tokenizer: Tokenizer, seed: int, shape: SynthShape = SynthShape(
     for index in range(num_turns):
         if index == 0:
             messages = [TraceMessage(role="user", content="Fix the failing test.\n" + text_of_tokens(
-                tokenizer, rng, rng.randint(*shape.task_tokens)))]
+                tokenizer, rng, round(rng.randint(*shape.task_tokens) * scale)))]
         else:
+            length = max(1, round(_log_uniform(rng, *shape.tool_tokens) * scale))
             messages = [TraceMessage(role="tool", name=previous_tool, tool_call_id=f"call_{index - 1}",
-                                     content=text_of_tokens(tokenizer, rng, _log_uniform(rng, *shape.tool_tokens)))]
+                                     content=text_of_tokens(tokenizer, rng, length))]
         num_out = rng.randint(*shape.output_tokens)
         last = index == num_turns - 1
         previous_tool = rng.choice(TOOLS)
@@ -118,10 +132,40 @@ def synth_trace(tokenizer: Tokenizer, seed: int, shape: SynthShape = SynthShape(
         turns.append(TraceTurn(index=index, messages=messages, output_token_ids=ids,
                                output_text=tokenizer.decode(ids, skip_special_tokens=False),
                                think_time_s=0.0 if last else round(rng.uniform(*shape.think_time_s), 3)))
+    metadata: dict[str, Any] = {"generator": "agentrt.replay.synth", "shape": _shape_dict(shape)}
+    if scale != 1.0:
+        metadata["scale"] = round(scale, 4)
     header = TraceHeader(trace_id=f"synth-{seed}", system_prompt=system, tools=tools, tokenizer=tokenizer_name,
-                         vocab_size=vocab_size, seed=seed, metadata={"generator": "agentrt.replay.synth",
-                                                                     "shape": _shape_dict(shape)})
+                         vocab_size=vocab_size, seed=seed, metadata=metadata)
     return Trace(header=header, turns=turns)
+
+
+def scalable_tokens(tokenizer: Tokenizer, trace: Trace) -> int:
+    """Tokens of what ``scale`` shrinks: the system prompt, the task and the tool results."""
+    texts = [trace.header.system_prompt] + [m.content for turn in trace.turns for m in turn.messages]
+    return sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in texts)
+
+
+def fit_trace(tokenizer: Tokenizer, seed: int, shape: SynthShape, max_tokens: int, count: Callable[[Trace], int],
+              **kw: Any) -> Trace:
+    """``synth_trace``, scaled down until ``count(trace)`` (the tokens the whole conversation takes on the
+    server) is at most ``max_tokens``; SynthShapeError when even the turns without those parts do not fit."""
+    scale, trace = 1.0, synth_trace(tokenizer, seed, shape, **kw)
+    for _ in range(8):
+        total = count(trace)
+        if total <= max_tokens:
+            return trace
+        scalable = scalable_tokens(tokenizer, trace)
+        fixed = total - scalable  # outputs, tool definitions and the chat template: kept whatever the scale
+        if fixed >= max_tokens:
+            raise SynthShapeError(f"trace {trace.header.trace_id} has {trace.num_turns} turns whose assistant "
+                                  f"outputs, tool definitions and chat template alone take {fixed} tokens; the "
+                                  f"model holds {max_tokens}", "num_turns")
+        # a few tokens under the target: text cut at a token count re-tokenizes a little differently
+        scale *= (max_tokens - fixed) / scalable * 0.98
+        trace = synth_trace(tokenizer, seed, shape, scale=scale, **kw)
+    raise SynthShapeError(f"trace {trace.header.trace_id} of {trace.num_turns} turns still takes {count(trace)} "
+                          f"tokens scaled down by {scale:.3g}; the model holds {max_tokens}", "num_turns")
 
 
 def synth_traces(tokenizer: Tokenizer, num: int, seed: int = 0, shape: SynthShape = SynthShape(),
