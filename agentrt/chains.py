@@ -14,26 +14,38 @@ from sqlalchemy import delete, func, inspect, select, update
 
 from agentrt.chain_state import (ChainState, chain_read, chain_summary, kv_accounting, message_dict, policy_of,
                                  prune_event_row, state_from_rows)
-from agentrt.chat import ChatRenderer
+from agentrt.render_pool import RenderPool
 from agentrt.config import ServerConfig
 from agentrt.db import Database
-from agentrt.engine_worker import EngineWorker
-from agentrt.errors import ChainBusy, ChainNotFound, TooManyChains, bad_field
+from agentrt.engine_worker import EngineUnavailable, EngineWorker
+from agentrt.errors import ChainBusy, ChainNotFound, TooManyChains, TooManyMethodConfigs, bad_field
 from agentrt.metrics import Metrics
 from agentrt.models import ChainRow, PruneEventRow, RegionRow, TurnRow
 from agentrt.turns import PendingTurn
 from engine.chain_index import UnknownChainError
 from engine.errors import ConfigError, EngineError, InvalidRequestError
-from engine.registry import METHODS, SCORERS
+from engine.registry import METHODS, SCORERS, create_method
 from engine.sampling_params import SamplingParams
 from sdk.schema import (ChainCreate, ChainStatus, ChainList, ChainRead, ChainSummary, ForkRequest, PruneEvent,
-                        PruneRequest, PruneResult, Region, RewindRequest, TurnCreate)
+                        PruneRequest, PruneResult, Region, RewindRequest, ToolResultMessage, TurnCreate)
 
 log = logging.getLogger(__name__)
+MethodKey = tuple[str, str]  # (method, its config as canonical JSON)
+
+
+def method_key(method: str, config: dict[str, Any]) -> MethodKey:
+    return method, msgspec.json.encode(config, order="sorted").decode()
+
+
+def no_nul(value: str | None, key: str) -> None:
+    """Client-given names and prompts may not hold NUL (400 naming the field): no client needs one there, and
+    refusing it at the boundary keeps what the server stores the same on every database."""
+    if value is not None and "\x00" in value:
+        raise bad_field(key, "must not contain NUL (\\u0000)")
 
 
 class ChainService:
-    def __init__(self, config: ServerConfig, model_name: str, worker: EngineWorker, renderer: ChatRenderer,
+    def __init__(self, config: ServerConfig, model_name: str, worker: EngineWorker, renderer: RenderPool,
                  db: Database):
         self.config = config
         self.model_name = model_name
@@ -45,10 +57,25 @@ class ChainService:
         self.busy: set[str] = set()
         self.num_chains = 0
         self._creating = asyncio.Lock()  # the per-tenant chain count and the insert that follows it
+        # method configurations other than the server's, and the chains using them: each holds one of the
+        # engine's max_methods slots (retain_method) from its first chain until its last is deleted
+        self._method_chains: dict[MethodKey, int] = {}
+        self._tenant_methods: dict[str, dict[MethodKey, int]] = {}
+        self._retained: set[MethodKey] = set()  # those the engine holds for the chains now
 
     async def start(self) -> None:
+        """Count the chains, and retain the method configuration of every chain in the database: chains outlive
+        the engine, and their slots must not go to other tenants' chains after a restart."""
         async with self.db.sessions() as s:
             self.num_chains = await s.scalar(select(func.count()).select_from(ChainRow)) or 0
+            rows = (await s.execute(select(ChainRow.tenant, ChainRow.method, ChainRow.method_config))).all()
+        for tenant, method, config in rows:
+            self._count_method(tenant, method_key(method, config), +1)
+        for key in list(self._method_chains):
+            try:
+                await self._retain(key)
+            except ConfigError as exc:  # its chains' turns are 400s naming `method` until it can be retained
+                log.warning("method %s %s of existing chains cannot run on this engine: %s", key[0], key[1], exc)
 
     def counts(self) -> tuple[int, int]:
         return len(self.busy), self.num_chains
@@ -70,7 +97,13 @@ class ChainService:
     async def create(self, data: ChainCreate, *, tenant: str) -> ChainRead:
         if data.model is not None and data.model != self.model_name:
             raise bad_field("model", f"this server serves {self.model_name!r}, not {data.model!r}")
-        method, method_config = await self._chain_method(data.method, data.method_config)
+        no_nul(data.system_prompt, "system_prompt")
+        for i, tool in enumerate(data.tools):
+            no_nul(tool.function.name, f"tools[{i}].function.name")
+        if data.prune_policy is not None:
+            for i, name in enumerate(data.prune_policy.exclude_tools):
+                no_nul(name, f"prune_policy.exclude_tools[{i}]")
+        method, method_config = self._chain_method(data.method, data.method_config)
         tools = msgspec.to_builtins(data.tools)
         row = ChainRow(id=f"chain_{uuid.uuid4().hex}", created_at=time.time(), model=self.model_name,
                        method=method, method_config=method_config,
@@ -84,11 +117,17 @@ class ChainService:
             if policy.scorer is not None:
                 self._check_scorer(policy.scorer, "prune_policy.scorer")
             _check_keep(policy.scorer, policy.keep_ratio, policy.keep_tokens, "prune_policy.")
-        self.renderer.render([{"role": "system", "content": row.system_prompt}], tools)
+        await self.renderer.render([{"role": "system", "content": row.system_prompt}], tools)
+        key = method_key(method, method_config)
         async with self._creating:
             await self._check_quota(tenant)
-            async with self.db.sessions.begin() as s:
-                s.add(row)
+            await self._take_method(tenant, key, "method_config" if data.method_config is not None else "method")
+            try:
+                async with self.db.sessions.begin() as s:
+                    s.add(row)
+            except BaseException:
+                await self._give_back_method(tenant, key)
+                raise
         self.num_chains += 1
         self.states[row.id] = ChainState(row=row)
         return chain_read(row, "idle", [], [], kv_accounting(0, None), False, [])
@@ -110,7 +149,7 @@ class ChainService:
         return chain_read(chain, self.status(chain_id), turns, regions, kv, include_tokens, list(events))
 
     async def delete(self, chain_id: str, *, tenant: str) -> None:
-        await self.state(chain_id, tenant)  # 404 for another tenant's chain before anything else (no 409 leak)
+        state = await self.state(chain_id, tenant)  # 404 for another tenant's chain before anything else (no 409 leak)
         if chain_id in self.busy:
             raise ChainBusy(chain_id)
         self.busy.add(chain_id)
@@ -124,8 +163,11 @@ class ChainService:
                 await s.execute(delete(ChainRow).where(ChainRow.id == chain_id))
             self.states.pop(chain_id, None)
             self.num_chains -= 1
-            if hasattr(self.worker.engine, "delete_chain"):
-                await self._engine_call(lambda e: e.delete_chain(chain_id))
+            try:
+                if hasattr(self.worker.engine, "delete_chain"):
+                    await self._engine_call(lambda e: e.delete_chain(chain_id))
+            finally:
+                await self._give_back_method(state.row.tenant, method_key(state.row.method, state.row.method_config))
         finally:
             self.busy.discard(chain_id)
 
@@ -134,10 +176,18 @@ class ChainService:
         """Render, submit and return the running turn; raises 404 / 409 / 400 / 422 / 503 before anything
         changes."""
         state = await self.state(chain_id, tenant)
+        no_nul(data.assistant_prefix, "assistant_prefix")
+        for i, m in enumerate(data.messages):
+            if isinstance(m, ToolResultMessage):
+                no_nul(m.tool_call_id, f"messages[{i}].tool_call_id")
+                no_nul(m.name, f"messages[{i}].name")
         if chain_id in self.busy:
             raise ChainBusy(chain_id)
         self.busy.add(chain_id)
         try:
+            key = method_key(state.row.method, state.row.method_config)
+            if key in self._method_chains and key not in self._retained:
+                await self._retain(key)  # not retained at start (the engine could not take it on then)
             params = self._sampling(data)
             messages = [message_dict(m) for m in data.messages]
             for m in messages:
@@ -145,7 +195,7 @@ class ChainService:
                     m["name"] = state.tool_names.get(m["tool_call_id"])
             new = ([state.system_message()] if state.num_turns == 0 else []) + messages
             last = state.token_ids[-1] if state.token_ids else None
-            appended = self.renderer.append(state.history, new, state.row.tools, last, data.assistant_prefix)
+            appended = await self.renderer.append(state.history, new, state.row.tools, last, data.assistant_prefix)
             prompt = state.token_ids + appended.token_ids
             stream = await self.worker.submit(prompt, params, chain_id=chain_id,
                                               method=(state.row.method, state.row.method_config))
@@ -301,7 +351,8 @@ class ChainService:
         return event, dataclasses.replace(state, regions=regions)
 
     async def fork(self, chain_id: str, data: ForkRequest, *, tenant: str) -> ChainRead:
-        await self.state(chain_id, tenant)
+        parent = await self.state(chain_id, tenant)
+        key = method_key(parent.row.method, parent.row.method_config)
         await self._creating.acquire()
         try:
             await self._check_quota(tenant)
@@ -335,6 +386,7 @@ class ChainService:
                     await self._engine_call(lambda e: e.delete_chain(new_id))
                 raise
             self.num_chains += 1
+            self._count_method(tenant, key, +1)  # the parent's configuration: already the tenant's, retained
         finally:
             self._creating.release()
             self.busy.discard(chain_id)
@@ -391,11 +443,14 @@ class ChainService:
             self.busy.discard(chain_id)
         return await self.read(chain_id, tenant=tenant)
 
-    async def _chain_method(self, method: str | None, config: dict | None) -> tuple[str, dict]:
-        """The (method, config) a new chain runs: the server's unless the request names its own, which the
-        engine checks now (400 naming the field at fault) so that no turn fails on it later."""
+    def _default_method(self) -> tuple[str, dict]:
         engine = self.worker.engine
-        default = (engine.method.name, dict(engine.config.method_config))
+        return engine.method.name, dict(engine.config.method_config)
+
+    def _chain_method(self, method: str | None, config: dict | None) -> tuple[str, dict]:
+        """The (method, config) a new chain runs: the server's unless the request names its own, whose knobs
+        are checked here (400 naming the field at fault); the engine takes it on in ``_take_method``."""
+        default = self._default_method()
         if method is None and config is None:
             return default
         name = default[0] if method is None else method
@@ -405,10 +460,77 @@ class ChainService:
         except ConfigError as exc:
             raise bad_field("method", str(exc)) from None
         try:
-            await self.worker.call(lambda e: e.check_method(name, options))
+            create_method(name, options)
         except ConfigError as exc:
             raise bad_field("method_config" if config is not None else "method", str(exc)) from None
         return name, options
+
+    # --- method slots: a configuration other than the server's is retained while chains use it ------
+    def _is_default(self, key: MethodKey) -> bool:
+        return key == method_key(*self._default_method())
+
+    def _count_method(self, tenant: str, key: MethodKey, delta: int) -> None:
+        if self._is_default(key):
+            return
+        mine = self._tenant_methods.setdefault(tenant, {})
+        for counts in (self._method_chains, mine):
+            counts[key] = counts.get(key, 0) + delta
+            if counts[key] <= 0:
+                del counts[key]
+        if not mine:
+            del self._tenant_methods[tenant]
+
+    async def _take_method(self, tenant: str, key: MethodKey, field: str) -> None:
+        """Call holding ``self._creating``, for a new chain of ``tenant`` with ``key``: 429 when it is a new
+        configuration for the tenant beyond its limit; the engine takes it on if no chain uses it yet (400
+        naming ``field`` when it cannot); then it counts the chain."""
+        if self._is_default(key):
+            return
+        mine = self._tenant_methods.get(tenant, {})
+        limit = self.config.max_method_configs_per_tenant
+        if key not in mine and limit is not None and len(mine) >= limit:
+            raise TooManyMethodConfigs(tenant, limit)
+        if key not in self._retained:
+            try:
+                await self._retain(key)
+            except ConfigError as exc:
+                raise bad_field(field, str(exc)) from None
+        self._count_method(tenant, key, +1)
+
+    async def _give_back_method(self, tenant: str, key: MethodKey) -> None:
+        """A chain of ``tenant`` with ``key`` is gone: the engine releases the configuration with its last
+        chain (it stays taken on while a request still runs it)."""
+        if self._is_default(key):
+            return
+        self._count_method(tenant, key, -1)
+        if key in self._method_chains or key not in self._retained:
+            return
+        self._retained.discard(key)
+        name, config = key[0], msgspec.json.decode(key[1])
+        if hasattr(self.worker.engine, "release_method"):
+            try:
+                await self._engine_now(lambda e: e.release_method(name, config))
+            except Exception:  # the chain is deleted whatever the engine says
+                log.exception("releasing method %s %s failed", name, key[1])
+
+    async def _retain(self, key: MethodKey) -> None:
+        """The engine takes ``key`` on and holds it (ConfigError when it cannot)."""
+        name, config = key[0], msgspec.json.decode(key[1])
+        if not hasattr(self.worker.engine, "retain_method"):
+            await self._engine_now(lambda e: e.check_method(name, config))
+        else:
+            await self._engine_now(lambda e: e.retain_method(name, config))
+            if key in self._retained:  # retained meanwhile by a concurrent request: one hold is enough
+                await self._engine_now(lambda e: e.release_method(name, config))
+        self._retained.add(key)
+
+    async def _engine_now(self, fn: Any) -> Any:
+        """``fn(engine)`` on the worker thread, or here when the worker has not started (at ``start``, when
+        nothing else touches the engine)."""
+        try:
+            return await self.worker.call(fn)
+        except EngineUnavailable:  # raised only while the worker thread is not running
+            return fn(self.worker.engine)
 
     def _check_scorer(self, name: str, key: str) -> None:
         try:
@@ -432,6 +554,8 @@ class ChainService:
                               ignore_eos=s.ignore_eos, forced_token_ids=list(s.forced_token_ids))
 
     async def _rows(self, chain_id: str, tenant: str | None = None) -> tuple[ChainRow, list[TurnRow], list[RegionRow]]:
+        if "\x00" in chain_id:  # no chain has one (and PostgreSQL cannot even compare it): as any unknown id
+            raise ChainNotFound(chain_id)
         async with self.db.sessions() as s:
             chain = await s.get(ChainRow, chain_id)
             if chain is None or (tenant is not None and chain.tenant != tenant):

@@ -24,7 +24,8 @@ import msgspec
 
 from agentrt import chain_completions
 from agentrt.chain_completions import text_of
-from agentrt.chat import ChatRenderer, Message, parse_tool_calls, strip_tool_calls
+from agentrt.chat import Message, parse_tool_calls, strip_tool_calls
+from agentrt.render_pool import RenderPool
 from agentrt.config import ServerConfig
 from agentrt.engine_worker import EngineWorker, RequestStream, prefill_counts
 from agentrt.errors import ModelNotFound, TurnFailed, bad_field, openai_error_body
@@ -72,7 +73,7 @@ class Completion:
 
 
 class CompletionService:
-    def __init__(self, config: ServerConfig, model_name: str, worker: EngineWorker, renderer: ChatRenderer,
+    def __init__(self, config: ServerConfig, model_name: str, worker: EngineWorker, renderer: RenderPool,
                  metrics: Metrics, chains: ChainService | None = None):
         self.config = config
         self.model_name = model_name
@@ -80,7 +81,7 @@ class CompletionService:
         self.renderer = renderer
         self.metrics = metrics
         self.chains = chains
-        self.tokens = TokenText(renderer.tokenizer)
+        self.tokens = TokenText(renderer.renderer.tokenizer)
 
     async def start(self, req: ChatCompletionRequest, tenant: str = LOCAL_TENANT) -> Completion:
         if req.model != self.model_name:
@@ -89,7 +90,7 @@ class CompletionService:
         if req.chain_id is not None:
             return await self._start_chain(req, tenant)
         tools = msgspec.to_builtins(req.tools) if req.tools else None
-        prompt = self.renderer.prompt([_template_message(m) for m in req.messages], tools)
+        prompt = await self.renderer.prompt([_template_message(m) for m in req.messages], tools)
         stream = await self.worker.submit(prompt, self._params(req))
         return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, stream,
                           _include_usage(req), req.tool_choice != "none", bool(req.logprobs), req.top_logprobs or 0)

@@ -11,12 +11,17 @@ import uvicorn
 
 
 class LocalServer:
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 300.0):
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 300.0,
+                 ws_max_size: int | None = None):
+        """``ws_max_size``: the largest WebSocket message uvicorn reads (a bigger one closes the socket with
+        1009); default the app's request body limit (``ServerConfig.max_body_size``), as ``agentrt serve``."""
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        if ws_max_size is None:
+            ws_max_size = getattr(app, "request_max_body_size", None) or 16 * 2**20  # uvicorn's default
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", ws_max_size=ws_max_size))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.startup_timeout = startup_timeout
 

@@ -23,6 +23,39 @@ class TokenIds(TypeDecorator[list[int]]):
         return None if value is None else np.frombuffer(value, dtype="<u4").tolist()
 
 
+NUL_MARK = "\ufdd0"  # a Unicode noncharacter (reserved for a program's internal use): marks an escaped value
+
+
+def escape_nul(value: str) -> str:
+    """``value`` as stored by NulSafeText: unchanged unless it holds NUL or starts with NUL_MARK; then
+    NUL_MARK followed by the value with ``%`` written ``%25`` and NUL ``%00``."""
+    if "\x00" not in value and not value.startswith(NUL_MARK):
+        return value
+    return NUL_MARK + value.replace("%", "%25").replace("\x00", "%00")
+
+
+def unescape_nul(stored: str) -> str:
+    if not stored.startswith(NUL_MARK):
+        return stored
+    return stored[len(NUL_MARK):].replace("%00", "\x00").replace("%25", "%")
+
+
+class NulSafeText(TypeDecorator[str]):
+    """Text that may hold NUL, stored the same way on every dialect: PostgreSQL's ``text`` cannot hold NUL
+    ("invalid byte sequence for encoding UTF8: 0x00"), and generated text legitimately can (a byte-level
+    tokenizer has a token for the byte 0). Escaped reversibly by ``escape_nul``; a value without NUL that
+    does not start with NUL_MARK is stored as it is, so such rows read back the same whoever wrote them."""
+
+    impl = Text
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Any) -> str | None:
+        return None if value is None else escape_nul(value)
+
+    def process_result_value(self, value: str | None, dialect: Any) -> str | None:
+        return None if value is None else unescape_nul(value)
+
+
 LOCAL_TENANT = "local"  # the tenant of requests without a key (loopback development without auth)
 
 
@@ -38,7 +71,7 @@ class ChainRow(Base):
     model: Mapped[str]
     method: Mapped[str]
     method_config: Mapped[dict[str, Any]]
-    system_prompt: Mapped[str] = mapped_column(Text)
+    system_prompt: Mapped[str] = mapped_column(NulSafeText)
     tools: Mapped[list[Any]]
     meta: Mapped[dict[str, Any]]
     num_turns: Mapped[int] = mapped_column(Integer, default=0)
@@ -59,9 +92,9 @@ class TurnRow(Base):
     index: Mapped[int]
     created_at: Mapped[float] = mapped_column(Float)
     messages: Mapped[list[Any]]
-    assistant_prefix: Mapped[str | None] = mapped_column(Text)
+    assistant_prefix: Mapped[str | None] = mapped_column(NulSafeText)
     sampling: Mapped[dict[str, Any]]
-    content: Mapped[str] = mapped_column(Text)
+    content: Mapped[str] = mapped_column(NulSafeText)  # the assistant prefix and the generated text
     tool_calls: Mapped[list[Any]]
     finish_reason: Mapped[str]
     resume_status: Mapped[str]
@@ -82,8 +115,9 @@ class RegionRow(Base):
     end: Mapped[int]
     turn: Mapped[int]
     round: Mapped[int | None]
-    tool_name: Mapped[str | None]
-    tool_call_id: Mapped[str | None]
+    # unbounded: a tool name may come from generated text, and VARCHAR(255) is enforced by PostgreSQL only
+    tool_name: Mapped[str | None] = mapped_column(NulSafeText)
+    tool_call_id: Mapped[str | None] = mapped_column(NulSafeText)
     pruned: Mapped[bool] = mapped_column(default=False)
     kept_tokens: Mapped[int]
 

@@ -230,6 +230,17 @@ class LLMEngine:
         return self.methods.resolve(method, method_config).name
 
     @mirrored
+    def retain_method(self, method: str | None, method_config: dict | None = None) -> str:
+        """``check_method``, and hold the configuration's slot (of ``max_methods``) until
+        ``release_method`` with the same arguments: a server retains what its chains name. Returns the name."""
+        return self.methods.retain(method, method_config).name
+
+    @mirrored
+    def release_method(self, method: str | None, method_config: dict | None = None) -> None:
+        """Undo one ``retain_method``; the slot is freed once no retain and no request holds it."""
+        self.methods.release(method, method_config)
+
+    @mirrored
     def add_request(
         self,
         prompt: str | list[int],
@@ -279,6 +290,7 @@ class LLMEngine:
         if chain_id is not None:
             self.chains.bind(req, chain_id)
         self._requests[request_id] = req
+        self.methods.hold(chosen)  # dropped in _forget: a retained configuration outlives its running requests
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, len(token_ids), decode=self._decode)
         self.scheduler.add(req)
         return request_id
@@ -509,6 +521,7 @@ class LLMEngine:
 
     def _forget(self, req: Request) -> None:
         del self._requests[req.request_id]
+        self.methods.drop(req.method)
         del self._detokenizers[req.request_id]
 
     def _output(self, req: Request, new_ids: list[int], new_text: str, stop_reason=None) -> RequestOutput:

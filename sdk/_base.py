@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 import httpx
 import msgspec
 
-from sdk.errors import AgentrtError, error_for
+from sdk.errors import AgentrtConnectionError, AgentrtError, error_for
 from sdk.schema import (ChainRead, ErrorBody, ErrorDetail, PruneEvent, Sampling, ToolCall, ToolResultMessage,
                         TurnDelta, TurnResult, UserMessage)
 
@@ -104,6 +104,22 @@ def error_from_message(message: Mapping[str, Any]) -> AgentrtError:
     """An ``{"type": "error", ...}`` WebSocket message as the typed error."""
     extra = msgspec.convert(message.get("extra") or [], list[ErrorDetail])
     return error_for(int(message.get("status_code", 500)), str(message.get("detail", "")), extra, dict(message))
+
+
+def connection_error(base_url: str, exc: BaseException) -> AgentrtConnectionError:
+    """The SDK's error for a transport failure (httpx.TransportError, OSError, TimeoutError) on ``base_url``."""
+    reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    if isinstance(exc, (httpx.ConnectError, ConnectionRefusedError)):
+        reason += " (is the server running? `agentrt serve` starts one)"
+    return AgentrtConnectionError(base_url, f"cannot reach the agentrt server at {base_url}: {reason}")
+
+
+def closed_error(base_url: str, exc: Any) -> AgentrtConnectionError:
+    """The server closed the turn's WebSocket (a websockets ConnectionClosed) before the turn's result."""
+    rcvd = getattr(exc, "rcvd", None)
+    how = f"code {rcvd.code}" + (f": {rcvd.reason}" if rcvd.reason else "") if rcvd is not None else "no close frame"
+    return AgentrtConnectionError(base_url, f"the agentrt server at {base_url} closed the WebSocket before the "
+                                            f"turn's result ({how})")
 
 
 def retry_delay(attempt: int, response: httpx.Response, base: float, cap: float) -> float:

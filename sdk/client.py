@@ -7,6 +7,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import httpx
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect as ws_connect
 
 from sdk import _base
@@ -41,7 +42,10 @@ class Client:
         content = encode(json) if json is not None else None
         headers = {"content-type": "application/json"} if content is not None else None
         for attempt in range(self.max_retries + 1):
-            response = self._http.request(method, path, content=content, params=params, headers=headers)
+            try:
+                response = self._http.request(method, path, content=content, params=params, headers=headers)
+            except httpx.TransportError as exc:
+                raise _base.connection_error(self.base_url, exc) from exc
             if response.status_code == 503 and attempt < self.max_retries:
                 time.sleep(_base.retry_delay(attempt, response, self.backoff, self.max_backoff))
                 continue
@@ -112,13 +116,20 @@ class Chain:
         body = _base.turn_body(messages, tool_results, assistant_prefix, sampling, sampling_overrides)
         url = _base.ws_url(self._client.base_url, self.id)
         decoder = _base.StreamDecoder()
-        with ws_connect(url, additional_headers=self._client._headers, open_timeout=self._client.timeout,
-                        max_size=None) as ws:
-            ws.send(encode(body).decode())
-            while not decoder.done:
-                item = decoder.feed(ws.recv(timeout=self._client.timeout))
-                if isinstance(item, (TurnDelta, TurnResult)):
-                    yield item
+        try:
+            ws = ws_connect(url, additional_headers=self._client._headers, open_timeout=self._client.timeout,
+                            max_size=None)
+        except (OSError, TimeoutError) as exc:
+            raise _base.connection_error(self._client.base_url, exc) from exc
+        with ws:
+            try:
+                ws.send(encode(body).decode())
+                while not decoder.done:
+                    item = decoder.feed(ws.recv(timeout=self._client.timeout))
+                    if isinstance(item, (TurnDelta, TurnResult)):
+                        yield item
+            except ConnectionClosed as exc:
+                raise _base.closed_error(self._client.base_url, exc) from exc
         if decoder.result is None:  # pragma: no cover
             raise AgentrtError("the stream ended without a turn result")
 

@@ -45,6 +45,16 @@ class Invalid(AgentrtError):
     """400 (malformed or out-of-range field; ``field`` names it) or 422 (a request the engine refuses)."""
 
 
+class AgentrtConnectionError(AgentrtError):
+    """No response: the server at ``url`` could not be reached (nothing listens there, DNS, a timeout, the
+    connection dropped) or closed the WebSocket mid-turn. ``status_code`` is None; ``__cause__`` is the
+    transport's exception."""
+
+    def __init__(self, url: str, detail: str):
+        super().__init__(detail)
+        self.url = url
+
+
 class Overloaded(AgentrtError):
     """503: the server or engine cannot take the request now; retried with backoff up to ``max_retries``."""
 

@@ -1,4 +1,4 @@
-"""mini-swe-agent's DefaultAgent + LocalEnvironment through sdk.mini_swe against a live server (the embedded tiny
+"""mini-swe-agent's DefaultAgent + LocalEnvironment through sdk.mini_swe against a live server (the random tiny
 model). The replies are forced token sequences (the scripted text, tokenized with the model's tokenizer), so
 the agent's actions really run; the server's stored turns and a recording transport show what was sent."""
 
@@ -47,9 +47,9 @@ class Recorder(httpx.HTTPTransport):
 def _app(db_url: str):
     from agentrt.app import create_app
     from agentrt.config import ServerConfig
-    from engine.tiny_checkpoint import default_model_dir
+    from engine.tiny_checkpoint import random_model_dir
 
-    return create_app(ServerConfig(model=default_model_dir(), db_url=db_url, engine_options=ENGINE_OPTIONS))
+    return create_app(ServerConfig(model=random_model_dir(), db_url=db_url, engine_options=ENGINE_OPTIONS))
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +69,9 @@ def server(db_url):
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from engine.tiny_checkpoint import default_model_dir
+    from engine.tiny_checkpoint import random_model_dir
 
-    return AutoTokenizer.from_pretrained(default_model_dir())
+    return AutoTokenizer.from_pretrained(random_model_dir())
 
 
 def scripted(tokenizer, script: list[str]):

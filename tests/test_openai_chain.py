@@ -180,7 +180,7 @@ def test_another_tenants_chain_is_404(tmp_path):
     db_url = f"sqlite+aiosqlite:///{tmp_path / 'tenants.db'}"
     keys = make_keys(db_url, "alice", "bob")
     config = ServerConfig(model=random_model_dir(), db_url=db_url, engine_options=ENGINE_OPTIONS, require_auth=True)
-    with TestClient(app=create_app(config), timeout=60) as c:
+    with TestClient(base_url="http://127.0.0.1", app=create_app(config), timeout=60) as c:
         r = c.post("/v1/chains", json={}, headers=bearer(keys["alice"]))
         cid = r.json()["id"]
         body = {"model": c.get("/v1/models", headers=bearer(keys["alice"])).json()["data"][0]["id"], "max_tokens": 2,

@@ -200,7 +200,7 @@ def test_an_error_after_the_stream_started_arrives_as_openais_error_event(client
 def test_missing_key_is_401_in_openais_shape_on_the_openai_routes_only(tmp_path):
     config = ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{tmp_path / 'auth.db'}",
                           engine_options=ENGINE_OPTIONS, require_auth=True)
-    with TestClient(app=create_app(config), timeout=60) as c:
+    with TestClient(base_url="http://127.0.0.1", app=create_app(config), timeout=60) as c:
         for r in (c.post("/v1/chat/completions", json={"model": "x", "messages": ASK}),
                   c.post("/v1/chat/completions", content=b"{not json"),  # checked before the body is read
                   c.get("/v1/models")):

@@ -21,7 +21,7 @@ from sqlalchemy import Connection, text
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
 from agentrt.db import current_revision, head_revision
-from engine.tiny_checkpoint import default_model_dir
+from engine.tiny_checkpoint import random_model_dir
 from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL
 from tests.test_migrations import on_sync, open_and_close, schema_diffs
 
@@ -93,8 +93,8 @@ def pg_url() -> Iterator[str]:
 
 
 def _client(url: str) -> TestClient:
-    config = ServerConfig(model=default_model_dir(), db_url=url, engine_options=ENGINE_OPTIONS)
-    return TestClient(app=create_app(config), timeout=60)
+    config = ServerConfig(model=random_model_dir(), db_url=url, engine_options=ENGINE_OPTIONS)
+    return TestClient(base_url="http://127.0.0.1", app=create_app(config), timeout=60)
 
 
 def _snapshot(conn: Connection) -> dict[str, list[tuple]]:

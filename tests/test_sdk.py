@@ -1,4 +1,4 @@
-"""The SDK against a live server on loopback (uvicorn in a thread, the embedded tiny model, SQLite in tmp),
+"""The SDK against a live server on loopback (uvicorn in a thread, the random tiny model, SQLite in tmp),
 plus deterministic retry / agent-loop checks over httpx.MockTransport."""
 
 from __future__ import annotations
@@ -23,10 +23,10 @@ def server(tmp_path_factory):
     from agentrt.app import create_app
     from agentrt.config import ServerConfig
     from agentrt.local_server import LocalServer
-    from engine.tiny_checkpoint import default_model_dir
+    from engine.tiny_checkpoint import random_model_dir
 
     db = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('sdk') / 'server.db'}"
-    app = create_app(ServerConfig(model=default_model_dir(), db_url=db, engine_options=ENGINE_OPTIONS))
+    app = create_app(ServerConfig(model=random_model_dir(), db_url=db, engine_options=ENGINE_OPTIONS))
     with LocalServer(app) as s:
         yield s
 

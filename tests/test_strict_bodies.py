@@ -17,7 +17,7 @@ USER = [{"role": "user", "content": "hi"}]
 def client(tmp_path_factory):
     db = tmp_path_factory.mktemp("strict") / "s.db"
     config = ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{db}", engine_options=ENGINE_OPTIONS)
-    with TestClient(app=create_app(config), timeout=60) as c:
+    with TestClient(base_url="http://127.0.0.1", app=create_app(config), timeout=60) as c:
         yield c
 
 
