@@ -16,7 +16,7 @@ from litestar.di import Provide
 from litestar.logging import LoggingConfig
 from litestar.types import Scope
 
-from agentrt.auth import TENANT_SCOPE_KEY, KeyService, auth_guard
+from agentrt.auth import TENANT_SCOPE_KEY, KeyService, WebSocketDenial, auth_guard
 from agentrt.chains import ChainService
 from agentrt.chat import ChatRenderer
 from agentrt.completions import CompletionService
@@ -25,7 +25,10 @@ from agentrt.db import open_database
 from agentrt.engine_worker import EngineWorker
 from agentrt.errors import EXCEPTION_HANDLERS
 from agentrt.metrics import Metrics
+from agentrt.openapi import openapi_config
+from agentrt.render_pool import RenderPool
 from agentrt.request_guards import strict_json_body
+from agentrt.host_guard import host_guard
 from agentrt.routes import ChainController, OpenAIController, SystemController
 
 log = logging.getLogger(__name__)
@@ -69,9 +72,10 @@ def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litest
         model_dir = Path(llm.config.model)
         model_name = config.model_name or (DEFAULT_MODEL_NAME if config.model is None else model_dir.name)
         renderer = ChatRenderer(load_tokenizer(model_dir), llm.model_config.eos_token_ids)
+        pool = RenderPool(renderer, llm.max_model_len, config.render_workers, config.max_chars_per_token)
         worker = EngineWorker(llm, max_queue_depth=config.max_queue_depth, retry_after_s=config.retry_after_s)
         db = await open_database(config.db_url or default_db_url())
-        chains = ChainService(config, model_name, worker, renderer, db)
+        chains = ChainService(config, model_name, worker, pool, db)
         await chains.start()
         metrics = Metrics(worker, chains.counts)
         chains.metrics = metrics
@@ -84,7 +88,7 @@ def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litest
         app.state.update(config=config, model_name=model_name, started_at=int(time.time()), worker=worker, db=db,
                          api_keys=keys,
                          chains=chains, metrics=metrics,
-                         completions=CompletionService(config, model_name, worker, renderer, metrics, chains))
+                         completions=CompletionService(config, model_name, worker, pool, metrics, chains))
         log.info("serving %s (method %s) with %s; auth %s", model_name, llm.method.name,
                  db.engine.url.render_as_string(), "required" if config.auth_required else "off (loopback)")
         try:
@@ -98,10 +102,14 @@ def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litest
         dependencies={"chains": Provide(_chains, sync_to_thread=False),
                       "completions": Provide(_completions, sync_to_thread=False),
                       "tenant": Provide(_tenant, sync_to_thread=False)},
-        guards=[auth_guard],
+        guards=[auth_guard] if (hosts := config.host_allow_list) is None else [host_guard(hosts), auth_guard],
         before_request=strict_json_body,
+        # a refused WebSocket handshake is answered with its HTTP status (401, 400) and error body, not a bare 403
+        middleware=[WebSocketDenial()],
+        after_exception=[WebSocketDenial.record],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         request_max_body_size=config.max_body_size,
         logging_config=LoggingConfig(configure_root_logger=False, log_exceptions="debug"),
+        openapi_config=openapi_config(config),
     )

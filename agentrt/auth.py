@@ -15,12 +15,17 @@ import secrets
 import time
 from dataclasses import dataclass
 
+import msgspec
 from litestar.connection import ASGIConnection
-from litestar.exceptions import NotAuthorizedException
+from litestar.enums import ScopeType
+from litestar.exceptions import HTTPException, NotAuthorizedException
 from litestar.handlers.base import BaseRouteHandler
+from litestar.middleware import ASGIMiddleware
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from sqlalchemy import func, select, update
 
 from agentrt.db import Database
+from agentrt.errors import on_http_error
 from agentrt.models import LOCAL_TENANT, ApiKeyRow
 
 KEY_PREFIX = "art_"
@@ -126,3 +131,53 @@ async def auth_guard(connection: ASGIConnection, handler: BaseRouteHandler) -> N
     state = connection.app.state
     connection.scope[TENANT_SCOPE_KEY] = await state.api_keys.authenticate(  # type: ignore[literal-required]
         connection.headers.get("authorization"), state.config.auth_required)
+
+
+_REFUSAL_SCOPE_KEY = "agentrt.websocket_refusal"
+
+
+class WebSocketDenial(ASGIMiddleware):
+    """A WebSocket handshake that a guard refuses is answered with the HTTP status and error body of the same
+    refusal on an HTTP route: 401 with ``WWW-Authenticate`` for a missing or invalid key, 400 for a ``Host`` the
+    server does not answer to.
+
+    A handshake can be refused only before it is accepted, and an ASGI app that closes the socket then gets a bare
+    403 from its server (uvicorn, hypercorn): ASGI's ``websocket.close`` carries no status. The ASGI "WebSocket
+    Denial Response" extension (``websocket.http.response``, which uvicorn offers) lets the app send the response
+    itself. Litestar answers a guard's exception on a WebSocket by closing it (in its exception middleware, inside
+    this one), so ``record`` (an ``after_exception`` hook) keeps the exception in the scope and this middleware
+    turns that close into the response. Under a server without the extension (Litestar's TestClient) the close
+    gets the code 4000 + the status (4401, 4400) and the detail as its reason."""
+
+    scopes = (ScopeType.WEBSOCKET,)
+
+    @staticmethod
+    async def record(exc: BaseException, scope: Scope) -> None:
+        if scope["type"] == ScopeType.WEBSOCKET and isinstance(exc, HTTPException):
+            scope[_REFUSAL_SCOPE_KEY] = exc  # type: ignore[literal-required]
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, next_app: ASGIApp) -> None:
+        accepted = False
+
+        async def deny_or_send(message: Message) -> None:
+            nonlocal accepted
+            refusal = scope.get(_REFUSAL_SCOPE_KEY)  # type: ignore[call-overload]
+            if message["type"] == "websocket.close" and not accepted and refusal is not None:
+                await _deny(scope, send, refusal)
+                return
+            accepted = accepted or message["type"] == "websocket.accept"
+            await send(message)
+
+        await next_app(scope, receive, deny_or_send)
+
+
+async def _deny(scope: Scope, send: Send, exc: HTTPException) -> None:
+    if "websocket.http.response" not in (scope.get("extensions") or {}):
+        reason = exc.detail.encode()[:123].decode(errors="ignore")  # a close frame's reason holds 123 bytes
+        await send({"type": "websocket.close", "code": 4000 + exc.status_code, "reason": reason})
+        return
+    body = msgspec.json.encode(on_http_error(None, exc).content)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (exc.headers or {}).items()]
+    await send({"type": "websocket.http.response.start", "status": exc.status_code, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": body, "more_body": False})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from litestar.testing import TestClient
@@ -12,7 +13,7 @@ from agentrt.auth import KeyService
 from agentrt.config import ConfigurationError, ServerConfig
 from agentrt.db import open_database
 from agentrt.models import ApiKeyRow
-from engine.tiny_checkpoint import default_model_dir
+from engine.tiny_checkpoint import random_model_dir
 from tests.server_helpers import ENGINE_OPTIONS, WEATHER_TOOL
 
 SAMPLING = {"temperature": 0.0, "max_tokens": 4}
@@ -48,9 +49,9 @@ def keys(db_url):
 
 @pytest.fixture(scope="module")
 def client(db_url, keys):
-    config = ServerConfig(model=default_model_dir(), db_url=db_url, engine_options=ENGINE_OPTIONS, require_auth=True,
+    config = ServerConfig(model=random_model_dir(), db_url=db_url, engine_options=ENGINE_OPTIONS, require_auth=True,
                           max_chains_per_tenant=3, max_body_size=64 * 1024, max_tokens_per_turn=16)
-    with TestClient(app=create_app(config), timeout=60) as c:
+    with TestClient(base_url="http://127.0.0.1", app=create_app(config), timeout=60) as c:
         yield c
 
 
@@ -89,6 +90,40 @@ def test_requests_without_a_valid_key_are_401(client, keys):
     assert client.get("/health").status_code == 200
     assert client.get("/metrics").status_code == 200
     assert client.post("/v1/chat/completions", json={"messages": USER}).status_code == 401
+
+
+def test_websocket_handshake_without_a_valid_key_is_401(client, db_url, keys):
+    """The handshake is refused with the HTTP route's status and body (ASGI's WebSocket Denial Response under
+    uvicorn); a server without that extension gets a close before accept, code 4000 + the status."""
+    from litestar.exceptions import WebSocketDisconnect
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    from agentrt.local_server import LocalServer
+
+    with pytest.raises(WebSocketDisconnect) as closed:  # Litestar's TestClient offers no denial extension
+        with client.websocket_connect("/v1/chains/chain_x/ws"):
+            pass
+    assert closed.value.code == 4401 and "API key is required" in closed.value.detail
+
+    config = ServerConfig(model=random_model_dir(), db_url=db_url, engine_options=ENGINE_OPTIONS, require_auth=True)
+    with LocalServer(create_app(config)) as server:
+        url = f"ws://127.0.0.1:{server.port}/v1/chains/chain_x/ws"
+        for headers, detail in (({}, "an API key is required"), (bearer("art_0123456789abcdef_" + "x" * 43),
+                                                                  "invalid or revoked API key")):
+            with pytest.raises(InvalidStatus) as refused:
+                with connect(url, additional_headers=headers, open_timeout=30):
+                    pass
+            response = refused.value.response
+            assert response.status_code == 401, response
+            assert response.headers["WWW-Authenticate"].startswith("Bearer")
+            assert response.headers["Content-Type"] == "application/json"
+            body = json.loads(response.body)
+            assert body["status_code"] == 401 and body["detail"].startswith(detail), body
+        with connect(url, additional_headers=bearer(keys["alice"]), open_timeout=30) as ws:  # a key: accepted
+            ws.send('{"messages": [{"role": "user", "content": "hi"}], "sampling": {"max_tokens": 2}}')
+            assert json.loads(ws.recv(timeout=30)) == {"type": "error", "status_code": 404,
+                                                       "detail": "no chain 'chain_x'"}
 
 
 def test_a_revoked_key_stops_working(client, keys):
