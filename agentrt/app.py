@@ -35,10 +35,12 @@ log = logging.getLogger(__name__)
 
 
 def build_engine(config: ServerConfig) -> Any:
+    from agentrt.native_memory import bound_native_caches
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from agentrt.config import embedded_model_dir
 
+    bound_native_caches()  # before the model's first matmul: a server's step shapes would fill oneDNN's caches
     model = config.model if config.model is not None else embedded_model_dir()
     options = {"method": config.method, "method_config": config.method_config, **config.engine_options}
     return LLMEngine(EngineConfig.from_kwargs(model, **options))

@@ -20,6 +20,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from agentrt.native_memory import IdleTrimmer
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -80,8 +81,11 @@ class RequestStream:
 
 class EngineWorker:
     def __init__(self, engine: Any, on_step: Callable[[float, list[RequestOutput], Any], None] | None = None,
-                 max_queue_depth: int | None = None, retry_after_s: int = 2):
+                 max_queue_depth: int | None = None, retry_after_s: int = 2, trim_idle_s: float | None = 5.0):
+        """``trim_idle_s``: hand free C-heap memory back to the OS (``malloc_trim``) once the engine has had no
+        work for that long after some (None: never); see agentrt.native_memory."""
         self.engine = engine
+        self.trimmer = IdleTrimmer(trim_idle_s, enabled=None) if trim_idle_s is not None else None
         self.max_queue_depth = max_queue_depth  # None: unbounded
         self.retry_after_s = retry_after_s
         self.inflight: set[str] = set()  # event-loop side: generation requests submitted and not yet finished
@@ -180,6 +184,10 @@ class EngineWorker:
                     command = _NOTHING
             if self.engine.has_unfinished():
                 self._step()
+                if self.trimmer is not None:
+                    self.trimmer.note_step()
+            elif self.trimmer is not None:
+                self.trimmer.maybe_trim()
             self._update_snapshot()
 
     def _step(self) -> None:
