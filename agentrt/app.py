@@ -30,6 +30,7 @@ from agentrt.render_pool import RenderPool
 from agentrt.request_guards import strict_json_body
 from agentrt.host_guard import host_guard
 from agentrt.routes import ChainController, OpenAIController, SystemController
+from agentrt.routes.anthropic import AnthropicController
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,7 @@ def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litest
             await db.dispose()
 
     return Litestar(
-        route_handlers=[ChainController, OpenAIController, SystemController],
+        route_handlers=[ChainController, OpenAIController, SystemController, AnthropicController],
         dependencies={"chains": Provide(_chains, sync_to_thread=False),
                       "completions": Provide(_completions, sync_to_thread=False),
                       "tenant": Provide(_tenant, sync_to_thread=False)},

@@ -88,7 +88,7 @@ def blocks(lang: str) -> list[Block]:
 def commands(block: Block) -> list[str]:
     """Shell commands of a block: comments dropped, continuation lines (a trailing backslash or a quote still
     open) joined."""
-    out, pending = [], ""
+    out, pending, joint = [], "", "\n"
     for raw in block.text.splitlines():
         if not pending and out and raw[:1].isspace() and raw.lstrip().startswith("["):
             out[-1] += " " + _strip_comment(raw).strip()  # a synopsis' options go on on the next line
@@ -96,9 +96,10 @@ def commands(block: Block) -> list[str]:
         line = raw if pending else _strip_comment(raw)
         if not pending and not line:
             continue
-        pending = f"{pending}\n{_strip_comment(raw, pending)}" if pending else line
+        pending = f"{pending}{joint}{_strip_comment(raw, pending)}" if pending else line
+        joint = "\n"  # inside an open quote the newline is part of the text
         if pending.endswith("\\"):
-            pending = pending[:-1].rstrip()
+            pending, joint = pending[:-1].rstrip(), " "
             continue
         try:
             shlex.split(pending)

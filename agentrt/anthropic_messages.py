@@ -1,0 +1,537 @@
+"""Anthropic's Messages API over implicit chains (agentrt.implicit_chains).
+
+A request carries the whole conversation. It is converted to the chain routes' messages: a user message's text
+blocks become one user message (joined by a newline), each ``tool_result`` a tool message (its text blocks
+joined by a newline, ``Error: `` before the text when ``is_error``; ``name`` from the ``tool_use`` it answers),
+an assistant message its text (blocks joined) and its ``tool_use`` blocks as calls (consecutive assistant
+messages are one, as Anthropic merges them); a final assistant message is the reply's prefix (the turn's
+``assistant_prefix``; the reply holds only what follows it). The conversation's chain is resolved (resumed,
+forked or created; earlier history the chain lacks imported), the request's ``context_management`` edits run
+on it as pruning, and the new messages become one chain turn.
+
+The reply's content is the generated text split by the tool-call rules of agentrt.chat: text blocks between
+``tool_use`` blocks (one per complete ``<tool_call>`` block, id ``toolu_...``, ``input`` its arguments),
+markup never as text, whitespace as ``strip_tool_calls`` leaves it. A stream gives the same blocks (the same
+``BlockWriter``): each text block as it is released, each tool_use block as soon as its markup is complete.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
+
+import msgspec
+from litestar.datastructures import State
+from litestar.exceptions import HTTPException
+from litestar.response import ServerSentEventMessage
+from msgspec import UNSET, UnsetType
+
+from agentrt.anthropic_errors import anthropic_error_body
+from agentrt.anthropic_types import (ClearToolUsesApplied, ClearToolUsesEdit, ContentBlock, ContentBlockDeltaEvent,
+                                     ContentBlockStartEvent, ContentBlockStopEvent, ContextManagementResponse,
+                                     CountTokensContextManagement, CountTokensRequest, CountTokensResponse,
+                                     DocumentBlockParam, ImageBlockParam, InputJSONDelta, InputTokens, Message,
+                                     MessageDelta, MessageDeltaEvent, MessagesRequest, MessageStartEvent,
+                                     MessageStopEvent, RedactedThinkingBlockParam, SearchResultBlockParam, StopReason,
+                                     TextBlock, TextBlockParam, TextDelta, ThinkingBlockParam, ToolChoice,
+                                     ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, ToolResultBlockParam,
+                                     ToolUseBlock, ToolUseBlockParam, ToolUses, Usage)
+from agentrt.chat import Message as ChainMessage
+from agentrt.errors import ModelNotFound, bad_field
+from agentrt.implicit_chains import ImplicitChains, Resolved, arguments_value, implicit_chains_of, turn_create
+from agentrt.tool_call_stream import ToolCallStream
+from sdk.schema import FunctionDef, PruneRequest, Tool, ToolCall, TurnDelta, TurnResult
+
+if TYPE_CHECKING:
+    from agentrt.chains import ChainService
+    from agentrt.config import ServerConfig
+    from agentrt.turns import PendingTurn
+
+log = logging.getLogger(__name__)
+CLOSE_TAG = "</tool_call>"
+DEFAULT_TRIGGER_TOKENS = 100_000  # clear_tool_uses_20250919's defaults
+DEFAULT_KEEP_TOOL_USES = 3
+
+
+class ChainMoved(HTTPException):
+    """The resolved chain gained a turn through another route before this request's turn started (retryable:
+    the next resolution sees the new history)."""
+
+    status_code = 409
+
+
+# --- the request -------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Conversation:
+    system: str | None
+    tools: list[dict[str, Any]]  # the chain routes' form
+    messages: list[ChainMessage]  # without a final assistant message
+    names: list[str]  # the request field of each message, for errors
+    prefix: str | None  # a final assistant message's text: the reply continues it
+
+
+def _refuse_block(block: Any, key: str) -> None:
+    if isinstance(block, (ImageBlockParam, DocumentBlockParam, SearchResultBlockParam)):
+        kind = block.__struct_config__.tag
+        raise bad_field(f"{key}.type", f"this model takes text only, not {kind!r} blocks")
+    if isinstance(block, (ThinkingBlockParam, RedactedThinkingBlockParam)):
+        raise bad_field(f"{key}.type", "this server's model does not think and returns no thinking blocks: leave "
+                                       "them out")
+
+
+def _tool_result_text(block: ToolResultBlockParam, key: str) -> str:
+    if block.content is None or isinstance(block.content, str):
+        text = block.content or ""
+    else:
+        parts = []
+        for k, part in enumerate(block.content):
+            _refuse_block(part, f"{key}.content[{k}]")
+            parts.append(cast(TextBlockParam, part).text)
+        text = "\n".join(parts)
+    return f"Error: {text}" if block.is_error else text
+
+
+def conversation(req: MessagesRequest | CountTokensRequest) -> Conversation:
+    system = req.system if isinstance(req.system, str) or req.system is None else \
+        "\n".join(b.text for b in req.system) if req.system else None
+    # the chain routes' form, key order included: the chat template renders the tools as JSON in that order
+    tools = msgspec.to_builtins([Tool(function=FunctionDef(name=t.name, description=t.description,
+                                                           parameters=t.input_schema)) for t in req.tools or []])
+    called = {b.id: b.name for m in req.messages if m.role == "assistant" and not isinstance(m.content, str)
+              for b in m.content if isinstance(b, ToolUseBlockParam)}
+    messages: list[ChainMessage] = []
+    names: list[str] = []
+    for i, m in enumerate(req.messages):
+        key = f"messages[{i}]"
+        blocks = [TextBlockParam(text=m.content)] if isinstance(m.content, str) else m.content
+        if m.role == "assistant":
+            texts, calls = [], []
+            for j, b in enumerate(blocks):
+                _refuse_block(b, f"{key}.content[{j}]")
+                if isinstance(b, ToolResultBlockParam):
+                    raise bad_field(f"{key}.content[{j}].type", "tool_result blocks belong in user messages")
+                if isinstance(b, TextBlockParam):
+                    texts.append(b.text)
+                else:
+                    b = cast(ToolUseBlockParam, b)
+                    calls.append({"id": b.id, "type": "function",
+                                  "function": {"name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
+            if messages and messages[-1]["role"] == "assistant":  # consecutive assistant messages are one
+                messages[-1]["content"] += "".join(texts)
+                messages[-1].setdefault("tool_calls", []).extend(calls)
+                continue
+            message: ChainMessage = {"role": "assistant", "content": "".join(texts)}
+            messages.append({**message, "tool_calls": calls} if calls else message)
+            names.append(key)
+            continue
+        texts = []
+        for j, b in enumerate(blocks):
+            _refuse_block(b, f"{key}.content[{j}]")
+            if isinstance(b, ToolUseBlockParam):
+                raise bad_field(f"{key}.content[{j}].type", "tool_use blocks belong in assistant messages")
+            if isinstance(b, TextBlockParam):
+                texts.append(b.text)
+                continue
+            b = cast(ToolResultBlockParam, b)
+            if b.tool_use_id not in called:
+                raise bad_field(f"{key}.content[{j}].tool_use_id", f"no tool_use block with the id {b.tool_use_id!r} "
+                                                                   "precedes it")
+            if texts:
+                messages.append({"role": "user", "content": "\n".join(texts)})
+                names.append(key)
+                texts = []
+            messages.append({"role": "tool", "content": _tool_result_text(b, f"{key}.content[{j}]"),
+                             "tool_call_id": b.tool_use_id, "name": called[b.tool_use_id]})
+            names.append(f"{key}.content[{j}]")
+        if texts or not blocks:
+            messages.append({"role": "user", "content": "\n".join(texts)})
+            names.append(key)
+    prefix = None
+    if messages and messages[-1]["role"] == "assistant":
+        last = messages.pop()
+        if last.get("tool_calls"):
+            raise bad_field(names[-1], "a final assistant message (the start of the reply) may hold text only")
+        if last["content"] != last["content"].rstrip():
+            raise bad_field(names[-1], "a final assistant message (the start of the reply) cannot end with "
+                                       "whitespace")
+        prefix = last["content"] or None
+        names.pop()
+    return Conversation(system=system, tools=tools, messages=messages, names=names, prefix=prefix)
+
+
+def check_tool_choice(choice: ToolChoice | None) -> bool:
+    """Whether the reply's tool calls are parsed (``none``: the text is the reply, as generated). Forcing a
+    call (``any``, ``tool``) needs constrained decoding; this is the one place that refuses it."""
+    if isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
+        raise bad_field("tool_choice", f"{choice.__struct_config__.tag!r} forces a tool call, which needs "
+                                       "constrained decoding that this server does not do yet: use 'auto' (the "
+                                       "model may call a tool) or 'none'")
+    return not isinstance(choice, ToolChoiceNone)
+
+
+def _clear_tool_uses(req: MessagesRequest) -> ClearToolUsesEdit | None:
+    if req.context_management is None:
+        return None
+    edits = [(i, e) for i, e in enumerate(req.context_management.edits) if isinstance(e, ClearToolUsesEdit)]
+    for i, edit in edits[1:]:
+        raise bad_field(f"context_management.edits[{i}]", "give at most one clear_tool_uses_20250919 edit")
+    for i, edit in edits:
+        if edit.clear_tool_inputs:
+            raise bad_field(f"context_management.edits[{i}].clear_tool_inputs",
+                            "only false: a tool call's input is part of the generated assistant text, of which "
+                            "this server drops no part (tool results are cleared)")
+    return edits[0][1] if edits else None
+
+
+def tool_input(call: ToolCall) -> dict[str, Any]:
+    """A call's arguments as a tool_use ``input`` (an object: arguments that are not one are wrapped)."""
+    value = arguments_value(call.function.arguments)
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+# --- the reply's content blocks ---------------------------------------------------------------------------------
+BlockEvent = ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
+
+
+class BlockWriter:
+    """Generated text, fed in any pieces, to content blocks and the stream events that build them; the blocks
+    do not depend on how the text was cut (a piece is split after each closing tag, so that the text before a
+    call is released before the call)."""
+
+    def __init__(self, parse_calls: bool = True, prefix: str | None = None):
+        """``prefix``: the text the reply continues (a final assistant message), not part of the reply: parsed
+        first, so that the reply's leading whitespace is kept and a tool call opened in it still completes."""
+        self.parser = ToolCallStream() if parse_calls else None
+        self.blocks: list[ContentBlock] = []
+        self._open = False  # the last block is a text block still growing
+        self._tail = ""  # the end of the text fed so far, where a closing tag may have begun
+        if prefix and self.parser is not None:
+            self.feed(prefix)
+            self.blocks, self._open = [], False
+
+    def feed(self, text: str) -> list[BlockEvent]:
+        if self.parser is None:
+            return self._text(text)
+        events: list[BlockEvent] = []
+        for piece in self._pieces(text):
+            content, calls = self.parser.feed(piece)
+            events += self._text(content)
+            for call in calls:
+                events += self._call(call)
+        return events
+
+    def finish(self) -> list[BlockEvent]:
+        events: list[BlockEvent] = []
+        if self.parser is not None:
+            content, calls = self.parser.finish()
+            events += self._text(content)
+            for call in calls:
+                events += self._call(call)
+        if self._open:
+            events.append(ContentBlockStopEvent(index=len(self.blocks) - 1))
+            self._open = False
+        return events
+
+    def whole(self, text: str) -> list[ContentBlock]:
+        self.feed(text)
+        self.finish()
+        return self.blocks
+
+    def _pieces(self, text: str) -> list[str]:
+        joined, pieces, start = self._tail + text, [], 0
+        for at in _find_all(joined, CLOSE_TAG):  # every block, well-formed or not, ends at one
+            end = at + len(CLOSE_TAG) - len(self._tail)
+            if end > start:
+                pieces.append(text[start:end])
+                start = end
+        pieces.append(text[start:])
+        self._tail = joined[-(len(CLOSE_TAG) - 1):]
+        return [p for p in pieces if p]
+
+    def _text(self, content: str) -> list[BlockEvent]:
+        if not content:
+            return []
+        events: list[BlockEvent] = []
+        if not self._open:
+            self.blocks.append(TextBlock(text=""))
+            events.append(ContentBlockStartEvent(index=len(self.blocks) - 1, content_block=TextBlock(text="")))
+            self._open = True
+        block = cast(TextBlock, self.blocks[-1])
+        block.text += content
+        events.append(ContentBlockDeltaEvent(index=len(self.blocks) - 1, delta=TextDelta(text=content)))
+        return events
+
+    def _call(self, call: ToolCall) -> list[BlockEvent]:
+        events: list[BlockEvent] = []
+        if self._open:
+            events.append(ContentBlockStopEvent(index=len(self.blocks) - 1))
+            self._open = False
+        block = ToolUseBlock(id=f"toolu_{call.id.removeprefix('call_')}", name=call.function.name,
+                             input=tool_input(call))
+        self.blocks.append(block)
+        index = len(self.blocks) - 1
+        events += [ContentBlockStartEvent(index=index, content_block=ToolUseBlock(id=block.id, name=block.name,
+                                                                                   input={})),
+                   ContentBlockDeltaEvent(index=index, delta=InputJSONDelta(
+                       partial_json=json.dumps(block.input, ensure_ascii=False))),
+                   ContentBlockStopEvent(index=index)]
+        return events
+
+
+def _find_all(text: str, sub: str) -> list[int]:
+    out, at = [], text.find(sub)
+    while at >= 0:
+        out.append(at)
+        at = text.find(sub, at + 1)
+    return out
+
+
+# --- the service --------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class Pending:
+    id: str
+    turn: PendingTurn
+    resolved: Resolved
+    parse_calls: bool
+    prefix: str | None
+    stop_sequences: list[str]
+    context_management: ContextManagementResponse | UnsetType = UNSET
+
+    async def close(self) -> None:
+        """For a response that ended before its stream was consumed (client gone)."""
+        await self.turn.close()
+
+
+class MessagesService:
+    def __init__(self, chains: ChainService, implicit: ImplicitChains, model_name: str, config: ServerConfig):
+        self.chains = chains
+        self.implicit = implicit
+        self.model_name = model_name
+        self.config = config
+
+    # --- requests ---------------------------------------------------------------------------------------
+    def _check(self, req: MessagesRequest) -> dict[str, Any]:
+        """Refuse, with a 400 naming the field, what cannot be honored; the turn's sampling."""
+        if req.model != self.model_name:
+            raise ModelNotFound(req.model, self.model_name)
+        if req.max_tokens > self.config.max_tokens_per_turn:
+            raise bad_field("max_tokens", f"must be <= {self.config.max_tokens_per_turn}")
+        if req.container is not None:
+            raise bad_field("container", "this server runs no code-execution containers")
+        if req.mcp_servers:
+            raise bad_field("mcp_servers", "this server connects to no MCP servers: leave it out or empty")
+        forced = list(req.agentrt_forced_token_ids or [])
+        vocab = self.chains.worker.engine.model_config.vocab_size
+        if len(forced) > req.max_tokens:
+            raise bad_field("agentrt_forced_token_ids", f"has {len(forced)} tokens, more than max_tokens "
+                                                        f"({req.max_tokens})")
+        if any(t >= vocab for t in forced):
+            raise bad_field("agentrt_forced_token_ids", f"every id must be < the vocabulary size {vocab}")
+        greedy = req.top_p == 0  # a nucleus of one token; the engine takes top_p in (0, 1]
+        return {"temperature": 0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
+                "top_p": 1.0 if req.top_p is None or greedy else req.top_p,
+                "top_k": -1 if req.top_k is None else req.top_k, "max_tokens": req.max_tokens,
+                "stop": list(req.stop_sequences or []), "forced_token_ids": forced}
+
+    async def start(self, req: MessagesRequest, tenant: str) -> Pending:
+        """Resolve the conversation's chain, apply its context management, start the turn (raises before any
+        reply: 400 / 404 / 413 / 429 / 503)."""
+        sampling = self._check(req)
+        parse_calls = check_tool_choice(req.tool_choice)
+        edit = _clear_tool_uses(req)
+        conv = conversation(req)
+        session = req.metadata.user_id if req.metadata is not None else None
+        async with self.implicit.resolve(tenant, session, conv.system, conv.tools, conv.messages,
+                                         conv.names) as resolved:
+            managed: ContextManagementResponse | UnsetType = UNSET
+            if req.context_management is not None:
+                managed = await self._clear_tool_uses(tenant, resolved, edit, conv)
+            data = turn_create(conv.messages[resolved.offset:], sampling, conv.prefix, req.stream)
+            turn = await self.chains.start_turn(resolved.chain_id, data, tenant=tenant)
+            if turn.state.num_turns != resolved.state.num_turns:
+                await turn.close()
+                raise ChainMoved(detail="the conversation's chain gained a turn through another route meanwhile: "
+                                        "retry")
+        return Pending(id=f"msg_{uuid.uuid4().hex[:24]}", turn=turn, resolved=resolved, parse_calls=parse_calls,
+                       prefix=conv.prefix, stop_sequences=sampling["stop"], context_management=managed)
+
+    async def create(self, req: MessagesRequest, tenant: str) -> tuple[Message, Resolved]:
+        pending = await self.start(req, tenant)
+        try:
+            result = await pending.turn.result()
+        finally:
+            await pending.close()
+        text = result.message.content[len(pending.prefix or ""):]
+        blocks = BlockWriter(pending.parse_calls, pending.prefix).whole(text)
+        reason, sequence = self._stop(result, pending, blocks)
+        message = Message(id=pending.id, type="message", role="assistant", content=blocks, model=self.model_name,
+                          stop_reason=reason, stop_sequence=sequence, usage=usage(result, pending.resolved.imported),
+                          context_management=pending.context_management)
+        return message, pending.resolved
+
+    async def events(self, pending: Pending) -> AsyncGenerator[ServerSentEventMessage, None]:
+        """The SSE events of a streamed reply (Anthropic's order). An error once the stream has started is an
+        ``error`` event, and the stream ends there."""
+        start = Message(id=pending.id, type="message", role="assistant", content=[], model=self.model_name,
+                        stop_reason=None, stop_sequence=None, usage=_expected_usage(pending))
+        yield _sse(MessageStartEvent(message=start))
+        writer = BlockWriter(pending.parse_calls, pending.prefix)
+        try:
+            result: TurnResult | None = None
+            async with aclosing(pending.turn.events()) as events:
+                async for event in events:
+                    if isinstance(event, TurnDelta):
+                        for e in writer.feed(event.text):
+                            yield _sse(e)
+                    else:
+                        result = event
+            assert result is not None
+            for e in writer.finish():
+                yield _sse(e)
+            reason, sequence = self._stop(result, pending, writer.blocks)
+            yield _sse(MessageDeltaEvent(delta=MessageDelta(stop_reason=reason, stop_sequence=sequence),
+                                         usage=usage(result, pending.resolved.imported),
+                                         context_management=pending.context_management))
+            yield _sse(MessageStopEvent())
+        except Exception as exc:  # the status line is sent: the error goes into the stream
+            log.info("stream %s failed: %r", pending.id, exc)
+            yield ServerSentEventMessage(event="error", data=msgspec.json.encode(anthropic_error_body(exc)).decode())
+
+    async def count_tokens(self, req: CountTokensRequest, tenant: str) -> CountTokensResponse:
+        """The prompt's tokens as the engine would see them: exact for a new conversation and for one that
+        continues a chain's whole history; for one that does neither, the chat template's rendering of it all."""
+        if req.model != self.model_name:
+            raise ModelNotFound(req.model, self.model_name)
+        check_tool_choice(req.tool_choice)
+        if req.mcp_servers:
+            raise bad_field("mcp_servers", "this server connects to no MCP servers: leave it out or empty")
+        conv = conversation(req)
+        if not conv.messages:
+            raise bad_field("messages", "must hold a user message")
+        renderer = self.chains.renderer
+        found = await self.implicit.peek(tenant, conv.system, conv.tools, conv.messages)
+        new = conv.messages[found[1]:] if found is not None else []
+        if found is not None and not any(m["role"] == "assistant" for m in new):
+            state = found[0]
+            new = ([state.system_message()] if state.num_turns == 0 else []) + new
+            last = state.token_ids[-1] if state.token_ids else None
+            appended = await renderer.append(state.history, new, state.row.tools, last, conv.prefix)
+            count = len(state.token_ids) + len(appended.token_ids)
+        else:
+            system = {"role": "system", "content": self.config.default_system_prompt if conv.system is None
+                      else conv.system}
+            appended = await renderer.append([], [system, *conv.messages], conv.tools, None, conv.prefix)
+            count = len(appended.token_ids)
+        managed = UNSET if req.context_management is None else CountTokensContextManagement(
+            original_input_tokens=count)
+        return CountTokensResponse(input_tokens=count, context_management=managed)
+
+    # --- context management -------------------------------------------------------------------------------
+    async def _clear_tool_uses(self, tenant: str, resolved: Resolved, edit: ClearToolUsesEdit | None,
+                               conv: Conversation) -> ContextManagementResponse:
+        """``clear_tool_uses_20250919`` as pruning: once the prompt is over the trigger, the chain's oldest tool
+        results (all but the ``keep`` most recent tool uses, the request's new ones counted first; tools in
+        ``exclude_tools`` never) leave the KV, if that frees at least ``clear_at_least`` tokens. The chain keeps
+        the messages, so the client's next request, which re-sends them, still resumes it. The report counts
+        every tool result cleared from the chain's KV, as a stateless server would report the edit on the
+        re-sent history."""
+        state = resolved.state
+        if edit is not None:
+            excluded = set(edit.exclude_tools or [])
+            results = [r for r in state.regions if r.kind == "tool_result"]
+            new_uses = [m for m in conv.messages[resolved.offset:] if m["role"] == "tool"]
+            trigger = edit.trigger or InputTokens(value=DEFAULT_TRIGGER_TOKENS)
+            keep = (edit.keep or ToolUses(value=DEFAULT_KEEP_TOOL_USES)).value
+            clearable = [r for r in results if r.tool_name not in excluded]
+            kept_here = max(0, keep - sum(1 for m in new_uses if m.get("name") not in excluded))
+            due = [r for r in clearable[:max(0, len(clearable) - kept_here)] if not r.pruned]
+            freed = sum(r.end - r.start for r in due)
+            at_least = edit.clear_at_least.value if edit.clear_at_least is not None else 0
+            if due and freed >= at_least and await self._triggered(trigger, state, conv, resolved, len(results)):
+                await self.chains.prune(state.id, PruneRequest(regions=[r.index for r in due]), tenant=tenant)
+                state = await self.chains.state(state.id, tenant)
+                resolved.state = state
+        cleared = [r for r in state.regions if r.kind == "tool_result" and r.pruned]
+        applied = [ClearToolUsesApplied(cleared_tool_uses=len(cleared),
+                                        cleared_input_tokens=sum(r.end - r.start for r in cleared))] \
+            if edit is not None and cleared else []
+        return ContextManagementResponse(applied_edits=applied)
+
+    async def _triggered(self, trigger: InputTokens | ToolUses, state: Any, conv: Conversation, resolved: Resolved,
+                         in_chain: int) -> bool:
+        new = conv.messages[resolved.offset:]
+        if isinstance(trigger, ToolUses):
+            return in_chain + sum(1 for m in new if m["role"] == "tool") > trigger.value
+        last = state.token_ids[-1] if state.token_ids else None
+        appended = await self.chains.renderer.append(state.history, new, state.row.tools, last, conv.prefix)
+        return len(state.token_ids) + len(appended.token_ids) > trigger.value
+
+    # --- the reply -------------------------------------------------------------------------------------------
+    def _stop(self, result: TurnResult, pending: Pending, blocks: list[ContentBlock]) -> tuple[StopReason, str | None]:
+        if result.finish_reason == "length":
+            return "max_tokens", None
+        if any(isinstance(b, ToolUseBlock) for b in blocks):
+            return "tool_use", None
+        if pending.stop_sequences:
+            sequence = self._stop_sequence(result, pending)
+            if sequence is not None:
+                return "stop_sequence", sequence
+        return "end_turn", None
+
+    def _stop_sequence(self, result: TurnResult, pending: Pending) -> str | None:
+        """The stop sequence that ended the reply (None when an end-of-turn token did): the engine cuts the text
+        where the sequence starts; the chain's log keeps the tokens that spelled it."""
+        state = self.chains.states.get(result.chain_id)
+        n = result.usage.completion_tokens
+        generated = state.token_ids[-n:] if state is not None and n else []
+        renderer = self.chains.renderer.renderer
+        if generated and generated[-1] in renderer.stop_token_ids:
+            return None
+        text = result.message.content[len(pending.prefix or ""):]
+        full = renderer.decode(generated)
+        found = [s for s in pending.stop_sequences if full.startswith(s, len(text))]
+        found = found or [s for s in pending.stop_sequences if s in full[max(0, len(text) - len(s) + 1):]]
+        return min(found) if found else None
+
+
+def usage(result: TurnResult, imported: list[TurnResult]) -> Usage:
+    """``input_tokens``: the prompt tokens this request computed (its turns' prefills: the new part, plus the
+    token the chain's KV lacks, its last generated one); ``cache_read_input_tokens``: the rest of the prompt,
+    reused (resumed from the chain, or from the prefix cache)."""
+    computed = result.usage.prefilled_tokens + sum(t.usage.prefilled_tokens for t in imported)
+    return Usage(input_tokens=computed, output_tokens=result.usage.completion_tokens,
+                 cache_read_input_tokens=max(0, result.usage.prompt_tokens - computed))
+
+
+def _expected_usage(pending: Pending) -> Usage:
+    """message_start's usage, before the engine has run: what a resumed chain would reuse (message_delta carries
+    the counts)."""
+    turn, imported = pending.turn, pending.resolved.imported
+    resumable = max(0, len(turn.state.token_ids) - 1) if turn.state.num_turns else 0
+    computed = len(turn.prompt) - resumable + sum(t.usage.prefilled_tokens for t in imported)
+    return Usage(input_tokens=computed, output_tokens=0,
+                 cache_read_input_tokens=max(0, len(turn.prompt) - computed))
+
+
+def _sse(event: Any) -> ServerSentEventMessage:
+    return ServerSentEventMessage(event=event.__struct_config__.tag, data=msgspec.json.encode(event).decode())
+
+
+def chain_headers(resolved: Resolved) -> dict[str, str]:
+    """Which chain served the request, and how it was found: for operators and tests (the chain routes read it
+    with the same key)."""
+    return {"agentrt-chain-id": resolved.chain_id, "agentrt-chain-resolution": resolved.how}
+
+
+def messages_service(state: State) -> MessagesService:
+    """The app's MessagesService, made on first use from what the lifespan put on ``app.state``."""
+    service = getattr(state, "anthropic_messages", None)
+    if service is None:
+        service = MessagesService(state.chains, implicit_chains_of(state), state.model_name, state.config)
+        state.anthropic_messages = service
+    return service

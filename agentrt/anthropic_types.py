@@ -1,0 +1,307 @@
+"""Wire types of Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``) as this
+server takes and answers them (msgspec Structs).
+
+Inputs forbid unknown fields (a 400 naming the field), as every other route's do. Block types this server
+cannot honor (images, documents, thinking) are still decoded, loosely, so that the refusal can say why rather
+than that the type is unknown; what each field does here is tabled in docs/anthropic.md.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import UNSET, Meta, Struct, UnsetType, field
+
+Text = Annotated[str, Meta(max_length=4_000_000)]
+CacheControl = dict[str, Any]  # {"type": "ephemeral", "ttl": ...}: accepted, no effect (chains reuse the KV anyway)
+
+
+class _Input(Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+class _Refused(Struct, kw_only=True):
+    """A block type this server refuses: decoded with any fields, so that the 400 names the block's type."""
+
+
+# --- content blocks --------------------------------------------------------------------------------------
+class TextBlockParam(_Input, tag_field="type", tag="text"):
+    text: Text
+    cache_control: CacheControl | None = None
+    citations: list[dict[str, Any]] | None = None  # accepted, no effect (this server returns none)
+
+
+class ImageBlockParam(_Refused, tag_field="type", tag="image"):
+    pass
+
+
+class DocumentBlockParam(_Refused, tag_field="type", tag="document"):
+    pass
+
+
+class SearchResultBlockParam(_Refused, tag_field="type", tag="search_result"):
+    pass
+
+
+class ThinkingBlockParam(_Refused, tag_field="type", tag="thinking"):
+    pass
+
+
+class RedactedThinkingBlockParam(_Refused, tag_field="type", tag="redacted_thinking"):
+    pass
+
+
+class ToolUseBlockParam(_Input, tag_field="type", tag="tool_use"):
+    id: Annotated[str, Meta(min_length=1, max_length=256)]
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    input: dict[str, Any]
+    cache_control: CacheControl | None = None
+
+
+ToolResultContent = list[TextBlockParam | ImageBlockParam | DocumentBlockParam | SearchResultBlockParam]
+
+
+class ToolResultBlockParam(_Input, tag_field="type", tag="tool_result"):
+    tool_use_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    content: Text | ToolResultContent | None = None
+    is_error: bool = False
+    cache_control: CacheControl | None = None
+
+
+ContentBlockParam = (TextBlockParam | ImageBlockParam | DocumentBlockParam | SearchResultBlockParam | ToolUseBlockParam
+                     | ToolResultBlockParam | ThinkingBlockParam | RedactedThinkingBlockParam)
+
+
+class MessageParam(_Input):
+    role: Literal["user", "assistant"]
+    content: Text | list[ContentBlockParam]
+
+
+# --- tools -----------------------------------------------------------------------------------------------
+class ToolParam(_Input):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    input_schema: dict[str, Any]
+    description: str | None = None
+    type: Literal["custom"] | None = None
+    cache_control: CacheControl | None = None
+
+
+class ToolChoiceAuto(_Input, tag_field="type", tag="auto"):
+    disable_parallel_tool_use: bool | None = None  # accepted, no effect
+
+
+class ToolChoiceAny(_Input, tag_field="type", tag="any"):
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceTool(_Input, tag_field="type", tag="tool"):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    disable_parallel_tool_use: bool | None = None
+
+
+class ToolChoiceNone(_Input, tag_field="type", tag="none"):
+    pass
+
+
+ToolChoice = ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone
+
+
+# --- the rest of the request -------------------------------------------------------------------------------
+class Metadata(_Input):
+    # the session key of implicit chains (agentrt.implicit_chains); stored only as a hash
+    user_id: Annotated[str, Meta(max_length=512)] | None = None
+
+
+class ThinkingEnabled(_Input, tag_field="type", tag="enabled"):
+    budget_tokens: Annotated[int, Meta(ge=0)]
+
+
+class ThinkingDisabled(_Input, tag_field="type", tag="disabled"):
+    pass
+
+
+class ThinkingAdaptive(_Input, tag_field="type", tag="adaptive"):
+    pass
+
+
+Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
+
+
+class InputTokens(_Input, tag_field="type", tag="input_tokens"):
+    value: Annotated[int, Meta(ge=0)]
+
+
+class ToolUses(_Input, tag_field="type", tag="tool_uses"):
+    value: Annotated[int, Meta(ge=0)]
+
+
+class ClearToolUsesEdit(_Input, tag_field="type", tag="clear_tool_uses_20250919"):
+    trigger: InputTokens | ToolUses | None = None  # default: more than 100,000 input tokens
+    keep: ToolUses | None = None  # default: the 3 most recent tool uses
+    clear_at_least: InputTokens | None = None
+    exclude_tools: list[Annotated[str, Meta(min_length=1, max_length=256)]] | None = None
+    clear_tool_inputs: bool | list[str] | None = None  # only false / [] (refused otherwise)
+
+
+class ClearThinkingEdit(_Refused, tag_field="type", tag="clear_thinking_20251015"):
+    """Accepted, no effect: this server produces no thinking blocks, so there are none to clear."""
+
+
+class ContextManagement(_Input):
+    edits: list[ClearToolUsesEdit | ClearThinkingEdit] = field(default_factory=list)
+
+
+ForcedTokenIds = Annotated[list[Annotated[int, Meta(ge=0, le=2**31)]], Meta(max_length=65536)]
+
+
+class MessagesRequest(_Input):
+    model: str
+    max_tokens: Annotated[int, Meta(ge=1)]
+    messages: Annotated[list[MessageParam], Meta(min_length=1, max_length=100_000)]
+    system: Text | list[TextBlockParam] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    stop_sequences: list[Annotated[str, Meta(min_length=1)]] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # Anthropic's default: 1.0
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=1)] | None = None
+    stream: bool = False
+    metadata: Metadata | None = None
+    thinking: Thinking | None = None  # accepted, no effect: the served model does not reason
+    context_management: ContextManagement | None = None
+    service_tier: Literal["auto", "standard_only"] | None = None  # accepted, no effect: one tier
+    cache_control: CacheControl | None = None
+    container: Any = None  # refused: no code-execution containers here
+    mcp_servers: list[dict[str, Any]] | None = None  # refused unless empty: this server connects to none
+    # test extension: the first generated tokens, forced (the chain routes' ``sampling.forced_token_ids``)
+    agentrt_forced_token_ids: ForcedTokenIds | None = None
+
+
+class CountTokensRequest(_Input):
+    model: str
+    messages: Annotated[list[MessageParam], Meta(min_length=1, max_length=100_000)]
+    system: Text | list[TextBlockParam] | None = None
+    tools: list[ToolParam] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    context_management: ContextManagement | None = None
+    cache_control: CacheControl | None = None
+    mcp_servers: list[dict[str, Any]] | None = None
+
+
+# --- the response ----------------------------------------------------------------------------------------
+StopReason = Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+
+
+class TextBlock(Struct, kw_only=True, tag_field="type", tag="text"):
+    text: str
+    citations: None = None
+
+
+class ToolUseBlock(Struct, kw_only=True, tag_field="type", tag="tool_use"):
+    id: str
+    name: str
+    input: dict[str, Any]
+
+
+ContentBlock = TextBlock | ToolUseBlock
+
+
+class Usage(Struct, kw_only=True):
+    input_tokens: int  # prompt tokens this request computed (prefilled)
+    output_tokens: int
+    cache_creation_input_tokens: int = 0  # always 0: a chain's KV costs nothing extra to keep
+    cache_read_input_tokens: int = 0  # prompt tokens reused: resumed from the chain or prefix-cached
+
+
+class ClearToolUsesApplied(Struct, kw_only=True, tag_field="type", tag="clear_tool_uses_20250919"):
+    cleared_tool_uses: int
+    cleared_input_tokens: int
+
+
+class ContextManagementResponse(Struct, kw_only=True):
+    applied_edits: list[ClearToolUsesApplied]
+
+
+class Message(Struct, kw_only=True):
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    content: list[ContentBlock]
+    model: str
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+    usage: Usage
+    context_management: ContextManagementResponse | UnsetType = UNSET  # with a request's context_management
+
+
+class CountTokensContextManagement(Struct, kw_only=True):
+    original_input_tokens: int
+
+
+class CountTokensResponse(Struct, kw_only=True):
+    input_tokens: int
+    context_management: CountTokensContextManagement | UnsetType = UNSET
+
+
+# --- stream events (``event: <type>``, the data carries the same ``type``) ------------------------------------
+class MessageStartEvent(Struct, kw_only=True, tag_field="type", tag="message_start"):
+    message: Message
+
+
+class ContentBlockStartEvent(Struct, kw_only=True, tag_field="type", tag="content_block_start"):
+    index: int
+    content_block: ContentBlock
+
+
+class TextDelta(Struct, kw_only=True, tag_field="type", tag="text_delta"):
+    text: str
+
+
+class InputJSONDelta(Struct, kw_only=True, tag_field="type", tag="input_json_delta"):
+    partial_json: str
+
+
+class ContentBlockDeltaEvent(Struct, kw_only=True, tag_field="type", tag="content_block_delta"):
+    index: int
+    delta: TextDelta | InputJSONDelta
+
+
+class ContentBlockStopEvent(Struct, kw_only=True, tag_field="type", tag="content_block_stop"):
+    index: int
+
+
+class MessageDelta(Struct, kw_only=True):
+    stop_reason: StopReason | None
+    stop_sequence: str | None
+
+
+class MessageDeltaEvent(Struct, kw_only=True, tag_field="type", tag="message_delta"):
+    delta: MessageDelta
+    usage: Usage  # the totals (Anthropic's clients take message_delta's counts over message_start's)
+    context_management: ContextManagementResponse | UnsetType = UNSET
+
+
+class MessageStopEvent(Struct, kw_only=True, tag_field="type", tag="message_stop"):
+    pass
+
+
+# --- errors ---------------------------------------------------------------------------------------------------
+ErrorType = Literal["invalid_request_error", "authentication_error", "billing_error", "permission_error",
+                    "not_found_error", "request_too_large", "rate_limit_error", "timeout_error", "api_error",
+                    "overloaded_error"]
+
+
+class ErrorObject(Struct, kw_only=True):
+    type: ErrorType
+    message: str
+
+
+class ErrorResponse(Struct, kw_only=True, tag_field="type", tag="error"):
+    """Every error on these routes, and the data of an ``error`` event in a started stream."""
+
+    error: ErrorObject
+
+
+StreamEvent = (MessageStartEvent | ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopEvent
+               | MessageDeltaEvent | MessageStopEvent | ErrorResponse)
