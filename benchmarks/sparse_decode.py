@@ -6,7 +6,12 @@ real; the method then runs its real selection / eviction code on that KV (SnapKV
 queries at the end of the prompt, Quest builds its page bounds through ``kv_loaded``...). Requests are
 admitted ``--admit-group`` at a time until the pool (keeping each request the pages it grows by before
 the timing ends) or ``--max-batch`` is full, and aggregate decode throughput is
-timed over steps where every admitted request decodes.
+timed over steps where every admitted request decodes: a decode-only figure (admission, the prefills and
+the methods' votes and compaction are untimed; ``run_phase_s`` says how long they took, and
+``benchmarks.serving`` times them as a user pays them). Tokens are counted per request from its own output
+counter; a decode window launched before the timing (``overlap_decode``, the GPU default) has finished by
+the sync that opens it, so the tokens the first timed step takes from it are not counted. Each figure is the
+median of ``--repeats`` timed windows, with min and max.
 
     python -m benchmarks.sparse_decode --shape llama-3.1-8b --context 131072 \\
         --methods 'dense;snapkv:{"budget":4096};quest:{"token_budget":4096};omnikv:{"token_budget":4096}'
@@ -32,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import write_shape_dir
+from engine.bench import TimedTokens, aggregate_runs, with_spread, write_shape_dir
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -85,9 +90,48 @@ def has_room(engine: LLMEngine, args, admitted: int) -> bool:
     Without that headroom a full pool preempts requests during the timed steps."""
     n = admitted + 1
     rounds_left = -(-(args.max_batch - admitted) // args.admit_group)
-    grow = -(-(rounds_left * 2 + args.decode_steps + 8) // args.page_size) + 1
+    grow = -(-(rounds_left * 2 + timed_tokens(args) + 8) // args.page_size) + 1
     fill = -(-args.context // args.page_size)
     return engine.pool.num_free >= fill + n * grow
+
+
+def timed_tokens(args) -> int:
+    """Tokens each request decodes from the end of admission to the end of the last timed window: every
+    repetition with the window it starts by taking (overlap_decode), and the window launched after the last."""
+    return args.repeats * (args.decode_steps + args.decode_window) + args.decode_window
+
+
+def timed_decode(engine: LLMEngine, steps_wanted: int, sync) -> dict:
+    """One timed window of at least ``steps_wanted`` decode steps in which every admitted request decodes."""
+    reqs = list(engine._requests.values())
+    graphs = engine.runner.graphs
+    replays_before = 0 if graphs is None else graphs.replays
+    padded_before = 0 if graphs is None else graphs.padded_replays
+    sync()
+    timed = TimedTokens(engine, reqs)
+    timed.start()
+    t0, steps = time.perf_counter(), 0
+    phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "execute": [], "update": []}
+    while steps < steps_wanted:
+        engine.step()
+        if not timed.took():
+            continue  # it took the window launched before t0
+        timing = engine.last_step
+        k = timing.decode_steps if timing is not None else 0  # a window runs several; a launch alone none
+        steps += k
+        if k:
+            for phase, values in phases.items():
+                values.append(1e3 * getattr(timing, f"{phase}_s") / k)
+    elapsed = time.perf_counter() - t0  # every counted token was read by the host: its device work is done
+    sync()  # (the window launched by the last step is neither counted nor timed)
+    tokens = timed.count()
+    return {"decode_tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / steps, "timed_steps": steps,
+            "timed_tokens": tokens, "in_flight_tokens_excluded": timed.excluded,
+            # replays launched in the window: with overlap_decode, the window launched last is among them
+            "graph_replayed_steps": 0 if graphs is None else graphs.replays - replays_before,
+            "graph_padded_steps": 0 if graphs is None else graphs.padded_replays - padded_before,
+            # median per decode step: the host phases (schedule, prepare, update) run while the GPU idles
+            "step_phase_ms": {p: statistics.median(v) for p, v in phases.items() if v}}
 
 
 def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None = None,
@@ -97,12 +141,13 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
         model=model_dir, load_format="dummy", dtype=args.dtype, device=args.device, method=name,
         method_config=cfg, kv_storage=storage, kv_storage_config=storage_cfg or {},
         page_size=args.page_size, enable_prefix_caching=False, max_num_seqs=args.max_batch,
-        max_model_len=args.context + 4 * args.max_batch + args.decode_steps + 64,
+        max_model_len=args.context + 4 * args.max_batch + timed_tokens(args) + 64,
         max_num_batched_tokens=max(args.window * args.admit_group, 256), kv_cache_memory_bytes=args.kv_bytes,
-        cuda_graph_max_batch=min(args.max_batch, 512), decode_steps=args.decode_window))
+        cuda_graph_max_batch=min(args.max_batch, 512), decode_steps=args.decode_window,
+        overlap_decode={"auto": None, "on": True, "off": False}[args.overlap_decode]))
     t_built = time.perf_counter()
     rng, gen = random.Random(0), torch.Generator(device=engine.device).manual_seed(0)
-    max_tokens = 4 * args.max_batch + args.decode_steps + 32
+    max_tokens = 4 * args.max_batch + timed_tokens(args) + 32
     admitted, cut_by_time = 0, False
     while admitted < args.max_batch:
         if args.admit_time_limit and time.perf_counter() - t_built > args.admit_time_limit:
@@ -125,34 +170,22 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
         engine.step()
     sync()
     t_admitted = time.perf_counter()
-    replays_before = 0 if engine.runner.graphs is None else engine.runner.graphs.replays
-    t0, steps, tokens = time.perf_counter(), 0, 0
-    phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "execute": [], "update": []}
-    while steps < args.decode_steps:
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
-        timing = engine.last_step
-        k = timing.decode_steps if timing is not None else 0  # a window runs several; a launch alone none
-        steps += k
-        if timing is not None:
-            for phase, values in phases.items():
-                values.append(1e3 * getattr(timing, f"{phase}_s") / k)
-    elapsed = time.perf_counter() - t0  # every counted token was read by the host: its device work is done
-    sync()  # (an overlapped window still in flight is not counted, nor timed)
-    graphs = engine.runner.graphs
-    replayed = 0 if graphs is None else graphs.replays - replays_before
+    runs = [timed_decode(engine, args.decode_steps, sync) for _ in range(args.repeats)]
+    t_timed = time.perf_counter()
     held = [engine.cache.num_pages_held(r) for r in engine._requests.values()]
     result = {"method": name if storage is None else f"{name}+{storage}", "config": cfg,
               "kv_storage": storage, "kv_storage_config": storage_cfg or {},
               "kv_bytes_per_token": engine.cache.spec.bytes_per_token, "batch": admitted, "context": args.context,
               "admission_cut_by_time": cut_by_time,
-              "decode_tok_s": tokens / elapsed, "step_ms": 1e3 * elapsed / steps,
+              **aggregate_runs(runs),
+              "figure": "decode only: tokens of steps where every admitted request decodes; admission, "
+                        "prefill, votes and compaction untimed (run_phase_s)",
               "pages_per_request": sum(held) / max(len(held), 1), "pool_pages": engine.pool.num_pages,
-              "backend": engine.backend.name, "graph_replayed_steps": replayed, "timed_steps": steps,
+              "backend": engine.backend.name,
               "decode_window": args.decode_window, "overlap_decode": engine.overlap_decode,
-              # median per decode step: the host phases (schedule, prepare, update) run while the GPU idles
-              "step_phase_ms": {p: statistics.median(v) for p, v in phases.items() if v},
               # where a run's wall time goes: engine build (weights, pool, graph capture), admission, timed steps
-              "run_phase_s": {"build": t_built - t_start, "admit": t_admitted - t_built, "timed": elapsed}}
+              "run_phase_s": {"build": t_built - t_start, "admit": t_admitted - t_built,
+                              "timed": t_timed - t_admitted}}
     for rid in list(engine._requests):
         engine.abort(rid)
     del engine
@@ -172,6 +205,8 @@ def run_isolated(*args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    from engine.cli_args import positive_int
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny")
     ap.add_argument("--context", type=int, default=131072)
@@ -181,6 +216,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--decode-steps", type=int, default=32, help="decode steps timed")
     ap.add_argument("--decode-window", type=int, default=1,
                     help="decode steps run back to back per schedule (EngineConfig.decode_steps)")
+    ap.add_argument("--overlap-decode", choices=("auto", "on", "off"), default="auto",
+                    help="EngineConfig.overlap_decode (auto: on a GPU)")
+    ap.add_argument("--repeats", type=positive_int, default=3,
+                    help="timed windows of --decode-steps each; figures are their median, with min and max")
     ap.add_argument("--kv-bytes", type=int, default=None, help="KV budget (default: GPU memory / 512 MiB CPU)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
@@ -216,11 +255,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     print(json.dumps(r), flush=True)
                     results.append(r)
     base = next((r for r in results if r["method"] == "dense"), None)
-    print(f"\n{'method':<14} {'batch':>5} {'decode tok/s':>13} {'step ms':>8} {'pages/req':>10} {'vs dense':>9} "
+    print(f"\ndecode only (admission and prefill untimed); median [min-max] of {args.repeats} timed windows")
+    print(f"{'method':<14} {'batch':>5} {'decode tok/s':>26} {'step ms':>22} {'pages/req':>10} {'vs dense':>9} "
           f"{'KV B/token':>11}")
     for r in results:
         ratio = r["decode_tok_s"] / base["decode_tok_s"] if base else float("nan")
-        print(f"{r['method']:<14} {r['batch']:>5} {r['decode_tok_s']:>13.1f} {r['step_ms']:>8.2f} "
+        print(f"{r['method']:<14} {r['batch']:>5} {with_spread(r, 'decode_tok_s'):>26} "
+              f"{with_spread(r, 'step_ms', '.2f'):>22} "
               f"{r['pages_per_request']:>10.1f} {ratio:>8.2f}x {r.get('kv_bytes_per_token', 0):>11}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))

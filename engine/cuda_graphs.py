@@ -48,6 +48,10 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps served by a replay (for benchmarks and logs)
+        # a replay whose live rows fill less than its bucket reads one KV slot for each padding row, so it is
+        # less work than a full step of the bucket's size: benchmarks time full buckets only (engine.bench)
+        self.padded_replays = 0
+        self.last_rows: tuple[int, int] | None = None  # (live rows, bucket) of the last replay
 
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.buckets if b >= batch_size), None)
@@ -131,6 +135,8 @@ class DecodeGraphs:
         b = self.load(batch)
         self.graphs[b].replay()
         self.replays += 1
+        self.padded_replays += b > batch.num_tokens
+        self.last_rows = (batch.num_tokens, b)
         return self.logits[b][: batch.num_tokens]
 
     @staticmethod

@@ -1,8 +1,43 @@
-"""Ceilings measured in the same run as the figures compared with them, and the decode roofline."""
+"""Ceilings measured in the same run as the figures compared with them, the cards' spec bandwidths, and the
+decode roofline."""
 
 from __future__ import annotations
 
 import torch
+
+
+# HBM bandwidth from the vendor's data sheet, bytes per second, by a substring of torch.cuda.get_device_name
+# (first match wins, so the more specific names come first). The copy rate a run measures (read + write bytes
+# of a device-to-device copy) is what a kernel can reach in practice; the spec rate is what the card is sold
+# at, the ceiling readers compare with other engines' figures.
+SPEC_BANDWIDTH: tuple[tuple[str, float | None], ...] = (
+    ("GH200", None),  # HBM3 or HBM3e by variant: not told apart by the name
+    ("H200", 4.8e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100 NVL", 3.9e12),
+    ("H100", 3.35e12),  # SXM5 80GB ("NVIDIA H100 80GB HBM3")
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12),  # the 40GB cards, SXM4 and PCIe
+    ("B200", 8.0e12),
+    ("L40", 0.864e12),  # L40 and L40S
+    ("L4", 0.3e12),
+    ("A10G", 0.6e12),
+    ("RTX 4090", 1.008e12),
+)
+
+
+def spec_bandwidth(device_name: str | None) -> float | None:
+    """The data-sheet memory bandwidth of a GPU by its name (bytes/s); None for a CPU or a card not listed."""
+    if not device_name:
+        return None
+    return next((bw for key, bw in SPEC_BANDWIDTH if key in device_name), None)
+
+
+def lm_head_params(model: torch.nn.Module) -> int:
+    """Parameters of the output projection (vocab x hidden, tied to the embedding or not)."""
+    head = getattr(model, "lm_head", None)
+    return head.weight.numel() if head is not None else 0
 
 
 def _time_cuda(fn, reps: int) -> float:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU measurements docs/benchmarks.md reports, as named steps, each under its own time limit:
 #
-#   OUT=/tmp/out bash benchmarks/h200_session.sh tests dense moe
+#   OUT=/tmp/out bash benchmarks/gpu_suite.sh tests dense moe
 #
 # On a fresh device machine run `setup` first (installs carried wheels from .whl/ and .whl-replay/, then
 # this checkout, and unpacks a carried .triton-cache.tgz); end a call with `save-cache` to get Triton's
@@ -35,7 +35,7 @@
 #   evict      KVzip / R-KV vs dense at 4K, matched batch 32
 #   evictmax   dense and R-KV at 4K, each at its largest batch (one run each)
 #   kvzipmax   KVzip the same, up to 300 s (a reconstruction probe per admitted request: a forward over its
-#              context, attention in the prefill and received-attention kernels since session 6)
+#              context, attention in the prefill and received-attention kernels)
 #   codec32k   fp8, KIVI-4, Palu vs dense at 32K (each at its largest batch, then at dense's batch)
 #   snapcodec32k  SnapKV(4096) and SnapKV(4096) + KIVI-4 vs dense at 32K (largest and matched batch)
 #   codec128k, snapcodec128k  the same at 128K
@@ -50,6 +50,14 @@
 #   replaypressure  32 sessions x 20 turns on a 24K-page pool: more KV than the pool holds for the stateless
 #              route (16 x 30 peaked at 37K pages), so its prefix cache must evict what it re-sends, while the
 #              chains' compacted state (SnapKV peaked at 4.2K pages) still fits
+#   serving32k  benchmarks.serving: 32K-token prompts, 1024 output tokens, closed loop at the largest
+#              concurrency the KV pool sustains, dense / SnapKV(4096) / Quest / OmniKV / SnapKV(4096) + fp8, each in
+#              its own process: request throughput, output tok/s, TTFT and TPOT with prefill and admission timed
+#   serving128k   the same with 114688-token prompts (the shape's 131072 positions leave room for 16K outputs)
+#   serving128klong  114688-token prompts with OUTPUT (default 4096) output tokens, 8 requests, METHODS (default
+#              dense) and REPEATS (default 3) from the environment: one method a call. OUTPUT=16384 does not fit a
+#              10-minute call: dense decodes ~6 such requests at once at ~30 ms a step, ~8 minutes a wave
+# engine.bench and sparse_decode report the median of 3 runs (--repeats), so their limits hold three.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -83,12 +91,12 @@ for step in "$@"; do
         tar czf /tmp/triton-cache.tgz -C ~/.triton cache 2>/dev/null \
             && [ "$(stat -c %s /tmp/triton-cache.tgz)" -lt 15000000 ] && cp /tmp/triton-cache.tgz "$OUT/"
         ls -la "$OUT"/triton-cache.tgz 2>/dev/null || echo "no Triton cache saved" ;;
-    tests)  # the kernel and engine tests on 8 workers (session 11: 72 s); the backend tests are `backendtests`
+    tests)  # the kernel and engine tests on 8 workers (72 s on an H200, 2026-12-04); the backend tests are `backendtests`
         run tests 300 python -m pytest -v -n 8 --tb=short -rf --timeout 200 -p no:cacheprovider \
             tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py tests/test_moe_router.py \
             tests/test_triton_kernels.py tests/test_decode_steps.py tests/test_asym_encode.py tests/test_fused_paths.py \
             tests/test_decode_linear.py tests/test_fused_decode_linears.py tests/test_overlap_decode.py ;;
-    fused)  # session 6's fused paths against the torch code they replace (KIVI encode, SnapKV vote, probe, RoPE+store)
+    fused)  # the fused paths against the torch code they replace (KIVI encode, SnapKV vote, probe, RoPE+store)
         run fused 150 python -m benchmarks.fused_paths --json "$OUT/fused.json" ;;
     kernels)
         run kernels 200 python benchmarks/attention_kernels.py --json "$OUT/kernels.json" ;;
@@ -101,50 +109,50 @@ for step in "$@"; do
     sweep)
         run sweep 400 python benchmarks/attention_kernels.py --sweep --json "$OUT/sweep.json" ;;
     dense)  # one decode step a schedule, each launched before the last is read and not (one engine), HF once
-        run dense 360 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+        run dense 560 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --overlap-decode both --hf --json "$OUT/dense.json" ;;
     prefill)  # a 32K prompt's prefill, Triton's kernel against flashinfer's (triton+flashinfer), one process each
         for backend in triton triton+flashinfer; do
             tag=prefill_${backend//+/_}  # plain file names
-            run "$tag" 200 python -m engine.bench --shape llama-3.1-8b --cases 1@32768,4@8192 \
+            run "$tag" 300 python -m engine.bench --shape llama-3.1-8b --cases 1@32768,4@8192 \
                 --decode-tokens 8 --max-num-batched-tokens 16384 --attention-backend $backend --json "$OUT/$tag.json"
         done ;;
     dense8)  # the same cases with 8 decode steps back to back per schedule (host work off the GPU's path)
-        run dense8 200 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+        run dense8 400 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/dense8.json" ;;
     dense8hf)  # the two 4K cases with 8 decode steps per schedule, overlapped windows and not (one engine), HF
         # transformers in the same run
-        run dense8hf 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
+        run dense8hf 560 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --hf --json "$OUT/dense8hf.json" ;;
     fusedlinears)  # the fused decode linears over launches beside norm / SiLU + cuBLAS, then the engine at 4K
         # without and with them (each projection at its best launch from the sweep), one process
         sweep_decode_linear
-        run fusedlinears 300 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
+        run fusedlinears 400 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both \
             --decode-linear-launches "$OUT/decodelinear.json" --json "$OUT/fusedlinears.json" ;;
     dense8fused)  # the dense cases with 8 decode steps a schedule, without then with the fused decode linears
         # (the H200's tuned table), HF transformers in the same run
-        run dense8fused 360 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+        run dense8fused 580 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both --hf \
             --json "$OUT/dense8fused.json" ;;
     decodelinear)  # the launch sweep alone
         sweep_decode_linear ;;
     overlap)  # overlapped decode windows vs not, in one engine each: MoE bs8 / bs32 and dense bs4 @ 32K
-        run overlapmoe 240 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 64 \
+        run overlapmoe 400 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --json "$OUT/overlapmoe.json"
-        run overlapdense 200 python -m engine.bench --shape llama-3.1-8b --cases 4@32768 --decode-tokens 64 \
+        run overlapdense 300 python -m engine.bench --shape llama-3.1-8b --cases 4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --json "$OUT/overlapdense.json" ;;
-    backendtests)  # every backend test in one process (session 9: workers died while others JIT-built flashinfer;
-        # session 11: half the file in 260 s with flashinfer's first build, so give it most of a call)
+    backendtests)  # every backend test in one process (on 8 workers, workers died while others JIT-built
+        # flashinfer; one process got through half the file in 260 s with flashinfer's first build: most of a call)
         MAX_JOBS=${MAX_JOBS:-8} run backendtests 540 python -m pytest -v -p no:xdist --tb=short -rf --timeout 200 \
             -p no:cacheprovider tests/test_gpu_backends.py ;;
     moe)
-        run moe 200 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
+        run moe 360 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --json "$OUT/moe.json"
-        run moe8 200 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
+        run moe8 360 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/moe8.json" ;;
     profilesteps)  # device busy vs idle time across whole engine steps, and device time per kernel, for the two
-        # decode cases below their roofline goal after session 8 (MoE bs8 @ 4K: 0.61, dense bs1 @ 4K: 0.69)
+        # decode cases below their roofline goal on 2026-12-02 (MoE bs8 @ 4K: 0.61, dense bs1 @ 4K: 0.69)
         run profile_moe8 150 python benchmarks/profile_decode.py --shape qwen3-30b-a3b --batch 8 --context 4096 \
             --steps 8 --json "$OUT/profile_moe8.json"
         run profile_dense1 150 python benchmarks/profile_decode.py --shape llama-3.1-8b --batch 1 --context 4096 \
@@ -186,12 +194,12 @@ for step in "$@"; do
             --methods 'dense;dense+kivi:{"bits":4};snapkv:{"budget":4096}+kivi:{"bits":4};dense+fp8' \
             --json "$OUT/$step.json" ;;
     snapkivi128k)  # SnapKV(4096) + KIVI-4 alone at its largest batch, 128K (compare with codecmatched128k's dense);
-        # session 8: ~2.6 s of admission a request before the coded reference's larger blocks, numpy slot
+        # 2026-12-02: ~2.6 s of admission a request before the coded reference's larger blocks, numpy slot
         # ranges and the fused vote over decoded keys -- give it a call of its own
         run "$step" 560 $SPARSE --context 128000 --max-batch 256 --page-size 32 --admit-group 16 --admit-time-limit 400 \
             --methods 'snapkv:{"budget":4096}+kivi:{"bits":4}' --json "$OUT/$step.json" ;;
     moe32)  # the MoE bs32 case alone, 8 decode steps per schedule
-        run moe32 200 python -m engine.bench --shape qwen3-30b-a3b --cases 32@4096 --decode-tokens 32 \
+        run moe32 300 python -m engine.bench --shape qwen3-30b-a3b --cases 32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/moe32.json" ;;
     retro)
         run retro 300 $SPARSE --context 32768 --max-batch 8 \
@@ -203,6 +211,14 @@ for step in "$@"; do
             --shape llama-3.1-8b --load-format dummy "${load[@]}" --think-scale 0 \
             --max-num-batched-tokens 8192 --configs dense-prefix,snapkv-chain,dense-chain-lag \
             --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
+    serving32k | serving128k)
+        input=32768; [ "$step" = serving128k ] && input=114688
+        run "$step" 580 python -m benchmarks.serving --shape llama-3.1-8b --input-len $input --output-lens 1024 \
+            --num-requests 32 --max-num-batched-tokens 16384 --json "$OUT/$step.json" ;;
+    serving128klong)  # one method a call: METHODS='snapkv:{"budget":4096}' OUT=... bash benchmarks/gpu_suite.sh ...
+        run "$step" 580 python -m benchmarks.serving --shape llama-3.1-8b --input-len 114688 \
+            --output-lens "${OUTPUT:-4096}" --num-requests 8 --max-num-batched-tokens 16384 \
+            --methods "${METHODS:-dense}" --repeats "${REPEATS:-3}" --json "$OUT/$step.json" ;;
     *)
         echo "unknown step $step" >&2
         exit 2 ;;
