@@ -15,6 +15,7 @@ from sqlalchemy import delete, func, inspect, select, update
 from agentrt.chain_state import (ChainState, chain_read, chain_summary, kv_accounting, message_dict, policy_of,
                                  prune_event_row, state_from_rows)
 from agentrt.render_pool import RenderPool
+from agentrt.completions import structured_spec
 from agentrt.config import ServerConfig
 from agentrt.db import Database
 from agentrt.engine_worker import EngineUnavailable, EngineWorker
@@ -188,7 +189,7 @@ class ChainService:
             key = method_key(state.row.method, state.row.method_config)
             if key in self._method_chains and key not in self._retained:
                 await self._retain(key)  # not retained at start (the engine could not take it on then)
-            params = self._sampling(data)
+            params = self._sampling(data, state.row.tools)
             messages = [message_dict(m) for m in data.messages]
             for m in messages:
                 if m["role"] == "tool" and m.get("name") is None:
@@ -539,7 +540,8 @@ class ChainService:
             raise bad_field(key, str(exc)) from None
 
     # --- helpers --------------------------------------------------------------------------------
-    def _sampling(self, data: TurnCreate) -> SamplingParams:
+    def _sampling(self, data: TurnCreate, tools: list[dict[str, Any]] | None = None) -> SamplingParams:
+        """The turn's engine parameters; ``tools``: the chain's, which ``sampling.tool_choice`` chooses among."""
         s = data.sampling
         if s.max_tokens > self.config.max_tokens_per_turn:
             raise bad_field("sampling.max_tokens", f"must be <= {self.config.max_tokens_per_turn}")
@@ -549,9 +551,12 @@ class ChainService:
                                                          f"sampling.max_tokens ({s.max_tokens})")
         if any(t >= vocab for t in s.forced_token_ids):
             raise bad_field("sampling.forced_token_ids", f"every id must be < the vocabulary size {vocab}")
+        structured, _ = structured_spec(s.response_format, s.tool_choice, tools, s.parallel_tool_calls,
+                                        prefix="sampling.", tools_key="sampling.tool_choice")
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
                               max_tokens=s.max_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
-                              ignore_eos=s.ignore_eos, forced_token_ids=list(s.forced_token_ids))
+                              ignore_eos=s.ignore_eos, forced_token_ids=list(s.forced_token_ids),
+                              structured=structured)
 
     async def _rows(self, chain_id: str, tenant: str | None = None) -> tuple[ChainRow, list[TurnRow], list[RegionRow]]:
         if "\x00" in chain_id:  # no chain has one (and PostgreSQL cannot even compare it): as any unknown id

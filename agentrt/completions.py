@@ -7,6 +7,11 @@ stop with calls finishes as ``tool_calls``. A stream gives the same message: its
 ToolCallStream, so markup never arrives as content, and each call arrives as one ``tool_calls`` delta.
 ``tool_choice: "none"`` leaves the text unparsed: the content is the text as generated, markup and all (the
 tools stay in the prompt, as with OpenAI, so a prefix cached with them still serves).
+
+``response_format`` (``json_object``, ``json_schema``) and ``tool_choice`` (``"required"``, a named function,
+``"auto"`` over ``strict`` tools) become the request's grammar (``structured_spec``; docs/structured-outputs.md):
+the engine masks every token that would leave it, so the JSON parses and the tool calls parse and follow their
+tools' parameters.
 """
 
 from __future__ import annotations
@@ -38,9 +43,12 @@ from agentrt.openai_types import (AssistantMessageIn, ChainCompletion, ChainComp
                                   TopLogprob)
 from agentrt.openai_types import Message as OpenAIMessage
 from agentrt.tool_call_stream import ToolCallStream
+from engine.errors import InvalidSamplingParamsError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
-from sdk.schema import ToolCall, TurnDelta, TurnResult
+from engine.structured_output import StructuredSpec, schema_error
+from sdk.schema import (JsonObjectFormat, NamedToolChoice, ResponseFormat, TextFormat, ToolCall, TurnDelta,
+                        TurnResult)
 
 if TYPE_CHECKING:
     from agentrt.chains import ChainService
@@ -90,8 +98,15 @@ class CompletionService:
         if req.chain_id is not None:
             return await self._start_chain(req, tenant)
         tools = msgspec.to_builtins(req.tools) if req.tools else None
+        structured, key = structured_spec(req.response_format, req.tool_choice, tools, req.parallel_tool_calls)
+        params = self._params(req, structured)
         prompt = await self.renderer.prompt([_template_message(m) for m in req.messages], tools)
-        stream = await self.worker.submit(prompt, self._params(req))
+        try:
+            stream = await self.worker.submit(prompt, params)
+        except InvalidSamplingParamsError as exc:  # the engine could not compile the grammar
+            if not str(exc).startswith("structured "):
+                raise
+            raise bad_field(key, str(exc).removeprefix("structured "), "invalid_value") from None
         return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, stream,
                           _include_usage(req), req.tool_choice != "none", bool(req.logprobs), req.top_logprobs or 0)
 
@@ -106,10 +121,12 @@ class CompletionService:
         if req.tools is not None and msgspec.to_builtins(req.tools) != state.row.tools:
             raise bad_field("tools", "must equal the chain's tools (or be left out)")
         offset, new = chain_completions.new_messages(req.messages, state)
+        structured_spec(req.response_format, req.tool_choice, state.row.tools, req.parallel_tool_calls)  # 400s
         p = self._params(req)
         sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
                     "seed": p.seed, "max_tokens": p.max_tokens, "stop": p.stop,
-                    "forced_token_ids": p.forced_token_ids}
+                    "forced_token_ids": p.forced_token_ids, "response_format": req.response_format,
+                    "tool_choice": req.tool_choice, "parallel_tool_calls": req.parallel_tool_calls}
         turn_data = chain_completions.turn_request(new, offset, sampling, bool(req.stream))
         turn = await self.chains.start_turn(req.chain_id, turn_data, tenant=tenant)
         if turn.state.num_turns != state.num_turns:  # another request appended a turn meanwhile
@@ -210,7 +227,7 @@ class CompletionService:
             log.info("stream %s failed: %r", c.id, exc)
             yield msgspec.json.encode(openai_error_body(exc)).decode()
 
-    def _params(self, req: ChatCompletionRequest) -> SamplingParams:
+    def _params(self, req: ChatCompletionRequest, structured: StructuredSpec | None = None) -> SamplingParams:
         max_tokens = req.max_completion_tokens or req.max_tokens or self.config.default_max_tokens
         if max_tokens > self.config.max_tokens_per_turn:
             key = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
@@ -235,7 +252,7 @@ class CompletionService:
             top_k=-1 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
             seed=req.seed, max_tokens=max_tokens, stop=stop, forced_token_ids=forced,
-            logprobs=bool(req.logprobs), **extra)
+            logprobs=bool(req.logprobs), structured=structured, **extra)
 
     def _logprobs(self, c: Completion, token_ids: Sequence[int], logprobs: Sequence[float] | None,
                   top: Sequence[Sequence[tuple[int, float]]] | None) -> ChoiceLogprobs:
@@ -318,10 +335,6 @@ def check_supported(req: ChatCompletionRequest) -> None:
         refuse("function_call", "deprecated by OpenAI and not supported: use `tool_choice` with `tools`")
     if req.n is not None and req.n != 1:
         refuse("n", "only one choice per request is generated here (n = 1)", "unsupported_value")
-    _check_tool_choice(req.tool_choice)
-    if req.response_format is not None and req.response_format.get("type") != "text":
-        refuse("response_format", f"only {{\"type\": \"text\"}}: {req.response_format.get('type')!r} needs "
-                                  "constrained decoding, which this server does not do", "unsupported_value")
     for key in ("frequency_penalty", "presence_penalty"):
         if getattr(req, key):
             refuse(key, "must be 0 or left out: the engine applies no penalties", "unsupported_value")
@@ -358,16 +371,94 @@ def check_supported(req: ChatCompletionRequest) -> None:
                            f"this model takes text only, not {part.__struct_config__.tag!r} parts", "invalid_value")
 
 
-def _check_tool_choice(choice: str | dict[str, Any] | None) -> None:
-    if choice is None or choice in ("auto", "none"):
-        return
-    if choice == "required":
-        raise bad_field("tool_choice", "'required' needs constrained decoding, which this server does not do: use "
-                                       "'auto' (the model may call a tool) or 'none'", "unsupported_value")
+def structured_spec(response_format: Any, tool_choice: Any, tools: list[dict[str, Any]] | None,
+                    parallel_tool_calls: bool | None = None, prefix: str = "",
+                    tools_key: str | None = None) -> tuple[StructuredSpec | None, str]:
+    """The grammar a reply must match (None: free text) and the request field it comes from, for OpenAI's
+    ``response_format`` and ``tool_choice`` over ``tools`` (OpenAI's tool dicts); a 400 naming the field when one
+    is malformed or cannot be followed. ``prefix``: the fields' path (``sampling.`` in a chain turn);
+    ``tools_key``: the field named for a tool whose parameters cannot be followed (default
+    ``tools[i].function.parameters``).
+
+    ``"required"``: one or more calls of the tools and nothing else (one with ``parallel_tool_calls`` false), each
+    call's arguments following its tool's parameters; a named function: one call of it. ``"auto"`` (or none
+    given) with tools: where some tool is ``strict``, free text in which every call that starts is a whole call
+    of a tool (a strict tool's arguments follow its parameters, another's are any JSON object); with a JSON
+    ``response_format`` too, the reply is that JSON or calls. ``"none"`` or no tools: ``response_format`` alone.
+    """
+    rf_key, tc_key = prefix + "response_format", prefix + "tool_choice"
+    content = _content_schema(response_format, rf_key)
+    mode, name = _tool_choice(tool_choice, tc_key)
+    functions = [(i, t["function"]) for i, t in enumerate(tools or [])]
+    one = parallel_tool_calls is False
+    if mode in ("required", "function"):
+        if not functions:
+            raise bad_field(tc_key, f"{tool_choice!r} needs `tools`", "invalid_value")
+        if mode == "function":
+            functions = [(i, f) for i, f in functions if f["name"] == name]
+            if not functions:
+                raise bad_field(tc_key, f"names the function {name!r}, which is not among the tools", "invalid_value")
+        _check_parameters(functions, tools_key)
+        calls = [(f["name"], f.get("parameters")) for _, f in functions]
+        return StructuredSpec.tool_calls(calls, required=True, max_calls=1 if one or mode == "function" else None), \
+            tc_key
+    strict = [(i, f) for i, f in functions if f.get("strict")]
+    if mode == "none" or not functions or (not strict and content is None):
+        if content is None:
+            return None, rf_key
+        return (StructuredSpec.json_object() if content == {"type": "object"} else
+                StructuredSpec.json_schema(content)), rf_key
+    _check_parameters(strict, tools_key)
+    calls = [(f["name"], f.get("parameters") if f.get("strict") else None) for _, f in functions]
+    return StructuredSpec.tool_calls(calls, required=False, content=content, max_calls=1 if one else None), tc_key
+
+
+def _content_schema(response_format: Any, key: str) -> dict[str, Any] | None:
+    """The JSON schema ``response_format`` asks the reply to follow (None: free text)."""
+    if response_format is None:
+        return None
+    try:
+        fmt = msgspec.convert(response_format, ResponseFormat)
+    except msgspec.ValidationError as exc:
+        raise bad_field(key, f"{_where(exc, key)} (the formats: text, json_object, json_schema)",
+                        "invalid_value") from None
+    if isinstance(fmt, TextFormat):
+        return None
+    if isinstance(fmt, JsonObjectFormat) or fmt.json_schema.schema is None:
+        return {"type": "object"}
+    if (why := schema_error(fmt.json_schema.schema)) is not None:
+        raise bad_field(key, f"json_schema.schema cannot be followed: {why}", "invalid_value")
+    return fmt.json_schema.schema
+
+
+def _tool_choice(choice: Any, key: str) -> tuple[str | None, str | None]:
+    """(mode, function name): mode None (not given), "auto", "none", "required" or "function"."""
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice, None
     if isinstance(choice, str):
-        raise bad_field("tool_choice", f"must be 'auto', 'none' or 'required', not {choice!r}", "invalid_value")
-    raise bad_field("tool_choice", f"forcing a tool ({choice.get('type')!r}) needs constrained decoding, which this "
-                                   "server does not do: use 'auto' or 'none'", "unsupported_value")
+        raise bad_field(key, f"must be 'auto', 'none', 'required' or a function, not {choice!r}", "invalid_value")
+    if isinstance(choice, dict) and choice.get("type") == "allowed_tools":
+        raise bad_field(key, "'allowed_tools' is not supported: send only the allowed tools, with 'auto' or "
+                             "'required'", "unsupported_value")
+    try:
+        named = msgspec.convert(choice, NamedToolChoice)
+    except msgspec.ValidationError as exc:
+        raise bad_field(key, f'a function is {{"type": "function", "function": {{"name": ...}}}}: '
+                             f"{_where(exc, key)}", "invalid_value") from None
+    return "function", named.function.name
+
+
+def _where(exc: msgspec.ValidationError, key: str) -> str:
+    """msgspec's message with its path from ``key`` (and no backquotes, so the error stays on ``key``)."""
+    return str(exc).replace("`$", f"`{key}").replace("`", "")
+
+
+def _check_parameters(functions: list[tuple[int, dict[str, Any]]], tools_key: str | None) -> None:
+    for i, f in functions:
+        parameters = f.get("parameters")
+        if parameters is not None and (why := schema_error(parameters)) is not None:
+            key = tools_key or f"tools[{i}].function.parameters"
+            raise bad_field(key, f"the parameters of {f['name']!r} cannot be followed: {why}", "invalid_value")
 
 
 def _include_usage(req: ChatCompletionRequest) -> bool:

@@ -89,7 +89,7 @@ class FunctionDef(_Strict, omit_defaults=True, kw_only=True):
     name: Annotated[str, Meta(min_length=1)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # accepted; arguments are not schema-constrained here
+    strict: bool | None = None  # with tool_choice "auto": calls of this tool follow `parameters` (a grammar)
 
 
 class Tool(_Strict, kw_only=True):
@@ -110,7 +110,8 @@ class ChatCompletionRequest(_Strict, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1)]
     # honored
     tools: list[Tool] | None = None
-    tool_choice: str | dict[str, Any] | None = None  # "none" and "auto" honored; the rest refused
+    # "none", "auto", "required", {"type": "function", "function": {"name": ...}}: agentrt.completions.structured_spec
+    tool_choice: str | dict[str, Any] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # 0: the most likely token only (greedy)
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -119,7 +120,9 @@ class ChatCompletionRequest(_Strict, kw_only=True):
     seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
     n: Annotated[int, Meta(ge=1)] | None = None  # 1 only
     stream: bool | None = None
+    parallel_tool_calls: bool | None = None  # False: one call at most under tool_choice "required"
     stream_options: StreamOptions | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (sdk.schema.ResponseFormat)
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     # accepted with no effect here
@@ -128,7 +131,6 @@ class ChatCompletionRequest(_Strict, kw_only=True):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     prompt_cache_options: dict[str, Any] | None = None
@@ -137,7 +139,6 @@ class ChatCompletionRequest(_Strict, kw_only=True):
     frequency_penalty: Penalty = None
     presence_penalty: Penalty = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
-    response_format: dict[str, Any] | None = None
     modalities: list[str] | None = None
     reasoning_effort: str | None = None
     verbosity: str | None = None

@@ -40,6 +40,7 @@ from engine.request import FinishReason, Request
 from engine.sampler import TopLogprobs, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, StepPlan
+from engine.structured_output import StructuredOutputs, advance
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class LLMEngine:
         self.last_step: StepTiming | None = None
         self._window: DecodeWindow | None = None  # overlap_decode: the window launched, its tokens not taken
         self._overlap_decode = config.resolved_overlap_decode(self.device, self.tp.world_size)
+        self._structured: StructuredOutputs | None = None  # made by the first request with a grammar
         self._tp_link.wait_ready()
         log.info("engine ready: %s, %d pages of %d tokens, method %s, decode windows of %d%s", mc.architecture,
                  self.pool.num_pages, config.page_size, self.method.name, config.decode_steps,
@@ -264,6 +266,8 @@ class LLMEngine:
         request_id = str(next(self._ids)) if request_id is None else request_id
         if request_id in self._requests:
             raise InvalidRequestError(f"request_id {request_id!r} is already in use")
+        grammar = None if params.structured is None else self.structured_outputs.matcher(
+            params.structured, params.forced_token_ids)
         chosen = self.methods.resolve(method, method_config)
         max_new = min(params.max_tokens, self.max_model_len - len(token_ids))
         held = min(len(token_ids) + max_new, chosen.max_physical_tokens(
@@ -286,6 +290,7 @@ class LLMEngine:
             method=chosen,
             prefix_namespace=self.methods.prefix_namespace(chosen),
             max_prefix_reuse=chosen.prefix_reuse_limit(len(token_ids)),
+            grammar=grammar,
         )
         if chain_id is not None:
             self.chains.bind(req, chain_id)
@@ -294,6 +299,14 @@ class LLMEngine:
         self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer, len(token_ids), decode=self._decode)
         self.scheduler.add(req)
         return request_id
+
+    @property
+    def structured_outputs(self) -> StructuredOutputs:
+        """The engine's grammars (compiled-grammar cache, matchers, step masks); made on first use."""
+        if self._structured is None:
+            self._structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size,
+                                                 self.model_config.eos_token_ids)
+        return self._structured
 
     def _prompt_token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -370,7 +383,12 @@ class LLMEngine:
                 self._window = window
                 return []  # its tokens come with the next step
             return self._take_window(window, (t1 - t0, t2 - t1), time.perf_counter() - t2)
-        sampled = self.runner.execute(batch)
+        if self._structured is not None:
+            self.runner.sampler.step_masks = self._structured.step_masks([r.grammar for r in batch.sample_requests])
+        try:
+            sampled = self.runner.execute(batch)
+        finally:
+            self.runner.sampler.step_masks = None
         if sampled is not None and self.tp.world_size > 1:  # unseeded sampling: every rank takes rank 0's
             sampled.token_ids = self.tp.broadcast_ints(sampled.token_ids, self.device)
         t3 = time.perf_counter()
@@ -392,9 +410,13 @@ class LLMEngine:
         ``config.decode_steps``, when every request decodes one token with the same method, whose hooks would do
         nothing on those steps (``SparseMethod.max_decode_window`` >= 2), on several ranks only greedy or seeded
         ones, and each has the length and the pages left for them (pages for the extra steps are allocated
-        here); two steps at least, or one with ``overlap_decode`` (the next launched before it is read)."""
+        here); two steps at least, or one with ``overlap_decode`` (the next launched before it is read). Never
+        for a request with a grammar: its next mask depends on the matcher state, which the host only learns by
+        reading the token just sampled."""
         k = self.config.decode_steps
         if (k == 1 and not self._overlap_decode) or plan.preempted:
+            return 0
+        if any(req.grammar is not None for req in plan.requests):
             return 0
         if any(req.method is not plan.requests[0].method for req in plan.requests):
             return 0  # requests of several methods: each method's hooks see its own sub-batch, step by step
@@ -492,8 +514,10 @@ class LLMEngine:
 
     def _accept_token(self, req: Request, token_id: int, logprob: float | None,
                       top: TopLogprobs | None) -> str | int | None:
-        """Append one sampled token; finish the request if it stops or reaches its length (its stop reason)."""
+        """Append one sampled token; finish the request if it stops (its grammar ending included) or reaches its
+        length (its stop reason)."""
         req.append_output(token_id, logprob, top)
+        grammar_ended = req.grammar is not None and advance(req.grammar, token_id)
         detok = self._detokenizers[req.request_id]
         delta = detok.update(req.token_ids)
         stop_reason: str | int | None = None
@@ -501,7 +525,7 @@ class LLMEngine:
             stop_reason = token_id
         elif (stop := detok.truncate_at_stop(req.params.stop, len(delta), req.params.include_stop_str_in_output)):
             stop_reason = stop
-        if stop_reason is not None:
+        if stop_reason is not None or grammar_ended:
             self._finish(req, FinishReason.STOP)
         elif req.reached_length_limit():
             self._finish(req, FinishReason.LENGTH)

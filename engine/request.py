@@ -48,6 +48,7 @@ class Request:
     method: Any = None  # the SparseMethod serving it (engine.method_set); set by the engine
     prefix_namespace: bytes | None = None  # its method's prefix-cache key space (None: the engine's method)
     max_prefix_reuse: int | None = None  # the most prompt tokens it may take from the prefix cache
+    grammar: Any = None  # its structured-output matcher (engine.structured_output), with params.structured
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

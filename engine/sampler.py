@@ -1,4 +1,8 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, min-p; the logprobs (and top logprobs) asked for."""
+"""Batched token sampling: greedy, temperature, top-k, top-p, min-p; the logprobs (and top logprobs) asked for.
+
+Rows under a structured-output grammar are masked first (engine.structured_output.StepMasks): every token the
+grammar forbids is at -inf before temperature and filtering, so neither greedy nor a draw can pick one.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StepMasks
 
 
 TopLogprobs = list[tuple[int, float]]  # (token id, logprob), most likely first
@@ -91,16 +96,22 @@ def to_host(tokens: torch.Tensor, logprobs: torch.Tensor | None, top: tuple[torc
 
 
 class Sampler:
+    def __init__(self) -> None:
+        # the grammar masks of the next call's rows: set by the engine around a step whose batch holds
+        # constrained requests (the runner calls the sampler without them), used by that step's call only
+        self.step_masks: StepMasks | None = None
+
     def sample(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         forced: list[int | None] | None = None,
+        masks: StepMasks | None = None,
     ) -> SampleOutput:
         """``forced[i]``, when not None, is emitted for row i instead of a sample (its logprob and top
-        logprobs are still the model's)."""
-        return to_host(*self.sample_tensors(logits, params, generators, forced), params)
+        logprobs are still the model's). ``masks``: the rows' grammar masks (default ``step_masks``)."""
+        return to_host(*self.sample_tensors(logits, params, generators, forced, masks), params)
 
     def sample_tensors(
         self,
@@ -108,29 +119,33 @@ class Sampler:
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
         forced: list[int | None] | None = None,
+        masks: StepMasks | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor] | None]:
         """``sample`` without the copy to the host: (tokens [n] int64, logprobs [n] fp32 of the emitted tokens
         or None when no row asks for them, top logprobs or None when no row asks for them), on the logits'
         device, with no host sync. The top logprobs are (values [m, K] fp32 descending, token ids [m, K]
         int64) for the m rows of ``top_rows(params)``, K the largest ``top_logprobs`` among them (at most the
-        vocabulary): both logprobs are of the raw logits' log_softmax, before temperature and filtering."""
+        vocabulary): both logprobs are of the raw logits' log_softmax, before the grammar mask, temperature and
+        filtering."""
         n = logits.shape[0]
         assert logits.dim() == 2 and len(params) == n and len(generators) == n
         logits = logits.float()
+        masks = self.step_masks if masks is None else masks
+        scores = logits if masks is None else masks.apply(logits)  # what tokens are chosen from
         greedy = [p.is_greedy for p in params]
 
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = scores.argmax(dim=-1)
         else:
             tokens = torch.empty(n, dtype=torch.long, device=logits.device)
             g_rows = [i for i in range(n) if greedy[i]]
             s_rows = [i for i in range(n) if not greedy[i]]
             if g_rows:
                 gi = torch.tensor(g_rows, device=logits.device)
-                tokens[gi] = logits[gi].argmax(dim=-1)
+                tokens[gi] = scores[gi].argmax(dim=-1)
             si = torch.tensor(s_rows, device=logits.device)
             tokens[si] = self._sample_random(
-                logits[si], [params[i] for i in s_rows], [generators[i] for i in s_rows]
+                scores[si], [params[i] for i in s_rows], [generators[i] for i in s_rows]
             )
 
         if forced is not None and any(f is not None for f in forced):

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidSamplingParamsError
+from engine.structured_output import StructuredSpec
 
 _GREEDY_EPS = 1e-5
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
@@ -34,6 +35,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     forced_token_ids: list[int] = field(default_factory=list)  # emitted first, in order (replays, tests)
     top_logprobs: int = 0  # with logprobs: also the K most likely tokens of each step, K <= MAX_TOP_LOGPROBS
+    structured: StructuredSpec | None = None  # the output must match this grammar (engine.structured_output)
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidSamplingParamsError:
@@ -87,6 +89,8 @@ class SamplingParams:
             raise bad("top_logprobs", f"must be an int in [0, {MAX_TOP_LOGPROBS}]")
         if self.top_logprobs and not self.logprobs:
             raise bad("top_logprobs", "> 0 requires logprobs=True")
+        if self.structured is not None and not isinstance(self.structured, StructuredSpec):
+            raise bad("structured", "must be a StructuredSpec or None")
 
     @property
     def is_greedy(self) -> bool:

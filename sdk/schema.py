@@ -183,6 +183,41 @@ class ToolResultMessage(_Input, kw_only=True, tag_field="role", tag="tool"):
 TurnMessage = UserMessage | ToolResultMessage
 
 
+# --- structured outputs (OpenAI's shapes) ----------------------------------------------------------
+class JsonSchemaSpec(_Input, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any] | None = None  # None: any JSON object
+    description: str | None = None
+    strict: bool | None = None  # accepted: the output follows the schema either way
+
+
+class TextFormat(_Input, tag_field="type", tag="text", kw_only=True):
+    pass
+
+
+class JsonObjectFormat(_Input, tag_field="type", tag="json_object", kw_only=True):
+    pass
+
+
+class JsonSchemaFormat(_Input, tag_field="type", tag="json_schema", kw_only=True):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
+class ToolChoiceFunction(_Input, kw_only=True):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+
+
+class NamedToolChoice(_Input, kw_only=True):
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class Sampling(_Input, kw_only=True):
     temperature: Annotated[float, Meta(ge=0.0)] = 0.0
     top_p: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
@@ -196,6 +231,11 @@ class Sampling(_Input, kw_only=True):
     # emitted first, in order, by real decode steps (replays, deterministic tests); each id < the vocabulary
     forced_token_ids: Annotated[list[Annotated[int, Meta(ge=0, le=2**31)]], Meta(max_length=65536)] = field(
         default_factory=list)
+    # constrained decoding (docs/structured-outputs.md): the reply is JSON (of a schema), or tool calls of the
+    # chain's tools ("required": one or more; a named function: one call of it; "auto": free text or calls)
+    response_format: ResponseFormat | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # False: at most one call under "required"
 
 
 class TurnCreate(_Input, kw_only=True):

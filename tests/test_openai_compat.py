@@ -109,12 +109,16 @@ BAD_REQUESTS = [
     ("foo", {"extra_body": {"foo": 1}}),
     ("messages[0].bar", {"messages": [{"role": "user", "content": "x", "bar": 1}]}),
     ("messages[0].role", {"messages": [{"role": "wizard", "content": "x"}]}),
-    ("tool_choice", {"tools": [WEATHER_TOOL], "tool_choice": "required"}),
-    ("tool_choice", {"tools": [WEATHER_TOOL],
-                     "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
+    ("tool_choice", {"tool_choice": "required"}),  # no tools to call
+    ("tool_choice", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+    ("tool_choice", {"tools": [WEATHER_TOOL], "tool_choice": "sometimes"}),
+    ("tool_choice", {"tools": [WEATHER_TOOL], "tool_choice": {"type": "allowed_tools", "allowed_tools": {}}}),
+    ("tools[0].function.parameters", {"tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]}),
     ("response_format", {"response_format": {"type": "json_schema",
-                                             "json_schema": {"name": "x", "schema": {"type": "object"}}}}),
-    ("response_format", {"response_format": {"type": "json_object"}}),
+                                             "json_schema": {"name": "x", "schema": {"type": "strin"}}}}),
+    ("response_format", {"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}),
+    ("response_format", {"response_format": {"type": "xml"}}),
     ("n", {"n": 2}),
     ("functions", {"functions": [{"name": "get_weather", "parameters": {"type": "object"}}]}),
     ("function_call", {"function_call": "auto"}),
@@ -364,7 +368,8 @@ def test_litellm_surfaces_the_reason_and_assembles_streamed_tool_calls(server, m
     import litellm
 
     common = dict(model=f"openai/{model}", api_base=server.url + "/v1", api_key="unused", max_retries=0)
-    for kwargs, words in (({"tool_choice": "required", "tools": [WEATHER_TOOL]}, ("tool_choice", "constrained")),
+    nope = {"type": "function", "function": {"name": "nope"}}
+    for kwargs, words in (({"tool_choice": nope, "tools": [WEATHER_TOOL]}, ("tool_choice", "not among the tools")),
                           ({"n": 2}, ("n", "one choice")),
                           ({"foo": 1}, ("foo", "Unrecognized request argument"))):
         with pytest.raises(litellm.BadRequestError) as err:
