@@ -228,7 +228,9 @@ class CompletionService:
             yield msgspec.json.encode(openai_error_body(exc)).decode()
 
     def _params(self, req: ChatCompletionRequest, structured: StructuredSpec | None = None) -> SamplingParams:
-        max_tokens = req.max_completion_tokens or req.max_tokens or self.config.default_max_tokens
+        # a request that sets none gets the default, within the server's per-turn limit
+        max_tokens = (req.max_completion_tokens or req.max_tokens
+                      or min(self.config.default_max_tokens, self.config.max_tokens_per_turn))
         if max_tokens > self.config.max_tokens_per_turn:
             key = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
             raise bad_field(key, f"must be <= {self.config.max_tokens_per_turn}", "invalid_value")

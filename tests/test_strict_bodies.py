@@ -84,3 +84,13 @@ def test_the_openai_route_is_strict_too_in_openais_shape(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
     r = client.post("/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"})
     assert r.status_code == 415 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_an_openai_request_without_max_tokens_fits_a_small_per_turn_limit(tmp_path):
+    config = ServerConfig(model=random_model_dir(), model_name="m", db_url=f"sqlite+aiosqlite:///{tmp_path}/s.db",
+                          engine_options=ENGINE_OPTIONS, max_tokens_per_turn=4)
+    with TestClient(base_url="http://127.0.0.1", app=create_app(config), timeout=60) as c:
+        r = c.post("/v1/chat/completions", json={"model": "m", "messages": USER, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4, r.text
+        r = c.post("/v1/chat/completions", json={"model": "m", "messages": USER, "max_tokens": 5})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
