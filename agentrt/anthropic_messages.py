@@ -13,6 +13,8 @@ The reply's content is the generated text split by the tool-call rules of agentr
 ``tool_use`` blocks (one per complete ``<tool_call>`` block, id ``toolu_...``, ``input`` its arguments),
 markup never as text, whitespace as ``strip_tool_calls`` leaves it. A stream gives the same blocks (the same
 ``BlockWriter``): each text block as it is released, each tool_use block as soon as its markup is complete.
+``tool_choice`` ``any`` / ``tool`` become the turn's ``sampling.tool_choice`` (``required`` / the named function;
+docs/structured-outputs.md), so constrained decoding makes the reply those calls and nothing else.
 """
 
 from __future__ import annotations
@@ -39,12 +41,13 @@ from agentrt.anthropic_types import (ClearToolUsesApplied, ClearToolUsesEdit, Co
                                      MessageDelta, MessageDeltaEvent, MessagesRequest, MessageStartEvent,
                                      MessageStopEvent, RedactedThinkingBlockParam, SearchResultBlockParam, StopReason,
                                      TextBlock, TextBlockParam, TextDelta, ThinkingBlockParam, ToolChoice,
-                                     ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, ToolResultBlockParam,
+                                     ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, ToolParam, ToolResultBlockParam,
                                      ToolUseBlock, ToolUseBlockParam, ToolUses, Usage)
 from agentrt.chat import Message as ChainMessage
 from agentrt.errors import ModelNotFound, bad_field
 from agentrt.implicit_chains import ImplicitChains, Resolved, arguments_value, implicit_chains_of, turn_create
 from agentrt.tool_call_stream import ToolCallStream
+from engine.structured_output import schema_error
 from sdk.schema import FunctionDef, PruneRequest, Tool, ToolCall, TurnDelta, TurnResult
 
 if TYPE_CHECKING:
@@ -164,14 +167,28 @@ def conversation(req: MessagesRequest | CountTokensRequest) -> Conversation:
     return Conversation(system=system, tools=tools, messages=messages, names=names, prefix=prefix)
 
 
-def check_tool_choice(choice: ToolChoice | None) -> bool:
-    """Whether the reply's tool calls are parsed (``none``: the text is the reply, as generated). Forcing a
-    call (``any``, ``tool``) needs constrained decoding; this is the one place that refuses it."""
-    if isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
-        raise bad_field("tool_choice", f"{choice.__struct_config__.tag!r} forces a tool call, which needs "
-                                       "constrained decoding that this server does not do yet: use 'auto' (the "
-                                       "model may call a tool) or 'none'")
-    return not isinstance(choice, ToolChoiceNone)
+def check_tool_choice(choice: ToolChoice | None, tools: list[ToolParam] | None) -> tuple[bool, dict[str, Any]]:
+    """Whether the reply's tool calls are parsed (``none``: the text is the reply, as generated), and the chain
+    turn's sampling fields that force calls (docs/structured-outputs.md): ``any`` is one or more calls of the
+    tools (one with ``disable_parallel_tool_use``), ``tool`` one call of the named tool, each call's input
+    following its tool's ``input_schema``. A 400 names the field here, before the chain turn would name its own
+    ``sampling.*`` fields."""
+    if not isinstance(choice, (ToolChoiceAny, ToolChoiceTool)):
+        return not isinstance(choice, ToolChoiceNone), {}
+    indexed = list(enumerate(tools or []))
+    if not indexed:
+        raise bad_field("tool_choice", f"{choice.__struct_config__.tag!r} forces a tool call, which needs `tools`")
+    if isinstance(choice, ToolChoiceTool):
+        indexed = [(i, t) for i, t in indexed if t.name == choice.name]
+        if not indexed:
+            raise bad_field("tool_choice.name", f"names the tool {choice.name!r}, which is not among the tools")
+    for i, t in indexed:
+        if (why := schema_error(t.input_schema)) is not None:
+            raise bad_field(f"tools[{i}].input_schema", f"the input_schema of {t.name!r} cannot be followed when "
+                                                        f"tool_choice forces a call: {why}")
+    if isinstance(choice, ToolChoiceTool):
+        return True, {"tool_choice": {"type": "function", "function": {"name": choice.name}}}
+    return True, {"tool_choice": "required", "parallel_tool_calls": not choice.disable_parallel_tool_use}
 
 
 def _clear_tool_uses(req: MessagesRequest) -> ClearToolUsesEdit | None:
@@ -342,7 +359,8 @@ class MessagesService:
         """Resolve the conversation's chain, apply its context management, start the turn (raises before any
         reply: 400 / 404 / 413 / 429 / 503)."""
         sampling = self._check(req)
-        parse_calls = check_tool_choice(req.tool_choice)
+        parse_calls, forced_calls = check_tool_choice(req.tool_choice, req.tools)
+        sampling.update(forced_calls)
         edit = _clear_tool_uses(req)
         conv = conversation(req)
         session = req.metadata.user_id if req.metadata is not None else None
@@ -407,7 +425,7 @@ class MessagesService:
         continues a chain's whole history; for one that does neither, the chat template's rendering of it all."""
         if req.model != self.model_name:
             raise ModelNotFound(req.model, self.model_name)
-        check_tool_choice(req.tool_choice)
+        check_tool_choice(req.tool_choice, req.tools)
         if req.mcp_servers:
             raise bad_field("mcp_servers", "this server connects to no MCP servers: leave it out or empty")
         conv = conversation(req)

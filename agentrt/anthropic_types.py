@@ -87,16 +87,16 @@ class ToolParam(_Input):
 
 
 class ToolChoiceAuto(_Input, tag_field="type", tag="auto"):
-    disable_parallel_tool_use: bool | None = None  # accepted, no effect
+    disable_parallel_tool_use: bool | None = None  # accepted, no effect: auto decoding is unconstrained
 
 
 class ToolChoiceAny(_Input, tag_field="type", tag="any"):
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: bool | None = None  # true: exactly one call
 
 
 class ToolChoiceTool(_Input, tag_field="type", tag="tool"):
     name: Annotated[str, Meta(min_length=1, max_length=256)]
-    disable_parallel_tool_use: bool | None = None
+    disable_parallel_tool_use: bool | None = None  # one call either way
 
 
 class ToolChoiceNone(_Input, tag_field="type", tag="none"):

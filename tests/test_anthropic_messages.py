@@ -6,7 +6,8 @@ The client re-sends the whole conversation every time; the server resumes the co
 References: the chain's turns, token log, regions and KV counters read back over the chain API with the same
 key (what the engine prefilled and resumed), and the ``agentrt-chain-id`` / ``agentrt-chain-resolution``
 headers naming the chain that served each request. Tool calls are forced with the test extension
-``agentrt_forced_token_ids`` (the model then emits exactly that markup). Plus the block writer against
+``agentrt_forced_token_ids`` (the model then emits exactly that markup), or by ``tool_choice`` ``any`` / ``tool``
+(constrained decoding: the model never calls a tool by itself). Plus the block writer against
 agentrt.chat's rules on random splits of random texts (no server)."""
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import httpx
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jsonschema import validate
 from transformers import AutoTokenizer
 
 from agentrt.anthropic_messages import BlockWriter, MessagesService, Pending
@@ -40,6 +42,10 @@ from tests.test_server_auth import bearer, make_keys
 
 WEATHER = {"name": "get_weather", "description": "Current weather for a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+SEARCH = {"name": "search", "description": "Search the web",
+          "input_schema": {"type": "object", "properties": {"query": {"type": "string", "maxLength": 16},
+                                                            "limit": {"type": "integer", "minimum": 1, "maximum": 9}},
+                           "required": ["query", "limit"], "additionalProperties": False}}
 GREEDY = {"temperature": 0}  # this SDK no longer types the sampling fields; the API still takes them
 END = "<|im_end|>"
 
@@ -430,8 +436,11 @@ def test_errors_are_anthropics_and_name_the_field(alice, http, keys, model):
         (dict(messages=[{"role": "user", "content": [{"type": "image", "source": {
             "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]), "messages[0].content[0].type"),
         (dict(messages=ask, extra_body={"bogus": 1}), "bogus"),
-        (dict(messages=ask, tools=[WEATHER], tool_choice={"type": "any"}), "tool_choice"),
-        (dict(messages=ask, tools=[WEATHER], tool_choice={"type": "tool", "name": "get_weather"}), "tool_choice"),
+        (dict(messages=ask, tool_choice={"type": "any"}), "tool_choice"),  # no tools to call
+        (dict(messages=ask, tools=[WEATHER], tool_choice={"type": "tool", "name": "nope"}), "tool_choice.name"),
+        (dict(messages=ask, tools=[WEATHER, {"name": "odd", "input_schema": {
+            "type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}],
+              tool_choice={"type": "any"}), "tools[1].input_schema"),
         (dict(messages=ask, max_tokens=5000), "max_tokens"),
         (dict(messages=ask, extra_body={"container": "c"}), "container"),
         (dict(messages=ask, extra_body={"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}),
@@ -469,6 +478,29 @@ def test_errors_are_anthropics_and_name_the_field(alice, http, keys, model):
                                              "cache_control": {"type": "ephemeral"}}],
                                     extra_body=GREEDY)
     assert message.type == "message"
+
+
+def test_tool_choice_any_and_tool_force_calls_that_follow_the_input_schema(alice, model):
+    ask = [{"role": "user", "content": "Look something up."}]
+    schemas = {t["name"]: t["input_schema"] for t in (WEATHER, SEARCH)}
+    # the embedded model never calls a tool by itself: auto gives text only
+    message, _, _ = _ask(alice, model, ask, tools=[WEATHER, SEARCH], max_tokens=40)
+    assert not [b for b in message.content if b.type == "tool_use"]
+    for choice, names in (({"type": "any"}, ("get_weather", "search")),
+                          ({"type": "any", "disable_parallel_tool_use": True}, ("get_weather", "search")),
+                          ({"type": "tool", "name": "search"}, ("search",))):
+        message, _, _ = _ask(alice, model, ask, tools=[WEATHER, SEARCH], tool_choice=choice, max_tokens=300)
+        assert message.stop_reason == "tool_use", (choice, message)
+        calls = [b for b in message.content if b.type == "tool_use"]
+        assert calls and all(b.type == "tool_use" for b in message.content), (choice, message)
+        if choice.get("disable_parallel_tool_use") or choice["type"] == "tool":
+            assert len(calls) == 1, (choice, message)
+        for call in calls:
+            assert call.name in names and call.id.startswith("toolu_")
+            validate(call.input, schemas[call.name])
+    streamed, _, _ = _stream(alice, model, ask, tools=[WEATHER, SEARCH], tool_choice={"type": "tool", "name": "search"},
+                             max_tokens=300)
+    assert _comparable(streamed) == _comparable(message)
 
 
 def test_clear_tool_uses_prunes_the_chain_and_the_next_request_still_resumes(alice, http, keys, model, tokens):
