@@ -25,6 +25,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.live_servers import agentrt_serve, free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -234,14 +236,6 @@ def _simple_commands(command: str) -> list[list[str]]:
 
 # ---- the commands that run -----------------------------------------------------------------------------------
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rewrite(command: str, tmp: Path, port: int) -> str:
     command = re.sub(r"/tmp/", f"{tmp}/", command)
     return command.replace("localhost:8000", f"127.0.0.1:{port}").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
@@ -251,29 +245,8 @@ def _rewrite(command: str, tmp: Path, port: int) -> str:
 def live_server(tmp_path_factory):
     """`agentrt serve` as a user starts it (a subprocess, the embedded model), on a free port."""
     tmp = tmp_path_factory.mktemp("docs-server")
-    port = _free_port()
-    env = {**os.environ, "AGENTRT_HOME": str(tmp)}
-    proc = subprocess.Popen([sys.executable, "-m", "agentrt.cli", "serve", "--port", str(port), "--device", "cpu",
-                             "--db", f"sqlite+aiosqlite:///{tmp / 'server.db'}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"agentrt serve did not start:\n{proc.stdout.read()}")
-        time.sleep(0.2)
-    yield url, port, tmp
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with agentrt_serve(tmp) as (url, port):
+        yield url, port, tmp
 
 
 def _run(args: list[str] | str, tmp: Path, timeout: float = 240, env: dict | None = None,
@@ -295,17 +268,17 @@ def test_documented_cli_command_runs(prefix, tmp_path):
     assert found, f"no documented command starts with {prefix!r}"
     for block, command in found:
         words = shlex.split(_rewrite(command, tmp_path, 0))
-        r = _run([sys.executable, "-m", "agentrt.cli", *words[1:]], tmp_path, env={"AGENTRT_HOME": str(tmp_path)})
+        r = _run([sys.executable, "-m", "agentrt.cli", *words[1:]], tmp_path, env={"AGENTRT_CACHE": str(tmp_path)})
         assert "Traceback" not in r.stderr, f"{block.where}: {command}\n{r.stderr[-3000:]}"
 
 
 def test_documented_serve_starts_and_answers(tmp_path):
     [(block, command)] = [(b, c) for b, c in all_commands() if re.fullmatch(r"agentrt serve --port \d+", c)]
     assert any(re.match(SERVE, c) for _, c in all_commands())
-    port = _free_port()
+    port = free_port()
     words = shlex.split(command.replace("8000", str(port)))
     proc = subprocess.Popen([sys.executable, "-m", "agentrt.cli", *words[1:]], cwd=tmp_path,
-                            env={**os.environ, "AGENTRT_HOME": str(tmp_path), "HOME": str(tmp_path)},
+                            env={**os.environ, "AGENTRT_CACHE": str(tmp_path), "HOME": str(tmp_path)},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -330,7 +303,7 @@ def _run_python(code: str, tmp: Path, port: int, where: str) -> str:
     script = tmp / "snippet.py"
     script.write_text(_rewrite(code, tmp, port))
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT,
-                       env={**os.environ, "AGENTRT_HOME": str(tmp)})
+                       env={**os.environ, "AGENTRT_CACHE": str(tmp)})
     assert r.returncode == 0, f"{where} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     return r.stdout
 

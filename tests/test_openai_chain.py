@@ -15,8 +15,8 @@ from transformers import AutoTokenizer
 from agentrt.app import create_app
 from agentrt.chat import strip_tool_calls
 from agentrt.config import ServerConfig
-from agentrt.local_server import LocalServer
 from engine.tiny_checkpoint import random_model_dir
+from tests.live_servers import openai_client, random_model_server
 from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, generate_direct, make_engine
 
 SYSTEM = "Be brief."
@@ -25,10 +25,7 @@ MAX_TOKENS = 5
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("db") / "openai_chain.db"
-    app = create_app(ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{db}",
-                                  engine_options=ENGINE_OPTIONS))
-    with LocalServer(app) as s:
+    with random_model_server(tmp_path_factory.mktemp("db")) as s:
         yield s
 
 
@@ -40,7 +37,7 @@ def http(server):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")

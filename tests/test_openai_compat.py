@@ -21,9 +21,9 @@ from transformers import AutoTokenizer
 from agentrt.app import create_app
 from agentrt.chat import parse_tool_calls, strip_tool_calls
 from agentrt.config import ServerConfig
-from agentrt.local_server import LocalServer
 from agentrt.tool_call_stream import ToolCallStream
 from engine.tiny_checkpoint import random_model_dir
+from tests.live_servers import openai_client, random_model_server
 from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, make_engine
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -76,17 +76,13 @@ def test_tool_call_stream_releases_text_as_soon_as_it_is_decided():
 # --- the live server -------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("db") / "openai_compat.db"
-    app = create_app(ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{db}",
-                                  engine_options=ENGINE_OPTIONS))
-    with LocalServer(app) as s:
-        s.app = app
+    with random_model_server(tmp_path_factory.mktemp("db")) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")

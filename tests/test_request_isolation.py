@@ -7,10 +7,6 @@ multi-second stalls when rendering ran on the event loop) is what the server pro
 from __future__ import annotations
 
 import json
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,6 +20,7 @@ from agentrt.app import create_app
 from agentrt.config import ServerConfig
 from agentrt.host_guard import host_name
 from agentrt.render_pool import RenderPool
+from tests.live_servers import agentrt_serve
 from tests.server_helpers import ENGINE_OPTIONS
 
 SMALL_TURN = {"messages": [{"role": "user", "content": "hi"}], "sampling": {"max_tokens": 4}}
@@ -127,30 +124,8 @@ class Prober:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """`agentrt serve` in a process of its own: the clients' work here must not share its interpreter."""
-    tmp = tmp_path_factory.mktemp("served")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "agentrt.cli", "serve", "--port", str(port), "--device", "cpu",
-                             "--db", f"sqlite+aiosqlite:///{tmp / 'served.db'}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"agentrt serve did not start: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.2)
-    yield url
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with agentrt_serve(tmp_path_factory.mktemp("served")) as (url, _):
+        yield url
 
 
 def test_a_huge_turn_does_not_stall_other_clients(served):

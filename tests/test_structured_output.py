@@ -20,17 +20,14 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from agentrt.app import create_app
 from agentrt.chat import parse_tool_calls, strip_tool_calls
-from agentrt.config import ServerConfig
-from agentrt.local_server import LocalServer
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import InvalidSamplingParamsError
 from engine.sampler import Sampler, make_generator
 from engine.structured_output import StructuredOutputs, StructuredSpec, apply_token_bitmask
 from engine.tiny_checkpoint import random_model_dir
-from tests.server_helpers import ENGINE_OPTIONS
+from tests.live_servers import openai_client, random_model_server
 
 try:
     from jsonschema import validate as _validate
@@ -412,16 +409,13 @@ ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    db = tmp_path_factory.mktemp("db") / "structured.db"
-    app = create_app(ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{db}",
-                                  engine_options=ENGINE_OPTIONS))
-    with LocalServer(app) as s:
+    with random_model_server(tmp_path_factory.mktemp("db")) as s:
         yield s
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    return openai_client(server.url)
 
 
 @pytest.fixture(scope="module")

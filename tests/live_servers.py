@@ -1,0 +1,76 @@
+"""Servers the tests talk to over real sockets: `agentrt serve` as a user starts it, or an app under uvicorn in
+this process, and the official `openai` client on one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_helpers import ENGINE_OPTIONS
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def agentrt_serve(tmp: Path, *args: str) -> Iterator[tuple[str, int]]:
+    """`agentrt serve` in a process of its own (the embedded model, a SQLite file under ``tmp``) on a free port:
+    (its URL, the port). Stopped with SIGINT, as a user's Ctrl-C."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "agentrt.cli", "serve", "--port", str(port), "--device", "cpu",
+                             "--db", f"sqlite+aiosqlite:///{tmp / 'server.db'}", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "AGENTRT_CACHE": str(tmp)})
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"agentrt serve did not start:\n{proc.stdout.read()[-3000:]}")
+        time.sleep(0.2)
+    try:
+        yield url, port
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@contextmanager
+def random_model_server(tmp: Path):
+    """The app on the random test model under uvicorn in this process (a LocalServer; ``.app`` is the app)."""
+    from agentrt.app import create_app
+    from agentrt.config import ServerConfig
+    from agentrt.local_server import LocalServer
+    from engine.tiny_checkpoint import random_model_dir
+
+    app = create_app(ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{tmp / 'server.db'}",
+                                  engine_options=ENGINE_OPTIONS))
+    with LocalServer(app) as server:
+        server.app = app
+        yield server
+
+
+def openai_client(url: str):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
