@@ -113,7 +113,8 @@ def test_malloc_views():
     # 64 MiB: above glibc's largest dynamic mmap threshold (32 MiB), so a chunk of its own whatever ran before
     block = bytearray(64 * 2**20)
     after = native_memory.malloc_stats()
-    assert after["mmap"] + after["in_use"] >= stats["mmap"] + stats["in_use"] + len(block)
+    grown = after["mmap"] + after["in_use"] - stats["mmap"] - stats["in_use"]
+    assert grown >= len(block) - 8 * 2**20  # other threads allocate and free meanwhile
     del block
     arenas = native_memory.malloc_arenas()
     assert arenas[0]["arena"] == 0 and arenas[0]["system"] > 0

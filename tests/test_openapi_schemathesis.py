@@ -95,6 +95,7 @@ def test_server_matches_its_openapi_document(tmp_path):
     app = create_app(config)
     settings = schemathesis.Config.from_dict({
         "seed": 1, "headers": auth, "base-url": "http://127.0.0.1", "workers": 1,
+        "request-timeout": 120,  # a turn on a loaded 2-core machine can take longer than the 10 s default
         "cache": {"enabled": False},
         "generation": {"max-examples": MAX_EXAMPLES, "deterministic": True, "database": "none"},
         "checks": {"positive_data_acceptance": {"enabled": False}, "allow_header_conformance": {"enabled": False}},
