@@ -31,6 +31,7 @@ from agentrt.request_guards import strict_json_body
 from agentrt.host_guard import host_guard
 from agentrt.routes import ChainController, OpenAIController, SystemController
 from agentrt.routes.anthropic import AnthropicController
+from agentrt.routes.responses import ResponsesController
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litest
             await db.dispose()
 
     return Litestar(
-        route_handlers=[ChainController, OpenAIController, SystemController, AnthropicController],
+        route_handlers=[ChainController, OpenAIController, ResponsesController, SystemController, AnthropicController],
         dependencies={"chains": Provide(_chains, sync_to_thread=False),
                       "completions": Provide(_completions, sync_to_thread=False),
                       "tenant": Provide(_tenant, sync_to_thread=False)},

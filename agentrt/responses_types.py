@@ -1,0 +1,211 @@
+"""OpenAI's Responses API (``/v1/responses``): the request and the response object (docs/responses.md).
+
+Unknown fields are refused (400 naming them); the documented fields are accepted. Fields that have no effect
+here: ``user``, ``safety_identifier``, ``prompt_cache_key``, ``service_tier``, ``truncation`` ("disabled"
+only), ``include``, ``max_tool_calls``, ``reasoning``, ``stream_options``, ``text.verbosity``, ``tools[].strict``
+and ``tools[].description`` beyond the rendered prompt (a forced call follows the schema either way).
+Refused when set: ``background: true``, ``conversation``, ``prompt``, ``top_logprobs``, non-function tools,
+``truncation: "auto"``.
+
+Input items are taken as raw objects and checked one by one (agentrt.responses) so that an error names the
+item (``input[2].call_id``); their typed forms are below.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from msgspec import Meta, Struct, field
+
+
+class _In(Struct, forbid_unknown_fields=True, kw_only=True):
+    pass
+
+
+# --- the request ---------------------------------------------------------------------------------------------
+class InputText(_In, tag_field="type", tag="input_text"):
+    text: str
+
+
+class OutputText(_In, tag_field="type", tag="output_text"):  # an echoed assistant message's text
+    text: str
+    annotations: list[Any] = field(default_factory=list)
+    logprobs: list[Any] | None = None
+
+
+class MessageItem(_In, tag_field="type", tag="message"):
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[InputText | OutputText]
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallItem(_In, tag_field="type", tag="function_call"):  # echoed from a previous output
+    call_id: str
+    name: str
+    arguments: str
+    id: str | None = None
+    status: str | None = None
+
+
+class FunctionCallOutputItem(_In, tag_field="type", tag="function_call_output"):
+    call_id: Annotated[str, Meta(min_length=1, max_length=256)]
+    output: str | list[InputText]
+    id: str | None = None
+    status: str | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+
+
+class FunctionTool(_In, tag_field="type", tag="function"):
+    name: Annotated[str, Meta(min_length=1, max_length=256)]
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # no effect: a forced call follows the schema either way
+    description: str | None = None
+
+
+class ToolChoiceFunction(_In):
+    type: Literal["function"]
+    name: str
+
+
+ToolChoice = Literal["none", "auto", "required"] | ToolChoiceFunction
+
+
+class FormatText(_In, tag_field="type", tag="text"):
+    pass
+
+
+class FormatJsonObject(_In, tag_field="type", tag="json_object"):
+    pass
+
+
+class FormatJsonSchema(_In, tag_field="type", tag="json_schema"):
+    name: Annotated[str, Meta(min_length=1, max_length=64)]
+    schema: dict[str, Any]
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(_In):
+    format: FormatText | FormatJsonObject | FormatJsonSchema | None = None
+    verbosity: str | None = None  # no effect
+
+
+class ResponsesRequest(_In):
+    model: str
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools (checked one by one: FunctionTool)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: Annotated[int, Meta(ge=1)] | None = None
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    text: TextConfig | None = None
+    store: bool | None = None  # default true
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    stream: bool | None = None
+    # accepted, no effect
+    user: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: str | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    max_tool_calls: int | None = None
+    reasoning: dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = None
+    # refused when set
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    top_logprobs: int | None = None
+
+
+# --- the response ----------------------------------------------------------------------------------------------
+class OutputTextPart(Struct, kw_only=True):
+    text: str
+    type: str = "output_text"
+    annotations: list[Any] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+
+
+class OutputMessage(Struct, kw_only=True):
+    id: str
+    content: list[OutputTextPart]
+    type: str = "message"
+    role: str = "assistant"
+    status: str = "completed"
+
+
+class OutputFunctionCall(Struct, kw_only=True):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    type: str = "function_call"
+    status: str = "completed"
+
+
+OutputItem = OutputMessage | OutputFunctionCall
+
+
+class InputTokensDetails(Struct, kw_only=True):
+    cached_tokens: int
+
+
+class OutputTokensDetails(Struct, kw_only=True):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(Struct, kw_only=True):
+    input_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens: int
+    output_tokens_details: OutputTokensDetails
+    total_tokens: int
+
+
+class IncompleteDetails(Struct, kw_only=True):
+    reason: str
+
+
+class ResponseObject(Struct, kw_only=True):
+    id: str
+    created_at: int
+    model: str
+    status: str
+    output: list[Any]
+    instructions: str | None
+    tools: list[dict[str, Any]]
+    tool_choice: Any
+    parallel_tool_calls: bool
+    temperature: float
+    top_p: float
+    max_output_tokens: int | None
+    previous_response_id: str | None
+    metadata: dict[str, str]
+    text: dict[str, Any]
+    store: bool
+    usage: ResponseUsage | None = None
+    incomplete_details: IncompleteDetails | None = None
+    error: Any = None
+    truncation: str = "disabled"
+    object: str = "response"
+
+
+class InputItemList(Struct, kw_only=True):
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool = False
+    object: str = "list"
+
+
+class ResponseDeleted(Struct, kw_only=True):
+    id: str
+    deleted: bool = True
+    object: str = "response.deleted"
