@@ -233,7 +233,8 @@ def _serve(args: argparse.Namespace) -> int:
                           max_chains_per_tenant=args.max_chains_per_tenant or None,
                           max_queue_depth=args.max_queue_depth or None,
                           max_method_configs_per_tenant=args.max_method_configs_per_tenant or None,
-                          allowed_hosts=tuple(args.allowed_host) if args.allowed_host else None)
+                          allowed_hosts=tuple(args.allowed_host) if args.allowed_host else None,
+                          implicit_chains=args.implicit_chains)
     off_loopback = not is_loopback(config.host)
     try:
         config.check()
@@ -414,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine requests in flight before new ones get 503 (0: unbounded)")
     serve.add_argument("--max-method-configs-per-tenant", type=non_negative_int, default=4,
                        help="distinct method configurations one tenant's chains may use at once (0: unlimited)")
+    serve.add_argument("--no-implicit-chains", dest="implicit_chains", action="store_false",
+                       help="chat completions without chain_id run stateless (prefix caching only) instead of "
+                            "resuming the tenant's chain that holds the conversation")
     serve.add_argument("--allowed-host", action="append", metavar="NAME",
                        help="a Host name the server answers to (repeatable; '*.example.com' for subdomains, '*' for "
                             "any); default: loopback names without API keys, any name with them")

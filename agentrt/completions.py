@@ -1,4 +1,6 @@
-"""OpenAI-compatible chat completions: stateless (prefix caching still reuses shared prompt pages), or, with the
+"""OpenAI-compatible chat completions: a turn of the tenant's implicit chain holding the longest prefix of the
+messages (agentrt.implicit_chains; ``ServerConfig.implicit_chains``), stateless where a chain turn cannot serve
+the request (prefix caching still reuses shared prompt pages), or, with the
 ``chain_id`` extension, a turn of that chain (agentrt.chain_completions).
 
 A response's message is the generated text split by the tool-call rules of agentrt.chat: ``content`` is
@@ -33,21 +35,22 @@ from agentrt.chat import Message, parse_tool_calls, strip_tool_calls
 from agentrt.render_pool import RenderPool
 from agentrt.config import ServerConfig
 from agentrt.engine_worker import EngineWorker, RequestStream, prefill_counts
-from agentrt.errors import ModelNotFound, TurnFailed, bad_field, openai_error_body
+from agentrt.errors import ModelNotFound, TooManyChains, TurnFailed, bad_field, openai_error_body
+from agentrt.implicit_chains import implicit_chains_for, turn_create
 from agentrt.metrics import Metrics
 from agentrt.models import LOCAL_TENANT
 from agentrt.openai_types import (AssistantMessageIn, ChainCompletion, ChainCompletionChunk, ChainTurn, ChatCompletion,
                                   ChatCompletionChunk, ChatCompletionRequest, ChatMessage, Choice, ChoiceLogprobs,
                                   ChunkChoice, CompletionUsage, Delta, DeveloperMessage, FunctionMessage,
-                                  PromptTokensDetails, RefusalPart, TextPart, TokenLogprob, ToolCallDelta, ToolMessage,
-                                  TopLogprob)
+                                  PromptTokensDetails, RefusalPart, SystemMessage, TextPart, TokenLogprob, ToolCallDelta,
+                                  ToolMessage, TopLogprob, UserMessage)
 from agentrt.openai_types import Message as OpenAIMessage
 from agentrt.tool_call_stream import ToolCallStream
 from engine.errors import InvalidSamplingParamsError
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredSpec, schema_error
-from sdk.schema import (JsonObjectFormat, NamedToolChoice, ResponseFormat, TextFormat, ToolCall, TurnDelta,
+from sdk.schema import (JsonObjectFormat, NamedToolChoice, ResponseFormat, TextFormat, Tool, ToolCall, TurnDelta,
                         TurnResult)
 
 if TYPE_CHECKING:
@@ -90,6 +93,7 @@ class CompletionService:
         self.metrics = metrics
         self.chains = chains
         self.tokens = TokenText(renderer.renderer.tokenizer)
+        self._implied: bool | None = None  # _default_system_implied, once looked up
 
     async def start(self, req: ChatCompletionRequest, tenant: str = LOCAL_TENANT) -> Completion:
         if req.model != self.model_name:
@@ -97,6 +101,11 @@ class CompletionService:
         check_supported(req)
         if req.chain_id is not None:
             return await self._start_chain(req, tenant)
+        if (conv := self._implicit_conversation(req)) is not None:
+            try:
+                return await self._start_implicit(req, tenant, *conv)
+            except TooManyChains:  # no room for a new implicit chain: the stateless path still serves
+                log.info("tenant %s at its chain limit: a stateless completion", tenant)
         tools = msgspec.to_builtins(req.tools) if req.tools else None
         structured, key = structured_spec(req.response_format, req.tool_choice, tools, req.parallel_tool_calls)
         params = self._params(req, structured)
@@ -132,6 +141,86 @@ class CompletionService:
         if turn.state.num_turns != state.num_turns:  # another request appended a turn meanwhile
             await turn.close()
             raise chain_completions.HistoryDiverged(offset, "the chain gained a turn while this request was read")
+        return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, turn.stream,
+                          _include_usage(req), req.tool_choice != "none", turn=turn)
+
+    def _implicit_conversation(self, req: ChatCompletionRequest
+                               ) -> tuple[str | None, list[Message], list[str]] | None:
+        """The request as an implicit chain's conversation (system prompt, messages as the chain routes' dicts,
+        their request field names), or None where it keeps the stateless path: implicit chains off, no chains,
+        ``logprobs`` (a chain turn carries none), tools a chain cannot keep, a system message after the first, a
+        first message that is not a user message, a last message that is not a user or tool message, or no system
+        message where the chat template's default differs from the server's default system prompt."""
+        if not self.config.implicit_chains or self.chains is None or req.logprobs or req.top_logprobs:
+            return None
+        if req.tools:
+            try:  # a chain's tools: fields it does not keep (e.g. ``strict``) keep the stateless path
+                msgspec.convert(msgspec.to_builtins(req.tools), list[Tool])
+            except msgspec.ValidationError:
+                return None
+        sent = list(req.messages)
+        system: str | None = None
+        start = 0
+        if sent and isinstance(sent[0], (SystemMessage, DeveloperMessage)):
+            system, start = text_of(sent[0].content), 1
+        elif not self._default_system_implied():
+            return None
+        messages: list[Message] = []
+        for m in sent[start:]:
+            if isinstance(m, UserMessage):
+                messages.append({"role": "user", "content": text_of(m.content)})
+            elif isinstance(m, ToolMessage):
+                messages.append({"role": "tool", "content": text_of(m.content), "tool_call_id": m.tool_call_id,
+                                 **({"name": m.name} if m.name else {})})
+            elif isinstance(m, AssistantMessageIn):
+                message: Message = {"role": "assistant", "content": text_of(m.content)}
+                if m.tool_calls:
+                    message["tool_calls"] = msgspec.to_builtins(m.tool_calls)
+                messages.append(message)
+            else:
+                return None
+        if not messages or messages[0]["role"] != "user" or messages[-1]["role"] == "assistant":
+            return None
+        return system, messages, [f"messages[{start + i}]" for i in range(len(messages))]
+
+    def _default_system_implied(self) -> bool:
+        """Whether the chat template renders a conversation without a system message as one with the server's
+        default system prompt (then an implicit chain, which always has a system prompt, sees the same tokens)."""
+        if self._implied is None:
+            renderer = self.renderer.renderer
+            ask: list[Message] = [{"role": "user", "content": "?"}]
+            system: Message = {"role": "system", "content": self.config.default_system_prompt}
+            tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+            try:  # with tools and without: a template may default its system prompt differently
+                self._implied = all(renderer.render(ask, tools) == renderer.render([system, *ask], tools)
+                                    for tools in (None, tool))
+            except Exception:  # a template that refuses either: keep the stateless path
+                self._implied = False
+        return self._implied
+
+    async def _start_implicit(self, req: ChatCompletionRequest, tenant: str, system: str | None,
+                              messages: list[Message], names: list[str]) -> Completion:
+        """A turn of the tenant's implicit chain holding the longest prefix of the messages (resumed, forked or
+        created: agentrt.implicit_chains), scoped by ``prompt_cache_key``, else ``user`` / ``safety_identifier``."""
+        assert self.chains is not None
+        tools = msgspec.to_builtins(req.tools) if req.tools else []
+        structured_spec(req.response_format, req.tool_choice, tools or None, req.parallel_tool_calls)  # 400s
+        p = self._params(req)
+        sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
+                    "seed": p.seed, "max_tokens": p.max_tokens, "stop": p.stop,
+                    "forced_token_ids": p.forced_token_ids, "response_format": req.response_format,
+                    "tool_choice": req.tool_choice, "parallel_tool_calls": req.parallel_tool_calls}
+        session = req.prompt_cache_key or req.user or req.safety_identifier
+        implicit = implicit_chains_for(self.chains)
+        async with implicit.resolve(tenant, session, system, tools, messages, names) as resolved:
+            data = turn_create(messages[resolved.offset:], sampling, stream=bool(req.stream))
+            turn = await self.chains.start_turn(resolved.chain_id, data, tenant=tenant)
+            if turn.state.num_turns != resolved.state.num_turns:
+                from agentrt.anthropic_messages import ChainMoved
+
+                await turn.close()
+                raise ChainMoved(detail="the conversation's chain gained a turn through another route meanwhile: "
+                                        "retry")
         return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, turn.stream,
                           _include_usage(req), req.tool_choice != "none", turn=turn)
 

@@ -40,6 +40,9 @@ class ServerConfig:
     engine_options: dict[str, Any] = field(default_factory=dict)  # further EngineConfig fields
     default_system_prompt: str = "You are a helpful assistant."
     default_max_tokens: int = 256  # OpenAI route, when the request sets none
+    # POST /v1/chat/completions without chain_id resumes the tenant's implicit chain holding the longest prefix
+    # of the request's messages (agentrt.implicit_chains); False: a stateless engine request (prefix caching only)
+    implicit_chains: bool = True
     max_tokens_per_turn: int = 4096
     # --- auth and limits (docs/server.md "Auth" and "Limits") ---
     host: str = "127.0.0.1"  # the bind address; without auth only a loopback address is allowed

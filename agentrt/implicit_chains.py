@@ -408,8 +408,18 @@ def implicit_chains_of(state: Any) -> ImplicitChains:
     route that resolves implicit chains."""
     implicit = getattr(state, "implicit_chains", None)
     if implicit is None:
-        implicit = ImplicitChains(state.chains)
+        implicit = implicit_chains_for(state.chains)
         state.implicit_chains = implicit
+    return implicit
+
+
+def implicit_chains_for(chains: ChainService) -> ImplicitChains:
+    """The ImplicitChains over ``chains``, made on first use: one index per ChainService, so every route (the
+    Anthropic route through ``implicit_chains_of``, the OpenAI route with its ChainService) shares it."""
+    implicit = getattr(chains, "implicit_chains", None)
+    if implicit is None:
+        implicit = ImplicitChains(chains)
+        chains.implicit_chains = implicit  # type: ignore[attr-defined]
     return implicit
 
 

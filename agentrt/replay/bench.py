@@ -41,7 +41,8 @@ def serve_and_replay(traces: list[Trace], config: ReplayConfig, *, model: str | 
             method=config.method, method_config=dict(config.method_config),
             engine_options={**(engine_options or {}), "enable_prefix_caching": config.prefix_cache},
             max_tokens_per_turn=max(4096, longest), max_chains_per_tenant=None, max_queue_depth=None,
-            max_body_size=256 * 2**20)
+            max_body_size=256 * 2**20,
+            implicit_chains=False)  # the stateless configurations stand for clients that get no chain at all
         try:
             return _replay_on_server(server_config, traces, config, think_scale, sample_interval_s)
         finally:
