@@ -74,3 +74,20 @@ def openai_client(url: str):
     import openai
 
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+# module-scoped fixtures for the OpenAI-route tests (import them by name into a test module)
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with random_model_server(tmp_path_factory.mktemp("db")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai_client(server.url)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id

@@ -16,7 +16,7 @@ from agentrt.app import create_app
 from agentrt.chat import strip_tool_calls
 from agentrt.config import ServerConfig
 from engine.tiny_checkpoint import random_model_dir
-from tests.live_servers import openai_client, random_model_server
+from tests.live_servers import client, model, server  # noqa: F401 (fixtures)
 from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, generate_direct, make_engine
 
 SYSTEM = "Be brief."
@@ -24,25 +24,10 @@ MAX_TOKENS = 5
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with random_model_server(tmp_path_factory.mktemp("db")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
 
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server.url)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def _chain(http) -> str:

@@ -23,7 +23,7 @@ from agentrt.chat import parse_tool_calls, strip_tool_calls
 from agentrt.config import ServerConfig
 from agentrt.tool_call_stream import ToolCallStream
 from engine.tiny_checkpoint import random_model_dir
-from tests.live_servers import openai_client, random_model_server
+from tests.live_servers import client, model, server  # noqa: F401 (fixtures)
 from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, make_engine
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
@@ -74,20 +74,6 @@ def test_tool_call_stream_releases_text_as_soon_as_it_is_decided():
 
 
 # --- the live server -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with random_model_server(tmp_path_factory.mktemp("db")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server.url)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")

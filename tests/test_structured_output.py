@@ -27,7 +27,7 @@ from engine.errors import InvalidSamplingParamsError
 from engine.sampler import Sampler, make_generator
 from engine.structured_output import StructuredOutputs, StructuredSpec, apply_token_bitmask
 from engine.tiny_checkpoint import random_model_dir
-from tests.live_servers import openai_client, random_model_server
+from tests.live_servers import client, model, server  # noqa: F401 (fixtures)
 
 try:
     from jsonschema import validate as _validate
@@ -407,20 +407,6 @@ SEARCH_TOOL = {"type": "function", "function": {"name": "search", "parameters": 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with random_model_server(tmp_path_factory.mktemp("db")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server.url)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def test_openai_json_schema_and_json_object_round_trip(client, model):
