@@ -51,7 +51,7 @@ def _nonzero(counts: dict[str, int]) -> dict[str, int]:
 
 def _round(client, n: int, model: str) -> None:
     """``n`` chains through every chain route that keeps state (turns, a streamed turn, prune, fork, rewind),
-    and a stateless OpenAI completion; then every chain deleted."""
+    and an OpenAI completion (a turn of an implicit chain); then every chain deleted."""
     ids = []
     for i in range(n):
         r = client.post("/v1/chains", json={"system_prompt": f"agent {i}", "tools": [WEATHER_TOOL]})
@@ -78,6 +78,7 @@ def _round(client, n: int, model: str) -> None:
     r = client.post("/v1/chat/completions", json={"model": model, "max_tokens": 4,
                                                   "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200, r.text
+    ids.append(r.json()["chain"]["id"])  # the completion ran as a turn of an implicit chain
     for cid in ids:
         assert client.delete(f"/v1/chains/{cid}").status_code == 204
 
