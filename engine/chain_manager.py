@@ -39,6 +39,9 @@ def common_prefix_len(a: list[int], b: list[int]) -> int:
     return i
 
 
+MAX_PRUNE_RESULTS = 4096
+
+
 class ChainManager:
     def __init__(self, cache: CacheManager, num_layers: int):
         self.index = ChainIndex()
@@ -46,7 +49,7 @@ class ChainManager:
         self.num_layers = num_layers
         self.prober = None  # engine.probe.Prober, for scorers that probe
         self._deferred: dict[str, list[tuple]] = {}  # chain id -> prunes queued behind its running turn
-        self._prune_results: dict[int, PruneResult] = {}
+        self._prune_results: dict[int, PruneResult] = {}  # oldest first; finished ones beyond the cap are dropped
         self._prune_ids = itertools.count(1)
 
     # --- a turn's life ----------------------------------------------------------------------------
@@ -227,6 +230,14 @@ class ChainManager:
             except InvalidRequestError as exc:
                 result = PruneResult(0, 0, 0, status="failed", prune_id=prune_id, error=str(exc))
             self._prune_results[prune_id] = result
+        self._drop_old_results()
+
+    def _drop_old_results(self) -> None:
+        """Keep the outcomes of the last MAX_PRUNE_RESULTS prunes (those still deferred always): a client polls a
+        deferred prune's outcome soon after its turn, and a long-lived engine must not keep every one."""
+        excess = len(self._prune_results) - MAX_PRUNE_RESULTS
+        for prune_id in [i for i, r in self._prune_results.items() if r.status != "deferred"][:max(excess, 0)]:
+            del self._prune_results[prune_id]
 
     def _prune_idle(self, state: ChainState, intervals: list[tuple[int, int]], scorer: ImportanceScorer | None,
                     keep_ratio: float, keep_tokens: int | None = None) -> PruneResult:

@@ -134,3 +134,16 @@ def test_a_prune_of_a_busy_chain_is_deferred_and_equals_pruning_it_idle(tiny_dir
         applied.tokens_kept, applied.tokens_freed, applied.pages_freed)
     assert [k.tolist() for k in kept_positions(busy, "c")] == [k.tolist() for k in kept_positions(idle, "c")]
     assert busy.chain_info("c") == idle.chain_info("c")
+
+
+def test_deferred_prune_outcomes_are_kept_for_the_last_ones_only(monkeypatch):
+    """A long-lived engine keeps the outcomes of the last MAX_PRUNE_RESULTS prunes, and every one still deferred."""
+    from engine import chain_manager
+    from engine.chain_manager import ChainManager, PruneResult
+
+    monkeypatch.setattr(chain_manager, "MAX_PRUNE_RESULTS", 3)
+    manager = ChainManager(cache=None, num_layers=1)
+    statuses = ["applied", "deferred", "failed", "applied", "deferred", "applied"]
+    manager._prune_results = {i: PruneResult(0, 0, 0, status=s, prune_id=i) for i, s in enumerate(statuses)}
+    manager._apply_deferred(type("State", (), {"chain_id": "none"})())  # nothing queued: only the bound runs
+    assert list(manager._prune_results) == [1, 4, 5]
