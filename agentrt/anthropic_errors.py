@@ -16,7 +16,7 @@ from litestar import MediaType, Request, Response
 
 from agentrt.anthropic_types import ErrorObject, ErrorResponse, ErrorType
 from agentrt.chat import TemplateMismatchError
-from agentrt.errors import EXCEPTION_HANDLERS
+from agentrt.errors import EXCEPTION_HANDLERS, _http_error, on_http_error
 from engine.errors import InvalidRequestError, InvalidSamplingParamsError
 from sdk.schema import ErrorBody
 
@@ -47,7 +47,9 @@ def _anthropic(handler: Any) -> Any:
     return reshaped
 
 
-ANTHROPIC_EXCEPTION_HANDLERS: Any = {cls: _anthropic(handler) for cls, handler in EXCEPTION_HANDLERS.items()}
+ANTHROPIC_EXCEPTION_HANDLERS: Any = {cls: _anthropic(_http_error if handler is on_http_error else handler)
+                                     for cls, handler in EXCEPTION_HANDLERS.items()}
+anthropic_http_error = _anthropic(_http_error)  # the router's own errors (405, ...) on the Messages paths
 
 
 def anthropic_error_body(exc: Exception) -> ErrorResponse:

@@ -86,6 +86,10 @@ def on_http_error(request: Request | None, exc: HTTPException) -> Response[Error
     this handler answers only the router's own errors (405, ...), raised before any route's handlers."""
     if request is not None and _openai_path(request.url.path):
         return _openai(_http_error)(request, exc)
+    if request is not None and request.url.path.rstrip("/").startswith("/v1/messages"):
+        from agentrt.anthropic_errors import anthropic_http_error  # it builds on this module's handlers
+
+        return anthropic_http_error(request, exc)
     return _http_error(request, exc)
 
 
@@ -145,7 +149,8 @@ EXCEPTION_HANDLERS: Any = {
 # --- the OpenAI-compatible routes ------------------------------------------------------------------
 def _openai_path(path: str) -> bool:
     path = path.rstrip("/")
-    return path in ("/v1/chat/completions", "/v1/models") or path.startswith("/v1/models/")
+    return path in ("/v1/chat/completions", "/v1/models", "/v1/responses") or path.startswith(("/v1/models/",
+                                                                                              "/v1/responses/"))
 
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

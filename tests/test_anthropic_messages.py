@@ -34,7 +34,6 @@ from agentrt.config import ServerConfig
 from agentrt.engine_worker import EngineUnavailable
 from agentrt.implicit_chains import Resolved
 from agentrt.local_server import LocalServer
-from agentrt.routes.anthropic import AnthropicController
 from engine.tiny_checkpoint import embedded_model_dir
 from sdk.schema import TurnDelta
 from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, sse_events
@@ -149,8 +148,6 @@ def keys(db_url):
 @pytest.fixture(scope="module")
 def server(db_url, keys):
     app = create_app(ServerConfig(db_url=db_url, engine_options=ENGINE_OPTIONS, require_auth=True))
-    if not any(route.path == "/v1/messages" for route in app.routes):
-        app.register(AnthropicController)
     with LocalServer(app) as s:
         s.app = app
         yield s
@@ -568,8 +565,6 @@ def test_a_restarted_server_finds_the_conversations_chain(alice, db_url, keys, m
     message, cid, _ = _ask(alice, model, history, metadata={"user_id": "restart"})
     history += [_returned(message), {"role": "user", "content": "Still there?"}]
     app = create_app(ServerConfig(db_url=db_url, engine_options=ENGINE_OPTIONS, require_auth=True))
-    if not any(route.path == "/v1/messages" for route in app.routes):
-        app.register(AnthropicController)
     with LocalServer(app) as restarted:  # a new process's index: rebuilt from the chains' metadata
         client = anthropic.Anthropic(base_url=restarted.url, api_key=keys["alice"], max_retries=0)
         _, again, how = _ask(client, model, history, metadata={"user_id": "restart"})
@@ -577,3 +572,13 @@ def test_a_restarted_server_finds_the_conversations_chain(alice, db_url, keys, m
         with httpx.Client(base_url=restarted.url, timeout=60) as http:
             turn = _chain(http, keys["alice"], cid)["turns"][-1]
         assert turn["resume_status"] == "recomputed"  # the new engine holds no KV for it yet
+
+
+def test_the_routers_own_errors_keep_each_apis_shape(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.get("/v1/messages")
+        assert r.status_code == 405 and r.json()["type"] == "error" and r.json()["error"]["type"], r.text
+        r = http.get("/v1/responses")
+        assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
+        r = http.get("/v1/chains/x/fork")
+        assert r.status_code == 405 and r.json()["status_code"] == 405, r.text

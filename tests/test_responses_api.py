@@ -12,7 +12,6 @@ import openai
 import pytest
 
 from agentrt.responses import responses_service
-from agentrt.routes.responses import ResponsesController
 from tests.live_servers import openai_client, random_model_server
 
 N = 4  # max_output_tokens
@@ -24,8 +23,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with random_model_server(tmp_path_factory.mktemp("db")) as s:
-        if not any(route.path.startswith("/v1/responses") for route in s.app.routes):
-            s.app.register(ResponsesController)
         yield s
 
 
