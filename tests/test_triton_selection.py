@@ -327,7 +327,7 @@ def test_quest_engine_decodes_the_same_through_the_fused_selection(tiny_dirs):
 def test_triton_backend_over_per_layer_lengths_equals_torch_backend(method, cfg, tiny_dirs):
     """Eviction that leaves layers of different physical lengths, with chunked prefill mixing prompts and
     decodes: the Triton backend's tokens equal the torch backend's (each layer's lengths reach the kernels as
-    a contiguous row; a strided one was read with the stride of the layer count until session 9)."""
+    a contiguous row; a strided one was once read with the stride of the layer count)."""
     import random
 
     from engine import LLM, SamplingParams
