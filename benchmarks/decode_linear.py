@@ -122,7 +122,8 @@ def main() -> None:
     rows_out = []
     for name, (n, k, prologue) in shapes.items():  # each shape's rows together: a cut run keeps whole shapes
         for rows in (int(r) for r in args.rows.split(",")):
-            # one row: the multiply-adds in registers (the dots measured slower there on the H200, 2026-12-04); more: the dots
+            # one row: the multiply-adds in registers (the dots measured slower there on the H200, 2026-12-04);
+            # more: the dots
             launches = [c for part in (space[1] if rows == 1 else space[0]) for c in grid(part)]
             row = case(name, n, k, prologue, rows, device, dtype, timer(not on_gpu), launches)
             row["copy_bw"] = copy_bw
