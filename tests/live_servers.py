@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -56,18 +57,24 @@ def agentrt_serve(tmp: Path, *args: str) -> Iterator[tuple[str, int]]:
 
 
 @contextmanager
-def random_model_server(tmp: Path):
-    """The app on the random test model under uvicorn in this process (a LocalServer; ``.app`` is the app)."""
+def app_server(db_url: str, **config: Any):
+    """The app under uvicorn in this process (a LocalServer; ``.app`` is the app), on ``db_url``, the test
+    engine options and ``config``'s ServerConfig fields (no ``model``: the embedded one)."""
     from agentrt.app import create_app
     from agentrt.config import ServerConfig
     from agentrt.local_server import LocalServer
-    from engine.tiny_checkpoint import random_model_dir
 
-    app = create_app(ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{tmp / 'server.db'}",
-                                  engine_options=ENGINE_OPTIONS))
+    app = create_app(ServerConfig(db_url=db_url, engine_options=ENGINE_OPTIONS, **config))
     with LocalServer(app) as server:
         server.app = app
         yield server
+
+
+def random_model_server(tmp: Path):
+    """``app_server`` on the random test model, its database under ``tmp``."""
+    from engine.tiny_checkpoint import random_model_dir
+
+    return app_server(f"sqlite+aiosqlite:///{tmp / 'server.db'}", model=random_model_dir())
 
 
 def openai_client(url: str):

@@ -36,6 +36,7 @@ from agentrt.implicit_chains import Resolved
 from agentrt.local_server import LocalServer
 from engine.tiny_checkpoint import embedded_model_dir
 from sdk.schema import TurnDelta
+from tests.live_servers import app_server
 from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, sse_events
 from tests.test_server_auth import bearer, make_keys
 
@@ -147,9 +148,7 @@ def keys(db_url):
 
 @pytest.fixture(scope="module")
 def server(db_url, keys):
-    app = create_app(ServerConfig(db_url=db_url, engine_options=ENGINE_OPTIONS, require_auth=True))
-    with LocalServer(app) as s:
-        s.app = app
+    with app_server(db_url, require_auth=True) as s:
         yield s
 
 

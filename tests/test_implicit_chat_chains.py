@@ -10,7 +10,7 @@ import pytest
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
 from agentrt.local_server import LocalServer
-from tests.live_servers import ENGINE_OPTIONS, openai_client
+from tests.live_servers import app_server, ENGINE_OPTIONS, openai_client
 from tests.test_server_auth import bearer, make_keys
 
 MODEL = "qwen3-tiny"  # the embedded model's name
@@ -30,8 +30,7 @@ def keys(db_url):
 
 @pytest.fixture(scope="module")
 def server(db_url, keys):
-    app = create_app(ServerConfig(db_url=db_url, engine_options=ENGINE_OPTIONS, require_auth=True))
-    with LocalServer(app) as s:
+    with app_server(db_url, require_auth=True) as s:
         yield s
 
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from agentrt.responses import responses_service
-from tests.live_servers import openai_client, random_model_server
+from tests.live_servers import client, model, server  # noqa: F401 (fixtures)
 
 N = 4  # max_output_tokens
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather for a city",
@@ -21,25 +21,9 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "Current we
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with random_model_server(tmp_path_factory.mktemp("db")) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server.url)
-
-
-@pytest.fixture(scope="module")
 def http(server):
     with httpx.Client(base_url=server.url, timeout=120) as c:
         yield c
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 def _ask(client, model, input, **kw):
