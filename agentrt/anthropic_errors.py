@@ -9,14 +9,11 @@ takes) and chat-template failures, which the chain routes give as 422.
 
 from __future__ import annotations
 
-from typing import Any
-
 from jinja2 import TemplateError
-from litestar import MediaType, Request, Response
 
 from agentrt.anthropic_types import ErrorObject, ErrorResponse, ErrorType
 from agentrt.chat import TemplateMismatchError
-from agentrt.errors import EXCEPTION_HANDLERS, _http_error, on_http_error
+from agentrt.errors import error_body, handlers_in_shape
 from engine.errors import InvalidRequestError, InvalidSamplingParamsError
 from sdk.schema import ErrorBody
 
@@ -38,23 +35,16 @@ def anthropic_error(exc: Exception, body: ErrorBody) -> tuple[int, ErrorObject]:
     return status, ErrorObject(type=error_type, message=message)
 
 
-def _anthropic(handler: Any) -> Any:
-    def reshaped(request: Request | None, exc: Exception) -> Response[ErrorResponse]:
-        response = handler(request, exc)
-        status, error = anthropic_error(exc, response.content)
-        return Response(ErrorResponse(error=error), status_code=status, media_type=MediaType.JSON,
-                        headers=dict(response.headers) or None)
-    return reshaped
+def _anthropic_shape(exc: Exception, body: ErrorBody) -> tuple[int, ErrorResponse]:
+    status, error = anthropic_error(exc, body)
+    return status, ErrorResponse(error=error)
 
 
-ANTHROPIC_EXCEPTION_HANDLERS: Any = {cls: _anthropic(_http_error if handler is on_http_error else handler)
-                                     for cls, handler in EXCEPTION_HANDLERS.items()}
-anthropic_http_error = _anthropic(_http_error)  # the router's own errors (405, ...) on the Messages paths
+# the router's own errors (405, ...) on the Messages paths: anthropic_http_error
+ANTHROPIC_EXCEPTION_HANDLERS, anthropic_http_error = handlers_in_shape(_anthropic_shape)
 
 
 def anthropic_error_body(exc: Exception) -> ErrorResponse:
     """The error object for ``exc`` as these routes answer it: the data of an ``error`` event once a stream has
     started."""
-    handlers = ANTHROPIC_EXCEPTION_HANDLERS
-    handler = next(handlers[cls] for cls in type(exc).__mro__ if cls in handlers)
-    return handler(None, exc).content
+    return error_body(ANTHROPIC_EXCEPTION_HANDLERS, exc)

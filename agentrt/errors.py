@@ -85,7 +85,7 @@ def on_http_error(request: Request | None, exc: HTTPException) -> Response[Error
     """``request`` None: for a WebSocket's error message (always the chain routes' shape). On an OpenAI path
     this handler answers only the router's own errors (405, ...), raised before any route's handlers."""
     if request is not None and _openai_path(request.url.path):
-        return _openai(_http_error)(request, exc)
+        return _openai_http_error(request, exc)
     if request is not None and request.url.path.rstrip("/").startswith("/v1/messages"):
         from agentrt.anthropic_errors import anthropic_http_error  # it builds on this module's handlers
 
@@ -206,23 +206,40 @@ def openai_error(exc: Exception, body: ErrorBody) -> tuple[int, ErrorObject]:
                                code=code or _OPENAI_CODES.get(status))
 
 
-def _openai(handler: Any) -> Any:
-    def reshaped(request: Request, exc: Exception) -> Response[ErrorResponse]:
+def _in_shape(handler: Any, shape: Any) -> Any:
+    """``handler`` (answering with the chain routes' ErrorBody) answering instead with ``shape(exc, body)``'s
+    (status, body): another API's error object, the same status mapping underneath."""
+    def reshaped(request: Request | None, exc: Exception) -> Response[Any]:
         response = handler(request, exc)
-        status, error = openai_error(exc, response.content)
-        return Response(ErrorResponse(error=error), status_code=status, media_type=MediaType.JSON,
-                        headers=dict(response.headers) or None)
+        status, body = shape(exc, response.content)
+        return Response(body, status_code=status, media_type=MediaType.JSON, headers=dict(response.headers) or None)
     return reshaped
 
 
-OPENAI_EXCEPTION_HANDLERS: Any = {cls: _openai(_http_error if handler is on_http_error else handler)
-                                  for cls, handler in EXCEPTION_HANDLERS.items()}
+def handlers_in_shape(shape: Any) -> tuple[dict[Any, Any], Any]:
+    """EXCEPTION_HANDLERS reshaped by ``shape`` (a route family's exception handlers), and the handler for the
+    router's own errors (405, ...) on that family's paths."""
+    handlers = {cls: _in_shape(_http_error if handler is on_http_error else handler, shape)
+                for cls, handler in EXCEPTION_HANDLERS.items()}
+    return handlers, _in_shape(_http_error, shape)
+
+
+def error_body(handlers: dict[Any, Any], exc: Exception) -> Any:
+    """The body ``handlers`` answer ``exc`` with (for an error event once a stream has started)."""
+    return next(handlers[cls] for cls in type(exc).__mro__ if cls in handlers)(None, exc).content
+
+
+def _openai_shape(exc: Exception, body: ErrorBody) -> tuple[int, ErrorResponse]:
+    status, error = openai_error(exc, body)
+    return status, ErrorResponse(error=error)
+
+
+OPENAI_EXCEPTION_HANDLERS, _openai_http_error = handlers_in_shape(_openai_shape)
 
 
 def openai_error_body(exc: Exception) -> ErrorResponse:
     """OpenAI's error object for ``exc``, as the OpenAI routes answer it (for an error in a started stream)."""
-    handler = next(OPENAI_EXCEPTION_HANDLERS[cls] for cls in type(exc).__mro__ if cls in OPENAI_EXCEPTION_HANDLERS)
-    return handler(None, exc).content
+    return error_body(OPENAI_EXCEPTION_HANDLERS, exc)
 
 
 class TooManyMethodConfigs(HTTPException):
