@@ -111,6 +111,10 @@ for step in "$@"; do
     dense)  # one decode step a schedule, each launched before the last is read and not (one engine), HF once
         run dense 560 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --overlap-decode both --hf --json "$OUT/dense.json" ;;
+    densehf)  # the dense cases with the GPU defaults (8 decode steps a schedule, overlapped, fused decode linears),
+        # HF eager and HF static cache + torch.compile in the same run (395 s on an H200, 2026-12-05)
+        run densehf 580 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+            --max-num-batched-tokens 16384 --decode-steps 8 --hf --json "$OUT/densehf.json" ;;
     prefill)  # a 32K prompt's prefill, Triton's kernel against flashinfer's (triton+flashinfer), one process each
         for backend in triton triton+flashinfer; do
             tag=prefill_${backend//+/_}  # plain file names
