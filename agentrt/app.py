@@ -7,7 +7,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import anyio
 from litestar import Litestar
@@ -33,10 +33,13 @@ from agentrt.routes import ChainController, OpenAIController, SystemController
 from agentrt.routes.anthropic import AnthropicController
 from agentrt.routes.responses import ResponsesController
 
+if TYPE_CHECKING:
+    from engine.engine_handle import EngineHandle
+
 log = logging.getLogger(__name__)
 
 
-def build_engine(config: ServerConfig) -> Any:
+def build_engine(config: ServerConfig) -> EngineHandle:
     from agentrt.native_memory import bound_native_caches
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
@@ -60,7 +63,7 @@ def _tenant(scope: Scope) -> str:
     return scope[TENANT_SCOPE_KEY]  # type: ignore[literal-required]  # set by auth_guard
 
 
-def create_app(config: ServerConfig | None = None, engine: Any = None) -> Litestar:
+def create_app(config: ServerConfig | None = None, engine: EngineHandle | None = None) -> Litestar:
     """``engine``: an LLMEngine to serve instead of building one from ``config`` (it is not closed on exit).
     Raises agentrt.config.ConfigurationError for a configuration that must not serve (e.g. no auth off
     loopback)."""

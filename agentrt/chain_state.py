@@ -9,6 +9,7 @@ import msgspec
 
 from agentrt.chat import Message
 from agentrt.models import ChainRow, PruneEventRow, RegionRow, TurnRow
+from engine.chain_index import ChainInfo
 from sdk.schema import (AssistantMessage, ChainRead, ChainStatus, ChainSummary, FinishReason, KVAccounting,
                         PruneEvent, PrunePolicy, Region, RegionKind, ResumeStatus, Sampling, Tool, ToolCall,
                         TurnMessage, TurnRead, Usage)
@@ -119,17 +120,11 @@ def chain_read(row: ChainRow, status: ChainStatus, turns: list[TurnRow], regions
     )
 
 
-def kv_accounting(logical_tokens: int, info: Any) -> KVAccounting:
-    """From the engine's ChainInfo when it has one for the chain (duck-typed: Chain Cache is optional)."""
+def kv_accounting(logical_tokens: int, info: ChainInfo | None) -> KVAccounting:
+    """From the engine's ChainInfo when it holds the chain (None: it does not, e.g. after a restart)."""
     if info is None:
         return KVAccounting(logical_tokens=logical_tokens, resident=False)
-    physical = getattr(info, "physical_tokens", 0)
-    physical = max(physical, default=0) if isinstance(physical, (list, tuple)) else int(physical or 0)
-    per_layer = getattr(info, "physical_tokens", [])
-    pages = int(getattr(info, "pages_held", 0) or 0)
-    return KVAccounting(logical_tokens=logical_tokens, resident=pages > 0,
-                        computed_tokens=int(getattr(info, "computed_tokens", 0) or 0),
-                        physical_tokens=physical, pages=pages,
-                        physical_tokens_per_layer=list(per_layer) if isinstance(per_layer, (list, tuple)) else [],
-                        engine_status=getattr(info, "status", None), compacted=bool(getattr(info, "compacted", False)),
-                        pinned=bool(getattr(info, "pinned", False)))
+    return KVAccounting(logical_tokens=logical_tokens, resident=info.pages_held > 0,
+                        computed_tokens=info.computed_tokens, physical_tokens=max(info.physical_tokens, default=0),
+                        pages=info.pages_held, physical_tokens_per_layer=list(info.physical_tokens),
+                        engine_status=info.status, compacted=info.compacted, pinned=info.pinned)

@@ -7,7 +7,8 @@ import dataclasses
 import logging
 import time
 import uuid
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from sqlalchemy import delete, func, inspect, select, update
@@ -23,14 +24,18 @@ from agentrt.errors import ChainBusy, ChainNotFound, TooManyChains, TooManyMetho
 from agentrt.metrics import Metrics
 from agentrt.models import ChainRow, PruneEventRow, RegionRow, TurnRow
 from agentrt.turns import PendingTurn
-from engine.chain_index import UnknownChainError
+from engine.chain_index import ChainInfo, UnknownChainError
 from engine.errors import ConfigError, EngineError, InvalidRequestError
 from engine.registry import METHODS, SCORERS, create_method
 from engine.sampling_params import SamplingParams
 from sdk.schema import (ChainCreate, ChainStatus, ChainList, ChainRead, ChainSummary, ForkRequest, PruneEvent,
                         PruneRequest, PruneResult, Region, RewindRequest, ToolResultMessage, TurnCreate)
 
+if TYPE_CHECKING:
+    from engine.engine_handle import EngineHandle
+
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 MethodKey = tuple[str, str]  # (method, its config as canonical JSON)
 
 
@@ -165,8 +170,7 @@ class ChainService:
             self.states.pop(chain_id, None)
             self.num_chains -= 1
             try:
-                if hasattr(self.worker.engine, "delete_chain"):
-                    await self._engine_call(lambda e: e.delete_chain(chain_id))
+                await self._engine_call(lambda e: e.delete_chain(chain_id))
             finally:
                 await self._give_back_method(state.row.tenant, method_key(state.row.method, state.row.method_config))
         finally:
@@ -237,7 +241,7 @@ class ChainService:
                 self._check_scorer(data.scorer, "scorer")
             _check_keep(data.scorer, data.keep_ratio, data.keep_tokens)
             info = await self._engine_call(lambda e: e.chain_info(chain_id))
-            computed = int(getattr(info, "computed_tokens", 0) or 0)
+            computed = info.computed_tokens if info is not None else 0
             selector = (data.regions, data.kinds, data.tool_names, data.rounds)
             if data.intervals is not None:
                 if any(x is not None for x in selector):
@@ -284,7 +288,7 @@ class ChainService:
         if not due:
             return [], state
         info = await self._engine_call(lambda e: e.chain_info(state.id))
-        computed = int(getattr(info, "computed_tokens", 0) or 0)
+        computed = info.computed_tokens if info is not None else 0
         intervals = _region_intervals(due, computed, merge=policy.keep_tokens is None)
         if info is None or not intervals:
             return [], state
@@ -293,12 +297,13 @@ class ChainService:
         return [event], state
 
     async def _prune(self, state: ChainState, intervals: list[tuple[int, int]], touched: list[int],
-                     scorer: str | None, keep_ratio: float, source: str, info: Any,
+                     scorer: str | None, keep_ratio: float, source: str, info: ChainInfo | None,
                      keep_tokens: int | None = None) -> tuple[PruneEvent, ChainState]:
         """With ``keep_tokens`` each interval keeps that many of its tokens (one engine prune per interval);
         with ``keep_ratio`` one prune keeps that share of them all."""
         chain_id = state.id
-        pages_before = int(getattr(info, "pages_held", 0) or 0)
+        pages_before = info.pages_held if info is not None else 0
+        computed = info.computed_tokens if info is not None else 0
         tokens_kept = tokens_freed = pages_freed = 0
         if info is not None and intervals:
             calls = [intervals] if keep_tokens is None else [[iv] for iv in intervals]
@@ -311,7 +316,7 @@ class ChainService:
             except UnknownChainError:
                 pass
         after = await self._engine_call(lambda e: e.chain_info(chain_id)) if info is not None else None
-        pages_after = int(getattr(after, "pages_held", 0) or 0)
+        pages_after = after.pages_held if after is not None else 0
         regions = list(state.regions)
         changed: list[Region] = []
         if tokens_freed > 0:
@@ -327,7 +332,6 @@ class ChainService:
                         round(max(0, (hi - lo) - keep_tokens) * max(0, min(hi, r.end) - max(lo, r.start)) / (hi - lo))
                         for lo, hi in intervals)
                     kept = max(0, kept)
-                computed = int(getattr(info, "computed_tokens", 0) or 0)
                 whole = overlap >= min(r.end, computed) - r.start  # all of it that has KV
                 regions[i] = msgspec.structs.replace(r, pruned=r.pruned or whole, kept_tokens=kept)
                 changed.append(regions[i])
@@ -419,7 +423,7 @@ class ChainService:
                 except UnknownChainError:
                     pass
                 info = await self._engine_call(lambda e: e.chain_info(chain_id))
-                compacted = bool(getattr(info, "compacted", False))
+                compacted = info is not None and info.compacted
             else:
                 compacted = bool(chain.pruned_intervals)
             kept_regions = [r for r in regions if r.turn < keep]
@@ -508,24 +512,20 @@ class ChainService:
             return
         self._retained.discard(key)
         name, config = key[0], msgspec.json.decode(key[1])
-        if hasattr(self.worker.engine, "release_method"):
-            try:
-                await self._engine_now(lambda e: e.release_method(name, config))
-            except Exception:  # the chain is deleted whatever the engine says
-                log.exception("releasing method %s %s failed", name, key[1])
+        try:
+            await self._engine_now(lambda e: e.release_method(name, config))
+        except Exception:  # the chain is deleted whatever the engine says
+            log.exception("releasing method %s %s failed", name, key[1])
 
     async def _retain(self, key: MethodKey) -> None:
         """The engine takes ``key`` on and holds it (ConfigError when it cannot)."""
         name, config = key[0], msgspec.json.decode(key[1])
-        if not hasattr(self.worker.engine, "retain_method"):
-            await self._engine_now(lambda e: e.check_method(name, config))
-        else:
-            await self._engine_now(lambda e: e.retain_method(name, config))
-            if key in self._retained:  # retained meanwhile by a concurrent request: one hold is enough
-                await self._engine_now(lambda e: e.release_method(name, config))
+        await self._engine_now(lambda e: e.retain_method(name, config))
+        if key in self._retained:  # retained meanwhile by a concurrent request: one hold is enough
+            await self._engine_now(lambda e: e.release_method(name, config))
         self._retained.add(key)
 
-    async def _engine_now(self, fn: Any) -> Any:
+    async def _engine_now(self, fn: Callable[[EngineHandle], T]) -> T:
         """``fn(engine)`` on the worker thread, or here when the worker has not started (at ``start``, when
         nothing else touches the engine)."""
         try:
@@ -571,12 +571,10 @@ class ChainService:
                                        .order_by(RegionRow.index))).all()
         return chain, list(turns), list(regions)
 
-    async def _chain_info(self, chain_id: str) -> Any:
-        if not hasattr(self.worker.engine, "chain_info"):
-            return None
+    async def _chain_info(self, chain_id: str) -> ChainInfo | None:
         return await self._engine_call(lambda e: e.chain_info(chain_id))
 
-    async def _engine_call(self, fn: Any) -> Any:
+    async def _engine_call(self, fn: Callable[[EngineHandle], T]) -> T | None:
         try:
             return await self.worker.call(fn)
         except InvalidRequestError:  # the engine does not know the chain (new, reclaimed or after a restart)

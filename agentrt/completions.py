@@ -58,7 +58,6 @@ if TYPE_CHECKING:
     from agentrt.turns import PendingTurn
 
 log = logging.getLogger(__name__)
-ENGINE_TOP_LOGPROBS = "top_logprobs" in getattr(SamplingParams, "__dataclass_fields__", {})
 _LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability zero (JSON has no -inf)
 
 
@@ -239,7 +238,7 @@ class CompletionService:
         message, finish = _message(last.text, last.finish_reason or "stop", c.parse_calls)
         logprobs = None
         if c.logprobs:
-            logprobs = self._logprobs(c, last.token_ids, last.logprobs, getattr(last, "top_logprobs", None))
+            logprobs = self._logprobs(c, last.token_ids, last.logprobs, last.top_logprobs)
         return ChatCompletion(id=c.id, created=c.created, model=c.model, usage=self._usage(last),
                               choices=[Choice(index=0, message=message, finish_reason=finish, logprobs=logprobs)])
 
@@ -293,7 +292,7 @@ class CompletionService:
                     logprobs = None
                     if c.logprobs and out.new_token_ids:
                         n = len(out.new_token_ids)
-                        top = getattr(out, "top_logprobs", None)
+                        top = out.top_logprobs
                         logprobs = self._logprobs(c, out.new_token_ids, (out.logprobs or [])[-n:],
                                                   top[-n:] if top else None)
                     if text or logprobs:
@@ -330,12 +329,6 @@ class CompletionService:
             raise bad_field("forced_token_ids", f"has {len(forced)} tokens, more than max_tokens ({max_tokens})")
         if any(t >= vocab for t in forced):
             raise bad_field("forced_token_ids", f"every id must be < the vocabulary size {vocab}")
-        extra: dict[str, Any] = {}
-        if req.top_logprobs:
-            if not ENGINE_TOP_LOGPROBS:
-                raise bad_field("top_logprobs", "this engine reports only the chosen token's log-probability: "
-                                                "leave top_logprobs out or 0", "unsupported_value")
-            extra["top_logprobs"] = req.top_logprobs
         greedy = req.top_p == 0  # nucleus of one token; the engine takes top_p in (0, 1]
         return SamplingParams(
             temperature=0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
@@ -343,7 +336,7 @@ class CompletionService:
             top_k=-1 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
             seed=req.seed, max_tokens=max_tokens, stop=stop, forced_token_ids=forced,
-            logprobs=bool(req.logprobs), structured=structured, **extra)
+            logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0, structured=structured)
 
     def _logprobs(self, c: Completion, token_ids: Sequence[int], logprobs: Sequence[float] | None,
                   top: Sequence[Sequence[tuple[int, float]]] | None) -> ChoiceLogprobs:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import inspect
 import logging
 import queue
 import threading
@@ -18,11 +17,15 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentrt.native_memory import IdleTrimmer
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.engine_handle import EngineHandle
+    from engine.llm_engine import StepTiming
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -80,7 +83,8 @@ class RequestStream:
 
 
 class EngineWorker:
-    def __init__(self, engine: Any, on_step: Callable[[float, list[RequestOutput], Any], None] | None = None,
+    def __init__(self, engine: EngineHandle,
+                 on_step: Callable[[float, list[RequestOutput], StepTiming | None], None] | None = None,
                  max_queue_depth: int | None = None, retry_after_s: int = 2, trim_idle_s: float | None = 5.0):
         """``trim_idle_s``: hand free C-heap memory back to the OS (``malloc_trim``) once the engine has had no
         work for that long after some (None: never); see agentrt.native_memory."""
@@ -91,7 +95,6 @@ class EngineWorker:
         self.inflight: set[str] = set()  # event-loop side: generation requests submitted and not yet finished
         self.on_step = on_step
         self.snapshot = EngineSnapshot()
-        self.accepts_chain_id = "chain_id" in inspect.signature(engine.add_request).parameters
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, RequestStream]] = {}
         self._thread = threading.Thread(target=self._run, name="engine-worker", daemon=True)
@@ -106,7 +109,7 @@ class EngineWorker:
             self._commands.put(None)
             self._thread.join(timeout)
 
-    async def call(self, fn: Callable[[Any], T]) -> T:
+    async def call(self, fn: Callable[[EngineHandle], T]) -> T:
         """Run ``fn(engine)`` on the worker thread and return its result (or raise its exception)."""
         if not self._thread.is_alive():
             raise EngineUnavailable("the engine worker is not running")
@@ -134,12 +137,11 @@ class EngineWorker:
             raise EngineOverloaded(len(self.inflight), self.max_queue_depth, self.retry_after_s)
         stream = RequestStream(self, f"req-{uuid.uuid4().hex}")
         loop = asyncio.get_running_loop()
-        kwargs = {"chain_id": chain_id} if chain_id is not None and self.accepts_chain_id else {}
-        if method is not None:
-            kwargs["method"], kwargs["method_config"] = method
+        name, config = method if method is not None else (None, None)
 
-        def add(engine: Any) -> None:
-            engine.add_request(prompt, params, request_id=stream.request_id, **kwargs)
+        def add(engine: EngineHandle) -> None:
+            engine.add_request(prompt, params, request_id=stream.request_id, chain_id=chain_id, method=name,
+                               method_config=config)
             self._streams[stream.request_id] = (loop, stream)
 
         self.inflight.add(stream.request_id)
@@ -248,11 +250,5 @@ def _deliver(items: list[tuple[RequestStream, RequestOutput | BaseException]]) -
 
 
 def prefill_counts(out: RequestOutput) -> tuple[int, int, int]:
-    """(prefilled, resumed, prefix-cached) prompt tokens of a finished request; engines without Chain Cache
-    report neither prefilled nor resumed tokens, so prefilled is what the prefix cache did not serve."""
-    cached = out.num_cached_tokens
-    resumed = getattr(out, "num_resumed_tokens", 0)
-    prefilled = getattr(out, "num_prefilled_tokens", None)
-    if prefilled is None:
-        prefilled = len(out.prompt_token_ids) - cached - resumed
-    return prefilled, resumed, cached
+    """(prefilled, resumed, prefix-cached) prompt tokens of a finished request."""
+    return out.num_prefilled_tokens, out.num_resumed_tokens, out.num_cached_tokens

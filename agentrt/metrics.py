@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from agentrt.engine_worker import EngineWorker
 from engine.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from engine.llm_engine import StepTiming
 
 STEP_KINDS = ("decode-graph", "decode-eager", "mixed", "prefill")
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -43,7 +46,7 @@ class Metrics:
             self.steps_by_kind.labels(kind)
             self.step_seconds_by_kind.labels(kind)
 
-    def observe_step(self, seconds: float, outputs: list[RequestOutput], timing: Any = None) -> None:
+    def observe_step(self, seconds: float, outputs: list[RequestOutput], timing: StepTiming | None = None) -> None:
         """``timing``: the engine's ``StepTiming`` of that step (its kind, and how many decode steps it ran)."""
         self.step_seconds.observe(seconds)
         if outputs:

@@ -21,6 +21,7 @@ from agentrt.chat import Appended, Message, parse_tool_calls
 from agentrt.engine_worker import RequestStream, prefill_counts
 from agentrt.errors import TurnFailed
 from agentrt.models import ChainRow, RegionRow, TurnRow
+from engine.chain_index import ResumeStatus as EngineResumeStatus
 from engine.outputs import RequestOutput
 from sdk.schema import (AssistantMessage, FinishReason, Region, ResumeStatus, TurnCreate, TurnDelta, TurnResult,
                         Usage)
@@ -110,9 +111,11 @@ class PendingTurn:
         generated = list(out.token_ids)
         turn = st.num_turns
         prefilled, resumed, cached = prefill_counts(out)
-        status = getattr(out, "resume_status", None) or "created"
-        if status == "created" and turn > 0:
-            status = "recomputed"  # the engine no longer knew the chain (restart, or no Chain Cache)
+        engine_status = out.resume_status or EngineResumeStatus.CREATED
+        if engine_status is EngineResumeStatus.CREATED and turn > 0:
+            # the engine did not know the chain: a restart, or a fork whose KV the engine could not copy
+            engine_status = EngineResumeStatus.RECOMPUTED
+        status = cast(ResumeStatus, engine_status.value)  # the wire's and the database's plain string
         content = (self.data.assistant_prefix or "") + out.text
         calls = parse_tool_calls(content)
         usage = Usage(prompt_tokens=len(self.prompt), appended_tokens=len(appended.token_ids),
@@ -120,7 +123,7 @@ class PendingTurn:
                       completion_tokens=len(generated))
 
         regions = list(st.regions)
-        reset = status == "recomputed" and any(r.pruned for r in regions)
+        reset = engine_status is EngineResumeStatus.RECOMPUTED and any(r.pruned for r in regions)
         if reset:  # the KV was computed afresh from the whole log: no earlier pruning is in effect any more
             regions = [msgspec.structs.replace(r, pruned=False, kept_tokens=r.end - r.start) for r in regions]
         closed: Region | None = None
@@ -173,5 +176,5 @@ class PendingTurn:
             self.service.metrics.record_request(prefilled, resumed, cached, len(generated))
         result = TurnResult(chain_id=chain_id, turn=turn, message=AssistantMessage(content=content, tool_calls=calls),
                             finish_reason=cast(FinishReason, out.finish_reason), usage=usage,
-                            resume_status=cast(ResumeStatus, status))
+                            resume_status=status)
         return result, new_state

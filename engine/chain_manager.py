@@ -90,13 +90,13 @@ class ChainManager:
             req.method.import_state(req, state.method_state)  # kept on the chain in case the turn aborts
         req.num_cached_tokens = resumed if resumed else -1
         req.num_resumed_tokens = resumed
-        req.resume_status = status.value
+        req.resume_status = status
         state.busy_request = req.request_id
         self.index.touch(state)
 
     def on_preempt(self, req: Request) -> None:
         if req.chain_id is not None:
-            req.resume_status = ResumeStatus.RECOMPUTED.value
+            req.resume_status = ResumeStatus.RECOMPUTED
 
     def retain(self, req: Request, reason: FinishReason) -> None:
         """The turn ended: give its KV back to the chain (or, on abort, what the chain had before it)."""

@@ -1,6 +1,12 @@
 """What the engine hands back to callers."""
 
+from __future__ import annotations
+
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # engine.chain_index loads the KV cache (torch): this module stays light
+    from engine.chain_index import ResumeStatus
 
 
 @dataclass(slots=True)
@@ -19,7 +25,7 @@ class RequestOutput:
     logprobs: list[float] | None = None
     stop_reason: str | int | None = None
     chain_id: str | None = None
-    resume_status: str | None = None
+    resume_status: ResumeStatus | None = None  # set for a chain turn
     num_prefilled_tokens: int = 0
     num_resumed_tokens: int = 0
     # per generated token, its K most likely alternatives as (token_id, logprob), most likely first

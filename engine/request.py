@@ -6,11 +6,14 @@ computed. Physical lengths (slots actually held) belong to the cache manager.
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # engine.chain_index imports this module (through engine.paged_cache)
+    from engine.chain_index import ResumeStatus
 
 
 class RequestStatus(enum.Enum):
@@ -42,7 +45,7 @@ class Request:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     chain_id: str | None = None
-    resume_status: str | None = None  # created | resumed | recomputed, for chain turns
+    resume_status: "ResumeStatus | None" = None  # for chain turns
     num_resumed_tokens: int = 0  # tokens whose KV came from the chain
     num_prefilled_tokens: int = 0  # prompt tokens this request computed (recomputation after preemption too)
     method: Any = None  # the SparseMethod serving it (engine.method_set); set by the engine
