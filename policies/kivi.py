@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract.codec import FieldSpec, KVCodec, TensorCodec
+from agentrt_kernels import ops
 
 
 def pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -63,19 +64,17 @@ def asym_quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits
 
 
 def use_kernel(x: torch.Tensor) -> bool:
-    """Whether ``store`` encodes with the fused Triton kernel (``agentrt_kernels/triton/asym_encode.py``): on a GPU."""
-    return x.is_cuda
+    """Whether ``store`` encodes with the fused Triton kernel (``agentrt_kernels/triton/asym_encode.py``): where
+    ``agentrt_kernels.ops.uses_triton`` (on a GPU)."""
+    return ops.uses_triton(x)
 
 
-def fused_store(x, slots, fields, bits: int, group: int, kernel: str) -> bool:
-    """Encode and store with ``agentrt_kernels.triton.asym_encode.<kernel>`` where it applies; False if it did not."""
-    if not use_kernel(x):
+def fused_store(x, slots, fields, bits: int, group: int, kernel) -> bool:
+    """Encode and store with ``kernel`` (``ops.asym_encode_channel_groups`` or ``ops.asym_encode_token_groups``)
+    where it applies; False if it did not."""
+    if not use_kernel(x) or not ops.asym_encode_supported(x.shape[-1], bits, group):
         return False
-    from agentrt_kernels.triton import asym_encode
-
-    if not asym_encode.supported(x.shape[-1], bits, group):
-        return False
-    getattr(asym_encode, kernel)(x, slots, fields["codes"], fields["scale"], fields["zero"], bits, group)
+    kernel(x, slots, fields["codes"], fields["scale"], fields["zero"], bits, group)
     return True
 
 
@@ -96,7 +95,7 @@ class PerChannelKeys(TensorCodec):
         return {"codes": pack_planes(codes, self.bits), "scale": scale, "zero": zero}
 
     def store(self, x, slots, fields, positions=None) -> None:
-        if not fused_store(x, slots, fields, self.bits, self.token_group, "encode_channel_groups"):
+        if not fused_store(x, slots, fields, self.bits, self.token_group, ops.asym_encode_channel_groups):
             super().store(x, slots, fields, positions)
 
     def decode(self, fields: dict[str, torch.Tensor], head_dim: int) -> torch.Tensor:
@@ -121,7 +120,7 @@ class PerTokenValues(TensorCodec):
         return {"codes": pack_planes(codes, self.bits), "scale": scale, "zero": zero}
 
     def store(self, x, slots, fields, positions=None) -> None:
-        if not fused_store(x, slots, fields, self.bits, self.channel_group, "encode_token_groups"):
+        if not fused_store(x, slots, fields, self.bits, self.channel_group, ops.asym_encode_token_groups):
             super().store(x, slots, fields, positions)
 
     def decode(self, fields: dict[str, torch.Tensor], head_dim: int) -> torch.Tensor:

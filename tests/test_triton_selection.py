@@ -254,7 +254,7 @@ def test_key_split_lse_matches_logsumexp(dtype, group, page_size, causal):
 def test_window_votes_kernels_equal_the_reference(dtype, group, page_size, n, w):
     """SnapKV's window vote over paged keys: the Triton kernels equal the chunked torch reference, and both equal
     the observation-window definition (``policies.scoring.window_scores``) times the group size."""
-    from agentrt_kernels.dispatch import window_votes
+    from agentrt_kernels.ops import window_votes
     from policies.scoring import window_scores
 
     _seed("votes", dtype, group, page_size, n, w)
@@ -326,8 +326,8 @@ def test_quest_engine_decodes_the_same_through_the_fused_selection(tiny_dirs):
 @pytest.mark.parametrize("method,cfg", [("pyramidkv", {"budget": 96, "window": 8}), ("kvzip", {"budget": 48})])
 def test_triton_backend_over_per_layer_lengths_equals_torch_backend(method, cfg, tiny_dirs):
     """Eviction that leaves layers of different physical lengths, with chunked prefill mixing prompts and
-    decodes: the Triton backend's tokens equal the torch backend's (each layer's lengths reach the kernels as
-    a contiguous row; a strided one was once read with the stride of the layer count)."""
+    decodes: the Triton backend's tokens equal the torch backend's (each layer's lengths must reach the kernels
+    as a contiguous row: a strided one would be read with the stride of the layer count)."""
     import random
 
     from engine import LLM, SamplingParams

@@ -37,3 +37,49 @@ def quest_page_scores(
     hi = kmax.float().repeat_interleave(group, dim=2)
     per_head = torch.maximum(qf * lo, qf * hi).sum(dim=-1)  # [B, P, Hq]
     return per_head.amax(dim=-1) if aggregate == "max" else per_head.sum(dim=-1)
+
+
+def quest_decode_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k_cache: torch.Tensor,
+                        block_tables: torch.Tensor, kv_lens: torch.Tensor, page_size: int,
+                        aggregate: str = "max") -> torch.Tensor:
+    """One decode query per row ``q`` [B, Hq, D] whose key was just written at slot ``kv_lens - 1``: widens
+    that slot's page bounds in ``kmin``/``kmax`` [num_pages, Hkv, D] in place from ``k_cache`` [num_pages,
+    page_size, Hkv, D] (a page's first slot resets them) and returns [B, W] fp32 scores of every column of
+    ``block_tables`` [B, W] before the row's last page (the rest -inf), aggregated over all query heads."""
+    lens = kv_lens.long()
+    last = (lens - 1) // page_size  # [B] logical index of each row's last page
+    page = block_tables.gather(1, last[:, None]).squeeze(1).long()
+    offset = lens - 1 - last * page_size
+    k_new = k_cache[page, offset]  # [B, Hkv, D] the key this step wrote
+    fresh = (offset == 0)[:, None, None]  # a page's first slot resets its bounds
+    kmin[page] = torch.where(fresh, k_new, torch.minimum(kmin[page], k_new))
+    kmax[page] = torch.where(fresh, k_new, torch.maximum(kmax[page], k_new))
+    idx = block_tables.long()
+    scores = quest_page_scores(q, kmin[idx], kmax[idx], aggregate)
+    cols = torch.arange(block_tables.shape[1], device=block_tables.device)
+    return scores.masked_fill(cols[None, :] >= last[:, None], float("-inf"))  # candidates: before the last
+
+
+def quest_decode_table(top_values: torch.Tensor, top_indices: torch.Tensor, block_tables: torch.Tensor,
+                       kv_lens: torch.Tensor, page_size: int, token_budget: int, max_kept: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """From a row's top-k page scores (``top_values``/``top_indices`` [B, k], k >= 0) over the columns of
+    ``block_tables`` [B, W]: the selected table [B, k + 1] (kept pages in column order, then the last page,
+    then 0) and its lengths [B] in ``kv_lens``' dtype. A row keeps ``last`` pages when it has at most
+    ``token_budget`` slots, else at most ``max_kept``; -inf scores are never kept."""
+    bt, width, k = block_tables, block_tables.shape[1], top_indices.shape[1]
+    lens = kv_lens.long()
+    last = (lens - 1) // page_size
+    per_row = torch.where(lens <= token_budget, last, torch.clamp(last, max=max_kept))  # pages kept
+    if k > 0:
+        kept = (torch.arange(k, device=bt.device)[None, :] < per_row[:, None]) & (top_values > float("-inf"))
+        picked = torch.where(kept, top_indices, width + top_indices).sort(dim=1).values  # kept ones first
+        count = kept.sum(dim=1)
+    else:
+        picked = torch.zeros(bt.shape[0], 0, dtype=torch.long, device=bt.device)
+        count = torch.zeros_like(last)
+    chosen = torch.cat([picked, torch.zeros_like(last)[:, None]], dim=1)
+    chosen = torch.where(chosen >= width, 0, chosen)
+    chosen.scatter_(1, count[:, None], last[:, None])  # the last page right after the kept ones
+    new_lens = (count * page_size + lens - last * page_size).to(kv_lens.dtype)
+    return bt.gather(1, chosen).to(bt.dtype), new_lens

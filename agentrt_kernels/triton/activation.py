@@ -1,6 +1,6 @@
 """SwiGLU activation: ``silu_and_mul(x [..., 2I]) -> [..., I]`` = silu(x[..., :I]) * x[..., I:].
 
-Matches engine.models.layers.silu_and_mul (gate first half, up second half) including its rounding in
+Matches agentrt_kernels.torch_ref.activation.silu_and_mul (gate first half, up second half) including its rounding in
 low precision: silu is computed in fp32 and rounded to x.dtype (as torch's F.silu does), then multiplied
 by ``up`` in fp32 and rounded again. x may be any [..., 2I] tensor whose last dim is contiguous (row
 stride free); the output is a new contiguous tensor. Grid (rows, cdiv(I, BLOCK)); memory-bound, one read

@@ -41,19 +41,19 @@ _LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
 # Split-kernel programs per SM that the dense default aims at: two full waves of the 4 its default launch keeps
 # resident (120 registers x 128 threads, ``python -m benchmarks.kernel_resources``). On an H200 (bf16, 32 / 8
-# heads, d128, 2026-12-03, ``attention_kernels.py --splits``) the fastest split count on long contexts puts
-# ~1024 programs on 132 SMs, and a few more start a mostly empty third wave (bs8 x 32K: 16 splits 0.248 ms,
-# 18 splits 0.281 ms; 9 splits, 1.09 waves, 0.325 ms).
+# heads, d128, ``attention_kernels.py --splits``) the fastest split count on long contexts puts ~1024 programs
+# on 132 SMs: a few more start a mostly empty third wave, and about half as many (just over one wave) are
+# slower too (figures in docs/benchmarks.md).
 SPLIT_PROGRAMS_PER_SM = 8
 # The device-side floor on a split's length (``min_split_tokens``). 0 keeps every request cut into all
-# ``num_splits`` ranges, which is what decode graphs (captured with the splits of the longest context) did
-# when the H200 figures in docs/benchmarks.md were measured; ``attention_kernels.py --sweep`` times
+# ``num_splits`` ranges, as decode graphs (captured with the splits of the longest context) cut them, the
+# setting the H200 figures in docs/benchmarks.md hold for; ``attention_kernels.py --sweep`` times
 # alternatives on the GPU before this default changes.
 DEFAULT_MIN_SPLIT_TOKENS = 0
 MAX_SPLITS = 64
 # Whether the split kernel merges its partials itself (the last split of each KV head to arrive, through an
 # arrival counter) instead of a second launch: one launch a layer less, for decode steps whose attention is a
-# few microseconds. Off until an H200 run measures it (``attention_kernels.py --splits`` times both).
+# few microseconds. Off until a GPU measurement shows it faster (``attention_kernels.py --splits`` times both).
 FUSED_COMBINE = False
 
 
@@ -207,9 +207,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_kv_len: int, sm_count: 
 def two_wave_splits(batch: int, num_kv_heads: int, max_kv_len: int, sm_count: int = 132) -> int:
     """The dense split kernel's default: the most splits whose B * Hkv * splits programs fit in
     SPLIT_PROGRAMS_PER_SM programs a SM, two full waves (a partial last wave leaves most SMs idle while it runs),
-    each split keeping >= MIN_TOKENS_PER_SPLIT tokens of the longest request, at most MAX_SPLITS. (H200,
-    against ``choose_num_splits``' ~4 a SM: bs8 x 32K 9 -> 16 splits, 0.325 -> 0.248 ms; bs32 x 8K 3 -> 4,
-    0.280 -> 0.248 ms; bs64 x 4K and bs1 x 128K unchanged; bs8 x 4K 9 -> 16, 0.040 -> 0.042 ms.)"""
+    each split keeping >= MIN_TOKENS_PER_SPLIT tokens of the longest request, at most MAX_SPLITS. (On an H200
+    it beats ``choose_num_splits``' ~4 a SM on long contexts and leaves short ones about even; figures in
+    docs/benchmarks.md.)"""
     want = (SPLIT_PROGRAMS_PER_SM * sm_count) // max(1, batch * num_kv_heads)
     by_len = max_kv_len // MIN_TOKENS_PER_SPLIT
     return max(1, min(want, by_len, MAX_SPLITS))

@@ -27,7 +27,7 @@ which Hopper's wgmma wants >= 64) instead of the rows.
 Which launch: ``tuned_launch`` -- the per-shape winners of ``python -m benchmarks.decode_linear`` on this GPU
 (tuned/decode_linear_<GPU name>.json), where the prologue's own kernel plus cuBLAS (``UNFUSED``) may be the
 winner; for a shape not measured, ``ONE_ROW_LAUNCH`` for one row and, on a GPU, ``UNFUSED`` for more (on an H200
-the fused dot beat cuBLAS only on o_proj at 8 rows, session 12; docs/benchmarks.md).
+the fused dot beat cuBLAS only on o_proj at 8 rows; docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from agentrt_kernels.triton.norm import rms_norm
 
 MAX_ROWS = 16
 DEFAULT_LAUNCH = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False, "SWAP": True}
-ONE_ROW_LAUNCH = {**DEFAULT_LAUNCH, "BLOCK_N": 8, "BLOCK_K": 1024, "FMA": True}  # session 12's H200 winner
+ONE_ROW_LAUNCH = {**DEFAULT_LAUNCH, "BLOCK_N": 8, "BLOCK_K": 1024, "FMA": True}  # the one-row winner on an H200
 UNFUSED = {"UNFUSED": True}  # a tuned entry: the prologue's own kernel, then cuBLAS (it measured faster)
 # (N, K) -> {rows: launch}: the fastest launches benchmarks.decode_linear measured (load_tuned_launches); a call
 # takes the entry for the fewest measured rows >= its rows (else the most); other shapes: ``_untuned_launch``.

@@ -164,9 +164,9 @@ def _moe_gemm_kernel(
 
 
 def _default_config(num_slots: int, num_experts: int) -> dict[str, int]:
-    """Block shapes by tokens per expert (measured on an H200, bf16, E=128 k=8 H=2048 I=768). Decode (one
+    """Block shapes by tokens per expert (chosen on an H200, bf16, E=128 k=8 H=2048 I=768). Decode (one
     16-row block per expert): narrow, deep tiles, the fastest of ``python -m benchmarks.moe_kernels``' grid at
-    T = 8 and 32 (0.94 of the copy rate at T = 32 against 0.89 for 64 x 64 tiles, 2026-12-02)."""
+    T = 8 and 32 (closer to the copy rate than 64 x 64 tiles; figures in docs/benchmarks.md)."""
     per_expert = max(1, num_slots // max(1, num_experts))
     block_m = min(128, max(16, next_pow2(per_expert)))
     if block_m == 16:

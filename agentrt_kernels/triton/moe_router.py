@@ -7,7 +7,7 @@
     topk_ids:      [T, K] int64, the chosen experts by descending probability
     topk_weights:  [T, K] in router_logits.dtype
 
-Matches engine.models.moe.SparseMoeBlock.route (F.softmax in fp32, torch.topk, optional divide by the
+Matches agentrt_kernels.torch_ref.moe_router.route_topk (F.softmax in fp32, torch.topk, optional divide by the
 sum, cast to the logits' dtype) in one launch instead of ~5 small kernels. Grid (T,): one program per
 token loads the E logits as one fp32 tile of next_pow2(E) lanes (padding -inf), takes the row max m and
 the full-row sum S = sum exp(l - m), then runs K rounds of argmax over the experts not yet chosen (a

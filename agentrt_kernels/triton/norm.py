@@ -1,4 +1,4 @@
-"""RMSNorm, optionally fused with the residual add, matching engine.models.layers.RMSNorm (HF Llama).
+"""RMSNorm, optionally fused with the residual add, matching agentrt_kernels.torch_ref.norm (HF Llama).
 
 ``rms_norm(x, weight, eps, residual=None, *, out=None, residual_out=None)``
     x:        [..., H] fp32 / fp16 / bf16 (last dim contiguous; e.g. [T, H], or a strided [T, heads, D]

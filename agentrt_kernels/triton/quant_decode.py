@@ -56,11 +56,10 @@ FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok", "int2-asym-kchan-vtok", "l
            "lowrank-latent-rope")
 _INT_BITS = {"int4-asym-kchan-vtok": 4, "int2-asym-kchan-vtok": 2}
 # Default launch per format: (slots per tile, pipelining stages, splits as a multiple of the dense kernel's
-# ``choose_num_splits``), the fastest of ``python -m benchmarks.codec_kernels``' grid on an H200 (2026-12-02,
-# Llama-3.1-8B attention, page 32, 27 x 32K and 7 x 128K): fp8 0.73 / 0.76 of the dense kernel's time there
-# (1.07 / 1.10 with 32-slot tiles and the dense splits), KIVI-4 1.31 (1.63), KIVI-2 1.37 (2.11). Twice the
-# dense kernel's splits: a coded program holds more registers (fewer programs per SM) and does more work per
-# byte, so more, shorter programs keep the memory system busier.
+# ``choose_num_splits``), the fastest of ``python -m benchmarks.codec_kernels``' grid on an H200 (Llama-3.1-8B
+# attention, page 32, 27 x 32K and 7 x 128K; figures in docs/benchmarks.md). Twice the dense kernel's splits: a
+# coded program holds more registers (fewer programs per SM) and does more work per byte, so more, shorter
+# programs keep the memory system busier.
 _DEFAULT_LAUNCH = {"e4m3-token-head": (128, 2, 2), "int4-asym-kchan-vtok": (32, 3, 2),
                    "int2-asym-kchan-vtok": (64, 2, 2)}
 _LOG2E = 1.4426950408889634

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import CheckpointError, ConfigError
+from agentrt_kernels import ops
+from agentrt_kernels.torch_ref.norm import rms_norm as torch_rms_norm
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -56,28 +58,16 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """norm(x), or with ``residual``: (norm(x + residual), x + residual). One fused kernel on a GPU."""
-        if x.is_cuda:
-            from agentrt_kernels.triton import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, residual)
-        if residual is not None:
-            residual = x + residual
-            return self._norm(residual), residual
-        return self._norm(x)
+        return ops.rms_norm(x, self.weight, self.eps, residual)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        """norm(x) by the torch reference, on any device."""
+        return torch_rms_norm(x, self.weight, self.eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
-        from agentrt_kernels.triton import silu_and_mul as fused
-
-        return fused(x)
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    """x [..., 2I] (gate, then up) -> silu(gate) * up [..., I]; one kernel on a GPU."""
+    return ops.silu_and_mul(x)
 
 
 def rope_inv_freq(
@@ -173,15 +163,4 @@ class RotaryEmbedding(nn.Module):
 
         On a GPU one Triton kernel rotates q and k in place.
         """
-        if q.is_cuda:
-            from agentrt_kernels.triton import apply_rotary
-
-            return apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return ops.apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)

@@ -1,18 +1,19 @@
 """Sparse MoE block (Qwen2-MoE / Qwen3-MoE): fp32 softmax router, top-k, stacked SwiGLU experts.
 
-Reference torch implementation: tokens are grouped by expert and each expert that got tokens runs once.
+Routing and experts run through ``agentrt_kernels.ops`` (``route_topk``, ``fused_moe``): Triton kernels on a GPU;
+elsewhere the torch reference, where tokens are grouped by expert and each expert that got tokens runs once.
 """
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import CheckpointError
 from engine.model_config import ModelConfig
 from engine.models.decoder import DenseMLP
-from engine.models.layers import Linear, copy_into, new_parameter, silu_and_mul
+from engine.models.layers import Linear, copy_into, new_parameter
 from engine.parallel.layers import check_divisible
 from engine.parallel.state import current_group
+from agentrt_kernels import ops
 
 
 class StackedExperts(nn.Module):
@@ -78,26 +79,7 @@ class StackedExperts(nn.Module):
         if self.routed_counter is not None:
             hit = torch.zeros(self.num_experts, dtype=self.routed_counter.dtype, device=x.device)
             self.routed_counter += hit.index_fill_(0, topk_ids.flatten(), 1).sum()
-        if x.is_cuda:
-            from agentrt_kernels.triton import fused_moe
-
-            return fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
-        top_k = topk_ids.shape[1]
-        slots_by_expert = topk_ids.flatten().argsort(stable=True)
-        tokens_by_expert = slots_by_expert // top_k
-        weights_by_expert = topk_weights.flatten()[slots_by_expert]
-        counts = torch.bincount(topk_ids.flatten(), minlength=self.num_experts).tolist()
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            tokens = tokens_by_expert[start : start + count]
-            h = silu_and_mul(F.linear(x[tokens], self.gate_up_proj[expert]))
-            h = F.linear(h, self.down_proj[expert]) * weights_by_expert[start : start + count, None]
-            out.index_add_(0, tokens, h)
-            start += count
-        return out
+        return ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 
 class SparseMoeBlock(nn.Module):
@@ -119,15 +101,7 @@ class SparseMoeBlock(nn.Module):
         renormalization are one Triton launch (exact ties go to the lower expert id)."""
         if router_logits is None:
             router_logits = self.gate(x)
-        if router_logits.is_cuda:
-            from agentrt_kernels.triton import route_topk
-
-            return route_topk(router_logits, self.top_k, self.norm_topk_prob)
-        probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-        topk_weights, topk_ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-        return topk_ids, topk_weights.to(router_logits.dtype)
+        return ops.route_topk(router_logits, self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor | None = None) -> torch.Tensor:
         topk_ids, topk_weights = self.route(x, router_logits)

@@ -1,0 +1,243 @@
+"""The one CPU/GPU switch for the kernels the models, the cache and the methods call.
+
+Each op has one signature on both devices: on a CUDA tensor it runs the Triton kernel
+(``agentrt_kernels.triton``), on any other the torch reference (``agentrt_kernels.torch_ref``), with the same
+result up to the kernel's rounding (the kernel tests give the tolerances). ``uses_triton`` is the rule that
+picks; tests that want a kernel on the CPU (the Triton interpreter, ``TRITON_INTERPRET=1``) monkeypatch it, or
+pass ``use_triton`` where an op takes it.
+
+Importing this module does not import triton (about a second on a CPU-only machine, and the interpreter must
+be chosen before it): the kernels are imported by the first call that takes the Triton path.
+
+The last section holds kernels with no torch reference here (their CPU counterpart is the caller's own torch
+code): they run Triton on every device, the interpreter on a CPU, and the caller chooses with ``uses_triton``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+
+import torch
+
+from agentrt_kernels.torch_ref import activation as _activation_ref
+from agentrt_kernels.torch_ref import decode_logits as _decode_logits_ref
+from agentrt_kernels.torch_ref import kv_store as _kv_store_ref
+from agentrt_kernels.torch_ref import moe as _moe_ref
+from agentrt_kernels.torch_ref import moe_router as _moe_router_ref
+from agentrt_kernels.torch_ref import norm as _norm_ref
+from agentrt_kernels.torch_ref import quest as _quest_ref
+from agentrt_kernels.torch_ref import received_attention as _received_ref
+from agentrt_kernels.torch_ref import rotary as _rotary_ref
+
+
+def uses_triton(x: torch.Tensor) -> bool:
+    """Whether the ops run the Triton kernel on ``x``: a CUDA tensor."""
+    return x.is_cuda
+
+
+def _kernels(module: str | None = None) -> ModuleType:
+    """``agentrt_kernels.triton`` (or its ``module``), imported on first use. Looked up at each call, so a test's
+    monkeypatch of a kernel there is what runs."""
+    name = "agentrt_kernels.triton" if module is None else f"agentrt_kernels.triton.{module}"
+    return sys.modules.get(name) or importlib.import_module(name)
+
+
+# --- model layers -----------------------------------------------------------------------------------------
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x's last dim -> out; with ``residual`` (the fused add + norm): (norm(x + residual),
+    x + residual)."""
+    if uses_triton(x):
+        return _kernels().rms_norm(x, weight, eps, residual)
+    return _norm_ref.rms_norm(x, weight, eps, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2I] (gate, then up) -> silu(gate) * up [..., I]."""
+    if uses_triton(x):
+        return _kernels().silu_and_mul(x)
+    return _activation_ref.silu_and_mul(x)
+
+
+def apply_rotary(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    *,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] by the cos/sin rows at ``positions`` [T] -> (q, k); with
+    ``q_norm_weight``/``k_norm_weight`` [D], each head is RMS-normalized (``norm_eps``) first. Use the returned
+    tensors: the kernel rotates q and k in place, the reference returns new ones."""
+    norm = {"q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight, "norm_eps": norm_eps}
+    if uses_triton(q):
+        return _kernels().apply_rotary(positions, q, k, cos_cache, sin_cache, **norm)
+    return _rotary_ref.apply_rotary(positions, q, k, cos_cache, sin_cache, **norm)
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k[t], v[t] ([Hkv, D] each) to slot ``slot_mapping[t]`` of k_cache/v_cache [num_pages, page_size,
+    Hkv, D]. The kernel skips slots < 0 (CUDA-graph padding); the reference needs valid slots."""
+    if uses_triton(k_cache):
+        return _kernels().store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return _kv_store_ref.store_kv(k, v, k_cache, v_cache, slot_mapping)
+
+
+def rotary_and_store(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    inplace_k: bool = False,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+) -> torch.Tensor:
+    """``apply_rotary`` (q/k norms first, with the weights) and ``store_kv`` of the rotated k with v; returns the
+    rotated q (the kernel rotates q in place, the reference returns a new one). k is left as it is unless
+    ``inplace_k``."""
+    kw = {"inplace_k": inplace_k, "q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight,
+          "norm_eps": norm_eps}
+    if uses_triton(k_cache):
+        return _kernels().rotary_and_store(positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
+                                           **kw)
+    return _rotary_ref.rotary_and_store(positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
+                                        **kw)
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE routing: router_logits [T, E] -> (topk_ids [T, K] int64, topk_weights [T, K] in the logits' dtype),
+    fp32 softmax, top-k, renormalized over the K when ``renormalize``. The kernel sends exact ties to the lower
+    expert id."""
+    if uses_triton(router_logits):
+        return _kernels().route_topk(router_logits, top_k, renormalize)
+    return _moe_router_ref.route_topk(router_logits, top_k, renormalize)
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+    """Top-k routed SwiGLU experts: x [T, H]; w_gate_up [E, 2I, H]; w_down [E, H, I]; topk_weights [T, K] in
+    x.dtype; topk_ids [T, K] int64 -> [T, H]. The kernel has no host sync (CUDA-graph capturable); the
+    reference loops over the experts that received tokens."""
+    if uses_triton(x):
+        return _kernels().fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+    return _moe_ref.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+# --- methods ----------------------------------------------------------------------------------------------
+
+
+def paged_decode_logits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor,
+                        kv_lens: torch.Tensor, kv_lens_cpu: list[int], scale: float, width: int) -> torch.Tensor:
+    """[B, Hq, width] fp32 ``q . k * scale`` of one query per request over its paged context (-inf padding)."""
+    if uses_triton(q):
+        return _kernels().paged_decode_logits(q, k_cache, block_tables, kv_lens, scale, width)
+    return _decode_logits_ref.paged_decode_logits(q, k_cache, block_tables, kv_lens_cpu, scale, width)
+
+
+def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
+                      aggregate: str = "max") -> torch.Tensor:
+    """[S, W] fp32 Quest upper bounds of the pages ``pages[s]`` (ids into the layer's ``kmin``/``kmax``
+    [num_pages, Hkv, D]) for the decode queries ``q`` [S, Hq, D], aggregated over query heads."""
+    if uses_triton(q):
+        return _kernels().quest_page_scores(q, kmin, kmax, pages, aggregate)
+    idx = pages.long()
+    return _quest_ref.quest_page_scores(q, kmin[idx], kmax[idx], aggregate)
+
+
+def quest_decode_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k_cache: torch.Tensor,
+                        block_tables: torch.Tensor, kv_lens: torch.Tensor, page_size: int, aggregate: str = "max",
+                        *, use_triton: bool | None = None) -> torch.Tensor:
+    """A pure-decode step's Quest scores: the new key (slot ``kv_lens - 1``) widens its page's bounds in
+    ``kmin``/``kmax`` in place, then [B, W] fp32 scores of every column of ``block_tables`` before the row's last
+    page (the rest -inf). ``use_triton`` (default: ``uses_triton(q)``): the kernel, one launch."""
+    if uses_triton(q) if use_triton is None else use_triton:
+        return _kernels().quest_decode_scores(q, kmin, kmax, k_cache, block_tables, kv_lens, page_size, aggregate)
+    return _quest_ref.quest_decode_scores(q, kmin, kmax, k_cache, block_tables, kv_lens, page_size, aggregate)
+
+
+def quest_decode_table(top_values: torch.Tensor, top_indices: torch.Tensor, block_tables: torch.Tensor,
+                       kv_lens: torch.Tensor, page_size: int, token_budget: int, max_kept: int,
+                       *, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the top-k page scores of ``quest_decode_scores``: the selected table [B, k + 1] (kept pages in
+    column order, then the last page) and its lengths [B]. ``use_triton`` (default: ``uses_triton`` of the
+    table): the kernel, one launch."""
+    if uses_triton(block_tables) if use_triton is None else use_triton:
+        return _kernels().quest_decode_table(top_values, top_indices, block_tables, kv_lens, page_size,
+                                             token_budget, max_kept)
+    return _quest_ref.quest_decode_table(top_values, top_indices, block_tables, kv_lens, page_size, token_budget,
+                                         max_kept)
+
+
+def window_votes(q: torch.Tensor, k_cache: torch.Tensor, pages: torch.Tensor, n: int, scale: float,
+                 use_triton: bool | None = None) -> torch.Tensor:
+    """[Hkv, n] fp32: the attention probabilities the ``w`` query rows ``q`` [w, Hq, D] put on a request's ``n``
+    paged slots (``pages`` [num_pages] int32 ids), summed over the rows and each KV head's query heads. The
+    rows are the request's last ``w`` slots, causal among themselves (row j sees slots < n - w + j + 1). On a
+    GPU (``use_triton``, default: ``uses_triton(q)``): the key-split log-sum-exp and the received-attention
+    kernels, no [w, n] probability matrix."""
+    w = q.shape[0]
+    block_tables = pages[None].to(torch.int32)
+    if uses_triton(q) if use_triton is None else use_triton:
+        kernels = _kernels("received_attention")
+        kv_lens = torch.tensor([n], dtype=torch.int32, device=q.device)
+        qsl = torch.tensor([0, w], dtype=torch.int32, device=q.device)
+        lse = kernels.paged_lse(q, k_cache, block_tables, kv_lens, qsl, scale, n, w)
+        return kernels.received_attention(q, k_cache, block_tables, kv_lens, qsl, lse, scale, n, w)[0]
+    return _received_ref.received_attention(q, k_cache, block_tables, [n], [w], scale)[0]
+
+
+# --- Triton only: the caller's torch code is the CPU path -------------------------------------------------
+
+
+def decode_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+                  silu_mul: bool = False, return_normed: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """A few rows' projection with its RMSNorm (and residual add) or SiLU-and-mul prologue fused in
+    (``agentrt_kernels.triton.decode_linear``); the unfused layers are the reference."""
+    return _kernels("decode_linear").decode_linear(x, weight, bias, norm=norm, residual=residual,
+                                                   silu_mul=silu_mul, return_normed=return_normed)
+
+
+def cluster_decode_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_table: torch.Tensor, members: torch.Tensor, offsets: torch.Tensor,
+                            selected: torch.Tensor, recent_start: int, kv_len: int,
+                            scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """RetroInfer's exact part read in place: per-split (outputs, log-sum-exps) over the selected clusters'
+    member slots and the recent range (``agentrt_kernels.triton.cluster_decode``)."""
+    return _kernels("cluster_decode").cluster_decode_partials(q, k_cache, v_cache, block_table, members, offsets,
+                                                              selected, recent_start, kv_len, scale)
+
+
+def asym_encode_supported(head_dim: int, bits: int, group: int) -> bool:
+    """Whether the asymmetric-quantization encode kernels take this shape (``agentrt_kernels.triton.asym_encode``)."""
+    return _kernels("asym_encode").supported(head_dim, bits, group)
+
+
+def asym_encode_channel_groups(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                               zero: torch.Tensor, bits: int, group: int) -> None:
+    """Encode and store keys with per-channel statistics over groups of ``group`` tokens (KIVI's keys)."""
+    _kernels("asym_encode").encode_channel_groups(x, slots, codes, scale, zero, bits, group)
+
+
+def asym_encode_token_groups(x: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                             zero: torch.Tensor, bits: int, group: int) -> None:
+    """Encode and store values with per-token statistics over groups of ``group`` channels (KIVI's values)."""
+    _kernels("asym_encode").encode_token_groups(x, slots, codes, scale, zero, bits, group)
