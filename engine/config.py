@@ -36,7 +36,7 @@ class EngineConfig:
     enforce_eager: bool = False  # GPU: never use decode CUDA graphs
     cuda_graph_max_batch: int | None = None  # largest captured decode batch (default: max_num_seqs)
     # decode steps run back to back on the device per schedule when every request of a step decodes and its
-    # method allows it (SparseMethod.max_decode_window): tokens reach the host once per window (1: every step)
+    # method allows it (DecodeCapabilities.window): tokens reach the host once per window (1: every step)
     decode_steps: int = 1
     # launch the next window of decode steps (or the next decode step) before reading this one's tokens, so that
     # the host's work between them overlaps the device's (a request that stops in one has the next computed and

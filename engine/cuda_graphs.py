@@ -5,9 +5,10 @@ over static buffers (token ids, positions, block tables, and per layer the slot 
 padding rows write their KV into the cache's scratch page and read one slot of it. Every layer reads its
 own row of lengths and slots, so steps whose layers hold different physical lengths (eviction with
 per-layer budgets) replay too; the page tables are the same for every layer. Python does not run during
-replay, so a method's per-layer hooks only run for steps it declares ``replayable``. Under a KV storage codec
-the static views are the layers' ``QuantizedPagesView`` s over the codec's side tensors; a codec with a
-full-precision window also gets each row's window id and codes length in static buffers, and its
+replay, so no per-layer hook runs on a replayed step: only steps whose methods allow it replay
+(``DecodeCapabilities.replay``; work a method declares ``graph_hooks`` is part of the capture). Under a KV
+storage codec the static views are the layers' ``QuantizedPagesView`` s over the codec's side tensors; a codec
+with a full-precision window also gets each row's window id and codes length in static buffers, and its
 writes (the new row into the ring, the open group re-encoded) are planned on the device from the static
 buffers inside the graph (``CodedStorage.plan_decode``).
 """
@@ -19,6 +20,7 @@ from tqdm.auto import tqdm
 
 from engine.contract.view import PagedView, QuantizedPagesView
 from engine.forward_batch import ForwardBatch
+from engine.storage.coded import CodedStorage
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 
@@ -38,7 +40,8 @@ class DecodeGraphs:
         self.slot_mapping = torch.full((layers, max_batch), self.scratch_slot, dtype=torch.int64, device=dev)
         self.block_tables = torch.full((max_batch, max_pages), scratch_page, dtype=torch.int32, device=dev)
         self.kv_lens = torch.ones(layers, max_batch, dtype=torch.int32, device=dev)
-        coded = getattr(runner.cache, "coded", None)
+        storage = runner.cache.storage
+        coded = storage if isinstance(storage, CodedStorage) else None
         self.windowed = coded is not None and coded.codec.has_window
         if self.windowed:  # a codec's full-precision windows: each row's ring and how many slots codes hold
             self.scratch_window = coded.scratch_window
@@ -69,7 +72,8 @@ class DecodeGraphs:
         common = dict(block_tables=self.block_tables[:b], kv_lens=self.kv_lens[layer, :b],
                       query_start_loc=self.query_start_loc[: b + 1], page_size=self.page_size,
                       kv_lens_cpu=[1] * b, query_lens_cpu=[1] * b)
-        coded = getattr(self.runner.cache, "coded", None)
+        storage = self.runner.cache.storage
+        coded = storage if isinstance(storage, CodedStorage) else None
         if coded is None:
             return PagedView(**common)
         fields = dict(codec=coded.codec, layer=layer, k_fields={k: f[layer] for k, f in coded.fields["k"].items()},

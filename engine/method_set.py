@@ -23,6 +23,9 @@ import itertools
 from collections.abc import Callable
 from hashlib import blake2b
 
+from engine.attention_backend import TorchReferenceBackend
+from engine.contract.cache import CacheManager, CacheSpec
+from engine.contract.codec import KVCodec, check_composes
 from engine.contract.method import SparseMethod
 from engine.errors import ConfigError
 from engine.registry import create_method
@@ -30,6 +33,21 @@ from engine.registry import create_method
 
 def method_key(method: SparseMethod) -> tuple[str, str]:
     return method.name, repr(method.config)
+
+
+def take_on(method: SparseMethod, codec: KVCodec | None, backend: TorchReferenceBackend, spec: CacheSpec,
+            cache: CacheManager) -> None:
+    """An engine's ``MethodSet`` check: ``method`` (named by a request) composes with the engine's KV storage
+    ``codec``, its views are readable by the engine's ``backend`` and its knobs fit the model (ConfigError if
+    not); it is then handed the engine's ``cache``."""
+    if codec is not None:
+        check_composes(codec, method.name, method.view_types)
+    reasons = backend.unsupported(method, spec.dtype, codec, spec.head_dim)
+    if reasons:
+        raise ConfigError(f"method {method.name!r} cannot run on attention backend {backend.name!r}: "
+                          + "; ".join(reasons))
+    method.validate(spec)
+    method.bind(cache)
 
 
 class MethodSet:

@@ -20,6 +20,15 @@ from engine.sampler import SampleOutput, Sampler
 from engine.scheduler import StepPlan
 
 
+def replays_captured_graph(captured: SparseMethod, method: SparseMethod, part: ForwardBatch) -> bool:
+    """Whether ``method``'s rows ``part`` of a pure-decode step (no prompt completing in it) may replay graphs
+    captured with ``captured`` (the engine's method): every request's ``decode_capabilities`` allows it, and
+    when either method's hooks are part of the captured work (``graph_hooks``) the two are the same instance."""
+    if (method.decode.graph_hooks or captured.decode.graph_hooks) and method is not captured:
+        return False
+    return all(method.decode_capabilities(req).replay for req in part.requests)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -51,21 +60,13 @@ class ModelRunner:
         return (g is not None and batch.view.is_pure_decode and g.can_read(batch)
                 and not batch.finished_prompt
                 and batch.num_tokens <= g.max_batch and batch.view.block_tables.shape[1] <= g.block_tables.shape[1]
-                and all(self._replays(m, b) for m, b in batch.by_method()))
-
-    def _replays(self, method: SparseMethod, part: ForwardBatch) -> bool:
-        """The graphs were captured with the engine's method: they serve another method's rows only when
-        neither method's hooks are part of the captured work."""
-        captured = self.method
-        if (method.graph_hooks or captured.graph_hooks) and method is not captured:
-            return False
-        return method.replayable(part)
+                and all(replays_captured_graph(self.method, m, b) for m, b in batch.by_method()))
 
     # --- LayerRunner ----------------------------------------------------------------------------
     @property
     def wants_layer_output(self) -> bool:
         methods = [self.method] if self._batch is None else [m for m, _ in self._batch.by_method()]
-        return any(type(m).end_layer is not SparseMethod.end_layer for m in methods)
+        return any(m.decode.layer_output for m in methods)
 
     def attention(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         batch = self._batch
@@ -141,12 +142,12 @@ class ModelRunner:
     def execute_decode_steps(
         self, batch: ForwardBatch, k: int, ahead: int = 0
     ) -> tuple[list[tuple], ForwardBatch]:
-        """``k`` decode steps of a pure-decode batch of hookless methods, back to back on the device: step
-        ``j + 1`` reads the tokens step ``j`` sampled (``next_decode_step``), so the host never waits between
-        them. ``ahead``: decode steps of these requests already launched whose tokens the host has not taken
-        (``batch`` was then built on the device by ``next_decode_step``). Returns each step's
-        ``Sampler.sample_tensors`` result (tokens, logprobs, top logprobs), still on the device, and the last
-        step's batch."""
+        """``k`` decode steps of a pure-decode batch whose method allows a window of them
+        (``DecodeCapabilities.window``), back to back on the device: step ``j + 1`` reads the tokens step ``j``
+        sampled (``next_decode_step``), so the host never waits between them. ``ahead``: decode steps of these
+        requests already launched whose tokens the host has not taken (``batch`` was then built on the device by
+        ``next_decode_step``). Returns each step's ``Sampler.sample_tensors`` result (tokens, logprobs, top
+        logprobs), still on the device, and the last step's batch."""
         assert batch.groups is None and batch.view.is_pure_decode
         reqs = batch.sample_requests
         params, generators = [r.params for r in reqs], [r.generator for r in reqs]

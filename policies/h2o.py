@@ -40,8 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.contract import Family, MethodNeeds, SparseMethod
-from engine.paged_cache import PagedCacheManager
+from engine.contract import CacheManager, Family, MethodNeeds, SparseMethod
+from engine.contract.method import HOOKS_EVERY_STEP
 from engine.registry import register_method
 from policies.scoring import check_int, keep_all, top_k_sorted
 
@@ -106,12 +106,12 @@ class H2O(SparseMethod):
     family = Family.EVICTION
     Config = H2OConfig
     needs = MethodNeeds(received_attention=True)  # [Hkv, kv_len] per request: no probability matrices
-    cuda_graph_safe = False  # after_attention accumulates every step's scores on the host side
+    decode = HOOKS_EVERY_STEP  # after_attention accumulates every step's scores on the host side
 
     def __init__(self, config: H2OConfig | None = None):
         super().__init__(config)
         self._states: dict[str, _State] = {}
-        self._cache: PagedCacheManager | None = None
+        self._cache: CacheManager | None = None
 
     def bind(self, cache):
         self._cache = cache  # kept: import_state re-aligns scores with the attached table's positions

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, SparseMethod
-from engine.contract.method import UNBOUNDED_WINDOW
+from engine.contract.method import DecodeCapabilities
 from engine.errors import ConfigError
 from engine.registry import register_method
 from policies.scoring import check_int, keep_all, top_k_sorted
@@ -72,6 +72,9 @@ class KnormConfig:
             raise ValueError(f"skip_layers has duplicates: {self.skip_layers!r}")
 
 
+_ONE_STEP = DecodeCapabilities(window=1)  # end_step may act after this step
+
+
 @register_method
 class KnormEviction(SparseMethod):
     name = "knorm"
@@ -90,15 +93,16 @@ class KnormEviction(SparseMethod):
     def release(self, req) -> None:
         self._pending.discard(req.request_id)
 
-    def max_decode_window(self, req) -> int:
-        """Steps before ``end_step`` can act again: the prompt's compression is done, and the next check of
-        ``evict_every`` is not inside the window."""
+    def decode_capabilities(self, req) -> DecodeCapabilities:
+        """Only ``end_step`` acts, so every decode step may replay; a window lasts until ``end_step`` can act
+        again: the prompt's compression is done, and the next check of ``evict_every`` is not inside it."""
         cfg = self.config
         if req.request_id in self._pending:
-            return 1
+            return _ONE_STEP
         if not cfg.evict_every:
-            return UNBOUNDED_WINDOW
-        return max(1, cfg.evict_every - 1 - (req.num_computed_tokens - req.num_prompt_tokens) % cfg.evict_every)
+            return self.decode
+        return DecodeCapabilities(
+            window=max(1, cfg.evict_every - 1 - (req.num_computed_tokens - req.num_prompt_tokens) % cfg.evict_every))
 
     def end_step(self, batch):
         cfg = self.config

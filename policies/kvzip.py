@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, SparseMethod, all_gather, tp_rank
-from engine.contract.method import UNBOUNDED_WINDOW
+from engine.contract.method import DecodeCapabilities
 from engine.errors import InvalidRequestError
 from engine.registry import register_method
 from policies.scoring import check_int, top_k_sorted
@@ -92,6 +92,9 @@ class KVzipConfig:
             raise ValueError(f"repeat_prompt must be a str, got {type(self.repeat_prompt).__name__}")
 
 
+_ONE_STEP = DecodeCapabilities(window=1)  # end_step may evict after this step
+
+
 @register_method
 class KVzip(SparseMethod):
     name = "kvzip"
@@ -114,8 +117,10 @@ class KVzip(SparseMethod):
     def release(self, req) -> None:
         self._pending.discard(req.request_id)
 
-    def max_decode_window(self, req) -> int:
-        return 1 if req.request_id in self._pending else UNBOUNDED_WINDOW  # else end_step has nothing to evict
+    def decode_capabilities(self, req) -> DecodeCapabilities:
+        """Only ``end_step`` acts, so every decode step may replay; a window once no eviction is pending (then
+        ``end_step`` has nothing to evict)."""
+        return _ONE_STEP if req.request_id in self._pending else self.decode
 
     def end_step(self, batch) -> None:
         for req in batch.finished_prompt:

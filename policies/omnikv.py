@@ -19,7 +19,7 @@ dense. Selection assumes every layer holds the same slots (the default paged cac
 Steps with prompt tokens choose on the host (index lists, one host->device copy). Steps where every request
 decodes choose on the device with fixed shapes (``_choose_decode``: every row lists ``token_budget`` slots,
 short rows padded past their count, plus a one-slot-page table for GPU kernels), which is what a decode CUDA
-graph captures: such steps are ``replayable``.
+graph captures: such steps may replay (``decode_capabilities``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, PagedView, SelectedSlotsView, SparseMethod, all_reduce
-from engine.contract.method import UNBOUNDED_WINDOW
+from engine.contract.method import DecodeCapabilities
 from engine.errors import ConfigError
 from engine.registry import register_method
 from agentrt_kernels.dispatch import paged_decode_logits
@@ -64,14 +64,16 @@ def _is_decode(req, query_len: int) -> bool:
     return query_len == 1 and req.num_computed_tokens >= req.num_prompt_tokens
 
 
+_PROMPT = DecodeCapabilities(replay=False, graph_hooks=True)  # a request still in its prompt
+
+
 @register_method
 class OmniKV(SparseMethod):
     name = "omnikv"
     family = Family.SELECTION
     Config = OmniKVConfig
     view_types = (PagedView, SelectedSlotsView)
-    graph_hooks = True  # pure-decode steps select inside the captured graph
-    cuda_graph_safe = False  # prompt steps choose on the host; pure-decode steps are replayable
+    decode = DecodeCapabilities(graph_hooks=True)  # pure-decode steps select inside the captured graph
 
     def validate(self, spec):
         last = self.config.observation_layers[-1]
@@ -80,11 +82,9 @@ class OmniKV(SparseMethod):
                 f"method 'omnikv': observation layer {last} does not exist (the model has {spec.num_layers} layers)"
             )
 
-    def replayable(self, batch) -> bool:
-        return self._all_decode(batch)
-
-    def max_decode_window(self, req) -> int:
-        return UNBOUNDED_WINDOW  # a decode step's selection is device work over the batch alone
+    def decode_capabilities(self, req) -> DecodeCapabilities:
+        """A decode step's selection is device work over the batch alone; a prompt chunk chooses on the host."""
+        return self.decode if req.num_computed_tokens >= req.num_prompt_tokens else _PROMPT
 
     _all_decode = staticmethod(all_rows_decode)
 

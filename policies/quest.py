@@ -28,8 +28,8 @@ Two implementations of the same selection. Steps with prompt tokens plan on the 
 lists, one host->device copy). Steps where every request decodes select on the device alone
 (``_select_decode``: the new key widens its page's bounds in place, every column of the step's page table
 is scored, the per-row top pages are kept with fixed shapes), which is what a decode CUDA graph captures:
-such steps are ``replayable``, and the graph replays the selection. The tests check both against the
-paper-definition reference and against each other.
+such steps may replay (``decode_capabilities``), and the graph replays the selection. The tests check both
+against the paper-definition reference and against each other.
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, PagedView, SelectedPagesView, SparseMethod, all_reduce
-from engine.contract.method import UNBOUNDED_WINDOW
+from engine.contract.method import DecodeCapabilities
 from engine.errors import ConfigError
 from engine.registry import register_method
-from agentrt_kernels.dispatch import quest_page_scores
+from agentrt_kernels import ops
 from agentrt_kernels.torch_ref.quest import AGGREGATES, page_key_bounds
 from policies.scoring import all_rows_decode, check_int
 
@@ -80,14 +80,16 @@ def _is_decode(req, query_len: int) -> bool:
     return query_len == 1 and req.num_computed_tokens >= req.num_prompt_tokens
 
 
+_PROMPT = DecodeCapabilities(replay=False, graph_hooks=True)  # a request still in its prompt
+
+
 @register_method
 class Quest(SparseMethod):
     name = "quest"
     family = Family.SELECTION
     Config = QuestConfig
     view_types = (PagedView, SelectedPagesView)
-    graph_hooks = True  # pure-decode steps select inside the captured graph
-    cuda_graph_safe = False  # prompt steps plan on the host; pure-decode steps are replayable
+    decode = DecodeCapabilities(graph_hooks=True)  # pure-decode steps select inside the captured graph
 
     def __init__(self, config: QuestConfig | None = None):
         super().__init__(config)
@@ -120,11 +122,9 @@ class Quest(SparseMethod):
         k_cache, _ = cache.layer_kv(0)
         self._bounds(cache, k_cache)  # allocated before any decode graph is captured (capture must not allocate)
 
-    def replayable(self, batch) -> bool:
-        return self._all_decode(batch)
-
-    def max_decode_window(self, req) -> int:
-        return UNBOUNDED_WINDOW  # a decode step's selection is device work over the batch alone
+    def decode_capabilities(self, req) -> DecodeCapabilities:
+        """A decode step's selection is device work over the batch alone; a prompt chunk plans on the host."""
+        return self.decode if req.num_computed_tokens >= req.num_prompt_tokens else _PROMPT
 
     _all_decode = staticmethod(all_rows_decode)
 
@@ -211,7 +211,7 @@ class Quest(SparseMethod):
         width = max(plan.num_pages)
         device = view.block_tables.device
         pages = view.block_tables[plan.rows_t, :width].long()  # [s, width] resident pages, logical order
-        scores = quest_page_scores(q[plan.query_rows], kmin_l, kmax_l, pages, self.config.aggregate)
+        scores = ops.quest_page_scores(q[plan.query_rows], kmin_l, kmax_l, pages, self.config.aggregate)
         scores = all_reduce(scores, self.config.aggregate)  # over the query heads of other tensor-parallel ranks
         last = plan.last_page
         candidate = torch.arange(width, device=device)[None, :] < last[:, None]  # every page but the last
@@ -232,71 +232,27 @@ class Quest(SparseMethod):
         )
 
     def _select_decode(self, q, view, k_cache, kmin_l, kmax_l, fused: bool | None = None) -> SelectedPagesView:
-        """The selection of a step whose rows all decode, with device ops of fixed shapes only. ``fused``
-        (default: on a GPU): the same in two Triton launches around the top-k -- bounds update, scores and
-        masking in one, the selected table in the other -- instead of ~50 small ops a layer."""
-        if q.is_cuda if fused is None else fused:
-            return self._select_decode_fused(q, view, k_cache, kmin_l, kmax_l)
-        ps, budget = view.page_size, self.config.token_budget
-        bt = view.block_tables
-        width = bt.shape[1]
-        lens = view.kv_lens.long()
-        last = (lens - 1) // ps  # [B] logical index of each row's last page
-        page = bt.gather(1, last[:, None]).squeeze(1).long()
-        offset = lens - 1 - last * ps
-        k_new = k_cache[page, offset]  # [B, Hkv, D] the key this step wrote
-        fresh = (offset == 0)[:, None, None]  # a page's first slot resets its bounds
-        kmin_l[page] = torch.where(fresh, k_new, torch.minimum(kmin_l[page], k_new))
-        kmax_l[page] = torch.where(fresh, k_new, torch.maximum(kmax_l[page], k_new))
-
-        max_selected = budget // ps
-        keep = max(-(-budget // ps), max_selected) - 1  # most pages kept besides the last (short rows: all)
-        scores = quest_page_scores(q, kmin_l, kmax_l, bt, self.config.aggregate)
-        scores = all_reduce(scores, self.config.aggregate)
-        cols = torch.arange(width, device=bt.device)
-        scores = scores.masked_fill(cols[None, :] >= last[:, None], float("-inf"))  # candidates: before the last
-        k = min(keep, width)
-        per_row = torch.where(lens <= budget, last, torch.clamp(last, max=max_selected - 1))  # pages kept
-        if k > 0:
-            top = scores.topk(k, dim=1)
-            kept = (torch.arange(k, device=bt.device)[None, :] < per_row[:, None]) & (top.values > float("-inf"))
-            picked = torch.where(kept, top.indices, width + top.indices).sort(dim=1).values  # kept ones first
-            count = kept.sum(dim=1)
-        else:
-            picked = torch.zeros(bt.shape[0], 0, dtype=torch.long, device=bt.device)
-            count = torch.zeros_like(last)
-        chosen = torch.cat([picked, torch.zeros_like(last)[:, None]], dim=1)
-        chosen = torch.where(chosen >= width, 0, chosen)
-        chosen.scatter_(1, count[:, None], last[:, None])  # the last page right after the kept ones
-        new_lens = (count * ps + lens - last * ps).to(view.kv_lens.dtype)
-        return SelectedPagesView(
-            block_tables=bt.gather(1, chosen).to(bt.dtype),
-            kv_lens=new_lens,
-            query_start_loc=view.query_start_loc,
-            page_size=ps,
-            kv_lens_cpu=[self._selected_len(n, ps) for n in view.kv_lens_cpu],  # ``new_lens`` on the host, no sync
-            query_lens_cpu=view.query_lens_cpu,
-            causal=view.causal,
-        )
-
-    def _select_decode_fused(self, q, view, k_cache, kmin_l, kmax_l) -> SelectedPagesView:
-        from agentrt_kernels.triton import quest_decode_scores, quest_decode_table
-
+        """The selection of a step whose rows all decode, with device ops of fixed shapes only: the new key widens
+        its page's bounds and every page before a row's last is scored (``ops.quest_decode_scores``), the per-row
+        top pages are kept and the table built (``ops.quest_decode_table``). ``fused`` (default: on a GPU): those
+        two as Triton launches around the top-k instead of ~50 small torch ops a layer."""
+        fused = ops.uses_triton(q) if fused is None else fused
         ps, budget = view.page_size, self.config.token_budget
         bt, width = view.block_tables, view.block_tables.shape[1]
         max_selected = budget // ps
-        keep = max(-(-budget // ps), max_selected) - 1
-        scores = quest_decode_scores(q, kmin_l, kmax_l, k_cache, bt, view.kv_lens, ps, self.config.aggregate)
-        scores = all_reduce(scores, self.config.aggregate)
+        keep = max(-(-budget // ps), max_selected) - 1  # most pages kept besides the last (short rows: all)
+        scores = ops.quest_decode_scores(q, kmin_l, kmax_l, k_cache, bt, view.kv_lens, ps, self.config.aggregate,
+                                         use_triton=fused)
+        scores = all_reduce(scores, self.config.aggregate)  # over the query heads of other tensor-parallel ranks
         top = scores.topk(min(keep, width), dim=1)
-        block_tables, kv_lens = quest_decode_table(top.values, top.indices, bt, view.kv_lens, ps, budget,
-                                                   max_selected - 1)
+        block_tables, kv_lens = ops.quest_decode_table(top.values, top.indices, bt, view.kv_lens, ps, budget,
+                                                       max_selected - 1, use_triton=fused)
         return SelectedPagesView(
             block_tables=block_tables,
             kv_lens=kv_lens,
             query_start_loc=view.query_start_loc,
             page_size=ps,
-            kv_lens_cpu=[self._selected_len(n, ps) for n in view.kv_lens_cpu],
+            kv_lens_cpu=[self._selected_len(n, ps) for n in view.kv_lens_cpu],  # ``kv_lens`` on the host, no sync
             query_lens_cpu=view.query_lens_cpu,
             causal=view.causal,
         )

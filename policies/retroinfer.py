@@ -27,7 +27,8 @@ Storage is untouched and prefill runs dense. The computation runs in ``after_att
 the backend's output rows of the decode requests that have an index (``select`` returns the plain view and
 stashes ``q``; when every row of a step is such a decode row it returns a view of each request's newest
 slot only, so the backend's pass, which is overwritten, reads almost nothing). On the CPU it is the torch
-reference above over every slot of the request (``attend``); on a GPU (``attend_paged``) the exact part is ``agentrt_kernels.triton.cluster_decode``, which reads only the chosen
+reference above over every slot of the request (``attend``); where ``agentrt_kernels.ops.uses_triton`` (a GPU:
+``attend_paged``) the exact part is ``ops.cluster_decode_partials``, which reads only the chosen
 clusters' member slots (the index keeps each head's slots grouped by cluster: ``members``, ``offsets``) and
 the recent range, and its per-split log-sum-exps are merged with the estimated clusters in torch.
 """
@@ -39,8 +40,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, SparseMethod
+from engine.contract.method import HOOKS_EVERY_STEP
 from engine.contract.view import PagedView, SelectedSlotsView
 from engine.registry import register_method
+from agentrt_kernels import ops
 from policies.scoring import check_int, view_slots
 
 AGGREGATES = ("max", "sum")
@@ -126,7 +129,7 @@ class RetroInfer(SparseMethod):
     family = Family.SELECTION
     Config = RetroInferConfig
     view_types = (PagedView, SelectedSlotsView)  # SelectedSlotsView: the newest slot only, when all rows are rewritten
-    cuda_graph_safe = False  # after_attention recomputes decode rows in a per-request host loop
+    decode = HOOKS_EVERY_STEP  # after_attention recomputes decode rows in a per-request host loop
 
     def __init__(self, config: RetroInferConfig | None = None):
         super().__init__(config)
@@ -201,7 +204,7 @@ class RetroInfer(SparseMethod):
             index = self._index.get(req.request_id)
             if index is not None and _is_decode(req, n):
                 layer_index = index[layer - self.config.dense_layers]
-                if q.is_cuda:
+                if ops.uses_triton(q):
                     out[row] = self.attend_paged(q[row], k_cache, v_cache, view.block_tables[i],
                                                  view.kv_lens_cpu[i], layer_index)
                 else:
@@ -235,15 +238,13 @@ class RetroInfer(SparseMethod):
                      block_table: torch.Tensor, kv_len: int, index: ClusterIndex) -> torch.Tensor:
         """``attend`` reading the paged cache in place: the exact clusters and the recent range through the
         cluster-gather kernel (Triton; the interpreter on CPU), merged with the estimates -> [Hq, D] fp32."""
-        from agentrt_kernels.triton.cluster_decode import cluster_decode_partials
-
         hkv, d = index.centroids.shape[0], q.shape[-1]
         scale = d**-0.5
         qg = q.float().view(hkv, -1, d)
         exact, estimated = self._rank(qg, index)
-        o, lse = cluster_decode_partials(q.contiguous(), k_cache, v_cache, block_table, index.members,
-                                         index.offsets, exact.to(torch.int32).contiguous(), index.num_clustered,
-                                         kv_len, scale)
+        o, lse = ops.cluster_decode_partials(q.contiguous(), k_cache, v_cache, block_table, index.members,
+                                             index.offsets, exact.to(torch.int32).contiguous(), index.num_clustered,
+                                             kv_len, scale)
         est_logits, mean_value = self._estimates(qg, index, estimated, scale)
         parts = torch.cat([lse, est_logits.reshape(q.shape[0], -1)], dim=1)  # [Hq, splits + E]
         weights = (parts - parts.amax(1, keepdim=True)).exp()  # the recent range is never empty: finite max

@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, SparseMethod
+from engine.contract.method import HOOKS_EVERY_STEP, DecodeCapabilities
 from engine.registry import register_method
 from policies.scoring import (
     check_int, gather_keys, keep_all, pool1d, request_rows, top_k_sorted,
@@ -159,7 +160,7 @@ class RKV(SparseMethod):
         return max(num_prompt_tokens + 1, self.config.budget + self.config.buffer)
     family = Family.EVICTION
     Config = RKVConfig
-    cuda_graph_safe = False  # select stashes the observation queries on the host side (see ``replayable``)
+    # select stashes the observation queries on the host side: see ``decode_capabilities`` for the steps it need not
 
     def __init__(self, config: RKVConfig | None = None):
         super().__init__(config)
@@ -180,27 +181,17 @@ class RKV(SparseMethod):
     def bind(self, cache) -> None:
         self._cache = cache
 
-    def max_decode_window(self, req) -> int:
-        """The steps before the stash matters again (see ``replayable``): while the longest layer holds fewer
-        than ``budget + buffer - alpha`` slots a step needs no stash and no compression follows it."""
+    def decode_capabilities(self, req) -> DecodeCapabilities:
+        """A decode step's queries are read only by a compression within the next ``alpha`` steps (the window
+        is the last ``alpha`` computed tokens): while the longest layer holds fewer than ``budget + buffer -
+        alpha`` slots a step needs no stash and no compression follows it, so it may replay a decode graph
+        (``buffer - alpha`` of every ``buffer`` steps in steady state), and a window runs the steps before the
+        stash matters again."""
         cfg = self.config
         if req.num_computed_tokens < req.num_prompt_tokens:
-            return 1
-        return max(1, cfg.budget + cfg.buffer - cfg.alpha - self._cache.table(req).num_slots)
-
-    def replayable(self, batch) -> bool:
-        """A decode step's queries are read only by a compression within the next ``alpha`` steps (the window
-        is the last ``alpha`` computed tokens): a step where every request is further from its next
-        compression needs no stash and may replay a decode graph (``buffer - alpha`` of every ``buffer``
-        steps in steady state)."""
-        cfg, cache = self.config, batch.cache
-        limit = cfg.budget + cfg.buffer
-        for req in batch.requests:
-            if req.num_computed_tokens < req.num_prompt_tokens:
-                return False
-            if limit - cache.table(req).num_slots <= cfg.alpha:  # the longest layer's slots before the step
-                return False
-        return True
+            return HOOKS_EVERY_STEP
+        room = cfg.budget + cfg.buffer - cfg.alpha - self._cache.table(req).num_slots  # the longest layer's slots
+        return DecodeCapabilities(replay=room > 0, window=max(1, room))
 
     # --- hooks ------------------------------------------------------------------------------------
     def select(self, layer, q, batch):

@@ -1,6 +1,5 @@
 """Shared pieces of the eviction methods: a request's slots and keys, the observation-window score of
-SnapKV/PyramidKV, 1D pooling, a deterministic top-k, a per-request query stash, config checks, and a cache
-manager that never lets the prefix cache swallow the observation window.
+SnapKV/PyramidKV, 1D pooling, a deterministic top-k, a per-request query stash and config checks.
 
 Conventions (those of the engine): query head ``j`` reads KV head ``j // group`` (``repeat_interleave``),
 keys in the cache are post-RoPE, and the attention scale is ``head_dim ** -0.5`` (the runner's).
@@ -13,11 +12,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from engine.paged_cache import PagedCacheManager
 from agentrt_kernels.dispatch import window_votes
+from engine.contract import CacheManager
 
 if TYPE_CHECKING:
-    from engine.request import Request
+    from engine.contract import Request
 
 POOLINGS = ("max", "avg")
 
@@ -35,7 +34,7 @@ def view_slots(block_tables: torch.Tensor, row: int | torch.Tensor, positions: t
     return block_tables[row, positions // page_size].long() * page_size + positions % page_size
 
 
-def request_slots(cache: PagedCacheManager, req: Request, n: int) -> torch.Tensor:
+def request_slots(cache: CacheManager, req: Request, n: int) -> torch.Tensor:
     """[n] int64 flat slot ids (``page * page_size + offset``) of the request's first ``n`` physical slots."""
     ps = cache.page_size
     device = cache.spec.device
@@ -44,7 +43,7 @@ def request_slots(cache: PagedCacheManager, req: Request, n: int) -> torch.Tenso
     return pages[idx // ps] * ps + idx % ps
 
 
-def gather_keys(cache: PagedCacheManager, req: Request, layer: int, n: int) -> torch.Tensor:
+def gather_keys(cache: CacheManager, req: Request, layer: int, n: int) -> torch.Tensor:
     """[n, Hkv, D] the keys of the request's first ``n`` physical slots in ``layer``."""
     k_cache, _ = cache.layer_kv(layer)
     return k_cache.flatten(0, 1)[request_slots(cache, req, n)]
@@ -73,7 +72,7 @@ def window_scores(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, k_po
     return probs.sum(dim=2).mean(dim=1)
 
 
-def held_window_scores(cache: PagedCacheManager, req: Request, layer: int, q: torch.Tensor, q_pos: torch.Tensor,
+def held_window_scores(cache: CacheManager, req: Request, layer: int, q: torch.Tensor, q_pos: torch.Tensor,
                        k_pos: torch.Tensor) -> torch.Tensor:
     """``window_scores`` of the window rows ``q`` at ``q_pos`` over every slot ``req`` holds in ``layer``
     (logical positions ``k_pos`` [Hkv, n]). Where the window's rows are the layer's last slots (the same

@@ -57,7 +57,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.contract import Family, SparseMethod
-from engine.contract.method import UNBOUNDED_WINDOW
+from engine.contract.method import HOOKS_EVERY_STEP
 from engine.registry import register_method
 from policies.scoring import (
     POOLINGS,
@@ -106,9 +106,8 @@ class SnapKV(SparseMethod):
     name = "snapkv"
     family = Family.EVICTION
     Config = SnapKVConfig
-    # select stashes window queries on the host; decode steps replay graphs only once nothing needs them
-    # (see ``replayable``).
-    cuda_graph_safe = False
+    # select stashes window queries on the host; a request's decode steps replay graphs and run in windows only
+    # once nothing needs them (see ``decode_capabilities``)
 
     def __init__(self, config: SnapKVConfig | None = None):
         super().__init__(config)
@@ -151,11 +150,8 @@ class SnapKV(SparseMethod):
         return (st is not None and st.prompt_evicted and st.preemptions == req.num_preemptions
                 and not self.config.reeval_every)
 
-    def replayable(self, batch) -> bool:
-        return all(self._done(req) for req in batch.requests)
-
-    def max_decode_window(self, req) -> int:
-        return UNBOUNDED_WINDOW if self._done(req) else 1  # done: select stashes and end_step evicts nothing
+    def decode_capabilities(self, req):
+        return self.decode if self._done(req) else HOOKS_EVERY_STEP  # done: select stashes, end_step evicts nothing
 
     # --- hooks ------------------------------------------------------------------------------------
     def select(self, layer, q, batch):

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, SparseMethod
+from engine.contract.method import DecodeCapabilities
 from engine.registry import register_method
 from policies.scoring import check_int
 
@@ -78,11 +79,11 @@ class StreamingLLM(SparseMethod):
     def bind(self, cache) -> None:
         self._cache = cache
 
-    def max_decode_window(self, req) -> int:
-        """Steps until the next compaction: ``end_step`` does nothing while every layer holds at most
-        ``sink + window + slack`` slots."""
+    def decode_capabilities(self, req) -> DecodeCapabilities:
+        """Only ``end_step`` acts, so every decode step may replay; a window lasts until the next compaction:
+        ``end_step`` does nothing while every layer holds at most ``sink + window + slack`` slots."""
         c = self.config
-        return max(1, c.sink_tokens + c.window + c.slack - self._cache.table(req).num_slots)
+        return DecodeCapabilities(window=max(1, c.sink_tokens + c.window + c.slack - self._cache.table(req).num_slots))
 
     def end_step(self, batch):
         cache = batch.cache

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.contract import Family, SparseMethod, all_reduce
+from engine.contract.method import HOOKS_EVERY_STEP
 from engine.registry import register_method
 from policies.scoring import check_int, gather_keys, keep_all, request_rows, top_k_sorted
 
@@ -61,7 +62,7 @@ class TOVA(SparseMethod):
     name = "tova"
     family = Family.EVICTION
     Config = TOVAConfig
-    cuda_graph_safe = False  # select stashes each request's last query row on the host side
+    decode = HOOKS_EVERY_STEP  # select stashes each request's last query row on the host side
 
     def select(self, layer, q, batch):
         budget = self.config.budget

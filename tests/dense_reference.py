@@ -10,6 +10,8 @@ Visibility = Callable[[int, int], torch.Tensor]
 
 
 class MaskedDenseRunner:
+    wants_layer_output = True  # the model calls end_layer (LayerRunner)
+
     def __init__(self, visible: Visibility):
         self.visible = visible
 

@@ -100,7 +100,7 @@ def test_engine_with_the_fused_encode_stores_the_same_bytes(bits, tiny_dirs, mon
         g = torch.Generator().manual_seed(3)
         ps = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (45, 20)]
         outs = llm.generate(ps, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-        coded = llm.engine.cache.coded
+        coded = llm.engine.cache.storage
         return [o.token_ids for o in outs], {(side, name): t.clone() for side, fields in coded.fields.items()
                                             for name, t in fields.items()}
 

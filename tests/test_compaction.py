@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.contract import Family, SparseMethod
+from engine.contract.method import DecodeCapabilities
 from engine.registry import register_method
 from tests.dense_reference import causal, greedy_with_mask
 
@@ -27,6 +28,7 @@ class KeepRandom(SparseMethod):
     name = "test-keep-random"
     family = Family.EVICTION
     Config = KeepConfig
+    decode = DecodeCapabilities(window=1)  # no windows of decode steps: end_step looks at every step
     kept: dict = {}
 
     def end_step(self, batch):

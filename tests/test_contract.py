@@ -7,6 +7,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.contract import MethodNeeds, SparseMethod
+from engine.contract.method import DecodeCapabilities
 from engine.errors import ConfigError
 from engine.registry import create_method, register_method
 
@@ -28,6 +29,7 @@ class Probe(SparseMethod):
     name = "test-probe"
     Config = ProbeConfig
     needs = MethodNeeds(attention_scores=True)
+    decode = DecodeCapabilities(window=1, layer_output=True)  # every step's hooks are recorded, end_layer's too
     calls: list = []
 
     def begin_step(self, batch):

@@ -7,13 +7,14 @@ import torch
 
 from engine.contract.cache import CacheSpec
 from engine.page_pool import PagePool
+from engine.page_table import extend_slot_list, physical_slots
 from engine.paged_cache import PageTable, PagedCacheManager
 
 
 def walk(cache, tables, layer):
     out = []
     for t in tables:
-        cache._slot_list(t.pages, t.layer_len(layer), 1, out)
+        extend_slot_list(t.pages, t.layer_len(layer), 1, cache.page_size, out)
     return out
 
 
@@ -33,15 +34,15 @@ def test_decode_slots_equal_the_page_walk():
             t.layer_lens = [rng.randrange(0, n + 1) for _ in range(5)]
             t.layer_lens[rng.randrange(5)] = n
         tables.append(t)
-    uniform = cache._decode_slots([t for t in tables if t.is_uniform()], True)
+    uniform = cache.meta._decode_slots([t for t in tables if t.is_uniform()], True)
     assert uniform.tolist() == walk(cache, [t for t in tables if t.is_uniform()], 0)
-    per_layer = cache._decode_slots(tables, False)
+    per_layer = cache.meta._decode_slots(tables, False)
     assert per_layer.shape == (5, 9)
     assert per_layer.tolist() == [walk(cache, tables, layer) for layer in range(5)]
 
 
 def test_slot_ranges_equal_the_page_walk():
-    """``_slots`` (numpy, one call per layer of a fill or restore) equals the page walk for any range."""
+    """``physical_slots`` (numpy, one call per layer of a fill or restore) equals the page walk for any range."""
     rng = random.Random(1)
     spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32, device=torch.device("cpu"),
                      page_size=4)
@@ -51,6 +52,6 @@ def test_slot_ranges_equal_the_page_walk():
         start = rng.randrange(len(pages) * 4)
         n = rng.randrange(len(pages) * 4 - start + 1)
         out = []
-        cache._slot_list(pages, start, n, out)
-        got = cache._slots(pages, start, n)
+        extend_slot_list(pages, start, n, 4, out)
+        got = physical_slots(pages, start, n, 4, torch.device("cpu"))
         assert got.dtype == torch.int64 and got.tolist() == out, (pages, start, n)

@@ -11,6 +11,7 @@ step and the greedy tokens are compared, and the tokens are checked once more wi
 
 from collections import defaultdict
 from fractions import Fraction
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -63,6 +64,8 @@ def run_recorded(llm, prompts, max_new=MAX_NEW):
 # --- the dense reference ----------------------------------------------------------------------------------
 class RecordingRunner:
     """Full-matrix attention under mask[layer] ([Hkv, N, N] bool, causality included); records q, k, probs."""
+
+    wants_layer_output = True  # the model calls end_layer (LayerRunner)
 
     def __init__(self, mask):
         self.mask = mask
@@ -394,8 +397,12 @@ def test_methods_register_with_family_and_defaults():
     assert create_method("snapkv").config == policies.snapkv.SnapKVConfig(2048, 32, 7, "max", 0)
     assert create_method("pyramidkv").config.beta == 20
     assert create_method("h2o").needs.received_attention
-    # only StreamingLLM (end_step only) lets decode steps replay CUDA graphs
-    assert [create_method(n).cuda_graph_safe for n in ("streaming_llm", "snapkv", "pyramidkv", "h2o")] == \
+    # only StreamingLLM (end_step only) lets decode steps replay CUDA graphs whatever the request's state (here:
+    # one still in its prompt; StreamingLLM reads the slots a request holds from its cache)
+    in_prompt = SimpleNamespace(request_id="r", num_prompt_tokens=8, num_computed_tokens=0, num_preemptions=0)
+    methods = [create_method(n) for n in ("streaming_llm", "snapkv", "pyramidkv", "h2o")]
+    methods[0].bind(SimpleNamespace(table=lambda req: SimpleNamespace(num_slots=0)))
+    assert [m.decode_capabilities(in_prompt).replay for m in methods] == \
         [True, False, False, False]
 
 

@@ -1,4 +1,5 @@
-"""Which decode steps a method lets replay a captured CUDA graph (``SparseMethod.replayable``).
+"""Which decode steps a method lets replay a captured CUDA graph (``DecodeCapabilities.replay``, per request
+from ``SparseMethod.decode_capabilities``).
 
 A replay runs no per-layer hook, so a method may only allow it on steps where its hooks would do nothing.
 Checked on the CPU by recording the method's answer at every step of a real run.
@@ -8,6 +9,7 @@ import random
 
 import policies.snapkv  # noqa: F401  (registers the method)
 from engine import LLM, SamplingParams
+from engine.model_runner import replays_captured_graph
 from engine.registry import create_method
 from tests.chain_helpers import random_tokens
 
@@ -15,14 +17,12 @@ from tests.chain_helpers import random_tokens
 def _answers(llm, chain_id=None, reeval_every=0):
     engine = llm.engine
     seen = []
-    original = engine.method.replayable
 
     def record(batch):
-        answer = original(batch)
+        answer = replays_captured_graph(engine.method, engine.method, batch)
         seen.append((batch.view.is_pure_decode and not batch.finished_prompt, answer))
         return answer
 
-    engine.method.replayable = record  # noqa: the instance attribute shadows the method
     engine.runner._can_replay = lambda batch: record(batch) and False  # no graphs on the CPU: just ask
     rid = engine.add_request(random_tokens(random.Random(1), 40),
                              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), chain_id=chain_id)
@@ -37,7 +37,7 @@ def _llm(model_dir, **cfg):
 
 
 def test_dense_always_replays():
-    assert create_method("dense", {}).replayable(None) is True
+    assert create_method("dense", {}).decode_capabilities(None).replay is True
 
 
 def test_snapkv_replays_only_after_its_prompt_eviction(tiny_dirs):

@@ -16,6 +16,7 @@ from engine import LLM, SamplingParams
 from engine.contract.cache import CacheSpec
 from engine.contract.codec import CodedCacheSpec
 from engine.errors import ConfigError
+from engine.page_table import physical_slots
 from engine.registry import create_kv_storage
 
 PAGE = 8
@@ -86,6 +87,8 @@ def model_kv(model_dir, n=64):
     got = []
 
     class Rec:
+        wants_layer_output = True  # the model calls end_layer (LayerRunner)
+
         def attention(self, layer, q, k, v):
             got.append((k.clone(), v.clone()))
             return DenseRunner.attend(q, k, v, torch.ones(k.shape[1], q.shape[0], k.shape[0], dtype=torch.bool).tril())
@@ -243,6 +246,8 @@ class DenseRunner:
     """Incremental dense attention of our model code: every token's K/V is kept in full precision as it
     was computed; ``readout(layer, k, v, n)`` turns the n stored tokens into what attention reads."""
 
+    wants_layer_output = True  # the model calls end_layer (LayerRunner)
+
     def __init__(self, readout, kept=None):
         self.readout, self.kept = readout, kept
         self.k, self.v = {}, {}
@@ -391,7 +396,7 @@ def test_compaction_moves_codes_with_their_scales(name, cfg, tiny_dirs):
     for layer, (k, v) in enumerate(kv):
         cache.write_prefix(req, layer, k, v)
     cache.commit(req, n)
-    slots = cache._slots(cache.table(req).pages, 0, n)
+    slots = physical_slots(cache.table(req).pages, 0, n, cache.page_size, cache.spec.device)
     stored = [tuple(x.flatten(0, 1)[slots] for x in cache.layer_kv(layer)) for layer in range(2)]
     keep = [torch.stack([torch.randperm(n, generator=g)[:m].sort().values for _ in range(heads)]) for _ in range(2)]
     assert cache.compact(req, keep) and cache.physical_len(req, 1) == m
@@ -459,7 +464,7 @@ def test_kivi_chains_release_windows_and_resume(tiny_dirs):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     llm = make_llm(tiny_dirs["qwen3"], "kivi", KIVI, max_num_seqs=2)
     eng = llm.engine
-    free = lambda: len(eng.cache.coded._free_windows)  # noqa: E731
+    free = lambda: len(eng.cache.storage._free_windows)  # noqa: E731
     assert free() == 2
     history = prompts([45])[0]
     outs = {}
@@ -502,16 +507,17 @@ def test_every_eviction_method_composes_with_every_codec(method, name, cfg, tiny
         assert all(len(o.token_ids) == 12 for o in outs)
         assert all(r == 0 for r in eng.pool.ref_counts)
         if storage is not None and eng.codec.has_window:
-            assert len(eng.cache.coded._free_windows) == eng.config.max_num_seqs
+            assert len(eng.cache.storage._free_windows) == eng.config.max_num_seqs
     assert lens[None] == lens[name]
 
 
 @pytest.mark.parametrize("cfg", [{"bits": 4, "group_size": 4, "residual": 8}, {"bits": 2, "group_size": 8, "residual": 0}])
 def test_device_decode_plan_equals_the_host_plan(cfg):
-    """``CodedStorage.plan_decode`` (device, fixed shapes, what decode graphs capture) writes what the host
-    ``plan`` of the same decode step writes: the same group slots from the same ring or row sources, and the
+    """``plan_decode`` (device, fixed shapes, what decode graphs capture) writes what the host
+    ``plan_rows`` of the same decode step writes: the same group slots from the same ring or row sources, and the
     new row into the same ring slot (or, where the host writes none, into the scratch window)."""
-    from engine.kv_storage import CodedStorage
+    from engine.storage import CodedStorage
+    from engine.storage.write_plans import plan_decode, plan_rows
 
     codec = create_kv_storage("kivi", cfg)
     ps, windows, cap = 8, 6, codec.window_capacity
@@ -522,9 +528,9 @@ def test_device_decode_plan_equals_the_host_plan(cfg):
     lens = torch.randint(1, 60, (2, 5), generator=g)  # [layers, requests] lengths after the step
     wids = torch.randperm(windows, generator=g)[:5]
     tables = torch.randperm(47, generator=g)[:5 * 8].view(5, 8) + 1
-    plans = storage.plan_decode(lens.to(torch.int32), wids.to(torch.int32), tables.to(torch.int32), ps)
+    plans = plan_decode(storage, lens.to(torch.int32), wids.to(torch.int32), tables.to(torch.int32), ps)
     for layer, dev in enumerate(plans):
-        host = storage.plan([(wids[i].item(), lens[layer, i].item() - 1, 1, i) for i in range(5)], tables.tolist())
+        host = plan_rows(storage, [(wids[i].item(), lens[layer, i].item() - 1, 1, i) for i in range(5)], tables.tolist())
         assert torch.equal(dev.group_slots, host.group_slots)
         assert torch.equal(dev.from_ring, host.from_ring)
         assert torch.equal(dev.ring_src[host.from_ring], host.ring_src[host.from_ring])
@@ -584,11 +590,12 @@ def reference_plan(codec, cap, ps, items, pages):
                                  {"bits": 2, "group_size": 8, "residual": 0},
                                  {"bits": 4, "group_size": 8, "residual": 16}])
 def test_host_write_plan_equals_the_per_request_definition(cfg):
-    """``CodedStorage.plan`` (numpy over every request of a step) equals the request-by-request definition on
+    """``plan_rows`` (numpy over every request of a step) equals the request-by-request definition on
     prefill chunks, decode rows, empty requests and requests that open a new page."""
     import random
 
-    from engine.kv_storage import CodedStorage
+    from engine.storage import CodedStorage
+    from engine.storage.write_plans import plan_decode, plan_rows
 
     codec = create_kv_storage("kivi", cfg)
     ps, windows = 8, 6
@@ -604,7 +611,7 @@ def test_host_write_plan_equals_the_per_request_definition(cfg):
             items.append((rng.randrange(windows + 1), old, n, row))
             row += n
             pages.append([rng.randrange(1, 64) for _ in range(-(-(old + n + codec.group) // ps))])
-        got = storage.plan(items, pages)
+        got = plan_rows(storage, items, pages)
         want = reference_plan(codec, storage.capacity, ps, items, pages)
         for name, values in want.items():
             assert getattr(got, name).tolist() == values, (trial, name, items)

@@ -58,6 +58,8 @@ CASES = {
 class DenseCausalRunner:
     """Single-sequence causal attention in plain torch (GQA by repeat_interleave), fp32 softmax like HF."""
 
+    wants_layer_output = True  # the model calls end_layer (LayerRunner)
+
     def __init__(self) -> None:
         self.ended_layers: list[int] = []
 

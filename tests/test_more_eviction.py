@@ -9,6 +9,7 @@ and the tokens of ``greedy_with_mask`` under the replayed mask must all agree wi
 
 import math
 from importlib.metadata import entry_points
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -363,8 +364,11 @@ def test_methods_register_with_family_defaults_and_entry_points():
     assert create_method("knorm").config == policies.knorm_eviction.KnormConfig(2048, 0, 0, 0, ())
     assert create_method("rkv").config == policies.rkv.RKVConfig(512, 128, 8, 0.1, 7, 0.5, "max")
     assert create_method("knorm", {"skip_layers": [0, 1]}).config.skip_layers == (0, 1)
-    # Knorm only overrides end_step, so decode steps may replay CUDA graphs; TOVA and R-KV stash queries in select
-    assert [create_method(n).cuda_graph_safe for n in ("tova", "knorm", "rkv")] == [False, True, False]
+    # Knorm only overrides end_step, so decode steps may replay CUDA graphs whatever the request's state (here:
+    # one still in its prompt); TOVA and R-KV stash queries in select
+    in_prompt = SimpleNamespace(request_id="r", num_prompt_tokens=8, num_computed_tokens=0, num_preemptions=0)
+    assert [create_method(n).decode_capabilities(in_prompt).replay for n in ("tova", "knorm", "rkv")] == \
+        [False, True, False]
 
 
 def test_admission_reserves_what_a_bounded_method_holds_not_the_dense_length(tiny_dirs):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.decode_window import DecodeWindows
 from engine.errors import ConfigError
 from engine.model_runner import ModelRunner
 
@@ -43,7 +44,7 @@ def finish_through_faults(engine):
             done.update({o.request_id: o for o in engine.step() if o.finished})
         except RuntimeError:
             errors += 1
-            assert engine._window is None
+            assert engine.windows.pending is None
     return done, errors
 
 
@@ -87,10 +88,10 @@ def test_a_stop_inside_a_window_drops_the_window_after_it(tiny_dirs):
     ids = [engine.add_request(ps[0], stop), engine.add_request(ps[1], greedy(20))]
     done, dropped = {}, []
     while engine.has_unfinished():
-        window = engine._window
+        window = engine.windows.pending
         done.update({o.request_id: o for o in engine.step() if o.finished})
-        if window is not None and window.requests[0].is_finished and engine._window is not None:
-            dropped.append(engine._window.requests[0].request_id)  # launched for a request that had stopped
+        if window is not None and window.requests[0].is_finished and engine.windows.pending is not None:
+            dropped.append(engine.windows.pending.requests[0].request_id)  # launched for a request that had stopped
     assert done[ids[0]].token_ids == free[:free.index(free[6]) + 1]
     assert done[ids[1]].token_ids == other
     assert dropped == [ids[0]]
@@ -112,7 +113,7 @@ def test_abort_and_a_new_request_while_a_window_is_in_flight(tiny_dirs):
             streamed.setdefault(o.request_id, []).extend(o.new_token_ids)
         steps += 1
         if steps == 3:
-            assert engine._window is not None
+            assert engine.windows.pending is not None
             aborted = engine.abort(a)
             c = engine.add_request(ps[2], greedy(18))
             streamed[c] = []
@@ -171,7 +172,7 @@ def test_the_switch_between_windows(tiny_dirs):
     engine.add_request(prompts(4, (10,))[0], greedy(12))
     engine.step()
     engine.step()
-    assert engine._window is None and engine.last_step.decode_steps == 4 and not engine.last_step.overlapped
+    assert engine.windows.pending is None and engine.last_step.decode_steps == 4 and not engine.last_step.overlapped
 
 
 def test_a_take_that_fails_drops_the_window_launched_after_it(tiny_dirs, monkeypatch):
@@ -181,15 +182,15 @@ def test_a_take_that_fails_drops_the_window_launched_after_it(tiny_dirs, monkeyp
     ref = reference(tiny_dirs["qwen3"], [(p, greedy(16)) for p in ps])
     engine = overlapped(tiny_dirs["qwen3"])
     ids = [engine.add_request(p, greedy(16)) for p in ps]
-    inner, failed = LLMEngine._take_window, []
+    inner, failed = DecodeWindows.take, []
 
     def failing(self, window, *args, **kw):
-        if self._window is not None and not failed:
+        if self.pending is not None and not failed:
             failed.append(window.k)
             raise RuntimeError("host fault")
         return inner(self, window, *args, **kw)
 
-    monkeypatch.setattr(LLMEngine, "_take_window", failing)
+    monkeypatch.setattr(DecodeWindows, "take", failing)
     done, errors = finish_through_faults(engine)
     assert errors == 1 and failed
     assert [done[i].token_ids for i in ids] == ref
@@ -204,7 +205,7 @@ def test_aborting_every_request_of_the_window_in_flight(tiny_dirs):
     ids = [engine.add_request(p, greedy(30)) for p in ps[:1]]
     engine.step()
     engine.step()
-    assert engine._window is not None
+    assert engine.windows.pending is not None
     engine.abort(ids[0])
     assert not engine.has_unfinished()
     engine.overlap_decode = True  # no window in flight any more (a benchmark switches modes here)

@@ -18,6 +18,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 class RecordingRunner:
     """Full-matrix attention under ``visible(layer, T)`` ([Hkv, T, T] bool); records the probabilities."""
 
+    wants_layer_output = True  # the model calls end_layer (LayerRunner)
+
     def __init__(self, visible):
         self.visible = visible
         self.probs = {}
@@ -74,7 +76,7 @@ def dense_probe_reference(model, history, probe, kept, start, reduce):
 def chain_snapshot(engine, chain_id):
     state = engine.chains.index.get(chain_id)
     t = state.table
-    return (engine.cache.kv.clone(), list(t.pages), t.num_slots, None if t.layer_lens is None else list(t.layer_lens),
+    return (engine.cache.storage.kv.clone(), list(t.pages), t.num_slots, None if t.layer_lens is None else list(t.layer_lens),
             [engine.cache.table_positions(t, layer).clone() for layer in range(engine.model_config.num_layers)],
             list(engine.pool.ref_counts), engine.pool.num_free, state.num_computed, list(state.token_ids))
 

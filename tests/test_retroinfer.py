@@ -94,6 +94,8 @@ def reference_attention(q, keys, values, index, cfg, aggregate="max"):
 class RetroDenseRunner:
     """Full-sequence attention: prompt rows causal and dense, every later row by ``reference_attention``."""
 
+    wants_layer_output = True  # the model calls end_layer (LayerRunner)
+
     def __init__(self, prompt_len, cfg):
         self.prompt_len, self.cfg = prompt_len, cfg
 

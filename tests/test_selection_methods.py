@@ -102,6 +102,8 @@ class SelectingDenseRunner:
     """Full [T, T] attention. Row ``r >= prompt_len`` (a decode query) of layer ``l`` sees exactly
     ``chosen[(r, l)]``; a row seen for the first time gets ``choose(layer, r, q[r], k[:r + 1])``."""
 
+    wants_layer_output = True  # the model calls end_layer (LayerRunner)
+
     def __init__(self, prompt_len, chosen, choose):
         self.prompt_len, self.chosen, self.choose = prompt_len, chosen, choose
 

@@ -561,7 +561,7 @@ def test_engine_with_the_fused_rotary_store_equals_rotate_then_store(arch, tiny_
     tokens equal RoPE followed by the plain store, over chunked prompts, a prefix hit and decode steps. Qwen3's
     q/k norms run in the kernel too; its fp32 sum of squares adds in another order than torch's, so its KV agrees
     to a few fp32 ulps rather than bit for bit."""
-    import engine.paged_cache
+    import engine.storage.dense
     import agentrt_kernels.triton
     from engine import LLM, SamplingParams
 
@@ -571,14 +571,14 @@ def test_engine_with_the_fused_rotary_store_equals_rotate_then_store(arch, tiny_
         g = torch.Generator().manual_seed(5)
         ps = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (23, 9)]
         outs = llm.generate(ps + [ps[0][:12] + [7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
-        return [o.token_ids for o in outs], llm.engine.cache.kv.clone(), [o.num_cached_tokens for o in outs]
+        return [o.token_ids for o in outs], llm.engine.cache.storage.kv.clone(), [o.num_cached_tokens for o in outs]
 
-    monkeypatch.setattr(engine.paged_cache, "fuse_rotary_store", lambda kv: False)
+    monkeypatch.setattr(engine.storage.dense, "fuse_rotary_store", lambda kv: False)
     want_tokens, want_kv, _ = run()
     calls = []
     fused = agentrt_kernels.triton.rotary_and_store
     monkeypatch.setattr(agentrt_kernels.triton, "rotary_and_store", lambda *a, **kw: calls.append(kw) or fused(*a, **kw))
-    monkeypatch.setattr(engine.paged_cache, "fuse_rotary_store", lambda kv: True)
+    monkeypatch.setattr(engine.storage.dense, "fuse_rotary_store", lambda kv: True)
     got_tokens, got_kv, cached = run()
     assert len(calls) > 10 and max(cached) > 0
     assert all(("q_norm_weight" in kw) == (arch == "qwen3") for kw in calls)

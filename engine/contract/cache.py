@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from engine.contract.storage import KVStorage, TableHandle
     from engine.contract.view import PagedView
     from engine.request import Request
 
@@ -37,6 +38,11 @@ class CacheSpec:
     def bytes_per_page(self) -> int:
         return self.bytes_per_token * self.page_size
 
+    @property
+    def window_bytes(self) -> int:
+        """Bytes held beside the pages out of the same budget (a codec's full-precision windows); none here."""
+        return 0
+
 
 class CacheManager(ABC):
     """Per-request KV bookkeeping plus the storage behind it.
@@ -45,6 +51,8 @@ class CacheManager(ABC):
     """
 
     spec: CacheSpec
+    page_size: int
+    storage: KVStorage  # the bytes behind the pages and how a token is stored (engine.contract.storage)
 
     # --- scheduler side -------------------------------------------------------------------------
     @abstractmethod
@@ -75,21 +83,21 @@ class CacheManager(ABC):
     def holds(self, req: Request) -> bool: ...
 
     @abstractmethod
-    def detach(self, req: Request) -> Any:
+    def detach(self, req: Request) -> TableHandle | None:
         """Take the request's state out without freeing it; None if it holds none."""
 
     @abstractmethod
-    def attach(self, req: Request, table: Any) -> None: ...
+    def attach(self, req: Request, table: TableHandle) -> None: ...
 
     @abstractmethod
-    def release_table(self, table: Any) -> None: ...
+    def release_table(self, table: TableHandle) -> None: ...
 
     @abstractmethod
-    def fork_table(self, table: Any) -> Any:
+    def fork_table(self, table: TableHandle) -> TableHandle | None:
         """An independent second holder of the same KV (shared pages, copy on write); None if short of pages."""
 
     @abstractmethod
-    def truncate_table(self, table: Any, num_slots: int) -> None:
+    def truncate_table(self, table: TableHandle, num_slots: int) -> None:
         """Keep the first ``num_slots`` slots (uncompacted state only)."""
 
     def plan_decode_writes(self, batch: Any) -> None:
@@ -97,15 +105,15 @@ class CacheManager(ABC):
         them on the host: for a step built on the device (``next_decode_step``) and inside a decode graph (its
         static buffers). Nothing by default."""
 
-    def release_tail(self, table: Any) -> None:
+    def release_tail(self, table: TableHandle) -> None:
         """Give back the pages a table holds past its last slot (taken ahead for steps a request did not
         keep); none by default."""
 
-    def truncate_logical(self, table: Any, logical_len: int, lo: int, hi: int) -> int:
+    def truncate_logical(self, table: TableHandle, logical_len: int, lo: int, hi: int) -> int:
         """Cut a table holding ``logical_len`` logical tokens back to the shortest length in ``[lo, hi]`` its
         state can be cut to, and return that length; 0 (table unchanged) if none. The default cuts
         uncompacted tables anywhere (``truncate_table``) and compacted ones nowhere."""
-        if getattr(table, "is_compacted", False):
+        if table.is_compacted:
             return logical_len if lo <= logical_len <= hi else 0
         if lo < logical_len:
             self.truncate_table(table, lo)
@@ -113,6 +121,34 @@ class CacheManager(ABC):
 
     @abstractmethod
     def physical_len(self, req: Request, layer: int = 0) -> int: ...
+
+    # --- what eviction and selection methods call -----------------------------------------------
+    @abstractmethod
+    def table(self, req: Request) -> TableHandle:
+        """The request's page table: its pages (``pages``, ``pages_tensor()``) and per-layer lengths."""
+
+    @abstractmethod
+    def positions_of(self, req: Request, layer: int) -> torch.Tensor:
+        """[num_kv_heads, physical_len(req, layer)] int64: the logical position each slot of each KV head holds."""
+
+    @abstractmethod
+    def table_positions(self, table: TableHandle, layer: int) -> torch.Tensor:
+        """``positions_of`` for a table (a chain's, held outside any request)."""
+
+    @abstractmethod
+    def table_keys(self, table: TableHandle, layer: int) -> torch.Tensor:
+        """[layer_len(layer), num_kv_heads, head_dim]: the (post-RoPE) keys a table holds in ``layer``."""
+
+    @abstractmethod
+    def compact(self, req: Request, keep: list[torch.Tensor]) -> bool:
+        """Keep, per layer, the slots ``keep[layer]`` ([num_kv_heads, n_layer] int64 slot indices, each row in
+        increasing order) at the front of the request's pages and free the pages no longer needed; from then
+        on each layer has its own length and each slot its own logical position (``positions_of``). False
+        (nothing changed) if a shared page cannot be replaced for lack of free pages."""
+
+    @abstractmethod
+    def compact_table(self, table: TableHandle, keep: list[torch.Tensor], logical_len: int) -> bool:
+        """``compact`` on a table; ``logical_len`` is the logical length its slots cover."""
 
     # --- runner side ----------------------------------------------------------------------------
     @abstractmethod
@@ -153,4 +189,10 @@ class CacheManager(ABC):
 
     @abstractmethod
     def layer_kv(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) of one layer, each [num_pages, page_size, num_kv_heads, head_dim]."""
+        """(k_cache, v_cache) of one layer, each [num_pages, page_size, num_kv_heads, head_dim] (or, for a
+        storage that encodes tokens, readers of that shape that decode on indexing: ``x.flatten(0, 1)[slots]``)."""
+
+    @abstractmethod
+    def write_prefix(self, req: Request, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k/v [n, Hkv, D] as the request's first n slots outside a step (a restore, a synthetic fill),
+        before ``commit(req, n)``."""

@@ -55,21 +55,59 @@ class NoConfig:
     pass
 
 
-UNBOUNDED_WINDOW = 1 << 30  # max_decode_window: no limit from the method
+UNBOUNDED_WINDOW = 1 << 30  # DecodeCapabilities.window: no limit from the method
+
+
+@dataclass(slots=True, frozen=True)
+class DecodeCapabilities:
+    """What the engine may do with a request's decode steps in place of calling the method's hooks on each.
+
+    The engine never looks at which hooks a method overrides: each method class declares these
+    (``SparseMethod.decode``; per request ``SparseMethod.decode_capabilities``), and the defaults are the dense
+    method's.
+
+    ``replay``: a pure-decode step may replay a captured CUDA graph. A replay runs attention over the step's
+    view with no per-layer hook (``begin_step`` and ``end_step`` still run), so a method allows it only where
+    its per-layer hooks would do nothing, or only device work the graphs captured (``graph_hooks``).
+
+    ``graph_hooks``: on replayed steps the per-layer hooks are device work of fixed shapes that the decode
+    graphs record (a selection computed inside the graph). Graphs captured with this very instance then serve
+    its steps, and graphs captured with any other method do not.
+
+    ``window``: how many of the request's next decode steps may run back to back on the device
+    (``EngineConfig.decode_steps``). Inside a window ``begin_step`` and ``end_step`` are not called and the
+    host's counts (computed tokens, token ids) advance only after it, so the step hooks must have nothing to do
+    on those steps and the layer hooks only device work over the batch (each step's batch is built on the
+    device; its scratch is fresh). A window (a single step too, under ``overlap_decode``) runs only where this
+    is 2 or more; the next window is launched before the host reads the last only where it is
+    ``UNBOUNDED_WINDOW`` (nothing the host learns from a window changes it).
+
+    ``layer_output``: ``end_layer`` is called with each layer's output hidden states; without it the model need
+    not form them.
+    """
+
+    replay: bool = True
+    graph_hooks: bool = False
+    window: int = UNBOUNDED_WINDOW
+    layer_output: bool = False
+
+
+# hooks that do host work on every step: no decode step replays a graph or runs in a window
+HOOKS_EVERY_STEP = DecodeCapabilities(replay=False, window=1)
 
 
 class SparseMethod:
-    """Subclasses that override a per-layer hook with host-side work must set ``cuda_graph_safe = False``."""
+    """A subclass whose hooks do work on decode steps declares what those steps may still do: ``decode``, and
+    per request ``decode_capabilities``."""
 
     name: ClassVar[str] = "dense"
     family: ClassVar[Family] = Family.DENSE
     Config: ClassVar[type] = NoConfig
     needs: ClassVar[MethodNeeds] = MethodNeeds()
     view_types: ClassVar[tuple[type, ...]] = (PagedView,)  # every view type select() may return
-    cuda_graph_safe: ClassVar[bool] = True  # per-layer hooks do no host work, so decode steps may replay graphs
-    # True when the per-layer hooks of its replayable steps are device work that the decode graphs capture
-    # (a selection computed inside the graph): only graphs captured with this very instance then serve it
-    graph_hooks: ClassVar[bool] = False
+    # the most its decode steps may ever do: an engine captures decode graphs for it only when ``replay``, and
+    # ``graph_hooks`` / ``layer_output`` hold for every step. Dense: every step replays, windows are unbounded.
+    decode: ClassVar[DecodeCapabilities] = DecodeCapabilities()
 
     def __init__(self, config: Any = None):
         self.config = config if config is not None else self.Config()
@@ -80,12 +118,11 @@ class SparseMethod:
         return cls(build_config(cls.Config, options, f"method {cls.name!r}"))
 
     # --- representation -------------------------------------------------------------------------
-    def make_cache(self, spec: CacheSpec, pool: PagePool, enable_prefix_caching: bool) -> CacheManager:
-        """The cache of an engine whose configured method this is. A method that overrides it owns a layout
-        of its own and cannot be chosen per request on an engine configured with another method."""
-        from engine.paged_cache import PagedCacheManager
-
-        return PagedCacheManager(spec, pool, enable_prefix_caching=enable_prefix_caching)
+    def make_cache(self, spec: CacheSpec, pool: PagePool, enable_prefix_caching: bool) -> CacheManager | None:
+        """The cache of an engine whose configured method this is; None (the default): the engine's paged
+        cache. A method that overrides it owns a layout of its own and cannot be chosen per request on an
+        engine configured with another method."""
+        return None
 
     def validate(self, spec: CacheSpec) -> None:
         """Raise ConfigError if this configuration cannot serve a model of ``spec`` (e.g. a layer index
@@ -128,40 +165,18 @@ class SparseMethod:
         pass
 
     def end_layer(self, layer: int, batch: ForwardBatch, hidden: torch.Tensor) -> None:
-        pass
+        """Called only when a method of the step declares ``decode.layer_output``."""
 
     def end_step(self, batch: ForwardBatch) -> None:
         pass
 
-    def replayable(self, batch: ForwardBatch) -> bool:
-        """Whether this pure-decode step may replay a captured CUDA graph. A replay runs attention over the
-        step's shared view with no per-layer hook (begin_step and end_step still run). A method that is not
-        ``cuda_graph_safe`` in general may still allow it for steps where its per-layer hooks would do nothing
-        (e.g. an eviction method that is done evicting), or, with ``graph_hooks``, for steps whose hooks are
-        pure device work the graphs captured; overriding this makes the engine capture graphs."""
-        return self.cuda_graph_safe
-
-    STEP_HOOKS: ClassVar[tuple[str, ...]] = ("begin_step", "before_attention", "select", "after_attention",
-                                             "end_layer", "end_step")
-
-    @classmethod
-    def is_hookless(cls) -> bool:
-        """True when the class overrides none of the per-step and per-layer hooks: its decode steps are the
-        model's forward alone, so several may run back to back on the device (``EngineConfig.decode_steps``)."""
-        return all(getattr(cls, h) is getattr(SparseMethod, h) for h in SparseMethod.STEP_HOOKS)
-
-    def max_decode_window(self, req: Request) -> int:
-        """How many of this decoding request's next steps may run back to back on the device (``decode_steps``):
-        ``begin_step``/``end_step`` are not called inside a window and the host-side counts (computed tokens,
-        token ids) advance only after it, so the step hooks must have nothing to do on those steps and the
-        layer hooks only device work over the batch (each step's batch is built on the device; its scratch
-        is fresh). Default: unbounded when the method overrides no hook (``is_hookless``), else 1 (no
-        window). A selection computed on the device from the batch answers unbounded; an eviction method
-        whose request is evicted for good, unbounded; one that compresses periodically, the steps left
-        before its hooks matter again. A window (a single step too, under ``overlap_decode``) runs only where
-        this is 2 or more; the next one is launched before the host reads the last only where it is
-        unbounded."""
-        return UNBOUNDED_WINDOW if self.is_hookless() else 1
+    def decode_capabilities(self, req: Request) -> DecodeCapabilities:
+        """What ``req``'s next decode steps may do (never more than ``decode``). The engine asks it for every
+        request of a pure-decode step (after ``begin_step``) whether the step may replay, and before launching a
+        window how long it may be. Default: ``decode``. A method whose hooks matter for some requests or steps
+        only answers per request (an eviction method done with a request: ``decode``; one that compresses
+        periodically: replay and a window only while the next compression is further off)."""
+        return self.decode
 
     def kv_loaded(self, req: Request, cache: CacheManager) -> None:
         """The cache wrote ``req``'s KV outside a forward step (a restore, a benchmark's synthetic fill):

@@ -20,6 +20,7 @@ from engine.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from agentrt_kernels import ops
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -106,11 +107,10 @@ class DecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` for a few rows (decode) with each norm fused into the projection after it (under a MoE
         block: its router's, which hands the normed rows on to the experts), and SiLU-and-mul into the down
-        projection (agentrt_kernels.triton.decode_linear): three launches fewer a dense layer, two a MoE one. The
+        projection (agentrt_kernels.ops.decode_linear): three launches fewer a dense layer, two a MoE one. The
         output projection runs through decode_linear too (no prologue: its launch where it measured faster than
         cuBLAS, cuBLAS where not)."""
-        from agentrt_kernels.triton.decode_linear import decode_linear
-
+        decode_linear = ops.decode_linear
         ln, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
         if residual is None:
             qkv, residual = decode_linear(hidden, qkv_proj.weight, qkv_proj.bias, norm=(ln.weight, ln.eps)), hidden
@@ -143,7 +143,7 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, runner: LayerRunner) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
-        wants_output = getattr(runner, "wants_layer_output", True)
+        wants_output = runner.wants_layer_output
         fused = 0 < input_ids.shape[0] <= self.fused_decode_rows
         for layer in self.layers:
             forward = layer.forward_fused if fused else layer

@@ -1,48 +1,29 @@
-"""Storage of codec-encoded KV for the paged cache manager (see ``engine.contract.codec``).
+"""Codec-encoded KV (see ``engine.contract.codec``): a ``KVStorage`` whose tokens are stored as a codec's fields.
 
 ``CodedStorage`` owns, per side (k, v) and codec field, a tensor ``[num_layers, num_pages, page_size // g,
 num_kv_heads, width]`` (physical slot ``s`` = page ``s // page_size``, offset ``s % page_size``; per-group
 fields at ``s // token_group`` of the flattened page axis), plus, for codecs with a window, a
 full-precision ring ``[num_layers, 2, max_windows + 1, capacity, num_kv_heads, head_dim]`` whose last
-window is scratch. It knows nothing of requests: the cache manager hands it slots, windows and lengths.
+window is scratch. A running table holds a window (``open_table``), loaded from its codes; the attention view
+of each layer reads its first ``quant_len`` slots from the codes and the rest from the window.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
 
-import numpy as np
 import torch
 
 from engine.contract.codec import CodedCacheSpec, KVCodec, TensorCodec
+from engine.contract.storage import KVStorage, TableHandle
+from engine.contract.view import PagedView, QuantizedPagesView
 from engine.kv_memory import zeroed
+from engine.page_table import physical_slots
+from engine.storage.write_plans import DeferredWritePlans, WritePlan, plan_decode, plan_rows
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _ragged_arange(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """The concatenated ranges ``starts[i] .. starts[i] + counts[i] - 1`` (int64)."""
-    total = int(counts.sum())
-    offsets = np.repeat(np.cumsum(counts) - counts, counts)
-    return np.arange(total, dtype=np.int64) - offsets + np.repeat(starts, counts)
-
-
-@dataclass(slots=True)
-class WritePlan:
-    """How one step's new rows land for a codec with a window (shared by layers of equal lengths).
-
-    Every slot of the groups (re-)encoded this step, group by group, comes from the ring (``from_ring``:
-    flat ring index ``ring_src``) or from the step's new rows (row ``row_src``); group_slots: [M] their
-    physical slots. ring_dst / ring_rows: new rows copied into the ring (flat ring index, row)."""
-
-    from_ring: torch.Tensor
-    ring_src: torch.Tensor
-    row_src: torch.Tensor
-    group_slots: torch.Tensor
-    ring_dst: torch.Tensor
-    ring_rows: torch.Tensor
 
 
 class DecodedPages:
@@ -63,9 +44,13 @@ class DecodedPages:
         return self.storage.decode_slots(self.layer, self.side, slots).to(self.dtype)
 
 
-class CodedStorage:
+class CodedStorage(KVStorage):
+    per_layer_views = True  # each layer's view holds that layer's fields
+    cuts_appended_tokens = False  # appended tokens share groups with kept ones
+
     def __init__(self, spec: CodedCacheSpec, num_pages: int):
-        self.spec, self.codec, self.num_pages = spec, spec.codec, num_pages
+        super().__init__(spec, num_pages)
+        self.codec = spec.codec
         codec: KVCodec = spec.codec
         self.sides: dict[str, TensorCodec] = {"k": codec.key, "v": codec.value}
         self.fields: dict[str, dict[str, torch.Tensor]] = {}
@@ -87,6 +72,8 @@ class CodedStorage:
             ({k: f[layer] for k, f in self.fields["k"].items()}, {k: f[layer] for k, f in self.fields["v"].items()},
              None if self.ring is None else self.ring[layer, 0], None if self.ring is None else self.ring[layer, 1])
             for layer in range(spec.num_layers)]
+        self._write_plans: list[WritePlan] | DeferredWritePlans | None = None
+        self._prefix_plan: tuple | None = None  # write_prefix's plan, shared by the layers of one table
 
     # --- windows --------------------------------------------------------------------------------
     @property
@@ -99,6 +86,34 @@ class CodedStorage:
     def release_window(self, w: int) -> None:
         assert w not in self._free_windows
         self._free_windows.append(w)
+
+    def open_table(self, table: TableHandle) -> bool:
+        """A codec with a window: give the table one, loaded from its codes; False if every window is taken."""
+        if not self.codec.has_window or table.window is not None:
+            return True
+        table.window = self.acquire_window()
+        if table.window is None:
+            return False
+        layer_slots = []
+        for layer in range(self.spec.num_layers):
+            n = table.layer_len(layer)
+            start = self.codec.quant_len(n)
+            layer_slots.append((start, self._slots(table, start, n - start)))
+        self.fill_window(table.window, layer_slots)
+        return True
+
+    def close_table(self, table: TableHandle) -> None:
+        if table.window is not None:  # codes stay valid; the window reloads from them when the table reopens
+            self.release_window(table.window)
+            table.window = None
+
+    def _slots(self, table: TableHandle, start: int, n: int) -> torch.Tensor:
+        return physical_slots(table.pages, start, n, self.spec.page_size, self.spec.device)
+
+    def quant_len(self, table: TableHandle, layer: int, extra: int = 0) -> int:
+        """Slots of ``layer`` attention reads from codes (the rest from the window)."""
+        n = table.layer_len(layer) + extra
+        return self.codec.quant_len(n) if table.window is not None else n
 
     def fill_window(self, w: int, layer_slots: list[tuple[int, torch.Tensor]]) -> None:
         """Load the ring of window ``w`` from codes: per layer, (first slot index, physical slots) of the
@@ -145,61 +160,46 @@ class CodedStorage:
         return self.codec.layer_codec(layer, side).decode(self.gather_fields(layer, side, slots), self.spec.head_dim)
 
     # --- a step's writes ------------------------------------------------------------------------
-    def plan(self, items: list[tuple[int, int, int, int]], pages: list[list[int]]) -> WritePlan:
-        """items: per request (window, old length, new rows, row offset); ``pages[i]``: request ``i``'s page ids,
-        covering its slot indices up to the end of its last group. Every request's rows at once, in numpy."""
-        codec, cap, g, ps = self.codec, self.capacity, self.codec.group, self.spec.page_size
-        columns = zip(*items) if items else [()] * 4
-        w, old, n, row0 = (np.asarray(col, dtype=np.int64).reshape(-1) for col in columns)
-        new = old + n
-        first, last = old // g * g, -(-new // g) * g
-        idx = _ragged_arange(first, last - first)  # each request's slot indices [first, last): its open groups
-        req = np.repeat(np.arange(len(items)), last - first)
-        p = np.minimum(idx, new[req] - 1)  # slots past the new rows repeat the last one (re-encoded as it fills)
-        held = [pages[i][f // ps:-(-e // ps)] for i, (f, e) in enumerate(zip(first.tolist(), last.tolist()))]
-        held_at = np.cumsum([0] + [len(h) for h in held])[:-1]
-        flat = np.asarray([x for h in held for x in h], dtype=np.int64)
-        slots = flat[held_at[req] + idx // ps - first[req] // ps] * ps + idx % ps if idx.size else idx
-        quant = np.maximum(0, (new - codec.residual) // g * g) if codec.has_window else new
-        lo = np.maximum(quant, old)
-        pos = _ragged_arange(lo, np.maximum(new - lo, 0))  # the new rows the window keeps
-        pos_req = np.repeat(np.arange(len(items)), np.maximum(new - lo, 0))
-        device = self.spec.device
+    def plan_step(self, tables: list[TableHandle], num_new_tokens: list[int]) -> None:
+        """Under a codec with a window: the step's write plans, built on the first write that needs them.
+        Lengths, windows and page lists are taken now, as the step is prepared."""
+        if not self.codec.has_window:
+            return
+        rows = [0]
+        for n in num_new_tokens:
+            rows.append(rows[-1] + n)
+        pages = [t.pages for t in tables]
+        layers = [0] if all(t.is_uniform() for t in tables) else range(self.spec.num_layers)
+        items = [[(t.window, t.layer_len(layer), n, r) for t, n, r in zip(tables, num_new_tokens, rows)]
+                 for layer in layers]
+        self._write_plans = DeferredWritePlans(self, items, pages, self.spec.num_layers)
 
-        def to(x: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(x)).to(device)
+    def plan_decode(self, views: list[PagedView]) -> None:
+        """Under a codec with a window: the new rows into the rings and the open groups re-encoded, planned
+        from the views' lengths (after the step), window ids and page tables on the device."""
+        if self.codec.has_window:
+            self._write_plans = plan_decode(self, torch.stack([v.kv_lens for v in views]), views[0].window_ids,
+                                            views[0].block_tables, self.spec.page_size)
 
-        return WritePlan(from_ring=to(p < old[req]), ring_src=to(w[req] * cap + p % cap),
-                         row_src=to(np.maximum(row0[req] + p - old[req], 0)), group_slots=to(slots),
-                         ring_dst=to(w[pos_req] * cap + pos % cap), ring_rows=to(row0[pos_req] + pos - old[pos_req]))
+    def write(self, layer, k, v, slots, positions=None) -> None:
+        if isinstance(self._write_plans, DeferredWritePlans):
+            self._write_plans = self._write_plans.build()
+        plans = self._write_plans
+        self._write_planned(layer, k, v, slots, None if plans is None else plans[layer], positions)
 
-    def plan_decode(self, kv_lens: torch.Tensor, window_ids: torch.Tensor, block_tables: torch.Tensor,
-                    page_size: int) -> list[WritePlan]:
-        """``plan`` of a pure-decode step for every layer at once (``kv_lens`` [L, B], lengths after the step;
-        request ``i``'s one new row is row ``i``), built on the device with fixed shapes (per layer ``B *
-        group`` group slots and ``B`` ring writes) so a decode CUDA graph can capture it. A new row the window
-        does not keep (already past the codes' edge) is written to the scratch window instead."""
-        codec, cap, g = self.codec, self.capacity, self.codec.group
-        num_layers, b = kv_lens.shape
-        device = kv_lens.device
-        new = kv_lens.long()  # [L, B]
-        old = new - 1
-        rows = torch.arange(b, device=device)
-        first = old // g * g
-        pos = first[..., None] + torch.arange(g, device=device)  # [L, B, g] the open group's slots
-        p = torch.minimum(pos, old[..., None])  # slots past the new row repeat it (re-encoded as the group fills)
-        w = window_ids.long()
-        group_slots = block_tables[rows[:, None], pos // page_size].long() * page_size + pos % page_size
-        ring_dst = torch.where(codec.quant_lens(new) <= old, w * cap + old % cap, self.scratch_window * cap)  # [L, B]
-        from_ring = (p < old[..., None]).flatten(1)
-        ring_src = (w[:, None] * cap + p % cap).flatten(1)
-        group_slots = group_slots.flatten(1)
-        row_src = rows[:, None].expand(b, g).flatten()
-        return [WritePlan(from_ring=from_ring[i], ring_src=ring_src[i], row_src=row_src, group_slots=group_slots[i],
-                          ring_dst=ring_dst[i], ring_rows=rows) for i in range(num_layers)]
+    def write_prefix(self, table: TableHandle, layer, k, v, slots) -> None:
+        n = k.shape[0]
+        plan = None
+        if self.codec.has_window:
+            cached = self._prefix_plan
+            if cached is None or not (cached[0] is table and cached[1:3] == (n, table.window)):
+                items = [(self.scratch_window if table.window is None else table.window, 0, n, 0)]
+                self._prefix_plan = (table, n, table.window, plan_rows(self, items, [table.pages]))
+            plan = self._prefix_plan[3]
+        self._write_planned(layer, k, v, slots, plan, torch.arange(n, device=k.device))
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-              plan: WritePlan | None, positions: torch.Tensor | None = None) -> None:
+    def _write_planned(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                       plan: WritePlan | None, positions: torch.Tensor | None = None) -> None:
         if plan is None:
             self.store(layer, "k", k, slot_mapping, positions)
             self.store(layer, "v", v, slot_mapping, positions)
@@ -218,12 +218,13 @@ class CodedStorage:
             for t in side.values():
                 t[:, dst] = t[:, src]
 
-    def gather_kept(self, layer: int, phys: torch.Tensor, keep: torch.Tensor, quant_len: int,
-                    window: int | None) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor] | None]]:
-        """Before a compaction: for slot indices ``keep`` [H, n] (physical slots ``phys[keep]``), per side the
-        full-precision values [n, H, D] (the ring's where it holds them) and, for token-local codecs, the
+    def gather_kept(self, layer: int, table: TableHandle, old_slots: torch.Tensor,
+                    keep: torch.Tensor) -> dict[str, tuple[torch.Tensor, dict[str, torch.Tensor] | None]]:
+        """Before a compaction: for slot indices ``keep`` [H, n] (physical slots ``old_slots[keep]``), per side
+        the full-precision values [n, H, D] (the window's where it holds them) and, for token-local codecs, the
         raw fields to move exactly."""
-        slots = phys[keep]
+        window, quant_len = table.window, self.quant_len(table, layer)
+        slots = old_slots[keep]
         out = {}
         for i, side in enumerate(self.sides):
             tc = self.codec.layer_codec(layer, side)
@@ -236,9 +237,10 @@ class CodedStorage:
             out[side] = (full, raw if tc.token_group == 1 else None)
         return out
 
-    def scatter_kept(self, layer: int, kept, new_phys: torch.Tensor, window: int | None) -> None:
+    def scatter_kept(self, layer: int, table: TableHandle, kept, new_phys: torch.Tensor) -> None:
         """After a compaction: kept (from ``gather_kept``) becomes slots 0..n-1 at physical ``new_phys``
         (covering whole groups)."""
+        window = table.window
         for i, (side, tc) in enumerate(self.sides.items()):
             full, raw = kept[side]
             n = full.shape[0]
@@ -253,3 +255,34 @@ class CodedStorage:
                 start = self.codec.quant_len(n)
                 dst = window * self.capacity + torch.arange(start, n, device=full.device) % self.capacity
                 self.ring[layer, i].flatten(0, 1)[dst] = full[start:].to(self.ring.dtype)
+
+    def compacted_slots(self, n: int) -> int:
+        return cdiv(n, self.codec.group) * self.codec.group
+
+    # --- reads ----------------------------------------------------------------------------------
+    def layer_kv(self, layer: int) -> tuple[DecodedPages, DecodedPages]:
+        """``DecodedPages`` readers (decoded on indexing), not tensors."""
+        return DecodedPages(self, layer, "k"), DecodedPages(self, layer, "v")
+
+    def view(self, common, tables, num_new_tokens, layer) -> QuantizedPagesView:
+        device = self.spec.device
+        quant = [self.quant_len(t, layer, n) for t, n in zip(tables, num_new_tokens)]
+        windows = None
+        if self.codec.has_window:
+            windows = [self.scratch_window if t.window is None else t.window for t in tables]
+        common = dict(common, codec=self.codec, quant_lens=torch.tensor(quant, dtype=torch.int32, device=device),
+                      quant_lens_cpu=quant, window_ids_cpu=windows,
+                      window_ids=None if windows is None else torch.tensor(windows, dtype=torch.int32, device=device))
+        return self._layer_view(common, layer)
+
+    def layer_view(self, view: QuantizedPagesView, layer: int) -> QuantizedPagesView:
+        """``view`` with ``layer``'s fields: the view of a layer whose tables and lengths equal ``view``'s."""
+        common = {f.name: getattr(view, f.name) for f in dataclass_fields(QuantizedPagesView)
+                  if f.name not in ("k_fields", "v_fields", "window_k", "window_v", "layer")}
+        return self._layer_view(common, layer)
+
+    def _layer_view(self, common: dict, layer: int) -> QuantizedPagesView:
+        k_fields, v_fields, window_k, window_v = self.per_layer_fields[layer]
+        return QuantizedPagesView(**common, layer=layer, k_fields=k_fields, v_fields=v_fields, window_k=window_k,
+                                  window_v=window_v)
+

@@ -1,0 +1,130 @@
+"""The storage side of the lifecycle contract: how a cache's KV is represented in memory.
+
+A cache manager owns pages and page tables (which request holds which page, prefix reuse, compaction); a
+``KVStorage`` owns the bytes behind the pages and how a token is stored in them. Both address KV by physical
+slot: ``page * page_size + offset``, one page id naming the same slot range in every layer. The manager
+hands the storage slots, tables and lengths; the storage knows nothing of requests.
+
+Built-in storages (``engine.storage``): ``DenseKV`` (k and v in the model dtype) and ``CodedStorage`` (a
+codec's fields per token group, plus a full-precision window per running request). A storage is chosen by
+the type of its ``CacheSpec`` (``engine.storage.register_storage``), and the spec's ``bytes_per_page``
+sizes the pool, so a new representation is a spec subclass, a storage class and one registration: no page
+logic changes. docs/architecture.md describes the representations planned on this interface (a latent
+store whose V is a slice of K, and a per-request recurrent-state store).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.contract.cache import CacheSpec
+    from engine.contract.codec import KVCodec
+    from engine.contract.view import PagedView
+
+
+class TableHandle(Protocol):
+    """What a storage and a method may read of a page table (``engine.page_table.PageTable``)."""
+
+    pages: list[int]
+    num_slots: int  # slots in use in the longest layer
+    window: int | None  # the storage's per-table working state (a codec's full-precision window), if any
+
+    @property
+    def is_compacted(self) -> bool: ...
+
+    def layer_len(self, layer: int) -> int: ...
+
+    def is_uniform(self) -> bool: ...
+
+    def pages_tensor(self) -> torch.Tensor: ...
+
+
+class KVStorage(ABC):
+    """KV of ``spec`` for ``num_pages`` pages (the pool's pages plus a scratch page)."""
+
+    # the storage's tensors differ per layer beyond their lengths, so a step needs one view per layer
+    per_layer_views: ClassVar[bool] = False
+    # a compacted table can drop the tokens appended after its compaction (they sit in order after its kept
+    # slots); a storage that encodes groups spanning those tokens cannot
+    cuts_appended_tokens: ClassVar[bool] = True
+    codec: KVCodec | None = None  # the codec tokens are stored by, if any
+
+    def __init__(self, spec: CacheSpec, num_pages: int):
+        self.spec, self.num_pages = spec, num_pages
+
+    # --- per-table working state ----------------------------------------------------------------
+    def open_table(self, table: TableHandle) -> bool:
+        """Before a table grows: acquire what a running request needs beyond its pages; False if none is
+        free."""
+        return True
+
+    def close_table(self, table: TableHandle) -> None:
+        """The table stops running (finished, detached, truncated): release that state; pages stay valid."""
+
+    # --- a step's writes ------------------------------------------------------------------------
+    def plan_step(self, tables: list[TableHandle], num_new_tokens: list[int]) -> None:
+        """Called with each step's slot mapping (host side), before any ``write`` of the step."""
+
+    def plan_decode(self, views: list[PagedView]) -> None:
+        """``plan_step`` of a pure-decode step from its views' device tensors (lengths after the step), for a
+        step built on the device and inside a decode graph."""
+
+    @abstractmethod
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              positions: torch.Tensor | None = None) -> None:
+        """Store a step's new k/v [T, Hkv, D] at physical ``slots`` [T] (``positions``: their logical positions)."""
+
+    def write_rotated(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+                      positions: torch.Tensor, rotary, qk_norm: tuple | None = None) -> torch.Tensor:
+        """Optional per-head norms (``qk_norm``: q_norm, k_norm), RoPE on q and k, then ``write``; returns the
+        rotated q. A storage may fuse the three."""
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
+        q, k = rotary(positions, q, k)
+        self.write(layer, k, v, slots, positions)
+        return q
+
+    @abstractmethod
+    def write_prefix(self, table: TableHandle, layer: int, k: torch.Tensor, v: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+        """Store k/v [n, Hkv, D] as a table's first n slots (``slots``), outside a step (a restore, a fill)."""
+
+    # --- moves ----------------------------------------------------------------------------------
+    @abstractmethod
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages, every layer (copy on write, forks of tables whose layers differ in length)."""
+
+    @abstractmethod
+    def gather_kept(self, layer: int, table: TableHandle, old_slots: torch.Tensor, keep: torch.Tensor) -> Any:
+        """Before a compaction: read what slot indices ``keep`` [Hkv, n] of ``layer`` hold (physical slots
+        ``old_slots[keep]``), head by head."""
+
+    @abstractmethod
+    def scatter_kept(self, layer: int, table: TableHandle, kept: Any, new_slots: torch.Tensor) -> None:
+        """After a compaction: ``kept`` (from ``gather_kept``) becomes slot indices 0..n-1 at ``new_slots``
+        (``compacted_slots(n)`` of them)."""
+
+    def compacted_slots(self, n: int) -> int:
+        """How many physical slots ``scatter_kept`` of n kept tokens writes (a codec rounds up to its group)."""
+        return n
+
+    # --- reads ----------------------------------------------------------------------------------
+    @abstractmethod
+    def layer_kv(self, layer: int) -> tuple[Any, Any]:
+        """(keys, values) of one layer, each indexable as ``x.flatten(0, 1)[slots]`` -> [n, Hkv, D] (post-RoPE
+        keys): tensors [num_pages, page_size, Hkv, D], or readers that decode on indexing."""
+
+    def view(self, common: dict[str, Any], tables: list[TableHandle], num_new_tokens: list[int],
+             layer: int) -> PagedView:
+        """The attention view of ``layer`` over ``tables`` from the page-table fields in ``common``."""
+        from engine.contract.view import PagedView
+
+        return PagedView(**common)
+
+    def layer_view(self, view: PagedView, layer: int) -> PagedView:
+        """The view of ``layer`` when its tables and lengths equal ``view``'s (``per_layer_views`` storages)."""
+        return view

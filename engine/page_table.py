@@ -1,0 +1,85 @@
+"""A request's page table and the arithmetic from slot indices to physical slots.
+
+Slot ``s`` of a table lives in page ``pages[s // page_size]`` at offset ``s % page_size``: physical slot
+``pages[s // page_size] * page_size + s % page_size``. Until an eviction method compacts a table, slot ``s``
+holds logical position ``s`` in every layer and head; after, each layer has its own length
+(``layer_lens``) and each (layer, head) slot its own logical position (``kept_positions`` for the kept slots,
+then the tokens appended since, in order).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.prefix_index import PageKey
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(slots=True)
+class PageTable:
+    pages: list[int] = field(default_factory=list)
+    keys: list[PageKey] = field(default_factory=list)  # keys of the leading full, published pages
+    num_slots: int = 0  # slots in use in the longest layer
+    layer_lens: list[int] | None = None  # per-layer slots in use, once compacted
+    kept_positions: list[torch.Tensor] | None = None  # per layer [Hkv, n]: logical position of each kept slot
+    host_row: np.ndarray | None = None  # int32 copy of ``pages`` for building block tables; None = stale
+    compacted_at: int = 0  # logical length at the last compaction; later slots are appended tokens
+    window: int | None = None  # the storage's per-table working state (a codec's window), held while running
+
+    @property
+    def is_compacted(self) -> bool:
+        return self.layer_lens is not None
+
+    def is_uniform(self) -> bool:
+        return self.layer_lens is None or min(self.layer_lens) == max(self.layer_lens)
+
+    def layer_len(self, layer: int) -> int:
+        return self.num_slots if self.layer_lens is None else self.layer_lens[layer]
+
+    def pages_row(self) -> np.ndarray:
+        if self.host_row is None:
+            self.host_row = np.asarray(self.pages, dtype=np.int32)
+        return self.host_row
+
+    def pages_tensor(self) -> torch.Tensor:
+        """The cached row as an int32 host tensor (shares its memory; treat it as read-only)."""
+        return torch.from_numpy(self.pages_row())
+
+    def positions(self, layer: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+        """[num_kv_heads, layer_len(layer)] int64: the logical position each slot of each KV head holds."""
+        if self.kept_positions is None:
+            return torch.arange(self.num_slots, device=device).expand(num_kv_heads, -1)
+        kept = self.kept_positions[layer]
+        appended = torch.arange(self.compacted_at, self.compacted_at + self.layer_len(layer) - kept.shape[1],
+                                device=device)
+        return torch.cat([kept, appended.expand(num_kv_heads, -1)], dim=1)
+
+
+def physical_slots(pages: list[int], start: int, n: int, page_size: int, device: torch.device) -> torch.Tensor:
+    """Physical slots of slot indices ``start .. start + n - 1`` over ``pages`` ([n] int64 on ``device``), built
+    in numpy: a 128K-slot fill or restore calls this once per layer."""
+    if n <= 0:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    ps = page_size
+    first = start // ps
+    rows = np.asarray(pages[first:(start + n - 1) // ps + 1], dtype=np.int64)
+    slots = (rows[:, None] * ps + np.arange(ps, dtype=np.int64)).ravel()[start - first * ps:][:n]
+    return torch.from_numpy(slots).to(device)
+
+
+def extend_slot_list(pages: list[int], start: int, n: int, page_size: int, out: list[int]) -> None:
+    """Append the physical slots of slot indices ``start .. start + n - 1`` to ``out`` (a step's few new slots)."""
+    ps = page_size
+    pos, end = start, start + n
+    while pos < end:
+        page, off = divmod(pos, ps)
+        take = min(ps - off, end - pos)
+        base = pages[page] * ps + off
+        out.extend(range(base, base + take))
+        pos += take
