@@ -15,6 +15,12 @@ markup never as text, whitespace as ``strip_tool_calls`` leaves it. A stream giv
 ``BlockWriter``): each text block as it is released, each tool_use block as soon as its markup is complete.
 ``tool_choice`` ``any`` / ``tool`` become the turn's ``sampling.tool_choice`` (``required`` / the named function;
 docs/structured-outputs.md), so constrained decoding makes the reply those calls and nothing else.
+
+A model that thinks (agentrt.reasoning) has its think block as a ``thinking`` block first (streamed as
+``thinking_delta`` events, then a ``signature_delta``; the signature is the constant ``THINKING_SIGNATURE``);
+the request's ``thinking`` is the chat template's ``enable_thinking`` (``enabled``: on, ``disabled``: off,
+``adaptive`` or none: the template's default). Thinking blocks a client sends back in assistant messages are
+skipped: the conversation's chain holds the reasoning as generated.
 """
 
 from __future__ import annotations
@@ -39,13 +45,17 @@ from agentrt.anthropic_types import (ClearToolUsesApplied, ClearToolUsesEdit, Co
                                      CountTokensContextManagement, CountTokensRequest, CountTokensResponse,
                                      DocumentBlockParam, ImageBlockParam, InputJSONDelta, InputTokens, Message,
                                      MessageDelta, MessageDeltaEvent, MessagesRequest, MessageStartEvent,
-                                     MessageStopEvent, RedactedThinkingBlockParam, SearchResultBlockParam, StopReason,
-                                     TextBlock, TextBlockParam, TextDelta, ThinkingBlockParam, ToolChoice,
-                                     ToolChoiceAny, ToolChoiceNone, ToolChoiceTool, ToolParam, ToolResultBlockParam,
-                                     ToolUseBlock, ToolUseBlockParam, ToolUses, Usage)
+                                     MessageStopEvent, RedactedThinkingBlockParam, SearchResultBlockParam,
+                                     SignatureDelta, StopReason, TextBlock, TextBlockParam, TextDelta, Thinking,
+                                     ThinkingAdaptive, ThinkingBlock, ThinkingBlockParam, ThinkingDelta,
+                                     ThinkingDisabled, ThinkingEnabled, ToolChoice, ToolChoiceAny, ToolChoiceNone,
+                                     ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlock, ToolUseBlockParam,
+                                     ToolUses, Usage)
 from agentrt.chat import Message as ChainMessage
+from agentrt.chat import template_kwargs
 from agentrt.errors import ModelNotFound, bad_field
 from agentrt.implicit_chains import ImplicitChains, Resolved, arguments_value, implicit_chains_of, turn_create
+from agentrt.reasoning import parser as reasoning_parser
 from agentrt.tool_call_stream import ToolCallStream
 from engine.structured_output import schema_error
 from sdk.schema import FunctionDef, PruneRequest, Tool, ToolCall, TurnDelta, TurnResult
@@ -59,6 +69,7 @@ log = logging.getLogger(__name__)
 CLOSE_TAG = "</tool_call>"
 DEFAULT_TRIGGER_TOKENS = 100_000  # clear_tool_uses_20250919's defaults
 DEFAULT_KEEP_TOOL_USES = 3
+THINKING_SIGNATURE = "agentrt-unsigned"  # every thinking block's: opaque to clients, never checked here
 
 
 class ChainMoved(HTTPException):
@@ -78,13 +89,14 @@ class Conversation:
     prefix: str | None  # a final assistant message's text: the reply continues it
 
 
-def _refuse_block(block: Any, key: str) -> None:
+def _refuse_block(block: Any, key: str, thinks: bool = False, assistant: bool = False) -> None:
+    """``thinks``: the model thinks, so thinking blocks are taken in an ``assistant`` message."""
     if isinstance(block, (ImageBlockParam, DocumentBlockParam, SearchResultBlockParam)):
         kind = block.__struct_config__.tag
         raise bad_field(f"{key}.type", f"this model takes text only, not {kind!r} blocks")
-    if isinstance(block, (ThinkingBlockParam, RedactedThinkingBlockParam)):
-        raise bad_field(f"{key}.type", "this server's model does not think and returns no thinking blocks: leave "
-                                       "them out")
+    if isinstance(block, (ThinkingBlockParam, RedactedThinkingBlockParam)) and not (thinks and assistant):
+        raise bad_field(f"{key}.type", "thinking blocks belong in assistant messages" if thinks else
+                        "this server's model does not think and returns no thinking blocks: leave them out")
 
 
 def _tool_result_text(block: ToolResultBlockParam, key: str) -> str:
@@ -99,7 +111,17 @@ def _tool_result_text(block: ToolResultBlockParam, key: str) -> str:
     return f"Error: {text}" if block.is_error else text
 
 
-def conversation(req: MessagesRequest | CountTokensRequest) -> Conversation:
+def enable_thinking(thinking: Thinking | None) -> bool | None:
+    """The chat template's ``enable_thinking`` for a request's ``thinking`` (None: the template's default)."""
+    if isinstance(thinking, ThinkingEnabled):
+        return True
+    if isinstance(thinking, ThinkingDisabled):
+        return False
+    return None
+
+
+def conversation(req: MessagesRequest | CountTokensRequest, thinks: bool = False) -> Conversation:
+    """``thinks``: the model thinks, so thinking blocks in assistant messages are taken (and skipped)."""
     system = req.system if isinstance(req.system, str) or req.system is None else \
         "\n".join(b.text for b in req.system) if req.system else None
     # the chain routes' form, key order included: the chat template renders the tools as JSON in that order
@@ -115,9 +137,11 @@ def conversation(req: MessagesRequest | CountTokensRequest) -> Conversation:
         if m.role == "assistant":
             texts, calls = [], []
             for j, b in enumerate(blocks):
-                _refuse_block(b, f"{key}.content[{j}]")
+                _refuse_block(b, f"{key}.content[{j}]", thinks, assistant=True)
                 if isinstance(b, ToolResultBlockParam):
                     raise bad_field(f"{key}.content[{j}].type", "tool_result blocks belong in user messages")
+                if isinstance(b, (ThinkingBlockParam, RedactedThinkingBlockParam)):
+                    continue  # the chain holds the reasoning as generated; history from elsewhere drops it
                 if isinstance(b, TextBlockParam):
                     texts.append(b.text)
                 else:
@@ -134,7 +158,7 @@ def conversation(req: MessagesRequest | CountTokensRequest) -> Conversation:
             continue
         texts = []
         for j, b in enumerate(blocks):
-            _refuse_block(b, f"{key}.content[{j}]")
+            _refuse_block(b, f"{key}.content[{j}]", thinks)
             if isinstance(b, ToolUseBlockParam):
                 raise bad_field(f"{key}.content[{j}].type", "tool_use blocks belong in assistant messages")
             if isinstance(b, TextBlockParam):
@@ -218,20 +242,32 @@ BlockEvent = ContentBlockStartEvent | ContentBlockDeltaEvent | ContentBlockStopE
 class BlockWriter:
     """Generated text, fed in any pieces, to content blocks and the stream events that build them; the blocks
     do not depend on how the text was cut (a piece is split after each closing tag, so that the text before a
-    call is released before the call)."""
+    call is released before the call). A thinking model's think block becomes a thinking block first."""
 
-    def __init__(self, parse_calls: bool = True, prefix: str | None = None):
+    def __init__(self, parse_calls: bool = True, prefix: str | None = None, thinking: bool | None = None,
+                 show_thinking: bool = True):
         """``prefix``: the text the reply continues (a final assistant message), not part of the reply: parsed
-        first, so that the reply's leading whitespace is kept and a tool call opened in it still completes."""
+        first, so that the reply's leading whitespace is kept and a tool call (or think block) opened in it still
+        completes. ``thinking``: ``ChatRenderer.thinking`` of the prompt (None: the model does not think);
+        ``show_thinking`` False: thinking blocks carry no text (``display: "omitted"``)."""
         self.parser = ToolCallStream() if parse_calls else None
+        self.reasoning = reasoning_parser(thinking)
+        self.show_thinking = show_thinking
         self.blocks: list[ContentBlock] = []
-        self._open = False  # the last block is a text block still growing
+        self._open = False  # the last block is still growing
         self._tail = ""  # the end of the text fed so far, where a closing tag may have begun
-        if prefix and self.parser is not None:
+        if prefix and (self.parser is not None or self.reasoning is not None):
             self.feed(prefix)
             self.blocks, self._open = [], False
 
     def feed(self, text: str) -> list[BlockEvent]:
+        events: list[BlockEvent] = []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.feed(text)
+            events += self._thinking(thought)
+        return events + self._content(text)
+
+    def _content(self, text: str) -> list[BlockEvent]:
         if self.parser is None:
             return self._text(text)
         events: list[BlockEvent] = []
@@ -244,15 +280,15 @@ class BlockWriter:
 
     def finish(self) -> list[BlockEvent]:
         events: list[BlockEvent] = []
+        if self.reasoning is not None:
+            thought, text = self.reasoning.finish()
+            events += self._thinking(thought) + self._content(text)
         if self.parser is not None:
             content, calls = self.parser.finish()
             events += self._text(content)
             for call in calls:
                 events += self._call(call)
-        if self._open:
-            events.append(ContentBlockStopEvent(index=len(self.blocks) - 1))
-            self._open = False
-        return events
+        return events + self._close()
 
     def whole(self, text: str) -> list[ContentBlock]:
         self.feed(text)
@@ -270,11 +306,38 @@ class BlockWriter:
         self._tail = joined[-(len(CLOSE_TAG) - 1):]
         return [p for p in pieces if p]
 
+    def _close(self) -> list[BlockEvent]:
+        """Close the open block (a thinking block gets its signature first)."""
+        if not self._open:
+            return []
+        self._open = False
+        index = len(self.blocks) - 1
+        events: list[BlockEvent] = []
+        if isinstance(self.blocks[index], ThinkingBlock):
+            events.append(ContentBlockDeltaEvent(index=index, delta=SignatureDelta(signature=THINKING_SIGNATURE)))
+        return events + [ContentBlockStopEvent(index=index)]
+
+    def _thinking(self, thought: str) -> list[BlockEvent]:
+        if not thought:
+            return []
+        events: list[BlockEvent] = []
+        if not (self._open and isinstance(self.blocks[-1], ThinkingBlock)):
+            events += self._close()
+            self.blocks.append(ThinkingBlock(thinking="", signature=THINKING_SIGNATURE))
+            events.append(ContentBlockStartEvent(index=len(self.blocks) - 1,
+                                                 content_block=ThinkingBlock(thinking="", signature="")))
+            self._open = True
+        if self.show_thinking:
+            cast(ThinkingBlock, self.blocks[-1]).thinking += thought
+            events.append(ContentBlockDeltaEvent(index=len(self.blocks) - 1, delta=ThinkingDelta(thinking=thought)))
+        return events
+
     def _text(self, content: str) -> list[BlockEvent]:
         if not content:
             return []
         events: list[BlockEvent] = []
-        if not self._open:
+        if not (self._open and isinstance(self.blocks[-1], TextBlock)):
+            events += self._close()
             self.blocks.append(TextBlock(text=""))
             events.append(ContentBlockStartEvent(index=len(self.blocks) - 1, content_block=TextBlock(text="")))
             self._open = True
@@ -284,10 +347,7 @@ class BlockWriter:
         return events
 
     def _call(self, call: ToolCall) -> list[BlockEvent]:
-        events: list[BlockEvent] = []
-        if self._open:
-            events.append(ContentBlockStopEvent(index=len(self.blocks) - 1))
-            self._open = False
+        events = self._close()
         block = ToolUseBlock(id=f"toolu_{call.id.removeprefix('call_')}", name=call.function.name,
                              input=tool_input(call))
         self.blocks.append(block)
@@ -318,6 +378,8 @@ class Pending:
     prefix: str | None
     stop_sequences: list[str]
     context_management: ContextManagementResponse | UnsetType = UNSET
+    thinking: bool | None = None  # None: the model does not think; else the prompt left a think block open
+    show_thinking: bool = True  # False: ``display: "omitted"``
 
     async def close(self) -> None:
         """For a response that ended before its stream was consumed (client gone)."""
@@ -362,21 +424,26 @@ class MessagesService:
         parse_calls, forced_calls = check_tool_choice(req.tool_choice, req.tools)
         sampling.update(forced_calls)
         edit = _clear_tool_uses(req)
-        conv = conversation(req)
+        renderer = self.chains.renderer.renderer
+        conv = conversation(req, thinks=renderer.think is not None)
         session = req.metadata.user_id if req.metadata is not None else None
         async with self.implicit.resolve(tenant, session, conv.system, conv.tools, conv.messages,
                                          conv.names) as resolved:
             managed: ContextManagementResponse | UnsetType = UNSET
             if req.context_management is not None:
-                managed = await self._clear_tool_uses(tenant, resolved, edit, conv)
+                with template_kwargs(enable_thinking=enable_thinking(req.thinking)):
+                    managed = await self._clear_tool_uses(tenant, resolved, edit, conv)
             data = turn_create(conv.messages[resolved.offset:], sampling, conv.prefix, req.stream)
-            turn = await self.chains.start_turn(resolved.chain_id, data, tenant=tenant)
+            with template_kwargs(enable_thinking=enable_thinking(req.thinking)):
+                turn = await self.chains.start_turn(resolved.chain_id, data, tenant=tenant)
             if turn.state.num_turns != resolved.state.num_turns:
                 await turn.close()
                 raise ChainMoved(detail="the conversation's chain gained a turn through another route meanwhile: "
                                         "retry")
+        omitted = isinstance(req.thinking, (ThinkingEnabled, ThinkingAdaptive)) and req.thinking.display == "omitted"
         return Pending(id=f"msg_{uuid.uuid4().hex[:24]}", turn=turn, resolved=resolved, parse_calls=parse_calls,
-                       prefix=conv.prefix, stop_sequences=sampling["stop"], context_management=managed)
+                       prefix=conv.prefix, stop_sequences=sampling["stop"], context_management=managed,
+                       thinking=renderer.thinking(turn.prompt), show_thinking=not omitted)
 
     async def create(self, req: MessagesRequest, tenant: str) -> tuple[Message, Resolved]:
         pending = await self.start(req, tenant)
@@ -385,7 +452,7 @@ class MessagesService:
         finally:
             await pending.close()
         text = result.message.content[len(pending.prefix or ""):]
-        blocks = BlockWriter(pending.parse_calls, pending.prefix).whole(text)
+        blocks = BlockWriter(pending.parse_calls, pending.prefix, pending.thinking, pending.show_thinking).whole(text)
         reason, sequence = self._stop(result, pending, blocks)
         message = Message(id=pending.id, type="message", role="assistant", content=blocks, model=self.model_name,
                           stop_reason=reason, stop_sequence=sequence, usage=usage(result, pending.resolved.imported),
@@ -398,7 +465,7 @@ class MessagesService:
         start = Message(id=pending.id, type="message", role="assistant", content=[], model=self.model_name,
                         stop_reason=None, stop_sequence=None, usage=_expected_usage(pending))
         yield _sse(MessageStartEvent(message=start))
-        writer = BlockWriter(pending.parse_calls, pending.prefix)
+        writer = BlockWriter(pending.parse_calls, pending.prefix, pending.thinking, pending.show_thinking)
         try:
             result: TurnResult | None = None
             async with aclosing(pending.turn.events()) as events:
@@ -428,23 +495,24 @@ class MessagesService:
         check_tool_choice(req.tool_choice, req.tools)
         if req.mcp_servers:
             raise bad_field("mcp_servers", "this server connects to no MCP servers: leave it out or empty")
-        conv = conversation(req)
+        renderer = self.chains.renderer
+        conv = conversation(req, thinks=renderer.renderer.think is not None)
         if not conv.messages:
             raise bad_field("messages", "must hold a user message")
-        renderer = self.chains.renderer
         found = await self.implicit.peek(tenant, conv.system, conv.tools, conv.messages)
         new = conv.messages[found[1]:] if found is not None else []
-        if found is not None and not any(m["role"] == "assistant" for m in new):
-            state = found[0]
-            new = ([state.system_message()] if state.num_turns == 0 else []) + new
-            last = state.token_ids[-1] if state.token_ids else None
-            appended = await renderer.append(state.history, new, state.row.tools, last, conv.prefix)
-            count = len(state.token_ids) + len(appended.token_ids)
-        else:
-            system = {"role": "system", "content": self.config.default_system_prompt if conv.system is None
-                      else conv.system}
-            appended = await renderer.append([], [system, *conv.messages], conv.tools, None, conv.prefix)
-            count = len(appended.token_ids)
+        with template_kwargs(enable_thinking=enable_thinking(req.thinking)):
+            if found is not None and not any(m["role"] == "assistant" for m in new):
+                state = found[0]
+                new = ([state.system_message()] if state.num_turns == 0 else []) + new
+                last = state.token_ids[-1] if state.token_ids else None
+                appended = await renderer.append(state.history, new, state.row.tools, last, conv.prefix)
+                count = len(state.token_ids) + len(appended.token_ids)
+            else:
+                system = {"role": "system", "content": self.config.default_system_prompt if conv.system is None
+                          else conv.system}
+                appended = await renderer.append([], [system, *conv.messages], conv.tools, None, conv.prefix)
+                count = len(appended.token_ids)
         managed = UNSET if req.context_management is None else CountTokensContextManagement(
             original_input_tokens=count)
         return CountTokensResponse(input_tokens=count, context_management=managed)

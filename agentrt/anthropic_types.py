@@ -43,12 +43,18 @@ class SearchResultBlockParam(_Refused, tag_field="type", tag="search_result"):
     pass
 
 
-class ThinkingBlockParam(_Refused, tag_field="type", tag="thinking"):
-    pass
+class ThinkingBlockParam(_Input, tag_field="type", tag="thinking"):
+    """Echoed in an assistant message: skipped, for a model that thinks (the conversation's chain keeps the
+    reasoning as generated); refused for one that does not."""
+
+    thinking: Text
+    signature: str
+    cache_control: CacheControl | None = None
 
 
-class RedactedThinkingBlockParam(_Refused, tag_field="type", tag="redacted_thinking"):
-    pass
+class RedactedThinkingBlockParam(_Input, tag_field="type", tag="redacted_thinking"):
+    data: str
+    cache_control: CacheControl | None = None
 
 
 class ToolUseBlockParam(_Input, tag_field="type", tag="tool_use"):
@@ -112,8 +118,11 @@ class Metadata(_Input):
     user_id: Annotated[str, Meta(max_length=512)] | None = None
 
 
+# a model that thinks (agentrt.reasoning): the chat template's enable_thinking (enabled: true, disabled: false,
+# adaptive: the template's default); no effect on one that does not
 class ThinkingEnabled(_Input, tag_field="type", tag="enabled"):
-    budget_tokens: Annotated[int, Meta(ge=0)]
+    budget_tokens: Annotated[int, Meta(ge=0)]  # no effect: thinking ends when the model closes its block
+    display: Literal["summarized", "omitted"] | None = None  # omitted: thinking blocks carry no text
 
 
 class ThinkingDisabled(_Input, tag_field="type", tag="disabled"):
@@ -121,7 +130,7 @@ class ThinkingDisabled(_Input, tag_field="type", tag="disabled"):
 
 
 class ThinkingAdaptive(_Input, tag_field="type", tag="adaptive"):
-    pass
+    display: Literal["summarized", "omitted"] | None = None
 
 
 Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
@@ -144,7 +153,8 @@ class ClearToolUsesEdit(_Input, tag_field="type", tag="clear_tool_uses_20250919"
 
 
 class ClearThinkingEdit(_Refused, tag_field="type", tag="clear_thinking_20251015"):
-    """Accepted, no effect: this server produces no thinking blocks, so there are none to clear."""
+    """Accepted, no effect: a chain's thinking stays in its KV (a turn's reasoning is part of its generated
+    tokens)."""
 
 
 class ContextManagement(_Input):
@@ -167,7 +177,7 @@ class MessagesRequest(_Input):
     top_k: Annotated[int, Meta(ge=1)] | None = None
     stream: bool = False
     metadata: Metadata | None = None
-    thinking: Thinking | None = None  # accepted, no effect: the served model does not reason
+    thinking: Thinking | None = None  # a thinking model's enable_thinking (above); no effect on another
     context_management: ContextManagement | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted, no effect: one tier
     cache_control: CacheControl | None = None
@@ -198,13 +208,21 @@ class TextBlock(Struct, kw_only=True, tag_field="type", tag="text"):
     citations: None = None
 
 
+class ThinkingBlock(Struct, kw_only=True, tag_field="type", tag="thinking"):
+    """A thinking model's think block (agentrt.reasoning), before the text. ``signature`` is a constant
+    (agentrt.anthropic_messages.THINKING_SIGNATURE): nothing is verified when a client sends the block back."""
+
+    thinking: str
+    signature: str
+
+
 class ToolUseBlock(Struct, kw_only=True, tag_field="type", tag="tool_use"):
     id: str
     name: str
     input: dict[str, Any]
 
 
-ContentBlock = TextBlock | ToolUseBlock
+ContentBlock = ThinkingBlock | TextBlock | ToolUseBlock
 
 
 class Usage(Struct, kw_only=True):
@@ -262,9 +280,17 @@ class InputJSONDelta(Struct, kw_only=True, tag_field="type", tag="input_json_del
     partial_json: str
 
 
+class ThinkingDelta(Struct, kw_only=True, tag_field="type", tag="thinking_delta"):
+    thinking: str
+
+
+class SignatureDelta(Struct, kw_only=True, tag_field="type", tag="signature_delta"):
+    signature: str
+
+
 class ContentBlockDeltaEvent(Struct, kw_only=True, tag_field="type", tag="content_block_delta"):
     index: int
-    delta: TextDelta | InputJSONDelta
+    delta: TextDelta | InputJSONDelta | ThinkingDelta | SignatureDelta
 
 
 class ContentBlockStopEvent(Struct, kw_only=True, tag_field="type", tag="content_block_stop"):

@@ -5,6 +5,11 @@ adding them, the old rendering must be a prefix of the new one (true of ChatML),
 tokenized and appended. Each message's share of that suffix becomes one region. Generated tokens are never
 re-tokenized: the previous assistant message is closed by appending what the template puts after its
 content (``<|im_end|>\\n``, minus a stop token the model already produced).
+
+Per-request template arguments (``enable_thinking``: agentrt.reasoning) reach every rendering inside
+``template_kwargs(...)``, a context variable, so they follow a request through the chain service into the render
+threads. The text a route returns for an assistant message is its content without its reasoning block and its
+tool-call blocks (``strip_tool_calls``); ``parse_tool_calls`` reads calls in that content only.
 """
 
 from __future__ import annotations
@@ -12,10 +17,13 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrt.reasoning import answer_of, opens_think, think_tokens
 from sdk.schema import FunctionCall, RegionKind, ToolCall
 
 Message = dict[str, Any]
@@ -23,6 +31,18 @@ Message = dict[str, Any]
 # one tool call: the opening tag, a JSON object (up to the first `}` that the closing tag follows), the closing tag
 TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 _KINDS: dict[str, RegionKind] = {"system": "system", "user": "user", "tool": "tool_result", "assistant": "assistant"}
+_TEMPLATE_KWARGS: ContextVar[dict[str, Any]] = ContextVar("chat_template_kwargs", default={})
+_MARK = "\u2063agentrt-end-of-content\u2063"  # located in a rendering: where an assistant message's content ends
+
+
+@contextmanager
+def template_kwargs(**kwargs: Any) -> Iterator[None]:
+    """Renderings inside pass ``kwargs`` (those not None) to the chat template, e.g. ``enable_thinking``."""
+    token = _TEMPLATE_KWARGS.set({k: v for k, v in kwargs.items() if v is not None})
+    try:
+        yield
+    finally:
+        _TEMPLATE_KWARGS.reset(token)
 
 
 class TemplateMismatchError(ValueError):
@@ -55,10 +75,16 @@ class ChatRenderer:
         tokenizer.model_max_length = 2**62  # length limits are the engine's to enforce, with a clear error
         self.stop_token_ids = frozenset(stop_token_ids)
         self._added = sorted({str(t) for t in tokenizer.get_added_vocab()}, key=len, reverse=True)
+        self.think = think_tokens(tokenizer)  # None: the model does not think (agentrt.reasoning)
 
     def render(self, messages: list[Message], tools: list[dict] | None, generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+                                                  add_generation_prompt=generation_prompt, **_TEMPLATE_KWARGS.get())
+
+    def thinking(self, prompt_ids: Sequence[int]) -> bool | None:
+        """None when the model does not think; else whether ``prompt_ids`` leave a think block open (the text
+        generated after them starts as reasoning): ``agentrt.reasoning.parser`` takes it."""
+        return None if self.think is None else opens_think(prompt_ids, self.think, self.stop_token_ids)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False)) if text else []
@@ -87,10 +113,20 @@ class ChatRenderer:
         return Appended(self.encode(close), pieces, self.encode(final[pos:] + (assistant_prefix or "")))
 
     def _close(self, history: list[Message], tools: list[dict] | None, base: str, last_token: int | None) -> str:
-        body = self.render(history[:-1], tools, generation_prompt=True) + history[-1]["content"]
-        if not base.startswith(body):
-            raise TemplateMismatchError("the chat template does not keep an assistant message's content verbatim")
-        close = base[len(body):]
+        content = history[-1]["content"]
+        body = self.render(history[:-1], tools, generation_prompt=True) + content
+        if base.startswith(body):
+            close = base[len(body):]
+        else:
+            # the generation prompt holds what the message's own rendering does not (a think block the template
+            # opens, or closes empty: Qwen3's empty ``<think></think>`` with enable_thinking false): what
+            # follows the content in the message's rendering closes it
+            marked = self.render(history[:-1] + [{**history[-1], "content": content + _MARK}], tools)
+            at = marked.rfind(_MARK)
+            close = marked[at + len(_MARK):]
+            if at < 0 or marked[:at] + close != base:
+                raise TemplateMismatchError("the chat template does not keep an assistant message's content "
+                                            "verbatim")
         if last_token in self.stop_token_ids:
             stop_text = self.decode([last_token])
             close = close.removeprefix(stop_text)
@@ -127,11 +163,23 @@ def tool_call_from_json(body: str) -> ToolCall | None:
     return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=obj["name"], arguments=arguments))
 
 
-def parse_tool_calls(text: str) -> list[ToolCall]:
+def calls_in(text: str) -> list[ToolCall]:
     """``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks; malformed ones are skipped."""
     return [call for match in TOOL_CALL_RE.finditer(text) if (call := tool_call_from_json(match.group(1)))]
 
 
-def strip_tool_calls(text: str) -> str:
+def without_calls(text: str) -> str:
     """The text without its tool-call blocks (malformed ones too), stripped of surrounding whitespace."""
     return TOOL_CALL_RE.sub("", text).strip()
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The calls of a generated text: ``calls_in`` its answer (a leading reasoning block is not searched:
+    agentrt.reasoning.answer_of)."""
+    return calls_in(answer_of(text))
+
+
+def strip_tool_calls(text: str) -> str:
+    """A generated text as the routes return its content: without its reasoning block (agentrt.reasoning) and
+    its tool-call blocks (malformed ones too), stripped of surrounding whitespace."""
+    return without_calls(answer_of(text))

@@ -10,6 +10,11 @@ ToolCallStream, so markup never arrives as content, and each call arrives as one
 ``tool_choice: "none"`` leaves the text unparsed: the content is the text as generated, markup and all (the
 tools stay in the prompt, as with OpenAI, so a prefix cached with them still serves).
 
+A model that thinks (agentrt.reasoning) has its think block split off first: ``message.reasoning_content`` (and
+``delta.reasoning_content`` chunks) carries it, the content and the calls are read from what follows it.
+``reasoning_effort`` ("none": off, any other level: on) and ``chat_template_kwargs.enable_thinking`` (which wins)
+become the chat template's ``enable_thinking``.
+
 ``response_format`` (``json_object``, ``json_schema``) and ``tool_choice`` (``"required"``, a named function,
 ``"auto"`` over ``strict`` tools) become the request's grammar (``structured_spec``; docs/structured-outputs.md):
 the engine masks every token that would leave it, so the JSON parses and the tool calls parse and follow their
@@ -31,7 +36,7 @@ import msgspec
 
 from agentrt import chain_completions
 from agentrt.chain_completions import text_of
-from agentrt.chat import Message, parse_tool_calls, strip_tool_calls
+from agentrt.chat import Message, calls_in, template_kwargs, without_calls
 from agentrt.render_pool import RenderPool
 from agentrt.config import ServerConfig
 from agentrt.engine_worker import EngineWorker, RequestStream, prefill_counts
@@ -45,6 +50,7 @@ from agentrt.openai_types import (AssistantMessageIn, ChainCompletion, ChainComp
                                   PromptTokensDetails, RefusalPart, SystemMessage, TextPart, TokenLogprob, ToolCallDelta,
                                   ToolMessage, TopLogprob, UserMessage)
 from agentrt.openai_types import Message as OpenAIMessage
+from agentrt.reasoning import ReasoningParser, parser as reasoning_parser
 from agentrt.tool_call_stream import ToolCallStream
 from engine.errors import InvalidSamplingParamsError
 from engine.outputs import RequestOutput
@@ -59,6 +65,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _LOGPROB_FLOOR = -9999.0  # what OpenAI reports for a token of probability zero (JSON has no -inf)
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # OpenAI's; "none" is off
 
 
 @dataclass(slots=True)
@@ -72,6 +79,7 @@ class Completion:
     logprobs: bool = False
     top_logprobs: int = 0
     turn: PendingTurn | None = None  # with chain_id
+    thinking: bool | None = None  # None: the model does not think; else the prompt left a think block open
 
     async def abort(self) -> None:
         """For a response that ended before its stream was consumed (client gone)."""
@@ -97,7 +105,14 @@ class CompletionService:
     async def start(self, req: ChatCompletionRequest, tenant: str = LOCAL_TENANT) -> Completion:
         if req.model != self.model_name:
             raise ModelNotFound(req.model, self.model_name)
-        check_supported(req)
+        renderer = self.renderer.renderer
+        check_supported(req, thinks=renderer.think is not None)
+        c = await self._start(req, tenant)
+        if c.turn is not None:
+            c.thinking = renderer.thinking(c.turn.prompt)
+        return c
+
+    async def _start(self, req: ChatCompletionRequest, tenant: str) -> Completion:
         if req.chain_id is not None:
             return await self._start_chain(req, tenant)
         if (conv := self._implicit_conversation(req)) is not None:
@@ -108,7 +123,8 @@ class CompletionService:
         tools = msgspec.to_builtins(req.tools) if req.tools else None
         structured, key = structured_spec(req.response_format, req.tool_choice, tools, req.parallel_tool_calls)
         params = self._params(req, structured)
-        prompt = await self.renderer.prompt([_template_message(m) for m in req.messages], tools)
+        with template_kwargs(enable_thinking=enable_thinking(req)):
+            prompt = await self.renderer.prompt([_template_message(m) for m in req.messages], tools)
         try:
             stream = await self.worker.submit(prompt, params)
         except InvalidSamplingParamsError as exc:  # the engine could not compile the grammar
@@ -116,7 +132,8 @@ class CompletionService:
                 raise
             raise bad_field(key, str(exc).removeprefix("structured "), "invalid_value") from None
         return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, stream,
-                          _include_usage(req), req.tool_choice != "none", bool(req.logprobs), req.top_logprobs or 0)
+                          _include_usage(req), req.tool_choice != "none", bool(req.logprobs), req.top_logprobs or 0,
+                          thinking=self.renderer.renderer.thinking(prompt))
 
     async def _start_chain(self, req: ChatCompletionRequest, tenant: str) -> Completion:
         assert req.chain_id is not None
@@ -136,7 +153,8 @@ class CompletionService:
                     "forced_token_ids": p.forced_token_ids, "response_format": req.response_format,
                     "tool_choice": req.tool_choice, "parallel_tool_calls": req.parallel_tool_calls}
         turn_data = chain_completions.turn_request(new, offset, sampling, bool(req.stream))
-        turn = await self.chains.start_turn(req.chain_id, turn_data, tenant=tenant)
+        with template_kwargs(enable_thinking=enable_thinking(req)):
+            turn = await self.chains.start_turn(req.chain_id, turn_data, tenant=tenant)
         if turn.state.num_turns != state.num_turns:  # another request appended a turn meanwhile
             await turn.close()
             raise chain_completions.HistoryDiverged(offset, "the chain gained a turn while this request was read")
@@ -213,7 +231,8 @@ class CompletionService:
         implicit = implicit_chains_for(self.chains)
         async with implicit.resolve(tenant, session, system, tools, messages, names) as resolved:
             data = turn_create(messages[resolved.offset:], sampling, stream=bool(req.stream))
-            turn = await self.chains.start_turn(resolved.chain_id, data, tenant=tenant)
+            with template_kwargs(enable_thinking=enable_thinking(req)):
+                turn = await self.chains.start_turn(resolved.chain_id, data, tenant=tenant)
             if turn.state.num_turns != resolved.state.num_turns:
                 from agentrt.anthropic_messages import ChainMoved
 
@@ -226,7 +245,7 @@ class CompletionService:
     async def complete(self, c: Completion) -> ChatCompletion:
         if c.turn is not None:
             result = await c.turn.result()
-            message, finish = chain_completions.assistant_message(result, c.parse_calls)
+            message, finish = _chain_message(result, c.parse_calls, reasoning_parser(c.thinking))
             return ChainCompletion(id=c.id, created=c.created, model=c.model,
                                    usage=chain_completions.usage(result.usage), chain=_chain_turn(result),
                                    choices=[Choice(index=0, message=message, finish_reason=finish)])
@@ -235,7 +254,8 @@ class CompletionService:
             async for out in outputs:
                 last = out
         last = self._finished(last)
-        message, finish = _message(last.text, last.finish_reason or "stop", c.parse_calls)
+        message, finish = _message(last.text, last.finish_reason or "stop", c.parse_calls,
+                                   reasoning_parser(c.thinking))
         logprobs = None
         if c.logprobs:
             logprobs = self._logprobs(c, last.token_ids, last.logprobs, last.top_logprobs)
@@ -259,6 +279,21 @@ class CompletionService:
                                      for i, t in enumerate(calls)])
 
         parser = ToolCallStream() if c.parse_calls else None
+        thinking = reasoning_parser(c.thinking)
+
+        def split(text: str, final: bool = False) -> tuple[str, str, list[ToolCall]]:
+            """(reasoning, content, calls) that a piece of the text (or its end) releases."""
+            reasoning, rest = "", text
+            if thinking is not None:
+                reasoning, rest = thinking.finish() if final else thinking.feed(text)
+            if parser is None:
+                return reasoning, rest, []
+            content, calls = parser.feed(rest) if rest else ("", [])
+            if final:
+                more, more_calls = parser.finish()
+                content, calls = content + more, calls + more_calls
+            return reasoning, content, calls
+
         try:
             yield chunk(Delta(role="assistant"))
             if c.turn is not None:
@@ -266,16 +301,16 @@ class CompletionService:
                 async with aclosing(c.turn.events()) as events:
                     async for event in events:
                         if isinstance(event, TurnDelta):
-                            text = parser.feed(event.text)[0] if parser else event.text
-                            if text:
-                                yield chunk(Delta(content=text))
+                            reasoning, text, _ = split(event.text)
+                            if reasoning or text:
+                                yield chunk(Delta(reasoning_content=reasoning or None, content=text or None))
                         else:
                             result = event
                 assert result is not None
-                text = parser.finish()[0] if parser else ""
-                if text:
-                    yield chunk(Delta(content=text))
-                message, finish = chain_completions.assistant_message(result, c.parse_calls)
+                reasoning, text, _ = split("", final=True)
+                if reasoning or text:
+                    yield chunk(Delta(reasoning_content=reasoning or None, content=text or None))
+                message, finish = _chain_message(result, c.parse_calls, reasoning_parser(c.thinking))
                 if message.tool_calls:  # the chain's ids: its tool results are matched to its calls by id
                     yield chunk(calls_delta(message.tool_calls, 0))
                 yield chunk(Delta(), finish, chain=_chain_turn(result))
@@ -288,26 +323,28 @@ class CompletionService:
             async with aclosing(c.stream.outputs()) as outputs:
                 async for out in outputs:
                     last = out
-                    text, calls = parser.feed(out.new_text) if parser else (out.new_text, [])
+                    reasoning, text, calls = split(out.new_text)
                     logprobs = None
                     if c.logprobs and out.new_token_ids:
                         n = len(out.new_token_ids)
                         top = out.top_logprobs
                         logprobs = self._logprobs(c, out.new_token_ids, (out.logprobs or [])[-n:],
                                                   top[-n:] if top else None)
-                    if text or logprobs:
-                        yield chunk(Delta(content=text or None), logprobs=logprobs)
+                    if reasoning or text or logprobs:
+                        yield chunk(Delta(reasoning_content=reasoning or None, content=text or None),
+                                    logprobs=logprobs)
                     if calls:
                         yield chunk(calls_delta(calls, sent_calls))
                         sent_calls += len(calls)
             last = self._finished(last)
-            text, calls = parser.finish() if parser else ("", [])
-            if text:
-                yield chunk(Delta(content=text))
+            reasoning, text, calls = split("", final=True)
+            if reasoning or text:
+                yield chunk(Delta(reasoning_content=reasoning or None, content=text or None))
             if calls:
                 yield chunk(calls_delta(calls, sent_calls))
-            _, finish = _message(last.text, last.finish_reason or "stop", c.parse_calls)
-            yield chunk(Delta(), finish)
+                sent_calls += len(calls)
+            finish = last.finish_reason or "stop"
+            yield chunk(Delta(), "tool_calls" if sent_calls and finish == "stop" else finish)
             if c.include_usage:
                 yield chunk(Delta(), usage=self._usage(last), choices=False)
             yield "[DONE]"
@@ -406,9 +443,10 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR = _byte_level_alphabet()
 
 
-def check_supported(req: ChatCompletionRequest) -> None:
+def check_supported(req: ChatCompletionRequest, thinks: bool = False) -> None:
     """Refuse, with a 400 naming the field, what this server cannot do as OpenAI would (docs/server.md has
-    the table of every request field)."""
+    the table of every request field). ``thinks``: the model thinks (agentrt.reasoning), so
+    ``reasoning_effort`` may turn its thinking on or off."""
     def refuse(key: str, why: str, code: str = "unsupported_parameter") -> None:
         raise bad_field(key, why, code)
 
@@ -428,8 +466,11 @@ def check_supported(req: ChatCompletionRequest) -> None:
         refuse("modalities", 'only ["text"]: this model generates text', "unsupported_value")
     if req.audio is not None:
         refuse("audio", "this model generates text only")
-    if req.reasoning_effort not in (None, "none"):
+    if not thinks and req.reasoning_effort not in (None, "none"):
         refuse("reasoning_effort", "this model does not reason: leave it out (or \"none\")", "unsupported_value")
+    if thinks and req.reasoning_effort not in (None, *REASONING_EFFORTS):
+        refuse("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)} (\"none\": no thinking; any "
+                                   "other level turns thinking on)", "invalid_value")
     if req.verbosity is not None:
         refuse("verbosity", "not supported by this model: leave it out")
     if req.web_search_options is not None:
@@ -567,9 +608,44 @@ def _template_message(m: OpenAIMessage) -> Message:
     return out
 
 
-def _message(text: str, finish: str, parse_calls: bool) -> tuple[ChatMessage, str]:
+def enable_thinking(req: ChatCompletionRequest) -> bool | None:
+    """The chat template's ``enable_thinking`` for the request (None: the template's default):
+    ``chat_template_kwargs.enable_thinking``, else ``reasoning_effort`` ("none": False, another level: True)."""
+    if req.chat_template_kwargs is not None and req.chat_template_kwargs.enable_thinking is not None:
+        return req.chat_template_kwargs.enable_thinking
+    return None if req.reasoning_effort is None else req.reasoning_effort != "none"
+
+
+def _split(text: str, reasoning: ReasoningParser | None) -> tuple[str, str]:
+    """(reasoning, the rest) of a whole generated text."""
+    if reasoning is None:
+        return "", text
+    r1, c1 = reasoning.feed(text)
+    r2, c2 = reasoning.finish()
+    return r1 + r2, c1 + c2
+
+
+def _message(text: str, finish: str, parse_calls: bool,
+             reasoning: ReasoningParser | None = None) -> tuple[ChatMessage, str]:
+    thought, text = _split(text, reasoning)
     if not parse_calls:
-        return ChatMessage(content=text or None), finish
-    calls = parse_tool_calls(text)
-    message = ChatMessage(content=strip_tool_calls(text) or None, tool_calls=calls or None)
-    return message, "tool_calls" if calls and finish == "stop" else finish
+        message = ChatMessage(content=text or None)
+    else:
+        calls = calls_in(text)
+        message = ChatMessage(content=without_calls(text) or None, tool_calls=calls or None)
+        finish = "tool_calls" if calls and finish == "stop" else finish
+    if thought:
+        message.reasoning_content = thought
+    return message, finish
+
+
+def _chain_message(result: TurnResult, parse_calls: bool,
+                   reasoning: ReasoningParser | None) -> tuple[ChatMessage, str]:
+    """A chain turn's message as the stateless route gives one, with the chain's calls and their ids (the chain
+    matches its tool results to them by id): those of the text after the think block, its last ones."""
+    message, finish = _message(result.message.content, result.finish_reason, parse_calls, reasoning)
+    if parse_calls:
+        chain_calls = result.message.tool_calls
+        n = min(len(message.tool_calls or []), len(chain_calls))
+        message.tool_calls = chain_calls[len(chain_calls) - n:] or None
+    return message, finish

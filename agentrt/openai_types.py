@@ -1,16 +1,16 @@
 """The OpenAI chat-completions wire types the compatible route reads and writes.
 
 Requests forbid unknown fields, as OpenAI does: a field that is neither OpenAI's nor one of agentrt's extensions
-(``chain_id``, ``forced_token_ids``, ``top_k``, ``min_p``) is a 400 naming it. Every field of OpenAI's request is
-declared; those this server cannot honor are refused by ``agentrt.completions`` with a 400 naming them
-(docs/server.md lists each field and what it does here).
+(``chain_id``, ``forced_token_ids``, ``top_k``, ``min_p``, ``chat_template_kwargs``) is a 400 naming it. Every
+field of OpenAI's request is declared; those this server cannot honor are refused by ``agentrt.completions`` with a
+400 naming them (docs/server.md lists each field and what it does here).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from msgspec import Meta, Struct
+from msgspec import UNSET, Meta, Struct, UnsetType
 
 from sdk.schema import FunctionCall, ToolCall
 
@@ -69,6 +69,8 @@ class AssistantMessageIn(_Message, tag="assistant", kw_only=True):
     annotations: list[Any] | None = None
     audio: Any = None
     function_call: Any = None
+    reasoning_content: str | None = None  # a thinking model's reasoning, echoed: not rendered (the chain keeps it)
+    reasoning: str | None = None  # the same, as some clients name it
 
 
 class ToolMessage(_Message, tag="tool", kw_only=True):
@@ -100,6 +102,12 @@ class Tool(_Strict, kw_only=True):
 class StreamOptions(_Strict, kw_only=True):
     include_usage: bool | None = None
     include_obfuscation: bool | None = None  # no effect: chunks are not padded
+
+
+class ChatTemplateKwargs(_Strict, kw_only=True):
+    """vLLM's and SGLang's ``chat_template_kwargs``: only ``enable_thinking`` (agentrt.reasoning)."""
+
+    enable_thinking: bool | None = None
 
 
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)] | None
@@ -140,7 +148,7 @@ class ChatCompletionRequest(_Strict, kw_only=True):
     presence_penalty: Penalty = None
     logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
     modalities: list[str] | None = None
-    reasoning_effort: str | None = None
+    reasoning_effort: str | None = None  # a thinking model: "none" is thinking off, any other level on
     verbosity: str | None = None
     # refused unless null
     audio: Any = None
@@ -153,12 +161,14 @@ class ChatCompletionRequest(_Strict, kw_only=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     chain_id: Annotated[str, Meta(min_length=1, max_length=64)] | None = None  # resume a chain
     forced_token_ids: list[Annotated[int, Meta(ge=0, le=2**31)]] | None = None  # emitted first (replays, tests)
+    chat_template_kwargs: ChatTemplateKwargs | None = None  # {"enable_thinking": bool}, as vLLM and SGLang take it
 
 
 class ChatMessage(Struct, kw_only=True):
     content: str | None
     role: Literal["assistant"] = "assistant"
     tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | UnsetType = UNSET  # a thinking model's reasoning (vLLM's and SGLang's field)
 
 
 class TopLogprob(Struct, kw_only=True):
@@ -227,6 +237,7 @@ class ToolCallDelta(Struct, kw_only=True):
 class Delta(Struct, kw_only=True, omit_defaults=True):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 
 
@@ -275,3 +286,69 @@ class ErrorResponse(Struct, kw_only=True):
     """OpenAI's error body, on the OpenAI-compatible routes (also as the ``data`` of an SSE event mid-stream)."""
 
     error: ErrorObject
+
+
+# --- the legacy text completions route (POST /v1/completions: agentrt.text_completions) ---------------------
+TokenId = Annotated[int, Meta(ge=0, le=2**31)]
+PromptText = Annotated[str, Meta(min_length=1)]
+# a string, a list of token ids, or a batch: a list of strings or a list of token-id lists (a mix is a 400)
+Prompt = PromptText | Annotated[list[PromptText | TokenId | Annotated[list[TokenId], Meta(min_length=1)]],
+                                Meta(min_length=1)]
+
+
+class TextCompletionRequest(_Strict, kw_only=True):
+    """OpenAI's ``POST /v1/completions`` body; docs/server.md ("Text completions") says what each field does."""
+
+    model: str
+    prompt: Prompt
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None  # OpenAI's default: 16
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # 0: the most likely token only (greedy)
+    n: Annotated[int, Meta(ge=1, le=128)] | None = None
+    stop: Annotated[str, Meta(min_length=1)] | list[Annotated[str, Meta(min_length=1)]] | None = None
+    seed: Annotated[int, Meta(ge=0, le=2**63 - 1)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None  # the K most likely tokens at each position
+    echo: bool | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, no effect: a stateless request
+    # accepted only at their neutral value
+    best_of: Annotated[int, Meta(ge=1, le=128)] | None = None  # null or n
+    frequency_penalty: Penalty = None
+    presence_penalty: Penalty = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    suffix: str | None = None  # null or "": no insertion mode here
+    # agentrt extensions (``ignore_eos`` and ``repetition_penalty`` as vLLM's benchmark clients send them)
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    ignore_eos: bool | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None  # null or 1.0 only
+    forced_token_ids: list[TokenId] | None = None  # emitted first (replays, tests)
+
+
+class TextLogprobs(Struct, kw_only=True):
+    """The legacy form: per generated token its text, its log-probability, the ``logprobs`` most likely tokens at
+    its position (the sampled one added when it is not among them) and its character offset in the choice's text."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class TextChoice(Struct, kw_only=True):
+    text: str
+    index: int
+    logprobs: TextLogprobs | None
+    finish_reason: Literal["stop", "length"] | None  # null in a stream's chunks but each choice's last
+
+
+class TextCompletion(Struct, kw_only=True):
+    """The response, and each chunk of a stream (the usage chunk with ``include_usage`` has no choices)."""
+
+    id: str
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: CompletionUsage | None
+    object: Literal["text_completion"] = "text_completion"

@@ -9,14 +9,20 @@ unions. So every request and response body is described by msgspec's own JSON Sc
 
 Completed per operation, from the handler and the app's configuration:
 
-- statuses: those the route declares (``responses=chain_errors(...)`` / ``openai_errors(...)``), and those the
-  app-wide machinery answers on any route: the auth guard's 401 (every route but the public ones; a keyless
-  server still refuses an invalid ``art_`` key), the body's 413 (``max_body_size``) and 415 (not JSON) on routes
-  with a body, the ``Host`` guard's 400 when it is on; each with its route family's error body (``ErrorBody``, or
-  OpenAI's ``ErrorResponse`` where the OpenAI exception handlers answer);
+- statuses: those the route declares (``responses=chain_errors(...)`` / ``openai_errors(...)`` /
+  ``anthropic_errors(...)``), and those the app-wide machinery answers on any route: the auth guard's 401 (every
+  route but the public ones; a keyless server still refuses an invalid ``art_`` key), the body's 413
+  (``max_body_size``) and 415 (not JSON) on routes with a body, the ``Host`` guard's 400 when it is on; each with
+  its route family's error body (``ErrorBody``; OpenAI's ``ErrorResponse`` where the OpenAI exception handlers
+  answer, Anthropic's where the Anthropic ones do);
 - ``text/event-stream`` for the routes that stream (``opt={EVENT_STREAM: ...}``), one schema per event;
 - the bearer API key: required on guarded routes when auth is on, optional when it is off, none on public routes;
-- links from a created chain (``opt={CREATES: "chain_id"}``) to every operation that takes its id;
+  routes that check the key themselves (``opt={API_KEY_HEADER: "x-api-key"}``: Anthropic's) take it in that header
+  too;
+- links from a created resource (``opt={CREATES: "chain_id"}``: a chain; a response) to every operation that
+  takes its id;
+- example request bodies (``opt={REQUEST_EXAMPLES: {...}}``), with the served model's name;
+- a tagged struct referenced as a field's only type, inlined with its tag optional (as msgspec decodes it);
 - what the server's configuration and model fix and a type cannot carry: ``max_tokens`` at most
   ``max_tokens_per_turn``, forced token ids below the vocabulary size, the served model's name.
 """
@@ -40,6 +46,8 @@ from litestar.openapi.plugins import JsonRenderPlugin, YamlRenderPlugin
 from litestar.response.base import ASGIResponse, Response
 from litestar.routes import HTTPRoute
 
+from agentrt.anthropic_errors import ANTHROPIC_EXCEPTION_HANDLERS
+from agentrt.anthropic_types import ErrorResponse as AnthropicErrorResponse
 from agentrt.config import ServerConfig
 from agentrt.errors import OPENAI_EXCEPTION_HANDLERS
 from agentrt.openai_types import ErrorResponse
@@ -47,12 +55,19 @@ from sdk.schema import ErrorBody
 
 # handler opt: the events of the route's ``text/event-stream`` answer, ``{event name: (data, ...)}``; each data
 # alternative a type (JSON text of it) or a string (that text exactly); the name ``message`` is an event
-# without an ``event:`` line
+# without an ``event:`` line, a name starting with ``^`` a regular expression of the names
 EVENT_STREAM = "agentrt.event_stream"
 # handler opt: the path parameter that the ``id`` of the route's success body fills (a created resource): its
 # response links to every operation that takes that parameter, so clients and testing tools can follow them
 CREATES = "agentrt.creates"
+# handler opt: the route is public to the app-wide guard and checks the API key itself, from ``Authorization:
+# Bearer`` or from this header (the Anthropic routes: ``x-api-key``)
+API_KEY_HEADER = "agentrt.api_key_header"
+# handler opt: example request bodies, ``{name: body}`` (a ``model`` field is set to the served model's name), in
+# the document as the body's ``examples``: what a client sends, and what testing tools send first
+REQUEST_EXAMPLES = "agentrt.request_examples"
 SECURITY_SCHEME = "bearerApiKey"
+HEADER_SECURITY_SCHEME = "headerApiKey"
 REF = "#/components/schemas/{name}"
 JSON = "application/json"
 
@@ -97,13 +112,28 @@ def openai_errors(*statuses: int, descriptions: Mapping[int, str] | None = None)
     return _errors(ErrorResponse, statuses, descriptions or {})
 
 
+def anthropic_errors(*statuses: int, descriptions: Mapping[int, str] | None = None) -> dict[int, ResponseSpec]:
+    """The error responses an Anthropic Messages route itself answers (Anthropic's error object)."""
+    return _errors(AnthropicErrorResponse, statuses, descriptions or {})
+
+
+# the error body of a route family, by the handler its exception handlers answer an HTTPException with
+_ERROR_BODIES: dict[Any, type] = {OPENAI_EXCEPTION_HANDLERS[HTTPException]: ErrorResponse,
+                                  ANTHROPIC_EXCEPTION_HANDLERS[HTTPException]: AnthropicErrorResponse}
+
+
 # --- the document ------------------------------------------------------------------------------------------
 def _alternatives(annotation: Any) -> list[Any]:
-    """The body types of a return annotation: the members of a union, less None and the Response classes
-    (another representation: a stream)."""
+    """The body types of a return annotation: the members of a union, less None and the bare Response classes
+    (another representation: a stream); ``Response[T]`` is a body of ``T``."""
     union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    return [a for a in (typing.get_args(annotation) if union else (annotation,))
-            if a is not type(None) and not _is_response(a)]
+    out = []
+    for a in typing.get_args(annotation) if union else (annotation,):
+        if _is_response(a):
+            out += [t for t in typing.get_args(a) if t is not type(None)]
+        elif a is not type(None):
+            out.append(a)
+    return out
 
 
 def _is_response(tp: Any) -> bool:
@@ -151,6 +181,68 @@ def _fill(node: Any, schemas: list[dict[str, Any]]) -> Any:
     return node
 
 
+def _tagged_structs(types: list[Any]) -> dict[type, str]:
+    """The tagged Struct types reachable from ``types``, with their tag field."""
+    found: dict[type, str] = {}
+    seen: set[int] = set()
+
+    def walk(t: Any) -> None:
+        if id(t) in seen:
+            return
+        seen.add(id(t))
+        if isinstance(t, msgspec.inspect.StructType):
+            if t.tag_field is not None:
+                found[t.cls] = t.tag_field
+            for f in t.fields:
+                walk(f.type)
+        elif isinstance(t, msgspec.inspect.Metadata):
+            walk(t.type)
+        elif isinstance(t, msgspec.inspect.CollectionType):
+            walk(t.item_type)
+        elif isinstance(t, msgspec.inspect.DictType):
+            walk(t.value_type)
+        elif isinstance(t, msgspec.inspect.UnionType):
+            for member in t.types:
+                walk(member)
+
+    for info in msgspec.inspect.multi_type_info(types):
+        walk(info)
+    return found
+
+
+def _lone_tags(types: list[Any], components: dict[str, Any], doc: dict[str, Any]) -> None:
+    """A tagged Struct outside a union of several (a field of that one type) is decoded by msgspec with its tag
+    field optional (a wrong value is still refused), while msgspec's schema requires it everywhere: where such a
+    struct is referenced alone, its schema is inlined with the tag not required, as the decoder reads it.
+    References inside a tagged union (an ``anyOf`` with a ``discriminator``) keep the tag required."""
+    tagged = {}
+    for cls, tag in _tagged_structs(types).items():
+        # msgspec's component name: the class name, or its import path where two classes share the name
+        name = cls.__name__ if cls.__name__ in components else f"{cls.__module__}.{cls.__qualname__}"
+        if components.get(name, {}).get("title") == cls.__name__:
+            tagged[REF.format(name=name)] = (name, tag)
+
+    def relax(node: Any, inlining: frozenset[str] = frozenset()) -> Any:
+        if isinstance(node, list):
+            return [relax(v, inlining) for v in node]
+        if not isinstance(node, dict) or "discriminator" in node:
+            return node
+        if set(node) == {"$ref"} and node["$ref"] in tagged and node["$ref"] not in inlining:
+            name, tag = tagged[node["$ref"]]
+            schema = relax(components[name], inlining | {node["$ref"]})
+            return {**schema, "required": [r for r in schema.get("required", []) if r != tag]}
+        return {k: relax(v, inlining) for k, v in node.items()}
+
+    original = dict(components)
+    for name, schema in original.items():
+        if "properties" in schema:
+            components[name] = {**schema, "properties": relax(schema["properties"])}
+    for item in doc.get("paths", {}).values():
+        for operation in item.values():
+            if isinstance(operation, dict) and "requestBody" in operation:
+                operation["requestBody"] = relax(operation["requestBody"])
+
+
 def _any_of(items: list[dict[str, Any]]) -> dict[str, Any]:
     return items[0] if len(items) == 1 else {"anyOf": items}
 
@@ -165,7 +257,8 @@ def _event_schema(events: Mapping[str, tuple[Any, ...]], schemas: _Schemas) -> d
                      "contentSchema": _any_of([schemas.ref(d) for d in data if not isinstance(d, str)])}
         data_schema = json_data if not literals else {
             "if": {"enum": literals}, "then": {"type": "string"}, "else": json_data}
-        event = {"type": "object", "properties": {"event": {"const": name}, "data": data_schema},
+        named = {"type": "string", "pattern": name} if name.startswith("^") else {"const": name}
+        event = {"type": "object", "properties": {"event": named, "data": data_schema},
                  "required": ["event", "data"] if name != "message" else ["data"]}
         alternatives.append(event)
     return _any_of(alternatives)
@@ -192,26 +285,31 @@ class OpenAPIDocument:
             operation = doc.get("paths", {}).get(path, {}).get(method)
             if operation is None:
                 continue
-            public = bool(handler.opt.get("public"))
+            public = bool(handler.opt.get("public")) and handler.opt.get(API_KEY_HEADER) is None
             guarded |= not public
             self._operation(operation, handler, public, schemas)
         self._links(doc, app)
         built, components = schemas.generate()
         doc["paths"] = _fill(doc.get("paths", {}), built)
+        _lone_tags(schemas.types, components, doc)
         worker = app.state.get("worker")
         self._limits(components, worker.engine.model_config.vocab_size if worker is not None else None)
         if (model := app.state.get("model_name")) is not None:
             _served_model(doc, components, model)
-        doc["components"] = {
-            "schemas": dict(sorted(components.items())),
-            "securitySchemes": {SECURITY_SCHEME: {
-                "type": "http", "scheme": "bearer", "bearerFormat": "art_<key_id>_<secret>",
-                "description": "An API key from `agentrt keys create --tenant NAME`: "
-                               "`Authorization: Bearer art_<key_id>_<secret>`. It selects the tenant. "
-                               + ("Required." if self.config.auth_required else
-                                  "Optional on this loopback server: without one the tenant is `local`; "
-                                  "an `art_` key is still checked.")}},
-        }
+        required = ("Required." if self.config.auth_required else
+                    "Optional on this loopback server: without one the tenant is `local`; an `art_` key is still "
+                    "checked.")
+        security_schemes: dict[str, Any] = {SECURITY_SCHEME: {
+            "type": "http", "scheme": "bearer", "bearerFormat": "art_<key_id>_<secret>",
+            "description": "An API key from `agentrt keys create --tenant NAME`: "
+                           "`Authorization: Bearer art_<key_id>_<secret>`. It selects the tenant. " + required}}
+        headers = {h.opt[API_KEY_HEADER] for _, _, h in _operations(app) if h.opt.get(API_KEY_HEADER)}
+        for header in sorted(headers):
+            security_schemes[HEADER_SECURITY_SCHEME] = {
+                "type": "apiKey", "in": "header", "name": header,
+                "description": f"The same API key in `{header}` (as Anthropic's clients send it), on the routes "
+                               f"that name this scheme; `Authorization: Bearer` works there too. " + required}
+        doc["components"] = {"schemas": dict(sorted(components.items())), "securitySchemes": security_schemes}
         if guarded:
             doc["security"] = [{SECURITY_SCHEME: []}] if self.config.auth_required else [{SECURITY_SCHEME: []}, {}]
         return doc
@@ -219,14 +317,16 @@ class OpenAPIDocument:
     def _operation(self, operation: dict[str, Any], handler: HTTPRouteHandler, public: bool,
                    schemas: _Schemas) -> None:
         signature = handler.parsed_fn_signature
-        openai = handler.resolve_exception_handlers().get(HTTPException) is OPENAI_EXCEPTION_HANDLERS[HTTPException]
-        error_body = ErrorResponse if openai else ErrorBody
+        error_body = _ERROR_BODIES.get(handler.resolve_exception_handlers().get(HTTPException), ErrorBody)
         responses: dict[str, Any] = operation.setdefault("responses", {})
 
         data = signature.parameters.get("data")
         if data is not None:
             operation["requestBody"] = {"required": not data.is_optional,
                                         "content": {JSON: {"schema": schemas.ref(data.annotation)}}}
+            if examples := handler.opt.get(REQUEST_EXAMPLES):
+                operation["requestBody"]["content"][JSON]["examples"] = {
+                    name: {"value": copy.deepcopy(body)} for name, body in examples.items()}
 
         success = responses.get(str(handler.status_code), {})
         bodies = _alternatives(signature.return_type.annotation)
@@ -264,6 +364,9 @@ class OpenAPIDocument:
         operation["responses"] = dict(sorted(responses.items()))
         if public:
             operation["security"] = []
+        elif handler.opt.get(API_KEY_HEADER):
+            operation["security"] = [{SECURITY_SCHEME: []}, {HEADER_SECURITY_SCHEME: []}] + \
+                ([] if self.config.auth_required else [{}])
 
     @staticmethod
     def _links(doc: dict[str, Any], app: Litestar) -> None:
@@ -285,16 +388,27 @@ class OpenAPIDocument:
         ``max_tokens_per_turn``, and forced token ids below the model's vocabulary size."""
         limits: list[tuple[str, str, int]] = [(name, field, self.config.max_tokens_per_turn) for name, field in (
             ("Sampling", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
-            ("ChatCompletionRequest", "max_completion_tokens"))]
+            ("ChatCompletionRequest", "max_completion_tokens"), ("TextCompletionRequest", "max_tokens"),
+            ("ResponsesRequest", "max_output_tokens"), ("MessagesRequest", "max_tokens"))]
         if vocab_size is not None:
-            limits += [("Sampling", "forced_token_ids", vocab_size - 1),
-                       ("ChatCompletionRequest", "forced_token_ids", vocab_size - 1)]
+            limits += [(name, field, vocab_size - 1) for name, field in (
+                ("Sampling", "forced_token_ids"), ("ChatCompletionRequest", "forced_token_ids"),
+                ("TextCompletionRequest", "forced_token_ids"), ("TextCompletionRequest", "prompt"),
+                ("MessagesRequest", "agentrt_forced_token_ids"))]
         for name, field, limit in limits:
             schema = components.get(name, {}).get("properties", {}).get(field)
-            for branch in schema.get("anyOf", [schema]) if schema is not None else []:
-                target = branch.get("items", {}) if branch.get("type") == "array" else branch
-                if target.get("type") == "integer":
-                    target["maximum"] = min(limit, target.get("maximum", limit))
+            if schema is not None:
+                _cap_integers(schema, limit)
+
+
+def _cap_integers(schema: dict[str, Any], limit: int) -> None:
+    """``maximum: limit`` on the integers of ``schema``: itself, its union's branches, its items (nested lists
+    of token ids: a text completion's ``prompt``)."""
+    for branch in schema.get("anyOf", [schema]):
+        if branch.get("type") == "array":
+            _cap_integers(branch.get("items", {}), limit)
+        elif branch.get("type") == "integer":
+            branch["maximum"] = min(limit, branch.get("maximum", limit))
 
 
 def _served_model(doc: dict[str, Any], components: dict[str, Any], model: str) -> None:
@@ -305,14 +419,20 @@ def _served_model(doc: dict[str, Any], components: dict[str, Any], model: str) -
         for branch in chain_model.get("anyOf", [chain_model]):
             if branch.get("type") == "string":
                 branch["enum"] = [model]
-    completion_model = components.get("ChatCompletionRequest", {}).get("properties", {}).get("model")
-    if completion_model is not None:
-        completion_model["examples"] = [model]
+    for request in ("ChatCompletionRequest", "TextCompletionRequest", "ResponsesRequest", "MessagesRequest",
+                    "CountTokensRequest"):
+        completion_model = components.get(request, {}).get("properties", {}).get("model")
+        if completion_model is not None:
+            completion_model["examples"] = [model]
     for item in doc.get("paths", {}).values():
         for operation in item.values():
             for parameter in operation.get("parameters", []) if isinstance(operation, dict) else []:
                 if parameter.get("in") == "path" and parameter.get("name") == "model_id":
                     parameter.setdefault("schema", {})["examples"] = [model]
+            body = operation.get("requestBody", {}) if isinstance(operation, dict) else {}
+            for example in body.get("content", {}).get(JSON, {}).get("examples", {}).values():
+                if "model" in example.get("value", {}):
+                    example["value"]["model"] = model
 
 
 class _Completed:
@@ -343,10 +463,12 @@ def openapi_config(config: ServerConfig) -> OpenAPIConfig:
         title="agentrt",
         version=version,
         description=("Agent sessions on an LLM engine: chains (a conversation whose KV the engine keeps between "
-                     "turns), their turns (JSON or server-sent events), pruning, fork and rewind; and "
-                     "OpenAI-compatible chat completions and models. Chain routes answer errors as "
-                     "`{status_code, detail, extra}`, the OpenAI-compatible routes as OpenAI's "
-                     "`{error: {message, type, param, code}}`. Bodies are decoded strictly: an integer is "
+                     "turns), their turns (JSON or server-sent events), pruning, fork and rewind; "
+                     "OpenAI-compatible chat completions, text completions, responses and models; Anthropic's "
+                     "Messages API. Chain routes answer errors as `{status_code, detail, extra}`, the "
+                     "OpenAI-compatible routes as OpenAI's `{error: {message, type, param, code}}`, the Messages "
+                     "routes as Anthropic's `{type: \"error\", error: {type, message}}`. Bodies are decoded "
+                     "strictly: an integer is "
                      "written as one (`8`, not `8.0`, `8e0` or `\"8\"`), a boolean as `true` / `false`. "
                      "The WebSocket `/v1/chains/{chain_id}/ws` is described in docs/server.md."),
         render_plugins=[_Json(document, path=["/openapi.json", "/"]), _Yaml(document)],

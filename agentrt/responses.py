@@ -13,7 +13,9 @@ input_items answer 404) but it can still be continued with ``previous_response_i
 The output is one ``message`` item holding the reply's text without its tool-call markup (when there is any
 text), then one ``function_call`` item per call, with the chain's call ids. A stream sends the text as it is
 released (agentrt.tool_call_stream) and the calls once the turn has ended, so its items equal the
-non-streamed ones.
+non-streamed ones. A model that thinks (agentrt.reasoning) has its think block as a ``reasoning`` item first
+(``content: [{"type": "reasoning_text", "text"}]``, streamed as ``response.reasoning_text.delta`` events);
+``reasoning.effort`` ("none": off, another level: on) is the chat template's ``enable_thinking``.
 """
 
 from __future__ import annotations
@@ -32,13 +34,16 @@ from litestar.datastructures import State
 from litestar.exceptions import NotFoundException
 from litestar.response import ServerSentEventMessage
 
-from agentrt.chat import strip_tool_calls
+from agentrt.chat import calls_in, template_kwargs, without_calls
+from agentrt.completions import REASONING_EFFORTS
 from agentrt.errors import ModelNotFound, bad_field, openai_error_body
+from agentrt.reasoning import ReasoningParser, split_reasoning
+from agentrt.reasoning import parser as reasoning_parser
 from agentrt.responses_types import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, IncompleteDetails,
                                      InputItem, InputItemList, InputTokensDetails, MessageItem,
-                                     OutputFunctionCall, OutputMessage, OutputText, OutputTextPart,
-                                     OutputTokensDetails, ResponseObject, ResponsesRequest, ResponseUsage,
-                                     ToolChoiceFunction)
+                                     OutputFunctionCall, OutputMessage, OutputReasoning, OutputText, OutputTextPart,
+                                     OutputTokensDetails, ReasoningItem, ReasoningTextPart, ResponseObject,
+                                     ResponsesRequest, ResponseUsage, ToolChoiceFunction)
 from agentrt.tool_call_stream import ToolCallStream
 from engine.structured_output import schema_error
 from sdk.schema import ChainCreate, ForkRequest, RewindRequest, TurnCreate, TurnDelta, TurnResult
@@ -68,6 +73,7 @@ class Pending:
     record: Record
     turn: Any  # agentrt.turns.PendingTurn
     parse_calls: bool
+    thinking: bool | None = None  # None: the model does not think; else the prompt left a think block open
     seq: int = 0
     items: list[Any] = field(default_factory=list)
 
@@ -115,6 +121,15 @@ class ResponseService:
             raise bad_field("truncation", "only 'disabled': a chain is never truncated")
         if req.max_output_tokens is not None and req.max_output_tokens > self.config.max_tokens_per_turn:
             raise bad_field("max_output_tokens", f"must be <= {self.config.max_tokens_per_turn}")
+        forced = req.forced_token_ids or []
+        vocab = self.chains.worker.engine.model_config.vocab_size
+        if len(forced) > (req.max_output_tokens or self.config.max_tokens_per_turn):
+            raise bad_field("forced_token_ids", f"has {len(forced)} tokens, more than max_output_tokens")
+        if any(t >= vocab for t in forced):
+            raise bad_field("forced_token_ids", f"every id must be < the vocabulary size {vocab}")
+        if self.chains.renderer.renderer.think is not None and _effort(req) not in (None, *REASONING_EFFORTS):
+            raise bad_field("reasoning.effort", f"must be one of {', '.join(REASONING_EFFORTS)} (\"none\": no "
+                                                "thinking; any other level turns thinking on)")
 
     def _tools(self, req: ResponsesRequest) -> list[dict[str, Any]] | None:
         """The chain routes' form of the request's tools (None when left out)."""
@@ -136,6 +151,8 @@ class ResponseService:
             "temperature": 0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None or greedy else req.top_p,
             "max_tokens": req.max_output_tokens or self.config.max_tokens_per_turn}
+        if req.forced_token_ids:
+            sampling["forced_token_ids"] = list(req.forced_token_ids)
         choice = req.tool_choice
         if choice in ("required",) or isinstance(choice, ToolChoiceFunction):
             if not tools:
@@ -207,6 +224,8 @@ class ResponseService:
         messages: list[dict[str, Any]] = []
         for i, item in enumerate(items[start:], start):
             key = f"input[{i}]"
+            if isinstance(item, ReasoningItem):
+                continue  # an echoed think block: the chain holds the reasoning as generated
             if isinstance(item, FunctionCallItem):
                 if item.call_id not in echoed:
                     raise bad_field(f"{key}.call_id", "a function_call item must echo a call of the previous "
@@ -242,7 +261,8 @@ class ResponseService:
         try:
             data = _convert({"messages": messages, "sampling": sampling, "stream": bool(req.stream)}, TurnCreate,
                             "input")
-            turn = await self.chains.start_turn(chain_id, data, tenant=tenant)
+            with template_kwargs(enable_thinking=None if _effort(req) is None else _effort(req) != "none"):
+                turn = await self.chains.start_turn(chain_id, data, tenant=tenant)
         except BaseException:
             if made:  # a chain created or forked for this request: not left behind
                 try:
@@ -264,7 +284,8 @@ class ResponseService:
             previous_response_id=req.previous_response_id, metadata=req.metadata or {},
             text=msgspec.to_builtins(req.text) if req.text is not None and req.text.format is not None
             else {"format": {"type": "text"}}, store=stored)
-        return Pending(response=response, record=record, turn=turn, parse_calls=parse_calls)
+        return Pending(response=response, record=record, turn=turn, parse_calls=parse_calls,
+                       thinking=self.chains.renderer.renderer.thinking(turn.prompt))
 
     # --- the response -------------------------------------------------------------------------------------
     def _finish(self, pending: Pending, result: TurnResult, output: list[Any]) -> ResponseObject:
@@ -276,21 +297,47 @@ class ResponseService:
             incomplete_details=IncompleteDetails(reason="max_output_tokens") if result.finish_reason == "length"
             else None,
             usage=ResponseUsage(input_tokens=u.prompt_tokens, input_tokens_details=InputTokensDetails(
-                cached_tokens=cached), output_tokens=u.completion_tokens, output_tokens_details=OutputTokensDetails(),
+                cached_tokens=cached), output_tokens=u.completion_tokens,
+                output_tokens_details=OutputTokensDetails(reasoning_tokens=self._reasoning_tokens(pending, result)),
                 total_tokens=u.prompt_tokens + u.completion_tokens))
         pending.record.turn = result.turn
         pending.record.response = response
         self.records[response.id] = pending.record
         return response
 
-    def _output(self, result: TurnResult, parse_calls: bool, message_id: str | None = None) -> list[Any]:
-        text = strip_tool_calls(result.message.content) if parse_calls else result.message.content
+    def _reasoning_tokens(self, pending: Pending, result: TurnResult) -> int:
+        """The generated tokens of the think block: up to its closing tag, or all of them when it never closed."""
+        think = self.chains.renderer.renderer.think
+        if pending.thinking is None or think is None:
+            return 0
+        parser = ReasoningParser(pending.thinking)
+        parser.feed(result.message.content)
+        parser.finish()
+        state = self.chains.states.get(result.chain_id)
+        n = result.usage.completion_tokens
+        if not parser.found or state is None or not n:
+            return 0
+        generated = state.token_ids[-n:]
+        return generated.index(think.close_id) + 1 if think.close_id in generated else n
+
+    def _output(self, result: TurnResult, pending: Pending, message_id: str | None = None,
+                reasoning_id: str | None = None) -> list[Any]:
+        thought, text = "", result.message.content
+        if pending.thinking is not None:
+            thought, text = split_reasoning(text, pending.thinking)
+        calls = []
+        if pending.parse_calls:
+            chain_calls = result.message.tool_calls  # the chain's ids: its tool results are matched to them
+            calls = chain_calls[len(chain_calls) - min(len(calls_in(text)), len(chain_calls)):]
+            text = without_calls(text)
         output: list[Any] = []
+        if thought:
+            output.append(OutputReasoning(id=reasoning_id or _new_id("rs"),
+                                          content=[ReasoningTextPart(text=thought)]))
         if text:
             output.append(OutputMessage(id=message_id or _new_id("msg"), content=[OutputTextPart(text=text)]))
-        if parse_calls:
-            output += [OutputFunctionCall(id=_new_id("fc"), call_id=c.id, name=c.function.name,
-                                          arguments=c.function.arguments) for c in result.message.tool_calls]
+        output += [OutputFunctionCall(id=_new_id("fc"), call_id=c.id, name=c.function.name,
+                                      arguments=c.function.arguments) for c in calls]
         return output
 
     async def create(self, req: ResponsesRequest, tenant: str) -> ResponseObject:
@@ -299,7 +346,7 @@ class ResponseService:
             result = await pending.turn.result()
         finally:
             await pending.turn.close()
-        return self._finish(pending, result, self._output(result, pending.parse_calls))
+        return self._finish(pending, result, self._output(result, pending))
 
     def _event(self, pending: Pending, kind: str, **body: Any) -> ServerSentEventMessage:
         data = {"type": kind, "sequence_number": pending.seq, **msgspec.to_builtins(body)}
@@ -311,7 +358,41 @@ class ResponseService:
         yield ev(pending, "response.created", response=pending.response)
         yield ev(pending, "response.in_progress", response=pending.response)
         parser = ToolCallStream() if pending.parse_calls else None
-        msg_id, text = _new_id("msg"), ""
+        thinking = reasoning_parser(pending.thinking)
+        rs_id, msg_id = _new_id("rs"), _new_id("msg")
+        thought, text = "", ""
+        thought_done = False  # the reasoning item's done events were sent
+
+        def close_reasoning() -> list[ServerSentEventMessage]:
+            nonlocal thought_done
+            if not thought or thought_done:
+                return []
+            thought_done = True
+            part = ReasoningTextPart(text=thought)
+            return [ev(pending, "response.reasoning_text.done", item_id=rs_id, output_index=0, content_index=0,
+                       text=thought),
+                    ev(pending, "response.content_part.done", item_id=rs_id, output_index=0, content_index=0,
+                       part=part),
+                    ev(pending, "response.output_item.done", output_index=0,
+                       item=OutputReasoning(id=rs_id, content=[part]))]
+
+        def deltas(piece: str, final: bool = False) -> list[ServerSentEventMessage]:
+            nonlocal thought, text
+            reasoning, rest = "", piece
+            if thinking is not None:
+                reasoning, rest = thinking.finish() if final else thinking.feed(piece)
+            out = self._reasoning_delta(pending, rs_id, thought, reasoning)
+            thought += reasoning
+            if parser is not None:
+                rest = parser.feed(rest)[0] if rest else ""
+                if final:
+                    rest += parser.finish()[0]
+            if rest:
+                out += close_reasoning()
+                out += self._text_delta(pending, msg_id, 1 if thought else 0, text, rest)
+                text += rest
+            return out
+
         try:
             result: TurnResult | None = None
             async with aclosing(pending.turn.events()) as stream:
@@ -319,26 +400,21 @@ class ResponseService:
                     if not isinstance(event, TurnDelta):
                         result = event
                         continue
-                    delta = parser.feed(event.text)[0] if parser is not None else event.text
-                    for e in self._text_delta(pending, msg_id, text, delta):
+                    for e in deltas(event.text):
                         yield e
-                    text += delta
             assert result is not None
-            if parser is not None:
-                delta = parser.finish()[0]
-                for e in self._text_delta(pending, msg_id, text, delta):
-                    yield e
-                text += delta
-            output = self._output(result, pending.parse_calls, msg_id)
-            index = 0
+            for e in deltas("", final=True) + close_reasoning():
+                yield e
+            output = self._output(result, pending, msg_id, rs_id)
+            index = 1 if thought else 0
             if text:
                 part = OutputTextPart(text=text)
-                yield ev(pending, "response.output_text.done", item_id=msg_id, output_index=0, content_index=0,
+                yield ev(pending, "response.output_text.done", item_id=msg_id, output_index=index, content_index=0,
                          text=text, logprobs=[])
-                yield ev(pending, "response.content_part.done", item_id=msg_id, output_index=0, content_index=0,
-                         part=part)
-                yield ev(pending, "response.output_item.done", output_index=0, item=output[0])
-                index = 1
+                yield ev(pending, "response.content_part.done", item_id=msg_id, output_index=index,
+                         content_index=0, part=part)
+                yield ev(pending, "response.output_item.done", output_index=index, item=output[index])
+                index += 1
             for item in output[index:]:
                 added = msgspec.structs.replace(item, arguments="", status="in_progress")
                 yield ev(pending, "response.output_item.added", output_index=index, item=added)
@@ -357,16 +433,31 @@ class ResponseService:
             yield ev(pending, "error", code=error.get("code"), message=error.get("message", str(exc)),
                      param=error.get("param"))
 
-    def _text_delta(self, pending: Pending, msg_id: str, before: str, delta: str) -> list[ServerSentEventMessage]:
+    def _reasoning_delta(self, pending: Pending, rs_id: str, before: str,
+                         delta: str) -> list[ServerSentEventMessage]:
+        if not delta:
+            return []
+        events = []
+        if not before:
+            item = OutputReasoning(id=rs_id, content=[], status="in_progress")
+            events.append(self._event(pending, "response.output_item.added", output_index=0, item=item))
+            events.append(self._event(pending, "response.content_part.added", item_id=rs_id, output_index=0,
+                                      content_index=0, part=ReasoningTextPart(text="")))
+        events.append(self._event(pending, "response.reasoning_text.delta", item_id=rs_id, output_index=0,
+                                  content_index=0, delta=delta))
+        return events
+
+    def _text_delta(self, pending: Pending, msg_id: str, index: int, before: str,
+                    delta: str) -> list[ServerSentEventMessage]:
         if not delta:
             return []
         events = []
         if not before:
             item = OutputMessage(id=msg_id, content=[], status="in_progress")
-            events.append(self._event(pending, "response.output_item.added", output_index=0, item=item))
-            events.append(self._event(pending, "response.content_part.added", item_id=msg_id, output_index=0,
+            events.append(self._event(pending, "response.output_item.added", output_index=index, item=item))
+            events.append(self._event(pending, "response.content_part.added", item_id=msg_id, output_index=index,
                                       content_index=0, part=OutputTextPart(text="")))
-        events.append(self._event(pending, "response.output_text.delta", item_id=msg_id, output_index=0,
+        events.append(self._event(pending, "response.output_text.delta", item_id=msg_id, output_index=index,
                                   content_index=0, delta=delta, logprobs=[]))
         return events
 
@@ -396,6 +487,11 @@ class ResponseService:
         page = items[:limit]
         return InputItemList(data=page, first_id=page[0]["id"] if page else None,
                              last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
+
+
+def _effort(req: ResponsesRequest) -> str | None:
+    effort = (req.reasoning or {}).get("effort")
+    return effort if effort is None or isinstance(effort, str) else str(effort)
 
 
 def previous_chain(records: dict[str, Record], response_id: str | None) -> str | None:

@@ -2,8 +2,9 @@
 
 Unknown fields are refused (400 naming them); the documented fields are accepted. Fields that have no effect
 here: ``user``, ``safety_identifier``, ``prompt_cache_key``, ``service_tier``, ``truncation`` ("disabled"
-only), ``include``, ``max_tool_calls``, ``reasoning``, ``stream_options``, ``text.verbosity``, ``tools[].strict``
-and ``tools[].description`` beyond the rendered prompt (a forced call follows the schema either way).
+only), ``include``, ``max_tool_calls``, ``reasoning`` (but ``reasoning.effort`` for a model that thinks: "none"
+is thinking off, another level on), ``stream_options``, ``text.verbosity``, ``tools[].strict`` and
+``tools[].description`` beyond the rendered prompt (a forced call follows the schema either way).
 Refused when set: ``background: true``, ``conversation``, ``prompt``, ``top_logprobs``, non-function tools,
 ``truncation: "auto"``.
 
@@ -55,7 +56,15 @@ class FunctionCallOutputItem(_In, tag_field="type", tag="function_call_output"):
     status: str | None = None
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
+class ReasoningItem(_In, tag_field="type", tag="reasoning"):  # echoed from a previous output: skipped
+    id: str | None = None
+    summary: list[Any] = field(default_factory=list)
+    content: list[Any] | None = None
+    encrypted_content: str | None = None
+    status: str | None = None
+
+
+InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 
 
 class FunctionTool(_In, tag_field="type", tag="function"):
@@ -116,13 +125,15 @@ class ResponsesRequest(_In):
     truncation: str | None = None
     include: list[str] | None = None
     max_tool_calls: int | None = None
-    reasoning: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None  # ``effort``: a thinking model's on ("none": off) / off switch
     stream_options: dict[str, Any] | None = None
     # refused when set
     background: bool | None = None
     conversation: Any = None
     prompt: Any = None
     top_logprobs: int | None = None
+    # agentrt extension: the first generated tokens, forced (the chain routes' ``sampling.forced_token_ids``)
+    forced_token_ids: Annotated[list[Annotated[int, Meta(ge=0, le=2**31)]], Meta(max_length=65536)] | None = None
 
 
 # --- the response ----------------------------------------------------------------------------------------------
@@ -150,7 +161,22 @@ class OutputFunctionCall(Struct, kw_only=True):
     status: str = "completed"
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class ReasoningTextPart(Struct, kw_only=True):
+    text: str
+    type: str = "reasoning_text"
+
+
+class OutputReasoning(Struct, kw_only=True):
+    """A thinking model's think block (agentrt.reasoning), before the message."""
+
+    id: str
+    content: list[ReasoningTextPart]
+    summary: list[Any] = field(default_factory=list)  # always empty: no summaries are made
+    type: str = "reasoning"
+    status: str = "completed"
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(Struct, kw_only=True):

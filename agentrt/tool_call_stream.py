@@ -1,6 +1,7 @@
-"""Tool calls out of streamed text, incrementally, with the rules of agentrt.chat (``parse_tool_calls``,
-``strip_tool_calls``): feeding a text in any number of pieces, then ``finish()``, yields as content exactly
-``strip_tool_calls(text)`` and as calls exactly ``parse_tool_calls(text)`` (ids aside).
+"""Tool calls out of streamed text, incrementally, with the rules of agentrt.chat (``calls_in``,
+``without_calls``): feeding a text in any number of pieces, then ``finish()``, yields as content exactly
+``without_calls(text)`` and as calls exactly ``calls_in(text)`` (ids aside). The text is a reply's content: its
+reasoning is split off before (agentrt.reasoning.ReasoningParser).
 
 Text is released as soon as no continuation can change it: a possible partial ``<tool_call>`` tag at the end
 is held back, and so is everything from a ``<tool_call>`` that a continuation could still complete into a

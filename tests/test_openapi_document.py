@@ -26,8 +26,15 @@ CHAIN = {"post /v1/chains": {201, 400, 401, 413, 415, 422, 429},
          "post /v1/chains/{chain_id}/fork": {201, 400, 401, 404, 409, 413, 415, 429},
          "post /v1/chains/{chain_id}/rewind": {200, 400, 401, 404, 409, 413, 415}}
 OPENAI = {"post /v1/chat/completions": {200, 400, 401, 404, 409, 413, 415, 503},
+          "post /v1/completions": {200, 400, 401, 404, 413, 415, 503},
+          "post /v1/responses": {200, 400, 401, 404, 409, 413, 415, 429, 503},
+          "get /v1/responses/{response_id}": {200, 400, 401, 404},
+          "delete /v1/responses/{response_id}": {200, 400, 401, 404},
+          "get /v1/responses/{response_id}/input_items": {200, 400, 401, 404},
           "get /v1/models": {200, 401},
           "get /v1/models/{model_id}": {200, 400, 401, 404}}
+ANTHROPIC = {"post /v1/messages": {200, 400, 401, 404, 409, 413, 415, 429, 503},
+             "post /v1/messages/count_tokens": {200, 400, 401, 404, 413, 415}}
 PUBLIC = {"get /health": {200}, "get /metrics": {200}}
 
 
@@ -104,21 +111,28 @@ def test_info_and_a_valid_document(with_keys):
         jsonschema_rs.meta.validate(schema)  # each component is a valid JSON Schema (2020-12, as OpenAPI 3.1's)
     loaded = schemathesis.openapi.from_dict(with_keys)
     labels = {op.ok().label for op in loaded.get_all_operations()}
-    assert labels == {f"{method.upper()} {path}" for method, path in (k.split(" ", 1) for k in {**CHAIN, **OPENAI,
-                                                                                              **PUBLIC})}
+    assert labels == {f"{method.upper()} {path}" for method, path in (k.split(" ", 1) for k in {
+        **CHAIN, **OPENAI, **ANTHROPIC, **PUBLIC})}
 
 
 def test_request_bodies_forbid_unknown_fields(with_keys):
     bodies = [op["requestBody"]["content"]["application/json"]["schema"] for _, op in _operations(with_keys)
               if "requestBody" in op]
-    assert len(bodies) == 6  # create, turns, prune, fork, rewind, chat completions
+    # create, turns, prune, fork, rewind, chat completions, text completions, responses, messages, count_tokens
+    assert len(bodies) == 10
     structs = {name: s for name, s in _reachable(with_keys, bodies).items() if s.get("properties")}
     assert {"ChainCreate", "TurnCreate", "Sampling", "PrunePolicy", "PruneRequest", "ForkRequest", "RewindRequest",
             "ChatCompletionRequest", "StreamOptions", "TextPart", "sdk.schema.UserMessage", "ToolResultMessage",
-            "agentrt.openai_types.Tool", "agentrt.openai_types.FunctionDef"} <= set(structs)
-    # every struct a request takes forbids unknown fields, the OpenAI ones included; ToolCall (echoed back by
-    # clients inside an assistant message) is the server's own output type and takes extra fields
-    assert {name for name, s in structs.items() if s.get("additionalProperties") is not False} \
+            "agentrt.openai_types.Tool", "agentrt.openai_types.FunctionDef", "TextCompletionRequest",
+            "ResponsesRequest", "TextConfig", "MessagesRequest", "MessageParam", "CountTokensRequest"} <= set(structs)
+    # every struct a request takes forbids unknown fields, the OpenAI and Anthropic ones included; ToolCall (echoed
+    # back by clients inside an assistant message) is the server's own output type and takes extra fields, and the
+    # Anthropic blocks this server refuses by type (images, documents, ...) are read with any fields, so that the
+    # 400 names the type (agentrt.anthropic_types)
+    from agentrt.anthropic_types import _Refused
+
+    refused = {cls.__name__ for cls in _Refused.__subclasses__()}
+    assert {name for name, s in structs.items() if s.get("additionalProperties") is not False} - refused \
         == {"ToolCall", "FunctionCall"}
     fork = next(op for key, op in _operations(with_keys) if key == "post /v1/chains/{chain_id}/fork")
     assert fork["requestBody"]["required"] is False  # the body is optional
@@ -153,11 +167,12 @@ def test_types_as_the_strict_decoder_reads_them(with_keys):
 
 def test_documented_statuses_and_error_bodies(with_keys):
     operations = dict(_operations(with_keys))
-    assert set(operations) == set(CHAIN) | set(OPENAI) | set(PUBLIC)
-    for key, statuses in {**CHAIN, **OPENAI, **PUBLIC}.items():
+    assert set(operations) == set(CHAIN) | set(OPENAI) | set(ANTHROPIC) | set(PUBLIC)
+    for key, statuses in {**CHAIN, **OPENAI, **ANTHROPIC, **PUBLIC}.items():
         responses = operations[key]["responses"]
         assert {int(s) for s in responses} == statuses, key
-        family = "ErrorResponse" if key in OPENAI else "ErrorBody"
+        family = ("agentrt.openai_types.ErrorResponse" if key in OPENAI else
+                  "agentrt.anthropic_types.ErrorResponse" if key in ANTHROPIC else "ErrorBody")
         for status, response in responses.items():
             if int(status) >= 400:
                 assert response["content"]["application/json"]["schema"] == {"$ref": SCHEMAS + family}, (key, status)
@@ -230,3 +245,66 @@ def test_what_the_document_refuses_the_server_refuses(served, with_keys):
     r = client.post(f"/v1/chains/{chain}/turns", json={**turn, "sampling": {"max_tokens": limit + 1}}, headers=auth)
     assert r.status_code == 400 and r.json()["extra"][0]["key"] == "sampling.max_tokens"
     assert client.post("/v1/chains", json={"model": "other"}, headers=auth).status_code == 400  # enum: the served
+
+
+def test_text_completions_responses_and_messages(with_keys, keyless, served):
+    """The legacy completions, Responses and Messages routes: their limits, events, links, the Messages routes'
+    second key header, and the lone tagged structs the decoder reads without their tag."""
+    schemas = with_keys["components"]["schemas"]
+    operations = dict(_operations(with_keys))
+    vocab = json.loads((random_model_dir() / "config.json").read_text())["vocab_size"]
+    prompt = schemas["TextCompletionRequest"]["properties"]["prompt"]["anyOf"][1]["items"]["anyOf"]
+    assert [p.get("maximum") or p.get("items", {}).get("maximum") for p in prompt] == [None, vocab - 1, vocab - 1]
+    assert schemas["TextCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 64
+    assert schemas["ResponsesRequest"]["properties"]["max_output_tokens"]["anyOf"][0]["maximum"] == 64
+    assert schemas["MessagesRequest"]["properties"]["max_tokens"]["maximum"] == 64
+    for name in ("TextCompletionRequest", "ResponsesRequest", "MessagesRequest", "CountTokensRequest"):
+        assert schemas[name]["properties"]["model"]["examples"] == ["tiny"]
+
+    def event_names(key: str) -> set[str]:
+        events = operations[key]["responses"]["200"]["content"]["text/event-stream"]["schema"]["anyOf"]
+        return {e["properties"]["event"].get("const", e["properties"]["event"].get("pattern")) for e in events}
+
+    from agentrt.anthropic_types import StreamEvent
+
+    assert event_names("post /v1/messages") == {t.__struct_config__.tag for t in StreamEvent.__args__}
+    assert {"response.created", "response.completed", "error", r"^response\."} <= event_names("post /v1/responses")
+    done = operations["post /v1/completions"]["responses"]["200"]["content"]["text/event-stream"]["schema"]
+    assert done["properties"]["data"]["if"] == {"enum": ["[DONE]"]}
+    assert done["properties"]["data"]["else"]["contentSchema"]["anyOf"][0] == {"$ref": SCHEMAS + "TextCompletion"}
+    for key in ("post /v1/completions", "post /v1/responses", "post /v1/messages"):  # a plain and a streamed one
+        examples = operations[key]["requestBody"]["content"]["application/json"]["examples"]
+        assert {e["value"]["model"] for e in examples.values()} == {"tiny"}
+        assert any(e["value"].get("stream") for e in examples.values())
+        for example in examples.values():
+            r = served[0].post(key.split(" ")[1], json={**example["value"], "stream": False}, headers=served[1])
+            assert r.status_code == 200, r.text
+    links = operations["post /v1/responses"]["responses"]["200"]["links"]
+    assert {link["operationId"] for link in links.values()} == \
+        {op["operationId"] for k, op in operations.items() if "{response_id}" in k}
+
+    # Anthropic's clients send the key as x-api-key: a second scheme on those routes, either one does
+    assert with_keys["components"]["securitySchemes"]["headerApiKey"] == {
+        **with_keys["components"]["securitySchemes"]["headerApiKey"], "type": "apiKey", "in": "header",
+        "name": "x-api-key"}
+    assert operations["post /v1/messages"]["security"] == [{"bearerApiKey": []}, {"headerApiKey": []}]
+    assert dict(_operations(keyless))["post /v1/messages"]["security"] == [{"bearerApiKey": []},
+                                                                           {"headerApiKey": []}, {}]
+
+    # a tagged struct as a field's only type: msgspec decodes it without its tag, and the document says so
+    lone = schemas["ClearToolUsesEdit"]["properties"]["clear_at_least"]["anyOf"][0]
+    assert lone["title"] == "InputTokens" and lone["required"] == ["value"] and "type" in lone["properties"]
+    union = schemas["ClearToolUsesEdit"]["properties"]["trigger"]["anyOf"][0]
+    assert union["discriminator"]["propertyName"] == "type"  # in a tagged union the tag stays required
+    assert "type" in schemas["InputTokens"]["required"]
+
+    client, auth = served
+    for path, body, named in (
+            ("/v1/completions", {"model": "tiny", "prompt": "hi", "max_tokens": 2}, lambda r: r["error"]["param"]),
+            ("/v1/messages", {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+             lambda r: r["error"]["message"].split(":")[0])):
+        assert client.post(path, json=body, headers=auth).status_code == 200
+        r = client.post(path, json={**body, "bogus": 1}, headers=auth)
+        assert r.status_code == 400 and named(r.json()) == "bogus", r.text
+        r = client.post(path, json={**body, "max_tokens": 65}, headers=auth)
+        assert r.status_code == 400 and named(r.json()) == "max_tokens", r.text

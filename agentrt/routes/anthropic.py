@@ -11,6 +11,8 @@ server still checks an ``art_`` key, as everywhere else).
 
 from __future__ import annotations
 
+import typing
+
 from litestar import Controller, Request, Response, post
 from litestar.background_tasks import BackgroundTask
 from litestar.connection import ASGIConnection
@@ -22,12 +24,22 @@ from litestar.params import JSONBody
 
 from agentrt.anthropic_errors import ANTHROPIC_EXCEPTION_HANDLERS
 from agentrt.anthropic_messages import chain_headers, messages_service
-from agentrt.anthropic_types import CountTokensRequest, CountTokensResponse, Message, MessagesRequest
+from agentrt.anthropic_types import CountTokensRequest, CountTokensResponse, Message, MessagesRequest, StreamEvent
 from agentrt.auth import KEY_PREFIX, TENANT_SCOPE_KEY
 from agentrt.disconnect import unless_disconnected
+from agentrt.openapi import API_KEY_HEADER, EVENT_STREAM, REQUEST_EXAMPLES, anthropic_errors
 from agentrt.routes.event_stream import EventStream
 
-PUBLIC = {"public": True}  # to the app-wide auth guard: api_key_guard authenticates these routes
+# public to the app-wide auth guard: api_key_guard authenticates these routes (the OpenAPI document names both
+# headers it reads)
+PUBLIC = {"public": True, API_KEY_HEADER: "x-api-key"}
+# ``event: <type>`` with the event as data, as Anthropic streams (an ``error`` event once a stream has started)
+MESSAGE_EVENTS = {t.__struct_config__.tag: (t,) for t in typing.get_args(StreamEvent)}
+_EXAMPLE = {"model": "MODEL", "max_tokens": 4, "messages": [{"role": "user", "content": "Hello!"}]}
+MESSAGE_EXAMPLES = {"text": _EXAMPLE, "streamed": {**_EXAMPLE, "stream": True}}
+_ERRORS = {404: "An unknown model",
+           409: "The conversation's chain gained a turn through another route meanwhile: retry",
+           429: "A new conversation over the tenant's chain limit (`max_chains_per_tenant`)"}
 
 
 def _unauthorized(detail: str) -> NotAuthorizedException:
@@ -65,11 +77,9 @@ class AnthropicController(Controller):
     path = "/v1/messages"
     exception_handlers = ANTHROPIC_EXCEPTION_HANDLERS
     guards = [api_key_guard]
-    # the published OpenAPI document describes error bodies per route family (agentrt.openapi): left out until
-    # it knows this one's
-    include_in_schema = False
 
-    @post("/", status_code=200, opt=PUBLIC)
+    @post("/", status_code=200, opt={**PUBLIC, EVENT_STREAM: MESSAGE_EVENTS, REQUEST_EXAMPLES: MESSAGE_EXAMPLES},
+          responses=anthropic_errors(404, 409, 429, 503, descriptions=_ERRORS))
     async def create_message(self, data: JSONBody[MessagesRequest], request: Request, state: State,
                              tenant: NamedDependency[str]) -> Response[Message]:
         service = messages_service(state)
@@ -80,7 +90,7 @@ class AnthropicController(Controller):
         message, resolved = await unless_disconnected(request, service.create(data, tenant))
         return Response(message, headers=chain_headers(resolved))
 
-    @post("/count_tokens", status_code=200, opt=PUBLIC)
+    @post("/count_tokens", status_code=200, opt=PUBLIC, responses=anthropic_errors(404, descriptions=_ERRORS))
     async def count_tokens(self, data: JSONBody[CountTokensRequest], state: State,
                            tenant: NamedDependency[str]) -> CountTokensResponse:
         return await messages_service(state).count_tokens(data, tenant)

@@ -1,5 +1,6 @@
-"""OpenAI-compatible routes: POST /v1/chat/completions (stateless, streaming or not), GET /v1/models and
-GET /v1/models/{model}. Every error here is OpenAI's error object (agentrt.errors.OPENAI_EXCEPTION_HANDLERS)."""
+"""OpenAI-compatible routes: POST /v1/chat/completions (stateless, streaming or not), POST /v1/completions (the
+legacy text completions), GET /v1/models and GET /v1/models/{model}. Every error here is OpenAI's error object
+(agentrt.errors.OPENAI_EXCEPTION_HANDLERS)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ from litestar.params import FromPath, JSONBody
 from agentrt.completions import Completion, CompletionService
 from agentrt.disconnect import unless_disconnected
 from agentrt.errors import OPENAI_EXCEPTION_HANDLERS, ModelNotFound
-from agentrt.openapi import EVENT_STREAM, openai_errors
+from agentrt.openapi import EVENT_STREAM, REQUEST_EXAMPLES, openai_errors
 from agentrt.routes.event_stream import EventStream
 from agentrt.openai_types import (ChainCompletionChunk, ChatCompletion, ChatCompletionChunk, ChatCompletionRequest,
-                                  ErrorResponse, ModelCard, ModelList)
+                                  ErrorResponse, ModelCard, ModelList, TextCompletion, TextCompletionRequest)
+from agentrt.text_completions import TextRun, text_completions_service
 
 # ``stream: true``: chunks, then ``[DONE]``; an error once the stream has started is one event of OpenAI's error
 # object, and the stream ends without ``[DONE]``
 COMPLETION_EVENTS = {"message": (ChatCompletionChunk, ChainCompletionChunk, ErrorResponse, "[DONE]")}
+TEXT_COMPLETION_EVENTS = {"message": (TextCompletion, ErrorResponse, "[DONE]")}
+_TEXT_EXAMPLE = {"model": "MODEL", "prompt": "Once upon a time", "max_tokens": 4, "temperature": 0}
+TEXT_COMPLETION_EXAMPLES = {"text": _TEXT_EXAMPLE, "token_ids": {**_TEXT_EXAMPLE, "prompt": [1, 2, 3]},
+                            "streamed": {**_TEXT_EXAMPLE, "stream": True, "stream_options": {"include_usage": True}}}
 
 
 class OpenAIController(Controller):
@@ -56,3 +62,25 @@ def _card(state: State) -> ModelCard:
 
 async def _abort(c: Completion) -> None:
     await c.abort()
+
+
+class TextCompletionsController(Controller):
+    """``POST /v1/completions``: OpenAI's legacy text completions, stateless (agentrt.text_completions)."""
+
+    path = "/v1"
+    exception_handlers = OPENAI_EXCEPTION_HANDLERS
+
+    @post("/completions", status_code=200,
+          opt={EVENT_STREAM: TEXT_COMPLETION_EVENTS, REQUEST_EXAMPLES: TEXT_COMPLETION_EXAMPLES},
+          responses=openai_errors(404, 503, descriptions={404: "An unknown model"}))
+    async def text_completions(self, data: JSONBody[TextCompletionRequest], request: Request,
+                               state: State) -> TextCompletion | Response:
+        service = text_completions_service(state)
+        run = await service.start(data)
+        if data.stream:
+            return EventStream(service.chunks(run), background=BackgroundTask(_abort_text, run))
+        return await unless_disconnected(request, service.complete(run))
+
+
+async def _abort_text(run: TextRun) -> None:
+    await run.abort()
