@@ -360,12 +360,7 @@ class CompletionService:
             key = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
             raise bad_field(key, f"must be <= {self.config.max_tokens_per_turn}", "invalid_value")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        forced = list(req.forced_token_ids or [])
-        vocab = self.worker.engine.model_config.vocab_size
-        if len(forced) > max_tokens:
-            raise bad_field("forced_token_ids", f"has {len(forced)} tokens, more than max_tokens ({max_tokens})")
-        if any(t >= vocab for t in forced):
-            raise bad_field("forced_token_ids", f"every id must be < the vocabulary size {vocab}")
+        forced = checked_forced_tokens(req.forced_token_ids, max_tokens, self.worker.engine.model_config.vocab_size)
         greedy = req.top_p == 0  # nucleus of one token; the engine takes top_p in (0, 1]
         return SamplingParams(
             temperature=0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
@@ -441,6 +436,16 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def checked_forced_tokens(forced: list[int] | None, max_tokens: int, vocab: int) -> list[int]:
+    """The ``forced_token_ids`` extension, checked against the turn's token budget and the vocabulary."""
+    forced = list(forced or [])
+    if len(forced) > max_tokens:
+        raise bad_field("forced_token_ids", f"has {len(forced)} tokens, more than max_tokens ({max_tokens})")
+    if any(t >= vocab for t in forced):
+        raise bad_field("forced_token_ids", f"every id must be < the vocabulary size {vocab}")
+    return forced
 
 
 def check_supported(req: ChatCompletionRequest, thinks: bool = False) -> None:

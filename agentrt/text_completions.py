@@ -29,7 +29,7 @@ import msgspec
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
-from agentrt.completions import TokenText
+from agentrt.completions import TokenText, checked_forced_tokens
 from agentrt.config import ServerConfig
 from agentrt.engine_worker import EngineWorker, RequestStream, prefill_counts
 from agentrt.errors import ModelNotFound, TurnFailed, bad_field, openai_error_body
@@ -150,12 +150,7 @@ class TextCompletionService:
         max_tokens = req.max_tokens or min(DEFAULT_MAX_TOKENS, self.config.max_tokens_per_turn)
         if max_tokens > self.config.max_tokens_per_turn:
             raise bad_field("max_tokens", f"must be <= {self.config.max_tokens_per_turn}", "invalid_value")
-        forced = list(req.forced_token_ids or [])
-        vocab = self.worker.engine.model_config.vocab_size
-        if len(forced) > max_tokens:
-            raise bad_field("forced_token_ids", f"has {len(forced)} tokens, more than max_tokens ({max_tokens})")
-        if any(t >= vocab for t in forced):
-            raise bad_field("forced_token_ids", f"every id must be < the vocabulary size {vocab}")
+        forced = checked_forced_tokens(req.forced_token_ids, max_tokens, self.worker.engine.model_config.vocab_size)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         greedy = req.top_p == 0  # nucleus of one token; the engine takes top_p in (0, 1]
         try:
