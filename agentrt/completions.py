@@ -361,12 +361,8 @@ class CompletionService:
             raise bad_field(key, f"must be <= {self.config.max_tokens_per_turn}", "invalid_value")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         forced = checked_forced_tokens(req.forced_token_ids, max_tokens, self.worker.engine.model_config.vocab_size)
-        greedy = req.top_p == 0  # nucleus of one token; the engine takes top_p in (0, 1]
         return SamplingParams(
-            temperature=0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None or greedy else req.top_p,
-            top_k=-1 if req.top_k is None else req.top_k,
-            min_p=0.0 if req.min_p is None else req.min_p,
+            **sampling_knobs(req),
             seed=req.seed, max_tokens=max_tokens, stop=stop, forced_token_ids=forced,
             logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0, structured=structured)
 
@@ -436,6 +432,16 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def sampling_knobs(req: Any) -> dict[str, Any]:
+    """temperature, top_p, top_k and min_p of an OpenAI request (chat or text completion) for the engine:
+    ``top_p`` 0 means greedy (a nucleus of one token), since the engine takes top_p in (0, 1]."""
+    greedy = req.top_p == 0
+    return dict(temperature=0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None or greedy else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k,
+                min_p=0.0 if req.min_p is None else req.min_p)
 
 
 def checked_forced_tokens(forced: list[int] | None, max_tokens: int, vocab: int) -> list[int]:

@@ -29,7 +29,7 @@ import msgspec
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
-from agentrt.completions import TokenText, checked_forced_tokens
+from agentrt.completions import TokenText, checked_forced_tokens, sampling_knobs
 from agentrt.config import ServerConfig
 from agentrt.engine_worker import EngineWorker, RequestStream, prefill_counts
 from agentrt.errors import ModelNotFound, TurnFailed, bad_field, openai_error_body
@@ -152,13 +152,9 @@ class TextCompletionService:
             raise bad_field("max_tokens", f"must be <= {self.config.max_tokens_per_turn}", "invalid_value")
         forced = checked_forced_tokens(req.forced_token_ids, max_tokens, self.worker.engine.model_config.vocab_size)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        greedy = req.top_p == 0  # nucleus of one token; the engine takes top_p in (0, 1]
         try:
             return SamplingParams(
-                temperature=0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
-                top_p=1.0 if req.top_p is None or greedy else req.top_p,
-                top_k=-1 if req.top_k is None else req.top_k,
-                min_p=0.0 if req.min_p is None else req.min_p,
+                **sampling_knobs(req),
                 seed=req.seed, max_tokens=max_tokens, stop=stop, forced_token_ids=forced,
                 ignore_eos=bool(req.ignore_eos), logprobs=req.logprobs is not None,
                 top_logprobs=req.logprobs or 0)

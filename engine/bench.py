@@ -112,7 +112,7 @@ class FullBucketReplay:
             self.state = {name: getattr(g, name).clone() for name in self.BUFFERS if hasattr(g, name)}
 
     def time_ms(self, reps: int = 20) -> float | None:
-        """Milliseconds per replay of the kept full step (device time on a GPU), None when none was kept."""
+        """Milliseconds per replay of the kept full step (timed with CUDA events on a GPU), None when none was kept."""
         if self.state is None:
             return None
         g = self.graphs

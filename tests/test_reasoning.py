@@ -27,7 +27,7 @@ from agentrt.anthropic_types import ThinkingBlock, ToolUseBlock
 from agentrt.chat import ChatRenderer, parse_tool_calls, strip_tool_calls, template_kwargs
 from agentrt.reasoning import ReasoningParser, ThinkTokens, opens_think, split_reasoning, think_tokens
 from engine.tiny_checkpoint import CHAT_TEMPLATE, embedded_model_dir, random_model_dir
-from tests.live_servers import app_server, openai_client, random_model_server
+from tests.live_servers import app_server, client, model, random_model_server  # noqa: F401 (client, model: fixtures over the server below)
 from tests.server_helpers import TOOL_CALL, WEATHER_TOOL
 
 THOUGHT = "The user says hello.\nA short greeting back will do."
@@ -217,16 +217,6 @@ def test_a_chain_turn_appends_after_a_reply_whatever_enable_thinking_is(tokenize
 def server(model_dir, tmp_path_factory):
     with app_server(f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'server.db'}", model=model_dir) as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai_client(server.url)
-
-
-@pytest.fixture(scope="module")
-def model(client):
-    return client.models.list().data[0].id
 
 
 @pytest.fixture(scope="module")
