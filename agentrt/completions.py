@@ -379,11 +379,7 @@ class CompletionService:
         return ChoiceLogprobs(content=entries)
 
     def _finished(self, last: RequestOutput | None) -> RequestOutput:
-        if last is None or last.finish_reason == "abort":
-            raise TurnFailed(detail="the request was aborted before it finished")
-        prefilled, resumed, cached = prefill_counts(last)
-        self.metrics.record_request(prefilled, resumed, cached, len(last.token_ids))
-        return last
+        return finished_output(last, self.metrics)
 
     @staticmethod
     def _usage(out: RequestOutput) -> CompletionUsage:
@@ -432,6 +428,15 @@ def _byte_level_alphabet() -> dict[str, int]:
 
 
 _BYTE_OF_CHAR = _byte_level_alphabet()
+
+
+def finished_output(last: RequestOutput | None, metrics) -> RequestOutput:
+    """A stateless request's last output, its prefill counts recorded; TurnFailed if it was aborted."""
+    if last is None or last.finish_reason == "abort":
+        raise TurnFailed(detail="the request was aborted before it finished")
+    prefilled, resumed, cached = prefill_counts(last)
+    metrics.record_request(prefilled, resumed, cached, len(last.token_ids))
+    return last
 
 
 def sampling_knobs(req: Any) -> dict[str, Any]:

@@ -29,10 +29,10 @@ import msgspec
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
-from agentrt.completions import TokenText, checked_forced_tokens, sampling_knobs
+from agentrt.completions import TokenText, checked_forced_tokens, finished_output, sampling_knobs
 from agentrt.config import ServerConfig
-from agentrt.engine_worker import EngineWorker, RequestStream, prefill_counts
-from agentrt.errors import ModelNotFound, TurnFailed, bad_field, openai_error_body
+from agentrt.engine_worker import EngineWorker, RequestStream
+from agentrt.errors import ModelNotFound, bad_field, openai_error_body
 from agentrt.metrics import Metrics
 from agentrt.openai_types import (CompletionUsage, PromptTokensDetails, TextChoice, TextCompletion,
                                   TextCompletionRequest, TextLogprobs)
@@ -268,11 +268,7 @@ class TextCompletionService:
             await run.abort()
 
     def _finished(self, last: RequestOutput | None) -> RequestOutput:
-        if last is None or last.finish_reason == "abort":
-            raise TurnFailed(detail="the request was aborted before it finished")
-        prefilled, resumed, cached = prefill_counts(last)
-        self.metrics.record_request(prefilled, resumed, cached, len(last.token_ids))
-        return last
+        return finished_output(last, self.metrics)
 
     def _logprobs(self, run: TextRun, c: Choice, token_ids: Sequence[int], logprobs: Sequence[float] | None,
                   top: Sequence[Sequence[tuple[int, float]]] | None) -> TextLogprobs:
