@@ -23,7 +23,7 @@ def fuse_decode_linears(model: torch.nn.Module, architecture: str, device: torch
     """Turn on the model's fused decode path; ``asked``: the configuration asked for it explicitly (ConfigError
     when the architecture has none), else (the default) architectures without one stay as they are."""
     decoder = getattr(model, "model", None)
-    if not hasattr(decoder, "fused_decode_rows"):
+    if not getattr(model, "fused_decode_path", False):
         if not asked:  # the default: the architectures that have the fused path
             return
         raise ConfigError(f"fused_decode_linears: {architecture} has no fused decode path")

@@ -44,6 +44,7 @@ from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_timing import StepTiming, prefill_tokens
+from engine.storage import model_cache_spec
 from engine.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -81,15 +82,12 @@ class LLMEngine:
         if self.codec is not None:
             self.codec.bind_model(self.model)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        spec = CacheSpec(
-            num_layers=mc.num_layers,
-            num_kv_heads=mc.num_kv_heads // self.tp.world_size,  # this rank's KV heads
-            head_dim=mc.head_dim,
-            dtype=next(self.model.parameters()).dtype,
-            device=self.device,
-            page_size=config.page_size,
-        )
+        spec = model_cache_spec(mc, self.tp.world_size, next(self.model.parameters()).dtype, self.device,
+                                config.page_size)
         if self.codec is not None:
+            if type(spec) is not CacheSpec:
+                raise ConfigError(f"kv_storage {self.codec.name!r} codes dense keys and values; "
+                                  f"{mc.architecture} caches {type(spec).__name__} rows")
             self.codec.check(spec)
             windows = config.max_num_seqs if self.codec.has_window else 0
             spec = CodedCacheSpec(**{f: getattr(spec, f) for f in CacheSpec.__dataclass_fields__},

@@ -5,6 +5,7 @@ transformers-5 layout (``rope_parameters``, ``num_local_experts``, ``dtype``).
 """
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,32 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }
+# Multi-head latent attention (MLA) architectures and the dense MLP layers each puts first by default
+_MLA_FIRST_DENSE = {"DeepseekV3ForCausalLM": 3, "Glm4MoeLiteForCausalLM": 1}
 _DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(slots=True, frozen=True)
+class LatentAttentionConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): per token one latent row of
+    ``kv_lora_rank`` values (normed, no RoPE) and ``qk_rope_head_dim`` shared rotary key values; per head a query
+    of ``qk_nope_head_dim + qk_rope_head_dim``, keys and values expanded from the latent by ``kv_b_proj``."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool
+    softmax_scale: float  # (nope + rope) ** -0.5, times YaRN's mscale squared where the config sets mscale_all_dim
+
+    @property
+    def cache_dim(self) -> int:
+        """Values cached per token and layer: the latent, then the rotated shared key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(slots=True, frozen=True)
@@ -51,6 +76,14 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0
+    # DeepSeek routing: sigmoid scores plus a correction bias choose ``topk_groups`` of ``expert_groups`` groups,
+    # then the top-k experts inside them; the weights (renormalized per ``norm_topk_prob``) times the factor
+    expert_scoring: str = "softmax"
+    expert_groups: int = 1
+    topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # MLA: ``num_kv_heads`` is 1 and ``head_dim`` the latent row (``mla.cache_dim``) that attention reads
+    mla: LatentAttentionConfig | None = None
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -83,7 +116,13 @@ class ModelConfig:
         )
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+        rows = 1 if self.mla is not None else 2  # MLA's values are a slice of its one latent row
+        return rows * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+
+    @property
+    def value_dim(self) -> int:
+        """The width attention returns per head: the latent rank under MLA, else ``head_dim``."""
+        return self.head_dim if self.mla is None else self.mla.kv_lora_rank
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
@@ -127,12 +166,17 @@ def _parse(cls: type[ModelConfig], d: dict[str, Any], generation_config: dict[st
         raise CheckpointError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
     if d.get("use_sliding_window"):
         raise CheckpointError("sliding-window attention (use_sliding_window=true) is not supported")
+    if d.get("quantization_config"):
+        method = (d["quantization_config"] or {}).get("quant_method", "?")
+        raise CheckpointError(f"quantization_config ({method}) is not supported: load a bf16 / fp16 / fp32 checkpoint")
     num_heads = int(d["num_attention_heads"])
     hidden_size = int(d["hidden_size"])
     rope_theta, rope_scaling = _rope(d)
     attention_bias, o_proj_bias, qk_norm = _attention_flags(architecture, d)
     bos_token_id = d.get("bos_token_id", generation_config.get("bos_token_id"))
-    return cls(
+    mla = _latent_attention(architecture, d, rope_scaling)
+    moe_layout = _deepseek_moe(architecture, d) if mla is not None else {}
+    fields = dict(
         architecture=architecture,
         model_type=str(d.get("model_type", "")),
         vocab_size=int(d["vocab_size"]),
@@ -140,8 +184,8 @@ def _parse(cls: type[ModelConfig], d: dict[str, Any], generation_config: dict[st
         intermediate_size=int(d.get("intermediate_size") or 0),
         num_layers=int(d["num_hidden_layers"]),
         num_heads=num_heads,
-        num_kv_heads=int(d.get("num_key_value_heads") or num_heads),
-        head_dim=int(d.get("head_dim") or hidden_size // num_heads),
+        num_kv_heads=1 if mla else int(d.get("num_key_value_heads") or num_heads),
+        head_dim=mla.cache_dim if mla else int(d.get("head_dim") or hidden_size // num_heads),
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
@@ -151,17 +195,19 @@ def _parse(cls: type[ModelConfig], d: dict[str, Any], generation_config: dict[st
         o_proj_bias=o_proj_bias,
         qk_norm=qk_norm,
         mlp_bias=bool(d.get("mlp_bias", False)),
-        num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
+        num_experts=int(d.get("num_experts") or d.get("num_local_experts") or d.get("n_routed_experts") or 0),
         num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
         moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
         norm_topk_prob=bool(d.get("norm_topk_prob", False)),
         decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
         mlp_only_layers=tuple(int(i) for i in d.get("mlp_only_layers") or ()),
         shared_expert_intermediate_size=int(d.get("shared_expert_intermediate_size") or 0),
+        mla=mla,
         torch_dtype=str(d.get("dtype") or d.get("torch_dtype") or "float32").removeprefix("torch."),
         eos_token_ids=_eos_token_ids(d, generation_config),
         bos_token_id=None if bos_token_id is None else int(bos_token_id),
     )
+    return cls(**(fields | moe_layout))
 
 
 def _architecture(d: dict[str, Any]) -> str:
@@ -172,6 +218,58 @@ def _architecture(d: dict[str, Any]) -> str:
     if model_type in _ARCHITECTURE_BY_MODEL_TYPE:
         return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
     raise CheckpointError(f"config.json names no architecture (model_type {model_type!r})")
+
+
+def _latent_attention(
+    architecture: str, d: dict[str, Any], rope_scaling: dict[str, Any] | None
+) -> LatentAttentionConfig | None:
+    if architecture not in _MLA_FIRST_DENSE:
+        return None
+    sizes = {k: int(d[k]) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    for name, size in sizes.items():
+        if size <= 0:
+            raise CheckpointError(f"config.json: {name} must be positive, got {size}")
+    if sizes["qk_rope_head_dim"] % 2:
+        raise CheckpointError(f"config.json: qk_rope_head_dim must be even, got {sizes['qk_rope_head_dim']}")
+    q_lora_rank = d.get("q_lora_rank")
+    if q_lora_rank is not None and int(q_lora_rank) <= 0:
+        raise CheckpointError(f"config.json: q_lora_rank must be positive or null, got {q_lora_rank}")
+    scale = (sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]) ** -0.5
+    mscale_all_dim = (rope_scaling or {}).get("mscale_all_dim")
+    if rope_scaling is not None and mscale_all_dim:
+        factor = float(rope_scaling["factor"])
+        mscale = 1.0 if factor <= 1 else 0.1 * float(mscale_all_dim) * math.log(factor) + 1.0
+        scale *= mscale * mscale
+    return LatentAttentionConfig(q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+                                 rope_interleave=bool(d.get("rope_interleave", True)), softmax_scale=scale, **sizes)
+
+
+def _deepseek_moe(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
+    """The DeepSeek MoE block's fields: which layers are dense, the grouped sigmoid routing, shared experts."""
+    if d.get("scoring_func", "sigmoid") != "sigmoid":
+        raise CheckpointError(f"config.json: scoring_func {d['scoring_func']!r} is not supported (only 'sigmoid')")
+    if d.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise CheckpointError(f"config.json: topk_method {d['topk_method']!r} is not supported (only 'noaux_tc')")
+    if int(d.get("moe_layer_freq") or 1) != 1:
+        raise CheckpointError(f"config.json: moe_layer_freq {d['moe_layer_freq']} is not supported (only 1)")
+    num_layers = int(d["num_hidden_layers"])
+    layer_types = d.get("mlp_layer_types")
+    if layer_types is not None:
+        if len(layer_types) != num_layers or set(layer_types) - {"dense", "sparse"}:
+            raise CheckpointError("config.json: mlp_layer_types must name 'dense' or 'sparse' for every layer")
+        dense = tuple(i for i, kind in enumerate(layer_types) if kind == "dense")
+    else:
+        first_dense = d.get("first_k_dense_replace")
+        dense = tuple(range(int(_MLA_FIRST_DENSE[architecture] if first_dense is None else first_dense)))
+    experts, groups = int(d.get("n_routed_experts") or 0), int(d.get("n_group") or 1)
+    topk_groups = int(d.get("topk_group") or 1)
+    if experts and (experts % groups or not 0 < topk_groups <= groups):
+        raise CheckpointError(f"config.json: n_group {groups} must divide n_routed_experts {experts} and topk_group "
+                              f"{topk_groups} lie in [1, n_group]")
+    return dict(mlp_only_layers=dense, norm_topk_prob=bool(d.get("norm_topk_prob", True)), expert_scoring="sigmoid", expert_groups=groups,
+                topk_groups=topk_groups, routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
+                shared_expert_intermediate_size=int(d.get("moe_intermediate_size") or 0)
+                * int(d.get("n_shared_experts") or 0))
 
 
 def _attention_flags(architecture: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:

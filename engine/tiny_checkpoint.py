@@ -29,7 +29,8 @@ TOOL_CALL_END = "</tool_call>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 EXTRA_ADDED_TOKENS = (TOOL_CALL_START, TOOL_CALL_END)
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe_lite")
+MLA_ARCHS = ("deepseek_v3", "glm4_moe_lite")  # latent attention with the DeepSeek MoE block
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 VOCAB_PAD_MULTIPLE = 64
 CHECKPOINT_FORMAT_VERSION = 1
@@ -312,8 +313,9 @@ def _validate_shape(arch: str, hidden_size: int, num_heads: int, num_kv_heads: i
     return resolved_head_dim
 
 
-def _build_config(arch: str, common: dict[str, Any], moe: dict[str, Any], head_dim: int):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+def _build_config(arch: str, common: dict[str, Any], moe: dict[str, Any], head_dim: int,
+                  mla: dict[str, Any] | None = None):
+    from transformers import DeepseekV3Config, Glm4MoeLiteConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     if arch == "llama":
         return LlamaConfig(**common, head_dim=head_dim, architectures=["LlamaForCausalLM"])
@@ -321,7 +323,16 @@ def _build_config(arch: str, common: dict[str, Any], moe: dict[str, Any], head_d
         return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
     if arch == "qwen3":
         return Qwen3Config(**common, head_dim=head_dim, architectures=["Qwen3ForCausalLM"])
-    return Qwen3MoeConfig(**common, **moe, head_dim=head_dim, architectures=["Qwen3MoeForCausalLM"])
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(**common, **moe, head_dim=head_dim, architectures=["Qwen3MoeForCausalLM"])
+    assert mla is not None
+    deepseek_moe = dict(n_routed_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"],
+                        moe_intermediate_size=moe["moe_intermediate_size"], norm_topk_prob=moe["norm_topk_prob"])
+    common = {k: v for k, v in common.items() if k != "num_key_value_heads"}  # one latent row, not KV heads
+    if arch == "deepseek_v3":
+        return DeepseekV3Config(**common, **deepseek_moe, **mla, architectures=["DeepseekV3ForCausalLM"])
+    mla = {k: v for k, v in mla.items() if k != "first_k_dense_replace"}
+    return Glm4MoeLiteConfig(**common, **deepseek_moe, **mla, architectures=["Glm4MoeLiteForCausalLM"])
 
 
 def _special_token_ids(tokenizer) -> dict[str, int]:
@@ -335,6 +346,10 @@ def _instantiate_seeded(config, seed: int, dtype: str):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        # HF starts DeepSeek routers' correction bias at zero; random values make it choose experts, as trained
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.5)
     return model.to(getattr(torch, dtype)).eval()
 
 
@@ -370,11 +385,24 @@ def make_tiny_checkpoint(
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int = 32,
     norm_topk_prob: bool = True,
+    kv_lora_rank: int = 32,
+    q_lora_rank: int | None = 48,
+    qk_rope_head_dim: int = 8,
+    n_group: int = 1,
+    topk_group: int = 1,
+    first_k_dense_replace: int = 1,
+    rope_interleave: bool = True,
     max_shard_size: str | None = None,
 ) -> Path:
-    """Write a random-initialised HF checkpoint (config, safetensors, tokenizer, generation config) to out_dir."""
+    """Write a random-initialised HF checkpoint (config, safetensors, tokenizer, generation config) to out_dir.
+
+    MLA architectures (``MLA_ARCHS``) take ``num_heads``, ``head_dim`` as the no-RoPE query / key and the value
+    head size, ``kv_lora_rank``, ``q_lora_rank`` (None: a full query projection), ``qk_rope_head_dim``, the
+    expert groups and the dense first layers; ``num_kv_heads`` does not apply."""
+    if arch in MLA_ARCHS:
+        num_kv_heads = num_heads
     resolved_head_dim = _validate_shape(arch, hidden_size, num_heads, num_kv_heads, head_dim, dtype)
-    if arch == "qwen3_moe" and not 0 < num_experts_per_tok <= num_experts:
+    if arch in ("qwen3_moe", *MLA_ARCHS) and not 0 < num_experts_per_tok <= num_experts:
         raise ConfigError(f"num_experts_per_tok ({num_experts_per_tok}) must be in 1..num_experts ({num_experts})")
     tokenizer = train_tokenizer(vocab_size)
     tokenizer.model_max_length = max_position_embeddings
@@ -401,7 +429,10 @@ def make_tiny_checkpoint(
         "moe_intermediate_size": moe_intermediate_size,
         "norm_topk_prob": norm_topk_prob,
     }
-    config = _build_config(arch, common, moe, resolved_head_dim)
+    mla = dict(kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
+               qk_nope_head_dim=resolved_head_dim, v_head_dim=resolved_head_dim, n_group=n_group,
+               topk_group=topk_group, first_k_dense_replace=first_k_dense_replace, rope_interleave=rope_interleave)
+    config = _build_config(arch, common, moe, resolved_head_dim, mla)
     model = _instantiate_seeded(config, seed, dtype)
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
@@ -489,6 +520,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--moe-intermediate-size", type=positive_int, default=32, help="expert MLP width (qwen3_moe)")
     parser.add_argument("--no-norm-topk-prob", dest="norm_topk_prob", action="store_false",
                         help="do not renormalise the routed experts' weights (qwen3_moe)")
+    parser.add_argument("--kv-lora-rank", type=positive_int, default=32, help="latent rank (deepseek_v3, glm4_moe_lite)")
+    parser.add_argument("--q-lora-rank", type=positive_int, default=48,
+                        help="query low rank (deepseek_v3, glm4_moe_lite)")
+    parser.add_argument("--qk-rope-head-dim", type=positive_int, default=8,
+                        help="shared rotary key width (deepseek_v3, glm4_moe_lite; --head-dim is the rest of a head)")
     parser.add_argument("--max-shard-size", default=None,
                         help="split the safetensors into shards of at most this size, e.g. 1MB (default: one file)")
     return parser.parse_args(argv)

@@ -28,6 +28,30 @@ def tiny_dirs(tmp_path_factory):
     return _tiny_set(tmp_path_factory.mktemp("tiny"), 0.1)
 
 
+MLA_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "mscale": 1.0,
+            "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+
+
+@pytest.fixture(scope="session")
+def mla_dirs(tmp_path_factory):
+    """The latent-attention architectures, small and random: DeepSeek-V3 with a full query projection,
+    half-split RoPE under YaRN (mscale in the softmax scale), expert groups and a dense first layer; GLM-4.7-Flash
+    with a low-rank query and interleaved RoPE."""
+    from engine.tiny_checkpoint import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("mla")
+    common = dict(hidden_size=64, num_layers=2, num_heads=4, head_dim=16, intermediate_size=128, vocab_size=512,
+                  max_position_embeddings=1024, initializer_range=0.1, moe_intermediate_size=32,
+                  kv_lora_rank=32, qk_rope_head_dim=8)
+    return {
+        "deepseek_v3": make_tiny_checkpoint(root / "deepseek_v3", "deepseek_v3", seed=5, **common, num_experts=8,
+                                            num_experts_per_tok=2, n_group=4, topk_group=2, q_lora_rank=None,
+                                            rope_interleave=False, rope_scaling=MLA_YARN),
+        "glm4_moe_lite": make_tiny_checkpoint(root / "glm4_moe_lite", "glm4_moe_lite", seed=6, **common,
+                                              num_experts=4, num_experts_per_tok=2, q_lora_rank=48),
+    }
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs_hf_init(tmp_path_factory):
     """The same architectures drawn at transformers' default initializer_range (0.02), with 64-wide heads

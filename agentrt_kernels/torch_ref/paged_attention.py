@@ -41,13 +41,14 @@ def paged_attention(
     causal: bool = True,
     return_scores: bool = False,
 ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    """q [T, Hq, D]; k_cache/v_cache [num_pages, page_size, Hkv, D]; block_tables [B, max_pages] int.
+    """q [T, Hq, D]; k_cache [num_pages, page_size, Hkv, D], v_cache [num_pages, page_size, Hkv, Dv] (Dv may differ
+    from D: a latent cache's values are a view of its keys' first Dv channels); block_tables [B, max_pages] int.
 
-    Returns out [T, Hq, D] and, with ``return_scores``, one fp32 probability tensor [Hq, query_len, kv_len]
+    Returns out [T, Hq, Dv] and, with ``return_scores``, one fp32 probability tensor [Hq, query_len, kv_len]
     per request.
     """
     page_size = k_cache.shape[1]
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
     scores: list[torch.Tensor] | None = [] if return_scores else None
     if query_lens and max(query_lens) == 1 and not return_scores:
         _decode_batched(q, k_cache, v_cache, block_tables, kv_lens, scale, out)

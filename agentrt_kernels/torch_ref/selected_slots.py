@@ -41,7 +41,7 @@ def selected_slots_attention(
     assert all(0 < n <= c for n, c in zip(query_lens, slot_counts)), "every query needs itself among its slots"
     k_flat = k_cache.flatten(0, 1)  # [num_slots, Hkv, D]
     v_flat = v_cache.flatten(0, 1)
-    out = torch.empty_like(q)
+    out = q.new_empty(*q.shape[:-1], v_cache.shape[-1])
     if num_requests == 0:
         return out, [] if return_scores else None
     if max(query_lens) == 1 and not return_scores:

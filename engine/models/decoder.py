@@ -80,10 +80,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, mlp: nn.Module, attention: nn.Module) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = Attention(config, layer_idx)
+        self.self_attn = attention
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -129,14 +129,14 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: ModelConfig, mlps: list[nn.Module]) -> None:
+    def __init__(self, config: ModelConfig, mlps: list[nn.Module], attentions: list[nn.Module],
+                 rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, mlp) for i, mlp in enumerate(mlps))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, mlp, attention)
+                                    for i, (mlp, attention) in enumerate(zip(mlps, attentions)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(
-            config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings
-        )
+        self.rotary_emb = rotary
         # DecoderLayer.forward_fused for steps of at most this many tokens (0: never); set by the engine
         # (EngineConfig.fused_decode_linears) at one tensor-parallel rank
         self.fused_decode_rows = 0
@@ -154,7 +154,10 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """CausalLM over DecoderModel; subclasses choose the per-layer MLP and extra checkpoint name rules."""
+    """CausalLM over DecoderModel; subclasses choose the per-layer attention and MLP, the rotary embedding and
+    extra checkpoint name rules."""
+
+    fused_decode_path = True  # DecoderLayer.forward_fused serves its layers (engine.decode_speedups)
 
     packed_modules_mapping: dict[str, tuple[str, int]] = {
         "q_proj": ("qkv_proj", 0),
@@ -167,13 +170,21 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, [self.make_mlp(config, i) for i in range(config.num_layers)])
+        layers = range(config.num_layers)
+        self.model = DecoderModel(config, [self.make_mlp(config, i) for i in layers],
+                                  [self.make_attention(config, i) for i in layers], self.make_rotary(config))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         return DenseMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def make_attention(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return Attention(config, layer_idx)
+
+    def make_rotary(self, config: ModelConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, config.max_position_embeddings)
 
     def kv_projections(self) -> list[dict[str, torch.Tensor]]:
         """Per layer, this rank's key and value projections as fp32 weights ``[Hkv, D, hidden]`` (``"k"``: with

@@ -4,6 +4,9 @@ Routing and experts run through ``agentrt_kernels.ops`` (``route_topk``, ``fused
 elsewhere the torch reference, where tokens are grouped by expert and each expert that got tokens runs once.
 """
 
+import re
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -109,3 +112,34 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)  # the ranks' partial sums over their expert slices: one reduction
+
+
+_PER_EXPERT_KEY = re.compile(
+    r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+_GATE_UP_HALF = {"gate_proj": 0, "up_proj": 1}
+
+
+class PerExpertCheckpointNames:
+    """Checkpoint names of a model with ``StackedExperts``: per-expert keys
+    ``mlp.experts.{e}.{gate,up,down}_proj.weight`` load into the stacked parameters (the fused transformers-5 keys
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] / ``mlp.experts.down_proj`` [E, H, I] load as they are). A mixin
+    before ``DecoderForCausalLM``."""
+
+    def checkpoint_target(self, name: str) -> tuple[str, Any]:
+        match = _PER_EXPERT_KEY.match(name)
+        if match is None:
+            return super().checkpoint_target(name)
+        expert, proj = int(match["expert"]), match["proj"]
+        if proj == "down_proj":
+            return f"{match['experts']}.down_proj", expert
+        return f"{match['experts']}.gate_up_proj", (expert, _GATE_UP_HALF[proj])
+
+    def checkpoint_name(self, param_name: str, shard_id: Any) -> str:
+        experts, _, stacked = param_name.rpartition(".")
+        if experts.endswith(".experts") and shard_id is not None:
+            if stacked == "down_proj":
+                return f"{experts}.{shard_id}.down_proj.weight"
+            expert, half = shard_id
+            return f"{experts}.{expert}.{('gate_proj', 'up_proj')[half]}.weight"
+        return super().checkpoint_name(param_name, shard_id)

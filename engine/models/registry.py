@@ -10,6 +10,8 @@ _MODEL_CLASS_PATHS: dict[str, str] = {
     "Qwen3ForCausalLM": "engine.models.qwen3",
     "Qwen3MoeForCausalLM": "engine.models.qwen3_moe",
     "Qwen2MoeForCausalLM": "engine.models.qwen2_moe",
+    "DeepseekV3ForCausalLM": "engine.models.deepseek_v3",
+    "Glm4MoeLiteForCausalLM": "engine.models.glm4_moe_lite",
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODEL_CLASS_PATHS)

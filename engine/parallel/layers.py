@@ -158,11 +158,14 @@ def check_model_shards(config, world_size: int) -> None:
         raise ConfigError(f"tensor_parallel_size must be a positive int, got {world_size!r}")
     if world_size == 1:
         return
-    if world_size > config.num_kv_heads:
+    latent = config.mla is not None  # every rank holds the one latent row whole, and a slice of the heads
+    if world_size > config.num_kv_heads and not latent:
         raise ConfigError(f"tensor_parallel_size {world_size} exceeds the model's {config.num_kv_heads} KV heads "
                           "(each rank holds whole KV heads)")
-    sizes = [("the number of attention heads", config.num_heads), ("the number of KV heads", config.num_kv_heads),
-             ("the vocabulary size", config.vocab_size), ("the MLP intermediate size", config.intermediate_size)]
+    sizes = [("the number of attention heads", config.num_heads), ("the vocabulary size", config.vocab_size),
+             ("the MLP intermediate size", config.intermediate_size)]
+    if not latent:
+        sizes.append(("the number of KV heads", config.num_kv_heads))
     if config.num_experts:
         sizes.append(("the expert intermediate size", config.moe_intermediate_size))
     if config.shared_expert_intermediate_size:

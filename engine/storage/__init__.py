@@ -8,11 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from engine.contract.cache import CacheSpec
 from engine.contract.codec import CodedCacheSpec
 from engine.contract.storage import KVStorage
 from engine.storage.coded import CodedStorage
 from engine.storage.dense import DenseKV
+from engine.storage.latent import LatentCacheSpec, LatentKV
 
 _STORAGE_BY_SPEC: dict[type[CacheSpec], type[KVStorage]] = {}
 
@@ -36,5 +39,20 @@ def make_storage(spec: CacheSpec, num_pages: int) -> KVStorage:
 
 register_storage(CacheSpec)(DenseKV)
 register_storage(CodedCacheSpec)(CodedStorage)
+register_storage(LatentCacheSpec)(LatentKV)
 
-__all__ = ["CodedStorage", "DenseKV", "KVStorage", "make_storage", "register_storage"]
+
+def model_cache_spec(model_config, world_size: int, dtype: torch.dtype, device: torch.device,
+                     page_size: int) -> CacheSpec:
+    """What one token's KV looks like for a model (``engine.model_config.ModelConfig``) on one tensor-parallel
+    rank: its KV heads' share of dense keys and values, or, for latent attention, the one latent row every rank
+    holds whole."""
+    if model_config.mla is not None:
+        return LatentCacheSpec(num_layers=model_config.num_layers, num_kv_heads=1, head_dim=model_config.head_dim,
+                               dtype=dtype, device=device, page_size=page_size, value_dim=model_config.value_dim)
+    return CacheSpec(num_layers=model_config.num_layers, num_kv_heads=model_config.num_kv_heads // world_size,
+                     head_dim=model_config.head_dim, dtype=dtype, device=device, page_size=page_size)
+
+
+__all__ = ["CodedStorage", "DenseKV", "KVStorage", "LatentCacheSpec", "LatentKV", "make_storage",
+           "model_cache_spec", "register_storage"]

@@ -1,0 +1,107 @@
+"""DeepseekV3ForCausalLM (DeepSeek-V3 / V3.1 and twins such as Kimi K2): multi-head latent attention
+(``engine.models.mla``) and the DeepSeek MoE block.
+
+The MoE block routes by sigmoid scores: a per-expert correction bias picks the experts (first the
+``topk_group`` best of ``n_group`` expert groups, each group scored by its two best experts, then the top-k
+experts inside them), while the weights are the uncorrected scores of the chosen experts, renormalized when
+``norm_topk_prob`` and times ``routed_scaling_factor``; shared experts (one SwiGLU MLP of
+``n_shared_experts * moe_intermediate_size``) add to every token. The first ``first_k_dense_replace`` layers
+have a dense MLP. A multi-token-prediction layer in the checkpoint (``model.layers.{num_hidden_layers}...``) is
+skipped with a log line. Read from transformers' ``modeling_deepseek_v3.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.errors import ConfigError
+from engine.model_config import ModelConfig
+from engine.models.decoder import DecoderForCausalLM, DenseMLP
+from engine.models.layers import RotaryEmbedding
+from engine.models.mla import LatentAttention
+from engine.models.moe import PerExpertCheckpointNames, StackedExperts
+from engine.parallel.state import current_group
+
+log = logging.getLogger(__name__)
+_LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+class GroupedSigmoidRouter(nn.Module):
+    """The router's weight and correction bias stay fp32 whatever the model dtype, as HF keeps them."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        experts = config.num_experts
+        self.weight = nn.Parameter(torch.empty(experts, config.hidden_size, dtype=torch.float32), requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(torch.empty(experts, dtype=torch.float32), requires_grad=False)
+        self.top_k, self.groups, self.topk_groups = config.num_experts_per_tok, config.expert_groups, config.topk_groups
+        self.renormalize, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)."""
+        scores = F.linear(x.float(), self.weight).sigmoid()
+        choice = scores + self.e_score_correction_bias
+        if self.groups > 1:
+            t, e = choice.shape
+            group_scores = choice.view(t, self.groups, e // self.groups).topk(2, dim=-1)[0].sum(dim=-1)
+            chosen = group_scores.topk(self.topk_groups, dim=-1, sorted=False)[1]
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(e // self.groups, dim=1), float("-inf"))
+        topk_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, topk_ids)
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return topk_ids, (weights * self.scaling).to(x.dtype)
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.tp = current_group()
+        self.gate = GroupedSigmoidRouter(config)
+        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.shared_experts = None
+        if config.shared_expert_intermediate_size:
+            self.shared_experts = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
+                                           reduce_results=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_ids, topk_weights = self.gate(x)
+        out = self.experts(x, topk_ids, topk_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.tp.all_reduce(out)  # the ranks' partial sums over their expert slices: one reduction
+
+
+class DeepseekV3ForCausalLM(PerExpertCheckpointNames, DecoderForCausalLM):
+    packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    fused_decode_path = False  # DecoderLayer.forward_fused packs q/k/v, which latent attention has not
+
+    def make_attention(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return LatentAttention(config, layer_idx)
+
+    def make_rotary(self, config: ModelConfig) -> RotaryEmbedding:
+        return RotaryEmbedding(config.mla.qk_rope_head_dim, config.rope_theta, config.rope_scaling,
+                               config.max_position_embeddings)
+
+    def make_mlp(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        if config.is_moe_layer(layer_idx):
+            return DeepseekMoE(config)
+        return DenseMLP(config.hidden_size, config.intermediate_size)
+
+    def kv_projections(self):
+        raise ConfigError(f"{self.config.architecture} caches latent rows: no per-head key / value projections")
+
+    def is_ignored_checkpoint_tensor(self, name: str) -> bool:
+        match = _LAYER_KEY.match(name)
+        if match is not None and int(match[1]) >= self.config.num_layers:
+            if not getattr(self, "_logged_mtp", False):
+                log.info("skipping checkpoint layer %s and beyond (multi-token prediction, not run)", match[1])
+                self._logged_mtp = True
+            return True
+        return super().is_ignored_checkpoint_tensor(name)

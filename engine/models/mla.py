@@ -1,0 +1,92 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, Kimi K2, GLM-4.7-Flash) in the absorbed form.
+
+Per token the layer caches one latent row: ``kv_lora_rank`` normed latent values, then ``qk_rope_head_dim``
+rotated key values shared by every head (``ModelConfig.mla.cache_dim`` values, one "KV head"). Head ``h``'s
+key is ``[W_UK[h] c, k_pe]`` and its value ``W_UV[h] c`` (``kv_b_proj`` holds ``W_UK`` and ``W_UV`` per head), so
+
+    q_h . k_h = (W_UK[h]^T q_nope_h) . c + q_pe_h . k_pe     and     sum_s p_s W_UV[h] c_s = W_UV[h] sum_s p_s c_s.
+
+The layer therefore hands the runner multi-query attention over the latent rows: query ``[W_UK^T q_nope, q_pe]``
+(``cache_dim`` wide), key the whole row, value its first ``kv_lora_rank`` channels (a view of the key: nothing
+is stored twice), and applies ``W_UV`` to the per-head result. Every sparse method and backend then scores and
+reads the latent rows as one KV head. The runner scales logits by ``cache_dim ** -0.5`` (the engine's rule:
+the query's last dim); MLA's softmax scale (``(nope + rope) ** -0.5``, with YaRN's mscale) is folded into the
+query, so scores equal HF's exactly up to rounding.
+
+Prefill takes the same absorbed path (one attention for both phases, and every method sees the same keys);
+docs/methods.md records the trade-off against expanding K/V per chunk. Tensor parallel: each rank holds a
+slice of the heads (``q_b_proj`` / ``kv_b_proj`` columns, ``o_proj`` rows); the latent projection is replicated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model_config import ModelConfig
+from engine.models.interface import LayerRunner
+from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear, check_divisible
+from engine.parallel.state import current_group
+
+# HF builds the q / kv low-rank norms without the config's eps (DeepseekV3RMSNorm's default)
+LOW_RANK_NORM_EPS = 1e-6
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """Pairs ``(x0, x1), (x2, x3), ...`` -> ``(x0, x2, ..., x1, x3, ...)``: interleaved RoPE becomes the
+    half-split RoPE of ``RotaryEmbedding`` (HF's ``apply_rotary_pos_emb_interleave`` computes exactly this)."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        mla = config.mla
+        assert mla is not None
+        self.layer_idx, self.mla = layer_idx, mla
+        world = current_group().world_size
+        check_divisible("the number of attention heads", config.num_heads, world)
+        self.num_heads = config.num_heads // world  # this rank's
+        nope, rope, rank, v = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank, mla.v_head_dim
+        bias = config.attention_bias
+        qk_head = nope + rope
+        if mla.q_lora_rank is None:
+            self.q_proj = ColumnParallelLinear(config.hidden_size, config.num_heads * qk_head)
+        else:
+            self.q_a_proj = Linear(config.hidden_size, mla.q_lora_rank, bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LOW_RANK_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, config.num_heads * qk_head)
+        self.kv_a_proj_with_mqa = Linear(config.hidden_size, rank + rope, bias)
+        self.kv_a_layernorm = RMSNorm(rank, LOW_RANK_NORM_EPS)
+        self.kv_b_proj = ColumnParallelLinear(rank, config.num_heads * (nope + v))
+        self.o_proj = RowParallelLinear(config.num_heads * v, config.hidden_size, bias)
+        self.q_scale = mla.softmax_scale * mla.cache_dim**0.5  # the runner applies cache_dim ** -0.5
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, rank], W_UV [H, v, rank]) of this rank's heads: views of ``kv_b_proj``."""
+        mla = self.mla
+        w = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        return w[:, : mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim:]
+
+    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                runner: LayerRunner) -> torch.Tensor:
+        mla, t, h = self.mla, hidden.shape[0], self.num_heads
+        if mla.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_nope, q_pe = q.view(t, h, -1).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        k_pe = k_pe[:, None, :]
+        if mla.rope_interleave:
+            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
+        q_pe, k_pe = rotary(positions, q_pe.contiguous(), k_pe.contiguous())
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
+        query = torch.cat([q_latent, q_pe], dim=-1) * self.q_scale
+        row = torch.cat([latent, k_pe[:, 0]], dim=-1)[:, None, :]  # [T, 1, cache_dim]
+        out = runner.attention(self.layer_idx, query, row, row[..., : mla.kv_lora_rank])  # [T, H, rank]
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        return self.o_proj(out.reshape(t, h * mla.v_head_dim))
