@@ -42,6 +42,7 @@ import torch
 from engine.contract import Family, SparseMethod
 from engine.contract.method import HOOKS_EVERY_STEP
 from engine.contract.view import PagedView, SelectedSlotsView
+from engine.errors import ConfigError
 from engine.registry import register_method
 from agentrt_kernels import ops
 from policies.scoring import check_int, view_slots
@@ -136,6 +137,12 @@ class RetroInfer(SparseMethod):
         self._index: dict[str, list[ClusterIndex]] = {}  # request id -> one index per layer >= dense_layers
 
     # --- index ----------------------------------------------------------------------------------
+    def validate(self, spec) -> None:
+        if spec.v_head_dim != spec.head_dim:
+            raise ConfigError(f"retroinfer keeps value sums per key cluster and gathers values as wide as keys; this "
+                              f"model's values ({spec.v_head_dim}) are narrower than its keys ({spec.head_dim}), "
+                              "a latent (MLA) cache")
+
     def build_index(self, req, cache) -> None:
         cfg, ps = self.config, cache.page_size
         layers: list[ClusterIndex] = []

@@ -23,9 +23,9 @@ def _tiny_set(root, initializer_range: float, hidden_size: int = 64) -> dict:
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory):
+def tiny_dirs(tmp_path_factory, mla_dirs):
     """One small random checkpoint per supported architecture, written by the project's factory."""
-    return _tiny_set(tmp_path_factory.mktemp("tiny"), 0.1)
+    return _tiny_set(tmp_path_factory.mktemp("tiny"), 0.1) | mla_dirs
 
 
 MLA_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "mscale": 1.0,

@@ -12,11 +12,6 @@ MAX_NEW = 10
 PAGE = 16
 
 
-@pytest.fixture(scope="module")
-def model_dirs(tiny_dirs, mla_dirs):
-    return {**tiny_dirs, **mla_dirs}
-
-
 def make_prompts(vocab: int, seed: int) -> tuple[list[int], list[list[int]]]:
     rng = random.Random(seed)
     system = [rng.randrange(3, vocab) for _ in range(40)]
@@ -41,8 +36,8 @@ def assert_all_pages_free(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_with_prefix_hits_matches_hf(arch, model_dirs):
-    model_dir = model_dirs[arch]
+def test_chunked_prefill_with_prefix_hits_matches_hf(arch, tiny_dirs):
+    model_dir = tiny_dirs[arch]
     llm = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=32)
     system, prompts = make_prompts(llm.engine.model_config.vocab_size, seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -65,8 +60,8 @@ def test_chunked_prefill_with_prefix_hits_matches_hf(arch, model_dirs):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_preemption_under_tiny_page_budget_matches_hf(arch, model_dirs):
-    model_dir = model_dirs[arch]
+def test_preemption_under_tiny_page_budget_matches_hf(arch, tiny_dirs):
+    model_dir = tiny_dirs[arch]
     llm = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE, num_pages=24,
               max_num_batched_tokens=64, enable_prefix_caching=False)
     _, prompts = make_prompts(llm.engine.model_config.vocab_size, seed=11)

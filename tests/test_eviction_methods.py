@@ -238,7 +238,7 @@ def check_against_reference(llm, prompts, outs, history, make_rule, max_new=MAX_
 
 
 # --- per-method tests -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "glm4_moe_lite"])
 def test_streaming_llm_matches_reference(arch, tiny_dirs):
     cfg = dict(sink_tokens=2, window=12, slack=3)
     prompts = make_prompts(PROMPT_LENS)
@@ -249,7 +249,8 @@ def test_streaming_llm_matches_reference(arch, tiny_dirs):
 
 
 @pytest.mark.parametrize("arch,pooling,reeval", [("qwen3", "max", 0), ("llama", "avg", 0), ("qwen3", "avg", 3),
-                                                 ("llama", "max", 5)])
+                                                 ("llama", "max", 5), ("deepseek_v3", "max", 0),
+                                                 ("glm4_moe_lite", "avg", 3)])
 def test_snapkv_matches_reference(arch, pooling, reeval, tiny_dirs):
     cfg = dict(budget=16, window=6, kernel_size=3, pooling=pooling, reeval_every=reeval)
     prompts = make_prompts(PROMPT_LENS, seed=1)
@@ -283,7 +284,7 @@ def test_pooling_matches_its_definition_at_the_edges(pooling, kernel):
         torch.testing.assert_close(got[h], torch.tensor(pool_reference(x[h].tolist(), kernel, pooling)))
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "deepseek_v3"])
 def test_pyramidkv_matches_reference(arch, tiny_dirs):
     cfg = dict(budget=20, window=4, beta=4, kernel_size=5)
     prompts = make_prompts((9, 30, 70), seed=2)
@@ -301,7 +302,7 @@ def test_pyramidkv_matches_reference(arch, tiny_dirs):
                             lambda P: snap_rule(P, budgets(P), 4, 5, "max", 0, budget=20))
 
 
-@pytest.mark.parametrize("arch,evict_every", [("qwen3", 1), ("llama", 3)])
+@pytest.mark.parametrize("arch,evict_every", [("qwen3", 1), ("llama", 3), ("glm4_moe_lite", 1)])
 def test_h2o_matches_reference(arch, evict_every, tiny_dirs):
     cfg = dict(heavy_budget=6, recent_budget=6, evict_every=evict_every)
     prompts = make_prompts(PROMPT_LENS, seed=3)

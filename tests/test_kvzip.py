@@ -109,8 +109,9 @@ def record_prompt_evictions(llm):
     return seen
 
 
-def test_batch_of_mixed_lengths_keeps_the_reference_sets_and_tokens(tiny_dirs):
-    llm = make_llm(tiny_dirs["qwen3"])
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
+def test_batch_of_mixed_lengths_keeps_the_reference_sets_and_tokens(tiny_dirs, arch):
+    llm = make_llm(tiny_dirs[arch])
     engine = llm.engine
     mc = engine.model_config
     rng = random.Random(0)

@@ -165,7 +165,7 @@ def kept_lengths(history):
 
 
 # --- TOVA -------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "deepseek_v3"])
 def test_tova_matches_reference(arch, tiny_dirs):
     budget = 12
     prompts = make_prompts(PROMPT_LENS, seed=7)
@@ -187,6 +187,7 @@ def test_tova_matches_reference(arch, tiny_dirs):
     ("qwen2", dict(budget=16)),
     ("llama", dict(budget=16, recent=4, evict_every=3, slack=2)),
     ("qwen2", dict(budget=12, recent=2, evict_every=1, skip_layers=[0])),
+    ("glm4_moe_lite", dict(budget=16)),  # the latent rows' norms (the latent is RMS-normed, its RoPE part not)
 ])
 def test_knorm_matches_reference(arch, cfg, tiny_dirs):
     prompts = make_prompts(PROMPT_LENS, seed=8)
@@ -209,6 +210,7 @@ def test_knorm_matches_reference(arch, cfg, tiny_dirs):
 @pytest.mark.parametrize("arch,cfg", [
     ("qwen3", dict(budget=16, buffer=8, alpha=4, kernel_size=3)),
     ("llama", dict(budget=14, buffer=6, alpha=3, kernel_size=7, mix_lambda=0.5, threshold=0.3, gqa_pooling="mean")),
+    ("deepseek_v3", dict(budget=16, buffer=8, alpha=4, kernel_size=3)),
 ])
 def test_rkv_matches_reference(arch, cfg, tiny_dirs):
     max_new = 36

@@ -200,6 +200,11 @@ def test_a_decode_steps_attention_equals_the_dense_definition(tiny_dirs, aggrega
 
 
 # --- (3) greedy generation -------------------------------------------------------------------------------
+def test_latent_caches_are_refused_at_configuration(tiny_dirs):
+    with pytest.raises(ConfigError, match=r"values \(32\) are narrower than its keys \(40\), a latent \(MLA\) cache"):
+        engine(tiny_dirs["deepseek_v3"])
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_greedy_tokens_equal_the_reference_generation(tiny_dirs, arch):
     llm = engine(tiny_dirs[arch])

@@ -40,6 +40,18 @@ def model_dir(tmp_path_factory):
                                 initializer_range=0.1)
 
 
+@pytest.fixture(scope="module")
+def selection_dirs(model_dir, tmp_path_factory):
+    """The 5-layer Qwen3 and a 5-layer GLM-4.7-Flash-like model (latent rows: one KV head, absorbed queries)."""
+    from engine.tiny_checkpoint import make_tiny_checkpoint
+
+    mla = make_tiny_checkpoint(tmp_path_factory.mktemp("sel") / "glm", "glm4_moe_lite", seed=12, hidden_size=64,
+                               num_layers=NUM_LAYERS, num_heads=4, head_dim=16, intermediate_size=128,
+                               vocab_size=512, max_position_embeddings=1024, initializer_range=0.1,
+                               kv_lora_rank=32, qk_rope_head_dim=8)
+    return {"qwen3": model_dir, "glm4_moe_lite": mla}
+
+
 def make_prompts(seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in PROMPT_LENS]
@@ -196,16 +208,19 @@ def check_against_reference(llm, outs, prompts, seen, make_choose):
         for key in sorted(ref_chosen):
             assert got[key] == ref_chosen[key], f"request {out.request_id} (position, layer) {key}"
         assert out.token_ids == ref_tokens
-        assert out.token_ids == greedy_with_mask(model, prompt, MAX_NEW, mask_from(got, len(prompt)))
+        assert out.token_ids == greedy_with_mask(model, prompt, MAX_NEW,
+                                                 mask_from(got, len(prompt), llm.engine.model_config.num_kv_heads))
         dropped |= any(len(v) < pos + 1 for (pos, _), v in got.items())
     assert dropped, "the budget should have made the method drop tokens"
 
 
 # --- Quest -----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("aggregate,path", [("max", "device"), ("sum", "device"), ("max", "host")])
-def test_quest_selects_and_decodes_like_the_dense_reference(model_dir, aggregate, path):
+@pytest.mark.parametrize("arch,aggregate,path", [("qwen3", "max", "device"), ("qwen3", "sum", "device"),
+                                                  ("qwen3", "max", "host"), ("glm4_moe_lite", "max", "device")])
+def test_quest_selects_and_decodes_like_the_dense_reference(selection_dirs, arch, aggregate, path):
     """``path``: pure-decode steps select on the device (what a decode graph captures), or, forced, through
     the host plan that prompt steps use."""
+    model_dir = selection_dirs[arch]
     cfg = {"token_budget": 18, "dense_layers": 1, "aggregate": aggregate}  # 4 pages: 18 is not a page multiple
     llm = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=24,
               method="quest", method_config=cfg)
@@ -231,9 +246,11 @@ def test_quest_selects_and_decodes_like_the_dense_reference(model_dir, aggregate
 
 
 # --- OmniKV ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("observation_layers,path", [((1, 3), "device"), ((2,), "device"), ((1, 3), "host")])
-def test_omnikv_selects_and_decodes_like_the_dense_reference(model_dir, observation_layers, path):
+@pytest.mark.parametrize("arch,observation_layers,path", [("qwen3", (1, 3), "device"), ("qwen3", (2,), "device"),
+                                                           ("qwen3", (1, 3), "host"), ("glm4_moe_lite", (1, 3), "device")])
+def test_omnikv_selects_and_decodes_like_the_dense_reference(selection_dirs, arch, observation_layers, path):
     """``path``: pure-decode steps choose on the device (what a decode graph captures) or, forced, on the host."""
+    model_dir = selection_dirs[arch]
     budget = 12
     llm = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=16,
               method="omnikv", method_config={"observation_layers": list(observation_layers), "token_budget": budget})

@@ -35,6 +35,11 @@ class CacheSpec:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
     @property
+    def v_head_dim(self) -> int:
+        """The width of a value row (a latent cache's values are narrower than its keys)."""
+        return self.head_dim
+
+    @property
     def bytes_per_page(self) -> int:
         return self.bytes_per_token * self.page_size
 

@@ -32,6 +32,10 @@ class LatentCacheSpec(CacheSpec):
     def bytes_per_token(self) -> int:
         return self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
+    @property
+    def v_head_dim(self) -> int:
+        return self.value_dim
+
 
 class LatentKV(KVStorage):
     def __init__(self, spec: LatentCacheSpec, num_pages: int):
