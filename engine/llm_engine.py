@@ -10,6 +10,7 @@ overlap (``engine.decode_window``), chains (``engine.chain_manager``) and step t
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -76,6 +77,8 @@ class LLMEngine:
             config.model, dtype=dtype, device=self.device, load_format=config.load_format, tp=self.tp
         )
         mc = self.model_config
+        if mc.mla is not None and self.tp.world_size > 1:  # the ranks share the latent row, split its query heads
+            self.tp = dataclasses.replace(self.tp, kv_heads_shared=True)
         if config.resolved_fused_decode_linears(self.device, self.tp.world_size):
             fuse_decode_linears(self.model, mc.architecture, self.device, asked=config.fused_decode_linears is True)
         self.tokenizer = load_tokenizer(config.model)

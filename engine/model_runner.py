@@ -16,6 +16,7 @@ from engine.contract.cache import CacheManager
 from engine.contract.method import SparseMethod
 from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch, build_forward_batch, next_decode_step
+from engine.parallel.state import reduce_over_query_heads
 from engine.sampler import SampleOutput, Sampler
 from engine.scheduler import StepPlan
 
@@ -97,6 +98,7 @@ class ModelRunner:
         if method.needs.received_attention:
             out, scores = self.backend.forward_received(q, k_cache, v_cache, view, self.scale,
                                                         self.cache.spec.num_kv_heads)
+            scores = [reduce_over_query_heads(s, "sum") for s in scores]
         else:
             out, scores = self.backend.forward(
                 q, k_cache, v_cache, view, self.scale, return_scores=method.needs.attention_scores

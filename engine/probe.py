@@ -22,6 +22,7 @@ import torch
 
 from engine.contract.view import PagedView
 from engine.errors import InvalidRequestError
+from engine.parallel.state import query_head_ranks, reduce_over_query_heads
 from engine.request import Request
 
 REDUCTIONS = ("max", "mean")
@@ -62,12 +63,13 @@ class _ProbeLayerRunner:
             out, on_cols = self._received(q, keys, values, pk, pv)
             part = on_cols.new_zeros(visible.shape)
             part[:, cols] = on_cols
+        part = reduce_over_query_heads(part, "max" if self.reduce == "max" else "sum")
         prev = self.scores[layer]
         if self.reduce == "max":
             self.scores[layer] = part if prev is None else torch.maximum(prev, part)
         else:
             self.scores[layer] = part if prev is None else prev + part
-            self.num_reduced[layer] += q.shape[1] // visible.shape[0] * q.shape[0]  # group x chunk
+            self.num_reduced[layer] += q.shape[1] // visible.shape[0] * q.shape[0] * query_head_ranks()  # group x chunk
         return out
 
     def _received(self, q, keys, values, pk, pv) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,7 +100,7 @@ class _ProbeLayerRunner:
         on_retained = probs[..., :n]
         part = on_retained.amax(dim=(1, 2)) if self.reduce == "max" else on_retained.sum(dim=(1, 2))
         out = torch.einsum("hgis,shd->ihgd", probs, all_v)
-        return out.reshape(c, hq, d).to(q.dtype), part
+        return out.reshape(c, hq, all_v.shape[-1]).to(q.dtype), part
 
     def end_layer(self, layer: int, hidden: torch.Tensor) -> None:
         pass

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.contract import Family, SparseMethod
+from engine.contract import Family, SparseMethod, reduce_over_query_heads
 from engine.contract.method import HOOKS_EVERY_STEP, DecodeCapabilities
 from engine.registry import register_method
 from policies.scoring import (
@@ -92,6 +92,7 @@ def importance(q: torch.Tensor, keys: torch.Tensor, kernel_size: int, gqa_poolin
     m, hkv, _ = keys.shape
     logits = torch.einsum("ihgd,shd->hgis", q.float().reshape(a, hkv, hq // hkv, d), keys.float()) * d**-0.5
     z = logits.amax(dim=1) if gqa_pooling == "max" else logits.mean(dim=1)  # [Hkv, a, m]
+    z = reduce_over_query_heads(z, gqa_pooling)
     return pool1d(torch.softmax(z, dim=-1).mean(dim=1), kernel_size, "max")
 
 

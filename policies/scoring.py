@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrt_kernels.dispatch import window_votes
-from engine.contract import CacheManager
+from engine.contract import CacheManager, reduce_over_query_heads
 
 if TYPE_CHECKING:
     from engine.contract import Request
@@ -69,7 +69,7 @@ def window_scores(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, k_po
     logits = torch.einsum("ihgd,shd->hgis", q.float().reshape(w, hkv, g, d), keys.float()) * d**-0.5
     hidden = k_pos[:, None, None, :] > q_pos[None, None, :, None]  # [Hkv, 1, w, n]
     probs = torch.softmax(logits.masked_fill(hidden, float("-inf")), dim=-1)
-    return probs.sum(dim=2).mean(dim=1)
+    return reduce_over_query_heads(probs.sum(dim=2).mean(dim=1), "mean")
 
 
 def held_window_scores(cache: CacheManager, req: Request, layer: int, q: torch.Tensor, q_pos: torch.Tensor,
@@ -96,7 +96,7 @@ def held_window_scores(cache: CacheManager, req: Request, layer: int, q: torch.T
             keys = torch.cat([keys, keys.new_zeros(num_pages * ps - n, *keys.shape[1:])])
         k_cache = keys.view(num_pages, ps, *keys.shape[1:])
         pages = torch.arange(num_pages, dtype=torch.int32, device=q.device)
-    return window_votes(q, k_cache, pages, n, q.shape[-1] ** -0.5) / group
+    return reduce_over_query_heads(window_votes(q, k_cache, pages, n, q.shape[-1] ** -0.5) / group, "mean")
 
 
 def pool1d(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:

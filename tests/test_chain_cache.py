@@ -17,17 +17,30 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dirs):
-    ref = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", enable_prefix_caching=False)
-    return lambda prompt: ref.generate([prompt], PARAMS)[0].token_ids
+def references(tiny_dirs):
+    """A fresh engine per architecture (made on first use): prompt -> its greedy tokens."""
+    engines = {}
+
+    def reference_of(arch):
+        if arch not in engines:
+            engines[arch] = LLM(tiny_dirs[arch], dtype="float32", device="cpu", enable_prefix_caching=False)
+        return lambda prompt: engines[arch].generate([prompt], PARAMS)[0].token_ids
+    return reference_of
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    return references("qwen3")
 
 
 def turn(engine, chain_id, prompt):
     return run_chain_turn(engine, chain_id, prompt, PARAMS)
 
 
-def test_each_turn_prefills_only_its_new_tokens_and_matches_a_fresh_run(tiny_dirs, reference):
-    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=16)
+@pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
+def test_each_turn_prefills_only_its_new_tokens_and_matches_a_fresh_run(tiny_dirs, references, arch):
+    reference = references(arch)
+    llm = LLM(tiny_dirs[arch], dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=16)
     engine, rng = llm.engine, random.Random(0)
     history = random_tokens(rng, 30)  # system prompt
     for i in range(7):
@@ -91,8 +104,10 @@ def test_concurrent_chain_turns_batch_together_under_pressure(tiny_dirs, referen
             histories[cid] = prompt + finals[cid].token_ids
 
 
-def test_fork_and_rewind_equal_building_the_history_from_scratch(tiny_dirs, reference):
-    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE)
+@pytest.mark.parametrize("arch", ["qwen3", "glm4_moe_lite"])
+def test_fork_and_rewind_equal_building_the_history_from_scratch(tiny_dirs, references, arch):
+    reference = references(arch)
+    llm = LLM(tiny_dirs[arch], dtype="float32", device="cpu", page_size=PAGE)
     engine, rng = llm.engine, random.Random(3)
     p1 = random_tokens(rng, 22)
     h = p1 + turn(engine, "a", p1).token_ids

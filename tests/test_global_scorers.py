@@ -78,10 +78,11 @@ def chain_with_history(engine, rng, n_prompt=60):
     return prompt + out.token_ids
 
 
-@pytest.mark.parametrize("scorer", ["snapkv_global", "kvzip_global"])
-def test_scorer_keeps_the_reference_positions_in_every_layer_and_head(tiny_dirs, monkeypatch, scorer):
+@pytest.mark.parametrize("arch,scorer", [("qwen3", "snapkv_global"), ("qwen3", "kvzip_global"),
+                                         ("glm4_moe_lite", "snapkv_global"), ("deepseek_v3", "kvzip_global")])
+def test_scorer_keeps_the_reference_positions_in_every_layer_and_head(tiny_dirs, monkeypatch, arch, scorer):
     monkeypatch.setattr(policies.kvzip_global.KVzipGlobalScorer, "chunk_size", 24)  # 3 reconstruction chunks
-    engine = make_engine(tiny_dirs["qwen3"])
+    engine = make_engine(tiny_dirs[arch])
     mc = engine.model_config
     rng = random.Random(11)
     tokens = chain_with_history(engine, rng)

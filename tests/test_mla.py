@@ -104,3 +104,31 @@ def test_kv_codecs_are_refused_for_latent_rows(mla_dirs):
     with pytest.raises(ConfigError, match="kv_storage 'fp8' codes dense keys and values; DeepseekV3ForCausalLM "
                                           "caches LatentCacheSpec rows"):
         LLMEngine(EngineConfig(mla_dirs["deepseek_v3"], dtype="float32", device="cpu", kv_storage="fp8"))
+
+
+@pytest.mark.parametrize("arch,method,config", [
+    ("deepseek_v3", "dense", {}),
+    ("glm4_moe_lite", "snapkv", {"budget": 12, "window": 4}),
+    ("deepseek_v3", "h2o", {"heavy_budget": 6, "recent_budget": 6}),
+    ("glm4_moe_lite", "rkv", {"budget": 12, "buffer": 6, "alpha": 3, "kernel_size": 3}),
+    ("deepseek_v3", "kvzip", {"budget": 12, "window": 4, "chunk_size": 16}),
+])
+def test_tensor_parallel_splits_the_heads_and_replicates_the_latent(tiny_dirs, arch, method, config):
+    """Two gloo ranks, two query heads each (q_b_proj / kv_b_proj columns, o_proj rows), the latent row whole on
+    both: tokens equal the single rank's, and a method keeps the same latent slots on rank 0 (its scores pooled
+    over the query heads of both ranks: ``reduce_over_query_heads``)."""
+    from tests.test_tensor_parallel import (PROMPTS, assert_gone, assert_same_greedy, engine, generate,
+                                            kept_positions, worker_procs)
+
+    options = dict(method=method, method_config=config)
+    ref, ref_kept = generate(engine(tiny_dirs[arch], 1, **options), PROMPTS, kept_positions)
+    with engine(tiny_dirs[arch], 2, **options) as eng:
+        procs = worker_procs(eng)
+        assert eng.cache.spec.num_kv_heads == 1 and eng.model.model.layers[0].self_attn.num_heads == 2
+        got, kept = generate(eng, PROMPTS, kept_positions)
+    assert_gone(procs)
+    assert_same_greedy(ref, got)
+    for ref_layers, layers in zip(ref_kept, kept):
+        assert all(torch.equal(g, r) for r, g in zip(ref_layers, layers))
+    if method == "snapkv":
+        assert ref_kept[2][0].shape == (1, 12)  # the 41-token prompt was cut to the budget

@@ -36,11 +36,13 @@ def pruned_visibility(kept, boundary):
     return visible
 
 
-@pytest.mark.parametrize("scorer,keep_ratio,keep_tokens", [("knorm", 0.2, None), (None, 0.0, None),
-                                                          ("knorm", 0.0, 13), (None, 0.0, 0)])
-def test_pruning_frees_exact_pages_and_the_next_turn_resumes_without_the_pruned_kv(tiny_dirs, scorer, keep_ratio,
-                                                                                  keep_tokens):
-    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE)
+@pytest.mark.parametrize("arch,scorer,keep_ratio,keep_tokens", [
+    ("qwen3", "knorm", 0.2, None), ("qwen3", None, 0.0, None), ("qwen3", "knorm", 0.0, 13), ("qwen3", None, 0.0, 0),
+    ("glm4_moe_lite", "knorm", 0.2, None), ("deepseek_v3", "knorm", 0.0, 13),
+])
+def test_pruning_frees_exact_pages_and_the_next_turn_resumes_without_the_pruned_kv(tiny_dirs, arch, scorer,
+                                                                                  keep_ratio, keep_tokens):
+    llm = LLM(tiny_dirs[arch], dtype="float32", device="cpu", page_size=PAGE)
     engine, rng = llm.engine, random.Random(0)
     system, tool, user = ([rng.randrange(3, 500) for _ in range(n)] for n in (20, 40, 6))
     prompt = system + tool + user

@@ -23,6 +23,9 @@ class TPGroup:
     rank: int = 0
     world_size: int = 1
     group: Any = None  # the torch.distributed ProcessGroup when world_size > 1
+    # every rank holds the same KV heads (a latent cache's one row) and a slice of their query heads, so a score
+    # pooled over a KV head's query heads is pooled over the ranks too (``reduce_over_query_heads``)
+    kv_heads_shared: bool = False
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce ``tensor`` over the ranks and return the result (in place when ``tensor`` is contiguous).
@@ -93,6 +96,18 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 def all_gather(tensor: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Concatenate the ranks' tensors along ``dim`` (rank order); identity at world size 1."""
     return _current.all_gather(tensor, dim)
+
+
+def reduce_over_query_heads(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """A per-KV-head score pooled (``op``) over that head's query heads, completed over the ranks: the identity
+    where each rank holds whole KV heads with all their query heads, ``all_reduce`` where ranks split the query
+    heads of shared KV heads (latent attention)."""
+    return _current.all_reduce(tensor, op) if _current.kv_heads_shared else tensor
+
+
+def query_head_ranks() -> int:
+    """How many ranks hold query heads of each KV head: the world size where KV heads are shared, else 1."""
+    return _current.world_size if _current.kv_heads_shared else 1
 
 
 def tp_rank() -> int:
