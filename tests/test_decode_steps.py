@@ -72,7 +72,7 @@ def test_greedy_mixed_lengths_equal_single_steps(tiny_dirs, overlap):
     assert len(ks) < len(ref_ks)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "glm4_moe_lite"])
 def test_stop_tokens_and_strings_inside_a_window(tiny_dirs, arch):
     base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     (free,), _, _ = run(tiny_dirs[arch], [(prompts(1, (30,))[0], base)], 1)

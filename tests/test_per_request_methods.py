@@ -54,11 +54,12 @@ def run(engine, items):
     return [done[i] for i in ids]
 
 
-@pytest.mark.parametrize("chunk,which", [(4096, range(len(MIXED))), (48, CHUNK_INDEPENDENT)])
-def test_mixed_batch_equals_each_method_alone(tiny_dirs, chunk, which):
+@pytest.mark.parametrize("arch,chunk,which", [("qwen3", 4096, range(len(MIXED))), ("qwen3", 48, CHUNK_INDEPENDENT),
+                                              ("deepseek_v3", 48, CHUNK_INDEPENDENT)])
+def test_mixed_batch_equals_each_method_alone(tiny_dirs, arch, chunk, which):
     ps = [prompts()[i] for i in which]
     methods = [MIXED[i] for i in which]
-    engine = make_llm(tiny_dirs["qwen3"], chunk=chunk).engine
+    engine = make_llm(tiny_dirs[arch], chunk=chunk).engine
     steps_with_several = []
     step = engine.step
 
@@ -72,7 +73,7 @@ def test_mixed_batch_equals_each_method_alone(tiny_dirs, chunk, which):
     mixed = run(engine, [(p, m, c) for p, (m, c) in zip(ps, methods)])
     assert any(steps_with_several)
     for p, (m, c), got in zip(ps, methods, mixed):
-        (ref,) = make_llm(tiny_dirs["qwen3"], m or "dense", c, chunk=chunk).generate([p], PARAMS)
+        (ref,) = make_llm(tiny_dirs[arch], m or "dense", c, chunk=chunk).generate([p], PARAMS)
         assert got.token_ids == ref.token_ids, (m, c)
         torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
 
