@@ -104,7 +104,8 @@ class ChainManager:
         exported = None if reason is FinishReason.ABORT else req.method.export_state(req)
         table = self.cache.detach(req)
         if reason is FinishReason.ABORT:
-            if table is not None and not table.is_compacted and table.num_slots >= state.num_computed > 0:
+            if (table is not None and table.num_slots >= state.num_computed > 0
+                    and self.cache.can_truncate(table, state.num_computed)):
                 self.cache.truncate_table(table, state.num_computed)
                 state.table = table
             else:
@@ -165,14 +166,15 @@ class ChainManager:
         self.index.touch(forked)
 
     def rewind(self, chain_id: str, num_tokens: int) -> None:
-        """Truncate the chain's history to its first ``num_tokens`` tokens (exact for dense KV; compacted KV
-        is dropped and recomputed on the next turn)."""
+        """Truncate the chain's history to its first ``num_tokens`` tokens (exact for dense KV; compacted KV and
+        a hybrid model's recurrent state, which exists only at the chain's end, are dropped and recomputed on the
+        next turn)."""
         state = self._idle(chain_id)
         if not 0 <= num_tokens <= len(state.token_ids):
             raise InvalidRequestError(f"num_tokens must be in [0, {len(state.token_ids)}], got {num_tokens}")
         state.token_ids = state.token_ids[:num_tokens]
         if state.table is not None and num_tokens < state.num_computed:
-            if state.table.is_compacted or num_tokens == 0:
+            if num_tokens == 0 or not self.cache.can_truncate(state.table, num_tokens):
                 self.cache.release_table(state.table)
                 state.table, state.num_computed, state.method_state = None, 0, None
             else:

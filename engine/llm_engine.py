@@ -100,8 +100,12 @@ class LLMEngine:
             num_pages = self._tp_link.agree_min(num_pages)  # every rank's pool the same size: the same schedule
         self.pool = PagePool(num_pages)
         self.method.validate(spec)
-        self.cache = (self.method.make_cache(spec, self.pool, config.enable_prefix_caching)
-                      or PagedCacheManager(spec, self.pool, enable_prefix_caching=config.enable_prefix_caching))
+        prefix_caching = config.enable_prefix_caching and spec.prefix_reusable
+        if config.enable_prefix_caching and not prefix_caching:
+            log.info("prefix caching off: %s keeps per-request recurrent state that published pages do not hold",
+                     mc.architecture)
+        self.cache = (self.method.make_cache(spec, self.pool, prefix_caching)
+                      or PagedCacheManager(spec, self.pool, enable_prefix_caching=prefix_caching))
         if self.codec is not None and self.cache.storage.codec is not self.codec:
             raise ConfigError(f"method {self.method.name!r} builds a cache that does not store through "
                               f"kv_storage {self.codec.name!r}")
@@ -110,7 +114,7 @@ class LLMEngine:
                                     spec.head_dim)
         self.methods = MethodSet(self.method, lambda m: take_on(m, self.codec, self.backend, spec, self.cache),
                                  config.max_methods)
-        self.chains = ChainManager(self.cache, mc.num_layers)
+        self.chains = ChainManager(self.cache, spec.num_layers)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
                                    on_preempt=self._on_preempt, reclaim=self.chains.reclaim)
         self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)

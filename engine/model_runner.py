@@ -106,6 +106,11 @@ class ModelRunner:
         method.after_attention(layer_idx, batch, out, scores)
         return out
 
+    def linear_state(self, layer_idx: int):
+        """The step's requests' recurrent state of linear-attention layer ``layer_idx`` (hybrid models)."""
+        batch = self._batch
+        return self.cache.linear_state(batch.requests, layer_idx, batch.view.query_lens_cpu)
+
     def end_layer(self, layer_idx: int, hidden: torch.Tensor) -> None:
         batch = self._batch
         if batch.groups is None:

@@ -31,6 +31,7 @@ class PageTable:
     host_row: np.ndarray | None = None  # int32 copy of ``pages`` for building block tables; None = stale
     compacted_at: int = 0  # logical length at the last compaction; later slots are appended tokens
     window: int | None = None  # the storage's per-table working state (a codec's window), held while running
+    state: object | None = None  # what the storage keeps with a stopped table (a recurrent state), if anything
 
     @property
     def is_compacted(self) -> bool:

@@ -156,7 +156,7 @@ class PagedCacheManager(CacheManager):
         self._tables[req.request_id] = t
 
     def release_table(self, t: PageTable) -> None:
-        self.storage.close_table(t)
+        self.storage.drop_table_state(t)
         for page in reversed(t.pages):  # tail pages become the first to be reused
             self.pool.decref(page)
         t.pages, t.keys, t.host_row, t.num_slots = [], [], None, 0
@@ -175,13 +175,15 @@ class PagedCacheManager(CacheManager):
             self.storage.copy_pages(t.pages, pages)
         else:
             return None
-        return PageTable(pages=pages, keys=list(t.keys), num_slots=t.num_slots,
+        fork = PageTable(pages=pages, keys=list(t.keys), num_slots=t.num_slots,
                          layer_lens=None if t.layer_lens is None else list(t.layer_lens),
                          kept_positions=t.kept_positions, compacted_at=t.compacted_at)
+        self.storage.fork_table_state(t, fork)
+        return fork
 
     def truncate_table(self, t: PageTable, num_slots: int) -> None:
         """Keep the first ``num_slots`` slots of an uncompacted table; pages past them go back to the pool."""
-        assert not t.is_compacted and num_slots <= t.num_slots
+        assert self.can_truncate(t, num_slots) and num_slots <= t.num_slots
         self.storage.close_table(t)
         self._drop_pages_from(t, cdiv(num_slots, self.page_size))
         t.keys = t.keys[: num_slots // self.page_size]
@@ -197,9 +199,18 @@ class PagedCacheManager(CacheManager):
             self.pool.decref(page)
         t.pages, t.host_row = t.pages[:keep], None
 
+    def can_truncate(self, t: PageTable, num_slots: int) -> bool:
+        return not t.is_compacted and (self.storage.cuts_tables or num_slots == t.num_slots)
+
+    def linear_state(self, reqs: list[Request], layer: int, query_lens: list[int]):
+        return self.storage.linear_state(self._tables_of(reqs), layer, query_lens)
+
     def truncate_logical(self, t: PageTable, logical_len: int, lo: int, hi: int) -> int:
         """See ``CacheManager.truncate_logical``. A compacted table can lose only the tokens appended after its
-        last compaction (every layer holds those in order, after its kept slots), if its storage can cut them."""
+        last compaction (every layer holds those in order, after its kept slots), if its storage can cut them;
+        a table whose storage cannot be cut resumes only whole."""
+        if not self.storage.cuts_tables:
+            return logical_len if lo <= logical_len <= hi else 0
         if not t.is_compacted:
             return super().truncate_logical(t, logical_len, lo, hi)
         new_len = max(lo, t.compacted_at) if self.storage.cuts_appended_tokens else logical_len

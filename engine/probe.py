@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.contract.view import PagedView
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError
 from engine.parallel.state import query_head_ranks, reduce_over_query_heads
 from engine.request import Request
 
@@ -130,6 +130,9 @@ class Prober:
         queries at logical positions ``start ..`` (default ``logical_len``) over ``table``'s retained slots.
         The table, its pages and the KV storage are left unchanged."""
         start = logical_len if start is None else start
+        if self.cache.spec.recurrent_layers:
+            raise ConfigError("the probe forward runs the model over tokens after a chain's history; a hybrid "
+                              "model's recurrent layers would need their state at that point, which is not kept")
         if reduce not in REDUCTIONS:
             raise InvalidRequestError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
         if not token_ids:

@@ -34,7 +34,7 @@ import torch
 
 from engine.contract import Family, SparseMethod, all_gather, tp_rank
 from engine.contract.method import DecodeCapabilities
-from engine.errors import InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError
 from engine.registry import register_method
 from policies.scoring import check_int, top_k_sorted
 
@@ -105,6 +105,11 @@ class KVzip(SparseMethod):
         super().__init__(config)
         self._pending: set[str] = set()  # prompt finished, eviction not done yet (a shared page was in the way)
         self._repeat_ids: list[int] | None = None
+
+    def validate(self, spec) -> None:
+        if spec.recurrent_layers:
+            raise ConfigError("kvzip scores a prompt by a reconstruction probe run after it; a hybrid model's "
+                              "recurrent layers keep no state to run that probe from")
 
     def per_head_budget(self, prompt_len: int) -> int | None:
         """Step 4's ``b``, or None when the prompt is kept whole."""

@@ -40,6 +40,17 @@ class CacheSpec:
         return self.head_dim
 
     @property
+    def prefix_reusable(self) -> bool:
+        """Whether a request may start from another's published pages (False where per-request state that the
+        pages do not hold must be at the prefix's end: a hybrid model's recurrent layers)."""
+        return True
+
+    @property
+    def recurrent_layers(self) -> int:
+        """Layers of the model whose state is per request rather than per token (not in ``num_layers``)."""
+        return 0
+
+    @property
     def bytes_per_page(self) -> int:
         return self.bytes_per_token * self.page_size
 
@@ -113,6 +124,15 @@ class CacheManager(ABC):
     def release_tail(self, table: TableHandle) -> None:
         """Give back the pages a table holds past its last slot (taken ahead for steps a request did not
         keep); none by default."""
+
+    def can_truncate(self, table: TableHandle, num_slots: int) -> bool:
+        """Whether ``truncate_table(table, num_slots)`` keeps a table that can run on (else it is recomputed)."""
+        return not table.is_compacted
+
+    def linear_state(self, reqs: list[Request], layer: int, query_lens: list[int]) -> Any:
+        """The recurrent state of linear-attention layer ``layer`` for a step's requests
+        (``engine.storage.recurrent.LinearState``); only caches of hybrid models have one."""
+        raise NotImplementedError(f"{type(self).__name__} holds no recurrent state")
 
     def truncate_logical(self, table: TableHandle, logical_len: int, lo: int, hi: int) -> int:
         """Cut a table holding ``logical_len`` logical tokens back to the shortest length in ``[lo, hi]`` its

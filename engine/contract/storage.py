@@ -31,7 +31,8 @@ class TableHandle(Protocol):
 
     pages: list[int]
     num_slots: int  # slots in use in the longest layer
-    window: int | None  # the storage's per-table working state (a codec's full-precision window), if any
+    window: int | None  # the storage's per-table working state (a codec's window, a recurrent state slot), if any
+    state: object | None  # what the storage keeps with a stopped table (a recurrent layer's state), if anything
 
     @property
     def is_compacted(self) -> bool: ...
@@ -51,6 +52,9 @@ class KVStorage(ABC):
     # a compacted table can drop the tokens appended after its compaction (they sit in order after its kept
     # slots); a storage that encodes groups spanning those tokens cannot
     cuts_appended_tokens: ClassVar[bool] = True
+    # a table can be cut back to fewer slots (truncated); False where the storage keeps state that exists only at
+    # the table's end (a recurrent layer's state): a cut table is recomputed instead
+    cuts_tables: ClassVar[bool] = True
     codec: KVCodec | None = None  # the codec tokens are stored by, if any
 
     def __init__(self, spec: CacheSpec, num_pages: int):
@@ -64,6 +68,13 @@ class KVStorage(ABC):
 
     def close_table(self, table: TableHandle) -> None:
         """The table stops running (finished, detached, truncated): release that state; pages stay valid."""
+
+    def drop_table_state(self, table: TableHandle) -> None:
+        """The table's pages go back to the pool: drop whatever the storage keeps for it."""
+        self.close_table(table)
+
+    def fork_table_state(self, src: TableHandle, dst: TableHandle) -> None:
+        """``dst`` is a fork of ``src`` (shared pages): copy what the storage keeps per table, if anything."""
 
     # --- a step's writes ------------------------------------------------------------------------
     def plan_step(self, tables: list[TableHandle], num_new_tokens: list[int]) -> None:

@@ -16,6 +16,7 @@ from engine.contract.storage import KVStorage
 from engine.storage.coded import CodedStorage
 from engine.storage.dense import DenseKV
 from engine.storage.latent import LatentCacheSpec, LatentKV
+from engine.storage.recurrent import HybridCacheSpec, HybridKV
 
 _STORAGE_BY_SPEC: dict[type[CacheSpec], type[KVStorage]] = {}
 
@@ -40,6 +41,7 @@ def make_storage(spec: CacheSpec, num_pages: int) -> KVStorage:
 register_storage(CacheSpec)(DenseKV)
 register_storage(CodedCacheSpec)(CodedStorage)
 register_storage(LatentCacheSpec)(LatentKV)
+register_storage(HybridCacheSpec)(HybridKV)
 
 
 def model_cache_spec(model_config, world_size: int, dtype: torch.dtype, device: torch.device,
@@ -54,5 +56,6 @@ def model_cache_spec(model_config, world_size: int, dtype: torch.dtype, device: 
                      head_dim=model_config.head_dim, dtype=dtype, device=device, page_size=page_size)
 
 
-__all__ = ["CodedStorage", "DenseKV", "KVStorage", "LatentCacheSpec", "LatentKV", "make_storage",
+__all__ = ["CodedStorage", "DenseKV", "HybridCacheSpec", "HybridKV", "KVStorage", "LatentCacheSpec", "LatentKV",
+           "make_storage",
            "model_cache_spec", "register_storage"]

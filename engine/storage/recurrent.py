@@ -1,0 +1,142 @@
+"""Hybrid models' KV: dense pages for the full-attention layers plus a fixed-size recurrent state per running
+request for every linear-attention layer (a gated DeltaNet's causal-conv inputs and its recurrent matrix).
+
+The spec counts only the full-attention layers as ``num_layers`` (pages, views, methods and compaction see
+those alone); the states live in slots ``[linear_layers, max_states + 1, ...]`` whose bytes come out of the KV
+budget first, like a codec's windows (``window_bytes``). A running table holds a slot (``open_table``, the
+table's ``window``): a table that has computed nothing starts from zeros; a table coming back (a chain's next
+turn) copies in the state it saved when it stopped (``close_table`` keeps a copy on the table, outside the
+pool: an idle chain's state). A state exists only at its table's end, so a table cannot be cut back
+(``cuts_tables`` is False: a rewound or diverging chain is recomputed) and a prefix of another request's
+pages cannot be reused (``CacheSpec.prefix_reusable`` is False: the state after the prefix is not kept).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.contract.cache import CacheSpec
+from engine.contract.storage import TableHandle
+from engine.errors import EngineError
+from engine.kv_memory import zeroed
+from engine.storage.dense import DenseKV
+
+
+@dataclass(slots=True, frozen=True)
+class HybridCacheSpec(CacheSpec):
+    """``num_layers`` full-attention layers of dense KV, plus per running request and linear layer a conv state
+    ``conv_shape`` (model dtype) and a recurrent state ``recurrent_shape`` (``state_dtype``)."""
+
+    linear_layers: int = 0
+    conv_shape: tuple[int, ...] = ()
+    recurrent_shape: tuple[int, ...] = ()
+    state_dtype: torch.dtype = torch.float32
+    max_states: int = 0  # running requests that hold a state slot at once
+
+    @property
+    def state_bytes(self) -> int:
+        """One request's state over every linear layer."""
+        conv = self.dtype.itemsize * _prod(self.conv_shape)
+        recurrent = self.state_dtype.itemsize * _prod(self.recurrent_shape)
+        return self.linear_layers * (conv + recurrent)
+
+    @property
+    def window_bytes(self) -> int:
+        return (self.max_states + 1) * self.state_bytes
+
+    @property
+    def prefix_reusable(self) -> bool:
+        return False
+
+    @property
+    def recurrent_layers(self) -> int:
+        return self.linear_layers
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+class LinearState:
+    """What a linear-attention layer reads and writes in one step (``LayerRunner.linear_state``): each request's
+    states before the step, in batch order, and ``store`` for the states after it."""
+
+    def __init__(self, storage: HybridKV, layer: int, slots: torch.Tensor, query_lens: list[int]):
+        self.storage, self.layer, self.slots, self.query_lens = storage, layer, slots, query_lens
+        self.conv = storage.conv[layer][slots]  # [B, conv_dim, kernel - 1]
+        self.recurrent = storage.recurrent[layer][slots]  # [B, heads, k_dim, v_dim]
+
+    def store(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
+        self.storage.conv[self.layer][self.slots] = conv.to(self.storage.conv.dtype)
+        self.storage.recurrent[self.layer][self.slots] = recurrent.to(self.storage.recurrent.dtype)
+
+
+@dataclass(slots=True)
+class SavedState:
+    """A stopped table's states (every linear layer), kept with the table until it runs again."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+class HybridKV(DenseKV):
+    cuts_tables = False
+
+    def __init__(self, spec: HybridCacheSpec, num_pages: int):
+        super().__init__(spec, num_pages)
+        slots = spec.max_states + 1  # the last one is scratch (padding rows)
+        self.conv = zeroed((spec.linear_layers, slots, *spec.conv_shape), spec.dtype, spec.device)
+        self.recurrent = zeroed((spec.linear_layers, slots, *spec.recurrent_shape), spec.state_dtype, spec.device)
+        self._free = list(range(spec.max_states - 1, -1, -1))
+
+    @property
+    def free_states(self) -> int:
+        return len(self._free)
+
+    def open_table(self, table: TableHandle) -> bool:
+        if table.window is not None:
+            return True
+        if not self._free:
+            return False
+        slot = self._free.pop()
+        saved = getattr(table, "state", None)
+        if saved is not None:
+            self.conv[:, slot] = saved.conv
+            self.recurrent[:, slot] = saved.recurrent
+            table.state = None
+        elif table.num_slots == 0:
+            self.conv[:, slot] = 0
+            self.recurrent[:, slot] = 0
+        else:
+            self._free.append(slot)
+            raise EngineError("a table with computed tokens and no recurrent state cannot run (prefix reuse or a "
+                              "cut table on a hybrid model)")
+        table.window = slot
+        return True
+
+    def close_table(self, table: TableHandle) -> None:
+        if table.window is None:
+            return
+        slot, table.window = table.window, None
+        if table.num_slots:
+            table.state = SavedState(self.conv[:, slot].clone(), self.recurrent[:, slot].clone())
+        self._free.append(slot)
+
+    def drop_table_state(self, table: TableHandle) -> None:
+        """The table's pages go back to the pool: its state goes with them."""
+        self.close_table(table)
+        table.state = None
+
+    def fork_table_state(self, src: TableHandle, dst: TableHandle) -> None:
+        saved = getattr(src, "state", None)
+        if saved is not None:
+            dst.state = SavedState(saved.conv.clone(), saved.recurrent.clone())
+
+    def linear_state(self, tables: list[TableHandle], layer: int, query_lens: list[int]) -> LinearState:
+        slots = torch.tensor([t.window for t in tables], dtype=torch.int64, device=self.conv.device)
+        return LinearState(self, layer, slots, query_lens)
