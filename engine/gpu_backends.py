@@ -67,6 +67,8 @@ class TritonBackend(AttentionBackend):
     def forward(self, q, k_cache, v_cache, view: PagedView, scale: float, return_scores: bool = False):
         if isinstance(view, QuantizedPagesView):
             return self._quantized(q, view, scale, return_scores)
+        if v_cache.shape[-1] != k_cache.shape[-1] and not (return_scores and not view.is_pure_decode):
+            return self._latent(q, k_cache, v_cache.shape[-1], view, scale, return_scores)
         if return_scores and not view.is_pure_decode:
             from agentrt_kernels.torch_ref import paged_attention, selected_slots_attention
 
@@ -97,11 +99,39 @@ class TritonBackend(AttentionBackend):
                              causal=view.causal, max_query_len=view.max_query_len), None
 
 
+    def _latent(self, q, latent, value_dim: int, view: PagedView, scale: float, return_scores: bool):
+        """A latent (MLA) cache: one KV head whose values are its rows' first ``value_dim`` channels. Decode rows
+        take the MLA decode kernel (``agentrt_kernels.triton.mla_decode``); prefill chunks and mixed steps the
+        torch reference, per request (no Triton MLA prefill kernel is wired yet)."""
+        block_tables = view.block_tables
+        if isinstance(view, SelectedSlotsView):
+            latent = latent.flatten(0, 1).unsqueeze(1)
+            if view.slot_table is not None:
+                block_tables = view.slot_table
+            else:
+                if self._slot_table is None or self._slot_table[0] is not view:
+                    self._slot_table = (view, _slot_table(view))
+                block_tables = self._slot_table[1]
+        if not view.is_pure_decode:
+            from agentrt_kernels.torch_ref import paged_attention
+
+            out, _ = paged_attention(q, latent, latent[..., :value_dim], block_tables, view.kv_lens_cpu,
+                                     view.query_lens_cpu, scale, causal=view.causal)
+            return out, None
+        from agentrt_kernels.triton.mla_decode import mla_paged_decode
+
+        out = mla_paged_decode(q, latent, block_tables, view.kv_lens, scale, value_dim)
+        if not return_scores:
+            return out, None
+        logits = self._logits(q, latent, block_tables, view.kv_lens, scale, max(view.kv_lens_cpu, default=0))
+        probs = torch.softmax(logits, dim=-1)
+        return out, [probs[i, :, None, :n] for i, n in enumerate(view.kv_lens_cpu)]
+
     def forward_received(self, q, k_cache, v_cache, view: PagedView, scale: float, num_kv_heads: int,
                          reduce: str = "sum"):
         """Plain paged views: the prefill/extend kernel also writes each row's log-sum-exp, and a second
         kernel reduces the recomputed probabilities per slot, so no probability matrix is held."""
-        if type(view) is not PagedView or reduce not in RECEIVED_REDUCTIONS:
+        if type(view) is not PagedView or reduce not in RECEIVED_REDUCTIONS or v_cache.shape[-1] != k_cache.shape[-1]:
             return super().forward_received(q, k_cache, v_cache, view, scale, num_kv_heads, reduce)
         from agentrt_kernels.triton.received_attention import received_attention
 

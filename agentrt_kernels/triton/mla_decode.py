@@ -1,0 +1,271 @@
+"""Paged decode attention for multi-head latent attention (MLA: DeepSeek-V2/V3, GLM-4.7-Flash), absorbed form.
+
+``mla_paged_decode(q, latent, block_tables, kv_lens, scale, value_dim, num_splits=None, out=None)``
+    q:            [B, Hq, Dk] fp32 / fp16 / bf16 (last dim contiguous; other strides free), Dk = kv_lora_rank +
+                  rope_dim (e.g. 512 + 64 = 576): the absorbed query (q_nope W_uk, q_rope) of each head
+    latent:       [num_pages, page_size, 1, Dk] or [num_pages, page_size, Dk], same dtype as q: ONE cached row per
+                  token (the compressed KV c_kv followed by the roped key k_pe), shared by every query head
+    block_tables: [B, max_pages] int32 page ids; kv_lens: [B] int32 (>= 1; a 0 row yields zeros)
+    scale:        softmax scale (python float)
+    value_dim:    Dv <= Dk: the values are the FIRST Dv channels of each latent row (V is a slice of K)
+    num_splits:   context splits per request; None: ``mla_num_splits`` of B, the head tiles and max_pages * page_size
+    out:          optional preallocated [B, Hq, Dv] output (e.g. a CUDA-graph static buffer)
+    returns       out [B, Hq, Dv] in q's dtype
+
+This is multi-query attention with one KV head: keys are whole latent rows (Dk channels), values their first
+Dv channels. Kernel 1, grid (cdiv(Hq, BLOCK_H), num_splits, B): one program owns a tile of BLOCK_H query heads
+(>= 16 rows, tl.dot's minimum M; heads past Hq are masked zero rows) and one split of one request's context.
+Each step gathers BLOCK_N latent rows through the page table (any page size; a tile may span pages) and reads
+them from HBM once for both products: S = Q K^T is two tl.dots, over the value channels [0, Dv) (the
+[BLOCK_N, BLOCK_DV] tile) and over the rest [Dv, Dk) (a [BLOCK_N, BLOCK_DR] tile), each padded to a power of
+two with masked channels (Dk = 576 -> 512 + 64, no padding); P V is a tl.dot of the probabilities with the very
+same [BLOCK_N, BLOCK_DV] tile. fp16/bf16 dot operands, fp32 accumulation, online softmax in base 2. The head
+tiles of one (split, request) are neighbours in the launch order (axis 0), so their re-reads of the same
+latent rows hit L2. The split's token range is derived on the device from kv_len exactly as in
+``decode_attention``: equal, BLOCK_N-aligned ranges of at least ``min_split_tokens``; empty tail splits emit an
+empty partial. Partials are (acc / l, log2-sum-exp) in fp32, laid out as ``decode_attention.split_partials``.
+
+Tiles (``default_block_h``, ``_launch_defaults``): 16, 32 or 64 heads a program (the fewest that hold Hq);
+for Dv >= 256, 32 / 16 / 16 latent rows a step and 8 warps, chosen from ptxas' register, spill and
+shared-memory figures on sm_90a (cp.async-pipelined loads, no spills in the main loop, two programs a SM for
+16 and 32 heads, the one-split variant under a 128-register cap); small widths (tests) take 64 rows and 4
+warps. Every knob can be overridden per call. These defaults are not yet timed on a GPU.
+
+Kernel 2, grid (B, Hq): merges the num_splits partials with max-rescaling, one split row [Dv] at a time (no
+[splits, Dv] tile, so Dv = 512 with 64 splits stays in registers). With num_splits == 1 kernel 1 normalises and
+writes the output directly and kernel 2 is not launched.
+
+CUDA-graph safety: no host syncs (no ``.item()``, no reading kv_lens on the host); grid and buffer shapes
+depend only on B, Hq, Dk, Dv and num_splits, and the default num_splits only on B, Hq and block_tables.shape.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms
+from agentrt_kernels.triton.decode_attention import (
+    DEFAULT_MIN_SPLIT_TOKENS,
+    MAX_SPLITS,
+    MIN_TOKENS_PER_SPLIT,
+    split_partials,
+)
+
+_LOG2E = 1.4426950408889634
+# Split-kernel programs per SM that the default split count aims at (two waves of the ~2 that stay resident:
+# a program holds a [BLOCK_H, Dv] fp32 accumulator and a [BLOCK_N, Dk] latent tile, several times the dense
+# kernel's). Same rule as ``decode_attention.two_wave_splits``, with B * head tiles programs a split.
+MLA_SPLIT_PROGRAMS_PER_SM = 4
+
+
+@triton.jit
+def _mla_split_kernel(
+    q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    scale_log2, num_heads,
+    stride_qb, stride_qh,
+    stride_kp, stride_ks,
+    stride_btb,
+    stride_ob, stride_oh,
+    BLOCK_H: tl.constexpr,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, DK: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_REST: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+
+    kv_len = tl.load(lens_ptr + b)
+    per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    per_split = tl.maximum(per_split, MIN_SPLIT)
+    start = split * per_split
+    end = tl.minimum(start + per_split, kv_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_v = tl.arange(0, BLOCK_DV)  # value channels [0, DV)
+    offs_r = DV + tl.arange(0, BLOCK_DR)  # the rest of the key [DV, DK) (the rope part)
+    offs_n = tl.arange(0, BLOCK_N)
+    head = tile * BLOCK_H + offs_h
+    h_mask = head < num_heads
+    v_mask = offs_v < DV
+    r_mask = offs_r < DK
+
+    dot_ty = tl.float32 if UPCAST else kv_ptr.dtype.element_ty
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh
+    q_v = tl.load(q_rows + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0).to(dot_ty)
+    if HAS_REST:
+        q_r = tl.load(q_rows + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(dot_ty)
+
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_H, BLOCK_DV], 0.0, dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        tok = n0 + offs_n
+        n_mask = tok < end
+        page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        rows = kv_ptr + page * stride_kp + (tok % PAGE_SIZE).to(tl.int64) * stride_ks  # [BLOCK_N] row starts
+        # the value channels: K's first DV channels and all of V, read once
+        kv = tl.load(rows[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0.0).to(dot_ty)
+        qk = tl.dot(q_v, tl.trans(kv), input_precision=PRECISION)
+        if HAS_REST:
+            kr = tl.load(rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
+            qk += tl.dot(q_r, tl.trans(kr.to(dot_ty)), input_precision=PRECISION)
+        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), kv, input_precision=PRECISION)
+        m_i = m_new
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    o = acc / l_safe[:, None]
+    o_mask = h_mask[:, None] & v_mask[None, :]
+    if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_v[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+    else:
+        # mid_o: [B, Hq, NUM_SPLITS, DV] fp32; mid_lse: [B, Hq, NUM_SPLITS] fp32 (log2 domain)
+        row = (b.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        tl.store(mid_o_ptr + row[:, None] * DV + offs_v[None, :], o, mask=o_mask)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(mid_lse_ptr + row, lse, mask=h_mask)
+
+
+@triton.jit
+def _mla_combine_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh,
+    DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = (b.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS  # this head's first split
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_v = tl.arange(0, BLOCK_DV)
+    v_mask = offs_v < DV
+    lse = tl.load(mid_lse_ptr + row + offs_s, mask=offs_s < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # every split empty (kv_len == 0): output zeros
+    denom = tl.sum(tl.exp2(lse - m), 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    acc = tl.zeros([BLOCK_DV], dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp2(tl.load(mid_lse_ptr + row + s) - m)
+        acc += tl.load(mid_o_ptr + (row + s) * DV + offs_v, mask=v_mask, other=0.0) * w
+    tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_v, (acc / denom).to(out_ptr.dtype.element_ty),
+             mask=v_mask)
+
+
+def default_block_h(num_heads: int) -> int:
+    """Query heads a program owns: the fewest of 16 (tl.dot's minimum rows), 32 and 64 that hold all of them,
+    64 at most. Every head tile re-reads the request's latent rows (from L2 when its neighbours just did), so
+    GLM-4.7-Flash's 20 heads take one tile of 32 rather than two of 16, and 128 heads two tiles of 64."""
+    return 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64
+
+
+def _launch_defaults(block_h: int, block_dv: int, dtype: torch.dtype) -> tuple[int, int, int, int | None]:
+    """(BLOCK_N, num_warps, num_stages, maxnreg for the one-split variant) for a head tile. For latent widths of
+    256 and more (MLA's 512 + 64), bf16 / fp16 tiles as ptxas (Triton 3.6, sm_90a;
+    ``benchmarks.kernel_resources.compile_sm90``) compiles them, the latent loads pipelined through shared memory
+    (cp.async): 16 heads x 32 rows and 32 x 16, 8 warps, 56 KB of shared memory, 110-128 registers with splits:
+    two programs resident per SM. The one-split variant, which converts and stores the output itself, takes
+    123-169 registers (one program a SM) unless capped at 128, which spills at most ~20 bytes, outside the main
+    loop (the cap on the split variant spills inside it, so it gets none). 64 x 16, 8 warps, three stages
+    (wgmma): ~215 registers, 128 KB, one program a SM with a tile in flight while the other is used. fp32 latents
+    take 16 x 16 (110 registers; fp32 dots run on the FMA units). Chosen from those figures, not yet timed on a
+    GPU."""
+    if block_dv < 256:
+        return 64, 4, 2, None
+    if dtype == torch.float32:
+        return 16, 8, 2, None
+    if block_h <= 32:
+        return (32 if block_h == 16 else 16), 8, 2, 128
+    return 16, 8, 3, None
+
+
+def mla_num_splits(batch: int, head_tiles: int, max_kv_len: int, sm_count: int = 132) -> int:
+    """Default split count: the most splits whose B * head_tiles * splits programs fit in
+    MLA_SPLIT_PROGRAMS_PER_SM programs a SM, each split keeping >= MIN_TOKENS_PER_SPLIT tokens of the longest
+    request, at most MAX_SPLITS (``decode_attention.two_wave_splits``' rule with the MLA kernel's residency)."""
+    want = (MLA_SPLIT_PROGRAMS_PER_SM * sm_count) // max(1, batch * head_tiles)
+    by_len = max_kv_len // MIN_TOKENS_PER_SPLIT
+    return max(1, min(want, by_len, MAX_SPLITS))
+
+
+def mla_paged_decode(
+    q: torch.Tensor,
+    latent: torch.Tensor,
+    block_tables: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    value_dim: int,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    block_h: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
+) -> torch.Tensor:
+    """q [B, Hq, Dk] attends to the first kv_lens[b] latent rows of request b's pages (keys: the whole row,
+    values: its first ``value_dim`` channels) -> [B, Hq, value_dim]."""
+    batch, num_heads, dk = q.shape
+    if latent.dim() == 4:
+        assert latent.shape[2] == 1, f"MLA latent cache has one KV head, got {tuple(latent.shape)}"
+        latent = latent[:, :, 0]
+    assert latent.dim() == 3 and latent.shape[2] == dk, (q.shape, latent.shape)
+    page_size = latent.shape[1]
+    dv = int(value_dim)
+    assert 0 < dv <= dk, (value_dim, dk)
+    assert latent.dtype == q.dtype, (q.dtype, latent.dtype)
+    assert block_tables.shape[0] == batch and kv_lens.shape == (batch,), (block_tables.shape, kv_lens.shape)
+    for name, t in (("q", q), ("latent", latent), ("block_tables", block_tables), ("kv_lens", kv_lens)):
+        check_last_dim_contiguous(name, t)
+    if out is None:
+        out = torch.empty((batch, num_heads, dv), dtype=q.dtype, device=q.device)
+    else:
+        assert out.shape == (batch, num_heads, dv) and out.dtype == q.dtype, (out.shape, out.dtype)
+        check_last_dim_contiguous("out", out)
+    if batch == 0 or num_heads == 0:
+        return out
+    if block_h is None:  # fp32 tiles of more than 16 heads spill (fp32 dots hold their operands in registers)
+        block_h = 16 if q.dtype == torch.float32 else default_block_h(num_heads)
+    block_h = max(16, next_pow2(block_h))
+    head_tiles = -(-num_heads // block_h)
+    block_dv = next_pow2(dv)
+    block_dr = max(16, next_pow2(dk - dv))
+    default_n, default_warps, default_stages, maxnreg = _launch_defaults(block_h, block_dv, q.dtype)
+    if (block_n, num_warps, num_stages) != (None, None, None):
+        maxnreg = None  # the register cap belongs to the default tile
+    block_n = block_n or default_n
+    num_warps = num_warps or default_warps
+    num_stages = num_stages or default_stages
+    max_kv_len = block_tables.shape[1] * page_size
+    if num_splits is None:
+        num_splits = mla_num_splits(batch, head_tiles, max_kv_len, num_sms(q.device))
+    num_splits, mid_o, mid_lse = split_partials(out, 1, max_kv_len, num_splits)
+    launch = {"maxnreg": maxnreg} if maxnreg and num_splits == 1 else {}
+    upcast, precision = dot_args(_mla_split_kernel, q.dtype)
+    _mla_split_kernel[(head_tiles, num_splits, batch)](
+        q, latent, block_tables, kv_lens, out, mid_o, mid_lse,
+        scale * _LOG2E, num_heads,
+        q.stride(0), q.stride(1),
+        latent.stride(0), latent.stride(1),
+        block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        BLOCK_H=block_h, DV=dv, BLOCK_DV=block_dv, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
+        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
+        UPCAST=upcast, PRECISION=precision,
+        num_warps=num_warps, num_stages=num_stages, **launch,
+    )
+    if num_splits > 1:
+        _mla_combine_kernel[(batch, num_heads)](
+            mid_o, mid_lse, out, out.stride(0), out.stride(1),
+            DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
+            num_warps=4 if block_dv >= 512 else 2,
+        )
+    return out
