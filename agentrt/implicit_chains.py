@@ -225,7 +225,7 @@ class ImplicitChains:
                 how, offset = "forked", match.offset
             self._touch(tenant, chain_id)
             await self._evict(tenant)
-            imported, offset = await self._import(tenant, chain_id, messages, offset, names)
+            imported, offset = await self.import_history(tenant, chain_id, messages, offset, names)
             state = await self.chains.state(chain_id, tenant)
             yield Resolved(chain_id=chain_id, offset=offset, how=how, state=state, imported=imported)
         except BaseException:
@@ -306,7 +306,7 @@ class ImplicitChains:
             raise
         return fork.id
 
-    async def _import(self, tenant: str, chain_id: str, messages: list[Message], start: int,
+    async def import_history(self, tenant: str, chain_id: str, messages: list[Message], start: int,
                       names: Sequence[str]) -> tuple[list[TurnResult], int]:
         """Append ``messages[start:]`` up to its last assistant message as turns; the offset of the rest."""
         results: list[TurnResult] = []

@@ -1,14 +1,37 @@
 """OpenAI's Responses API over chains (docs/responses.md).
 
-A response is one chain turn. Without ``previous_response_id`` a new chain is created (``instructions`` its system
-prompt, ``tools`` its tools); with the id of the chain's latest response the new input items are one more turn of
-that chain (only they are prefilled: the chain's KV is resumed); with the id of an older response the chain is
-forked and the fork rewound to that response's turn, then the turn is appended there.
+A response is one chain turn. Which chain:
 
-The map response -> (chain, turn) lives in this process (``ResponseService.records``); each chain made here carries
-``{"agentrt_responses": true}`` in its metadata. After a restart the responses are gone (404) while their chains,
-KV and turns stay readable over the chain API. ``store: false``: the response is not retrievable (GET / DELETE /
-input_items answer 404) but it can still be continued with ``previous_response_id``, and its chain keeps its KV.
+- Without ``previous_response_id``, with ``ServerConfig.implicit_chains`` on (the default): the request is a
+  whole conversation, as stateless clients send it (``store: false``, the history re-sent as ``input`` items on
+  every request), and goes through the tenant's implicit chains (agentrt.implicit_chains), as chat completions
+  and Anthropic's Messages do. ``instructions`` and the leading ``system`` / ``developer`` items (joined by a
+  newline) are the system prompt, ``tools`` the tools; the items become the chain routes' messages: a user
+  ``message`` a user message, consecutive assistant ``message`` and ``function_call`` items one assistant
+  message (the ``output_text`` joined, each call with its ``call_id``, name and arguments as a tool call), a
+  ``function_call_output`` a tool message (named after the ``function_call`` it answers, which must precede it),
+  a ``reasoning`` item nothing (the chain holds the reasoning as generated). The tenant's chain whose history
+  is the longest prefix of those messages, among the chains of the same session (``prompt_cache_key``, else
+  ``user``, else ``safety_identifier``; none: a session of its own), is resumed (or forked), and only the
+  rest is prefilled; a conversation not seen before becomes a new implicit chain (history it lacks imported).
+  A tenant at its chain limit gets a 429, as for any new conversation (there is no stateless path here).
+- Without ``previous_response_id``, implicit chains off: a new chain per request (``{"agentrt_responses":
+  true}`` in its metadata), the items converted the same way; earlier assistant items are imported as turns of
+  the new chain (as implicit chains import history), then the rest is the response's turn.
+- With the id of the chain's latest response: the new input items are one more turn of that chain (only they
+  are prefilled: the chain's KV is resumed); with the id of an older response the chain is forked and the fork
+  rewound to that response's turn, then the turn is appended there. Assistant ``message`` and ``function_call``
+  items may only echo the previous response's output (skipped: the chain holds them).
+
+The map response -> (chain, turn) lives in this process (``ResponseService.records``), for every response, of
+an implicit chain too: a later ``previous_response_id`` continues it. After a restart the responses are gone
+(404) while their chains, KV and turns stay readable over the chain API (implicit chains are still found by
+the next request that re-sends their conversation). ``store: false``: the response is not retrievable (GET /
+DELETE / input_items answer 404; its input items are not kept) but it can still be continued with
+``previous_response_id``, and its chain keeps its KV.
+
+``usage.input_tokens_details.cached_tokens``: the prompt tokens this request did not compute (the turn's
+prompt less its prefill and the prefill of any history imported for it).
 
 The output is one ``message`` item holding the reply's text without its tool-call markup (when there is any
 text), then one ``function_call`` item per call, with the chain's call ids. A stream sends the text as it is
@@ -17,7 +40,6 @@ non-streamed ones. A model that thinks (agentrt.reasoning) has its think block a
 (``content: [{"type": "reasoning_text", "text"}]``, streamed as ``response.reasoning_text.delta`` events);
 ``reasoning.effort`` ("none": off, another level: on) is the chat template's ``enable_thinking``.
 """
-
 from __future__ import annotations
 
 import json
@@ -34,9 +56,11 @@ from litestar.datastructures import State
 from litestar.exceptions import NotFoundException
 from litestar.response import ServerSentEventMessage
 
-from agentrt.chat import calls_in, template_kwargs, without_calls
+from agentrt.anthropic_messages import ChainMoved
+from agentrt.chat import Message, calls_in, template_kwargs, without_calls
 from agentrt.completions import REASONING_EFFORTS
 from agentrt.errors import ModelNotFound, bad_field, openai_error_body
+from agentrt.implicit_chains import implicit_chains_for
 from agentrt.reasoning import ReasoningParser, split_reasoning
 from agentrt.reasoning import parser as reasoning_parser
 from agentrt.responses_types import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, IncompleteDetails,
@@ -46,10 +70,11 @@ from agentrt.responses_types import (FunctionCallItem, FunctionCallOutputItem, F
                                      ResponsesRequest, ResponseUsage, ToolChoiceFunction)
 from agentrt.tool_call_stream import ToolCallStream
 from engine.structured_output import schema_error
-from sdk.schema import ChainCreate, ForkRequest, RewindRequest, TurnCreate, TurnDelta, TurnResult
+from sdk.schema import ChainCreate, ForkRequest, RewindRequest, Tool, TurnCreate, TurnDelta, TurnMessage, TurnResult
 
 log = logging.getLogger(__name__)
 METADATA = {"agentrt_responses": True}
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
 class ResponseNotFound(NotFoundException):
@@ -74,6 +99,7 @@ class Pending:
     turn: Any  # agentrt.turns.PendingTurn
     parse_calls: bool
     thinking: bool | None = None  # None: the model does not think; else the prompt left a think block open
+    imported: list[TurnResult] = field(default_factory=list)  # history turns this request appended first
     seq: int = 0
     items: list[Any] = field(default_factory=list)
 
@@ -84,6 +110,15 @@ def _new_id(prefix: str) -> str:
 
 def _text(content: str | list[Any]) -> str:
     return content if isinstance(content, str) else "".join(p.text for p in content)
+
+
+@dataclass(slots=True)
+class Conversation:
+    """A request without ``previous_response_id`` as a whole conversation: the chain routes' messages."""
+
+    system: str | None  # instructions and the leading system / developer items; None: the server's default
+    messages: list[Message]
+    names: list[str]  # the input field of each message (an assistant message's: its first item), for errors
 
 
 def _convert(value: Any, kind: Any, key: str) -> Any:
@@ -106,8 +141,14 @@ class ResponseService:
             return [MessageItem(role="user", content=req.input)]
         if not req.input:
             raise bad_field("input", "must hold at least one item")
-        return [_convert({"type": "message", **raw} if "type" not in raw else raw, InputItem, f"input[{i}]")
-                for i, raw in enumerate(req.input)]
+        items = []
+        for i, raw in enumerate(req.input):
+            kind = raw.get("type", "message")
+            if kind not in ITEM_TYPES:
+                raise bad_field(f"input[{i}].type", f"{kind!r} is not an input item this server takes (one of "
+                                                    f"{', '.join(ITEM_TYPES)})")
+            items.append(_convert({"type": "message", **raw}, InputItem, f"input[{i}]"))
+        return items
 
     def _refuse(self, req: ResponsesRequest) -> None:
         if req.model != self.model_name:
@@ -179,42 +220,141 @@ class ResponseService:
             sampling["response_format"] = {"type": "json_object"}
         return sampling, choice != "none"
 
-    async def _chain(self, req: ResponsesRequest, tenant: str, items: list[InputItem], tools: list | None
-                     ) -> tuple[str, list[dict[str, Any]], Any]:
-        """The chain the turn goes to, the turn's messages, and the chain's state."""
+    def _conversation(self, req: ResponsesRequest, items: list[InputItem]) -> Conversation:
+        """The items of a request without ``previous_response_id`` as a whole conversation (module docstring): a
+        400 naming the item where one cannot be part of it."""
         system_parts = [req.instructions] if req.instructions is not None else []
         start = 0
-        if req.previous_response_id is None:
-            while start < len(items) and isinstance(items[start], MessageItem) and \
-                    items[start].role in ("system", "developer"):
-                system_parts.append(_text(items[start].content))
-                start += 1
-            messages = self._messages(items, start, None)  # checked before the chain exists
-            data = _convert({"system_prompt": "\n".join(system_parts) if system_parts else None,
-                             "tools": tools or [], "metadata": METADATA}, ChainCreate, "tools")
-            chain = await self.chains.create(data, tenant=tenant)
-            state = await self.chains.state(chain.id, tenant)
-            previous = None
-        else:
-            previous = self.records.get(req.previous_response_id)
-            if previous is None or previous.tenant != tenant:
-                raise bad_field("previous_response_id", f"no response with the id {req.previous_response_id!r}",
-                                code="previous_response_not_found")
-            state = await self.chains.state(previous.chain_id, tenant)
-            if req.instructions is not None and req.instructions != state.row.system_prompt:
-                raise bad_field("instructions", "differs from the conversation's (the chain's system prompt is "
-                                                "fixed): leave it out or repeat it")
-            if tools is not None and tools != state.row.tools:
-                raise bad_field("tools", "differ from the conversation's (the chain renders its tools once): "
-                                         "leave them out or repeat them")
-            messages = self._messages(items, start, previous)
-            chain_id = previous.chain_id
-            if state.num_turns != previous.turn + 1:  # an older response: branch there
-                fork = await self.chains.fork(chain_id, ForkRequest(metadata=METADATA), tenant=tenant)
-                await self.chains.rewind(fork.id, RewindRequest(num_turns=previous.turn + 1), tenant=tenant)
-                chain_id = fork.id
-                state = await self.chains.state(chain_id, tenant)
-        return state.id, messages, state
+        while start < len(items) and isinstance(items[start], MessageItem) and \
+                items[start].role in ("system", "developer"):
+            system_parts.append(_text(items[start].content))
+            start += 1
+        messages: list[Message] = []
+        names: list[str] = []
+        called: dict[str, str] = {}  # call id -> function name, of the function_call items so far
+        for i, item in enumerate(items[start:], start):
+            key = f"input[{i}]"
+            if isinstance(item, ReasoningItem):
+                continue  # the chain holds the reasoning as generated; history from elsewhere drops it
+            if isinstance(item, FunctionCallItem) or (isinstance(item, MessageItem) and item.role == "assistant"):
+                if not messages or messages[-1]["role"] != "assistant":  # consecutive items: one message
+                    messages.append({"role": "assistant", "content": ""})
+                    names.append(key)
+                if isinstance(item, FunctionCallItem):
+                    messages[-1].setdefault("tool_calls", []).append(
+                        {"id": item.call_id, "type": "function",
+                         "function": {"name": item.name, "arguments": item.arguments}})
+                    called[item.call_id] = item.name
+                else:
+                    messages[-1]["content"] += _text(item.content)
+                continue
+            if isinstance(item, FunctionCallOutputItem):
+                if item.call_id not in called:
+                    raise bad_field(f"{key}.call_id", f"no function_call item with the call_id {item.call_id!r} "
+                                                      "precedes it in the input")
+                message: Message = {"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id,
+                                    "name": called[item.call_id]}
+            elif item.role in ("system", "developer"):
+                raise bad_field(f"{key}.role", "system and developer messages may only open the conversation "
+                                               "(they become the chain's system prompt with `instructions`)")
+            else:
+                if not isinstance(item.content, str) and any(isinstance(p, OutputText) for p in item.content):
+                    raise bad_field(f"{key}.content", "a user message takes input_text parts")
+                message = {"role": "user", "content": _text(item.content)}
+            _convert(message, TurnMessage, key)  # the turn's limits, named here
+            messages.append(message)
+            names.append(key)
+        if not any(m["role"] != "assistant" for m in messages):
+            raise bad_field("input", "must hold a user message or a function_call_output")
+        if messages[-1]["role"] == "assistant":
+            raise bad_field("input", "must end with a user message or function_call_output items: the response "
+                                     "follows them")
+        if messages[0]["role"] == "assistant":
+            raise bad_field(names[0], "the conversation must open with a user message, not the assistant's")
+        return Conversation(system="\n".join(system_parts) if system_parts else None, messages=messages,
+                            names=names)
+
+    def _turn(self, req: ResponsesRequest, messages: list[Message], sampling: dict[str, Any]) -> TurnCreate:
+        return _convert({"messages": messages, "sampling": sampling, "stream": bool(req.stream)}, TurnCreate,
+                        "input")
+
+    async def _start_implicit(self, req: ResponsesRequest, tenant: str, conv: Conversation,
+                              tools: list[dict[str, Any]], sampling: dict[str, Any]
+                              ) -> tuple[Any, list[TurnResult]]:
+        """A turn of the tenant's implicit chain holding the longest prefix of the conversation (resumed, forked
+        or created: agentrt.implicit_chains), scoped by ``prompt_cache_key``, else ``user`` /
+        ``safety_identifier``: the pending turn and the history turns imported for it. A chain made for the
+        request is deleted again if the turn does not start."""
+        session = req.prompt_cache_key or req.user or req.safety_identifier
+        implicit = implicit_chains_for(self.chains)
+        async with implicit.resolve(tenant, session, conv.system, tools, conv.messages, conv.names) as resolved:
+            data = self._turn(req, conv.messages[resolved.offset:], sampling)
+            with template_kwargs(enable_thinking=_thinking(req)):
+                turn = await self.chains.start_turn(resolved.chain_id, data, tenant=tenant)
+            if turn.state.num_turns != resolved.state.num_turns:
+                await turn.close()
+                raise ChainMoved(detail="the conversation's chain gained a turn through another route meanwhile: "
+                                        "retry")
+        return turn, resolved.imported
+
+    async def _start_new(self, req: ResponsesRequest, tenant: str, conv: Conversation,
+                         tools: list[dict[str, Any]], sampling: dict[str, Any]) -> tuple[Any, list[TurnResult]]:
+        """Implicit chains off: a new chain; the conversation's earlier assistant messages imported as its first
+        turns (as implicit chains import history), then the response's turn. The chain is deleted again if the
+        turn does not start."""
+        data = _convert({"system_prompt": conv.system, "tools": tools, "metadata": METADATA}, ChainCreate, "tools")
+        chain = await self.chains.create(data, tenant=tenant)
+        try:
+            imported: list[TurnResult] = []
+            offset = 0
+            if any(m["role"] == "assistant" for m in conv.messages):
+                imported, offset = await implicit_chains_for(self.chains).import_history(
+                    tenant, chain.id, conv.messages, 0, conv.names)
+            turn_data = self._turn(req, conv.messages[offset:], sampling)
+            with template_kwargs(enable_thinking=_thinking(req)):
+                turn = await self.chains.start_turn(chain.id, turn_data, tenant=tenant)
+        except BaseException:
+            await self._discard(chain.id, tenant)
+            raise
+        return turn, imported
+
+    async def _start_continued(self, req: ResponsesRequest, tenant: str, items: list[InputItem],
+                               tools: list[dict[str, Any]] | None, sampling: dict[str, Any]) -> Any:
+        """With ``previous_response_id``: a turn of its chain, or of a fork rewound to its turn (an older
+        response; the fork is deleted again if the turn does not start)."""
+        assert req.previous_response_id is not None
+        previous = self.records.get(req.previous_response_id)
+        if previous is None or previous.tenant != tenant:
+            raise bad_field("previous_response_id", f"no response with the id {req.previous_response_id!r}",
+                            code="previous_response_not_found")
+        state = await self.chains.state(previous.chain_id, tenant)
+        if req.instructions is not None and req.instructions != state.row.system_prompt:
+            raise bad_field("instructions", "differs from the conversation's (the chain's system prompt is "
+                                            "fixed): leave it out or repeat it")
+        if tools is not None and tools != state.row.tools:
+            raise bad_field("tools", "differ from the conversation's (the chain renders its tools once): "
+                                     "leave them out or repeat them")
+        messages = self._messages(items, 0, previous)
+        chain_id, forked = previous.chain_id, False
+        if state.num_turns != previous.turn + 1:  # an older response: branch there
+            fork = await self.chains.fork(chain_id, ForkRequest(metadata=METADATA), tenant=tenant)
+            chain_id, forked = fork.id, True
+        try:
+            if forked:
+                await self.chains.rewind(chain_id, RewindRequest(num_turns=previous.turn + 1), tenant=tenant)
+            data = self._turn(req, messages, sampling)
+            with template_kwargs(enable_thinking=_thinking(req)):
+                return await self.chains.start_turn(chain_id, data, tenant=tenant)
+        except BaseException:
+            if forked:
+                await self._discard(chain_id, tenant)
+            raise
+
+    async def _discard(self, chain_id: str, tenant: str) -> None:
+        try:
+            await self.chains.delete(chain_id, tenant=tenant)
+        except Exception:  # the request's own error is what the client gets
+            log.exception("could not delete chain %s", chain_id)
 
     def _messages(self, items: list[InputItem], start: int, previous: Record | None) -> list[dict[str, Any]]:
         echoed = set()
@@ -238,7 +378,8 @@ class ResponseService:
                                                    "output (the chain holds the conversation)")
             elif item.role in ("system", "developer"):
                 raise bad_field(f"{key}.role", "system and developer messages may only open a new conversation "
-                                               "(they become the chain's system prompt with `instructions`)")
+                                               "(they become the chain's system prompt with `instructions`); "
+                                               "with previous_response_id the chain's is fixed")
             else:
                 if not isinstance(item.content, str) and any(isinstance(p, OutputText) for p in item.content):
                     raise bad_field(f"{key}.content", "a user message takes input_text parts")
@@ -256,24 +397,19 @@ class ResponseService:
             if previous is not None and previous.tenant == tenant:
                 tools = (await self.chains.state(previous.chain_id, tenant)).row.tools
         sampling, parse_calls = self._sampling(req, tools or [])
-        chain_id, messages, state = await self._chain(req, tenant, items, tools)
-        made = state.num_turns == 0 or previous_chain(self.records, req.previous_response_id) != chain_id
-        try:
-            data = _convert({"messages": messages, "sampling": sampling, "stream": bool(req.stream)}, TurnCreate,
-                            "input")
-            with template_kwargs(enable_thinking=None if _effort(req) is None else _effort(req) != "none"):
-                turn = await self.chains.start_turn(chain_id, data, tenant=tenant)
-        except BaseException:
-            if made:  # a chain created or forked for this request: not left behind
-                try:
-                    await self.chains.delete(chain_id, tenant=tenant)
-                except Exception:
-                    log.exception("could not delete chain %s", chain_id)
-            raise
+        imported: list[TurnResult] = []
+        if req.previous_response_id is not None:
+            turn = await self._start_continued(req, tenant, items, tools, sampling)
+        else:
+            conv = self._conversation(req, items)
+            tools = msgspec.to_builtins(_convert(tools or [], list[Tool], "tools"))
+            start = self._start_implicit if self.config.implicit_chains else self._start_new
+            turn, imported = await start(req, tenant, conv, tools, sampling)
+        state = turn.state
         stored = req.store is not False
         input_items = [{**msgspec.to_builtins(it), "id": getattr(it, "id", None) or _new_id("item")}
-                       for it in items]
-        record = Record(tenant=tenant, chain_id=chain_id, turn=turn.state.num_turns, stored=stored,
+                       for it in items] if stored else []  # never read back when not stored
+        record = Record(tenant=tenant, chain_id=state.id, turn=state.num_turns, stored=stored,
                         input_items=input_items)
         response = ResponseObject(
             id=_new_id("resp"), created_at=int(time.time()), model=self.model_name, status="in_progress", output=[],
@@ -285,12 +421,13 @@ class ResponseService:
             text=msgspec.to_builtins(req.text) if req.text is not None and req.text.format is not None
             else {"format": {"type": "text"}}, store=stored)
         return Pending(response=response, record=record, turn=turn, parse_calls=parse_calls,
-                       thinking=self.chains.renderer.renderer.thinking(turn.prompt))
+                       thinking=self.chains.renderer.renderer.thinking(turn.prompt), imported=imported)
 
     # --- the response -------------------------------------------------------------------------------------
     def _finish(self, pending: Pending, result: TurnResult, output: list[Any]) -> ResponseObject:
         u = result.usage
-        cached = max(0, u.prompt_tokens - u.prefilled_tokens)
+        computed = u.prefilled_tokens + sum(t.usage.prefilled_tokens for t in pending.imported)
+        cached = max(0, u.prompt_tokens - computed)
         response = msgspec.structs.replace(
             pending.response, output=output,
             status="incomplete" if result.finish_reason == "length" else "completed",
@@ -494,9 +631,10 @@ def _effort(req: ResponsesRequest) -> str | None:
     return effort if effort is None or isinstance(effort, str) else str(effort)
 
 
-def previous_chain(records: dict[str, Record], response_id: str | None) -> str | None:
-    record = records.get(response_id) if response_id is not None else None
-    return record.chain_id if record is not None else None
+def _thinking(req: ResponsesRequest) -> bool | None:
+    """The chat template's ``enable_thinking`` (None: the template's default)."""
+    effort = _effort(req)
+    return None if effort is None else effort != "none"
 
 
 def _response_tool(tool: dict[str, Any]) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """OpenAI's Responses API (``/v1/responses``): the request and the response object (docs/responses.md).
 
-Unknown fields are refused (400 naming them); the documented fields are accepted. Fields that have no effect
-here: ``user``, ``safety_identifier``, ``prompt_cache_key``, ``service_tier``, ``truncation`` ("disabled"
-only), ``include``, ``max_tool_calls``, ``reasoning`` (but ``reasoning.effort`` for a model that thinks: "none"
+Unknown fields are refused (400 naming them); the documented fields are accepted. ``prompt_cache_key`` (else
+``user``, else ``safety_identifier``) scopes the implicit chain a request without ``previous_response_id`` resumes.
+Fields that have no effect here: ``service_tier``, ``truncation`` ("disabled" only), ``include``, ``max_tool_calls``, ``reasoning`` (but ``reasoning.effort`` for a model that thinks: "none"
 is thinking off, another level on), ``stream_options``, ``text.verbosity``, ``tools[].strict`` and
 ``tools[].description`` beyond the rendered prompt (a forced call follows the schema either way).
 Refused when set: ``background: true``, ``conversation``, ``prompt``, ``top_logprobs``, non-function tools,
@@ -117,10 +117,12 @@ class ResponsesRequest(_In):
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
     stream: bool | None = None
-    # accepted, no effect
+    # the session key of implicit chains (the first given of prompt_cache_key, user, safety_identifier;
+    # agentrt.implicit_chains), read without previous_response_id
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    # accepted, no effect
     service_tier: str | None = None
     truncation: str | None = None
     include: list[str] | None = None
