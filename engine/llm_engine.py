@@ -86,7 +86,7 @@ class LLMEngine:
             self.codec.bind_model(self.model)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         spec = model_cache_spec(mc, self.tp.world_size, next(self.model.parameters()).dtype, self.device,
-                                config.page_size)
+                                config.page_size, config.max_num_seqs)
         if self.codec is not None:
             if type(spec) is not CacheSpec:
                 raise ConfigError(f"kv_storage {self.codec.name!r} codes dense keys and values; "

@@ -158,6 +158,9 @@ def check_model_shards(config, world_size: int) -> None:
         raise ConfigError(f"tensor_parallel_size must be a positive int, got {world_size!r}")
     if world_size == 1:
         return
+    if getattr(config, "linear", None) is not None:
+        raise ConfigError(f"tensor_parallel_size {world_size}: hybrid linear-attention models ({config.architecture}) "
+                          "run on one rank (their recurrent layers are not split yet)")
     latent = config.mla is not None  # every rank holds the one latent row whole, and a slice of the heads
     if world_size > config.num_kv_heads and not latent:
         raise ConfigError(f"tensor_parallel_size {world_size} exceeds the model's {config.num_kv_heads} KV heads "
