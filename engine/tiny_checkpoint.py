@@ -29,8 +29,13 @@ TOOL_CALL_END = "</tool_call>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 EXTRA_ADDED_TOKENS = (TOOL_CALL_START, TOOL_CALL_END)
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe_lite")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_5", "qwen3_5_moe",
+                   "qwen3_next")
 MLA_ARCHS = ("deepseek_v3", "glm4_moe_lite")  # latent attention with the DeepSeek MoE block
+# gated DeltaNet (linear attention) layers with gated full-attention ones every ``full_attention_interval`` layers
+HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
+HYBRID_NUM_LAYERS = 4  # default depth of a hybrid checkpoint: linear and full-attention layers both repeat
 SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 VOCAB_PAD_MULTIPLE = 64
 CHECKPOINT_FORMAT_VERSION = 1
@@ -313,10 +318,48 @@ def _validate_shape(arch: str, hidden_size: int, num_heads: int, num_kv_heads: i
     return resolved_head_dim
 
 
+def _hybrid_config(arch: str, common: dict[str, Any], moe: dict[str, Any], head_dim: int, hybrid: dict[str, Any]):
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
+
+    hybrid = dict(hybrid)
+    if hybrid.get("layer_types") is None:
+        hybrid.pop("layer_types", None)
+    else:
+        hybrid.pop("full_attention_interval")
+    factor = hybrid.pop("partial_rotary_factor")
+    shared = hybrid.pop("shared_expert_intermediate_size")
+    common = {**common, "rope_parameters": {**common["rope_parameters"], "partial_rotary_factor": factor}}
+    if arch == "qwen3_5":
+        return Qwen3_5TextConfig(**common, **hybrid, head_dim=head_dim, architectures=["Qwen3_5ForCausalLM"])
+    moe = {k: v for k, v in moe.items() if arch == "qwen3_next" or k != "norm_topk_prob"}  # 3.5: always renormalized
+    if arch == "qwen3_5_moe":
+        common = {k: v for k, v in common.items() if k != "intermediate_size"}
+        return Qwen3_5MoeTextConfig(**common, **moe, **hybrid, head_dim=head_dim,
+                                    shared_expert_intermediate_size=shared, architectures=["Qwen3_5MoeForCausalLM"])
+    return Qwen3NextConfig(**common, **moe, **hybrid, head_dim=head_dim, shared_expert_intermediate_size=shared,
+                           architectures=["Qwen3NextForCausalLM"])
+
+
+def _perturb_hybrid(model) -> None:
+    """transformers starts the zero-centred norms at 0 (a scale of 1), the DeltaNet's gated norm at 1 and dt_bias at
+    1: random values around those make the checkpoint exercise every scale, as a trained one does."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+                param.normal_(1.0, 0.2)
+            elif name.endswith("norm.weight"):
+                param.normal_(0.0, 0.2)
+
+
 def _build_config(arch: str, common: dict[str, Any], moe: dict[str, Any], head_dim: int,
-                  mla: dict[str, Any] | None = None):
+                  mla: dict[str, Any] | None = None, hybrid: dict[str, Any] | None = None):
     from transformers import DeepseekV3Config, Glm4MoeLiteConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+    if arch in HYBRID_ARCHS:
+        assert hybrid is not None
+        return _hybrid_config(arch, common, moe, head_dim, hybrid)
     if arch == "llama":
         return LlamaConfig(**common, head_dim=head_dim, architectures=["LlamaForCausalLM"])
     if arch == "qwen2":
@@ -350,6 +393,8 @@ def _instantiate_seeded(config, seed: int, dtype: str):
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.5)
+        if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES:
+            _perturb_hybrid(model)
     return model.to(getattr(torch, dtype)).eval()
 
 
@@ -370,7 +415,7 @@ def make_tiny_checkpoint(
     seed: int = 0,
     vocab_size: int = 512,
     hidden_size: int = 64,
-    num_layers: int = 2,
+    num_layers: int | None = None,
     num_heads: int = 4,
     num_kv_heads: int = 2,
     head_dim: int | None = None,
@@ -392,17 +437,35 @@ def make_tiny_checkpoint(
     topk_group: int = 1,
     first_k_dense_replace: int = 1,
     rope_interleave: bool = True,
+    full_attention_interval: int = 2,
+    layer_types: list[str] | None = None,
+    linear_num_key_heads: int = 2,
+    linear_num_value_heads: int = 4,
+    linear_key_head_dim: int = 16,
+    linear_value_head_dim: int = 16,
+    linear_conv_kernel_dim: int = 4,
+    partial_rotary_factor: float = 0.25,
+    shared_expert_intermediate_size: int = 32,
     max_shard_size: str | None = None,
 ) -> Path:
     """Write a random-initialised HF checkpoint (config, safetensors, tokenizer, generation config) to out_dir.
 
     MLA architectures (``MLA_ARCHS``) take ``num_heads``, ``head_dim`` as the no-RoPE query / key and the value
     head size, ``kv_lora_rank``, ``q_lora_rank`` (None: a full query projection), ``qk_rope_head_dim``, the
-    expert groups and the dense first layers; ``num_kv_heads`` does not apply."""
+    expert groups and the dense first layers; ``num_kv_heads`` does not apply.
+
+    Hybrid architectures (``HYBRID_ARCHS``, ``HYBRID_NUM_LAYERS`` layers unless ``num_layers`` says) take the gated
+    DeltaNet's sizes (``linear_*``), ``layer_types`` or else ``full_attention_interval``, ``partial_rotary_factor``
+    and (MoE ones) ``shared_expert_intermediate_size``; other architectures default to 2 layers."""
+    if num_layers is None:
+        num_layers = HYBRID_NUM_LAYERS if arch in HYBRID_ARCHS else 2
     if arch in MLA_ARCHS:
         num_kv_heads = num_heads
     resolved_head_dim = _validate_shape(arch, hidden_size, num_heads, num_kv_heads, head_dim, dtype)
-    if arch in ("qwen3_moe", *MLA_ARCHS) and not 0 < num_experts_per_tok <= num_experts:
+    if arch in HYBRID_ARCHS and (linear_num_value_heads % linear_num_key_heads or full_attention_interval <= 0):
+        raise ConfigError(f"linear_num_value_heads ({linear_num_value_heads}) must be a multiple of "
+                          f"linear_num_key_heads ({linear_num_key_heads}) and full_attention_interval positive")
+    if arch in ("qwen3_moe", "qwen3_5_moe", "qwen3_next", *MLA_ARCHS) and not 0 < num_experts_per_tok <= num_experts:
         raise ConfigError(f"num_experts_per_tok ({num_experts_per_tok}) must be in 1..num_experts ({num_experts})")
     tokenizer = train_tokenizer(vocab_size)
     tokenizer.model_max_length = max_position_embeddings
@@ -432,7 +495,12 @@ def make_tiny_checkpoint(
     mla = dict(kv_lora_rank=kv_lora_rank, q_lora_rank=q_lora_rank, qk_rope_head_dim=qk_rope_head_dim,
                qk_nope_head_dim=resolved_head_dim, v_head_dim=resolved_head_dim, n_group=n_group,
                topk_group=topk_group, first_k_dense_replace=first_k_dense_replace, rope_interleave=rope_interleave)
-    config = _build_config(arch, common, moe, resolved_head_dim, mla)
+    hybrid = dict(full_attention_interval=full_attention_interval, layer_types=layer_types,
+                  linear_num_key_heads=linear_num_key_heads, linear_num_value_heads=linear_num_value_heads,
+                  linear_key_head_dim=linear_key_head_dim, linear_value_head_dim=linear_value_head_dim,
+                  linear_conv_kernel_dim=linear_conv_kernel_dim, partial_rotary_factor=partial_rotary_factor,
+                  shared_expert_intermediate_size=shared_expert_intermediate_size)
+    config = _build_config(arch, common, moe, resolved_head_dim, mla, hybrid)
     model = _instantiate_seeded(config, seed, dtype)
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
@@ -502,7 +570,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=positive_int, default=512,
                         help="tokenizer vocabulary (the model's is padded to a multiple of 64)")
     parser.add_argument("--hidden-size", type=positive_int, default=64, help="model width")
-    parser.add_argument("--num-layers", type=positive_int, default=2, help="decoder layers")
+    parser.add_argument("--num-layers", type=positive_int, default=None,
+                        help=f"decoder layers (default: {HYBRID_NUM_LAYERS} for {', '.join(HYBRID_ARCHS)}, else 2)")
     parser.add_argument("--num-heads", type=positive_int, default=4, help="query heads")
     parser.add_argument("--num-kv-heads", type=positive_int, default=2, help="key/value heads (divides --num-heads)")
     parser.add_argument("--head-dim", type=positive_int, default=None,
@@ -525,6 +594,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="query low rank (deepseek_v3, glm4_moe_lite)")
     parser.add_argument("--qk-rope-head-dim", type=positive_int, default=8,
                         help="shared rotary key width (deepseek_v3, glm4_moe_lite; --head-dim is the rest of a head)")
+    parser.add_argument("--full-attention-interval", type=positive_int, default=2,
+                        help="every n-th layer is full attention, the others linear (qwen3_5, qwen3_5_moe, qwen3_next)")
+    parser.add_argument("--linear-num-key-heads", type=positive_int, default=2,
+                        help="gated DeltaNet query/key heads (hybrid archs)")
+    parser.add_argument("--linear-num-value-heads", type=positive_int, default=4,
+                        help="gated DeltaNet value heads, a multiple of the key heads (hybrid archs)")
+    parser.add_argument("--shared-expert-intermediate-size", type=positive_int, default=32,
+                        help="shared expert MLP width (qwen3_5_moe, qwen3_next)")
     parser.add_argument("--max-shard-size", default=None,
                         help="split the safetensors into shards of at most this size, e.g. 1MB (default: one file)")
     return parser.parse_args(argv)

@@ -30,6 +30,9 @@ EXPECTED_ARCHITECTURE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }
 
 

@@ -71,9 +71,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_inv_freq(
-    head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None, max_position_embeddings: int
+    head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None, max_position_embeddings: int,
+    rotary_dim: int | None = None,
 ) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim/2] fp32 on CPU, cos/sin scale) exactly as transformers' ROPE_INIT_FUNCTIONS."""
+    """(inv_freq [rotary_dim/2] fp32 on CPU, cos/sin scale) exactly as transformers' ROPE_INIT_FUNCTIONS.
+
+    ``rotary_dim`` (default ``head_dim``): partial rotary, the leading channels of a head that rotate
+    (``head_dim * partial_rotary_factor``); transformers computes every rope type's frequencies over that dim.
+    A ``partial_rotary_factor`` left in ``rope_scaling`` is refused: the caller resolves it into ``rotary_dim``."""
+    head_dim = head_dim if rotary_dim is None else rotary_dim
     rope_type = (rope_scaling or {}).get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ConfigError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
@@ -143,13 +149,22 @@ class RotaryEmbedding(nn.Module):
 
     The cache is computed in fp32 (positions * inv_freq, then cos/sin, times the scale) and stored in the
     model dtype, so the rotation runs in the model dtype on exactly the values HF's rotary module produces.
+
+    ``rotary_dim`` < ``head_dim`` (partial rotary, Qwen3-Next / Qwen3.5): only the first ``rotary_dim`` channels
+    of each head rotate (rotate-half within them), the rest pass through; the cache is ``[max_pos, rotary_dim/2]``.
     """
 
     def __init__(
-        self, head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None, max_position_embeddings: int
+        self, head_dim: int, rope_theta: float, rope_scaling: dict[str, Any] | None, max_position_embeddings: int,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
-        inv_freq, scale = rope_inv_freq(head_dim, rope_theta, rope_scaling, max_position_embeddings)
+        self.head_dim = head_dim
+        self.rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if not 0 < self.rotary_dim <= head_dim or self.rotary_dim % 2:
+            raise ConfigError(f"rotary_dim {self.rotary_dim} must be even and in (0, head_dim {head_dim}]")
+        inv_freq, scale = rope_inv_freq(head_dim, rope_theta, rope_scaling, max_position_embeddings,
+                                        rotary_dim=self.rotary_dim)
         positions = torch.arange(max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.to(positions.device))
         dtype = torch.get_default_dtype()
@@ -161,6 +176,12 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated q, k (same shapes and dtype).
 
-        On a GPU one Triton kernel rotates q and k in place.
+        On a GPU one Triton kernel rotates q and k in place. With a partial ``rotary_dim`` the leading channels
+        rotate (as a contiguous copy) and the rest are concatenated back unchanged.
         """
-        return ops.apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)
+        rd = self.rotary_dim
+        if rd == q.shape[-1]:
+            return ops.apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)
+        q_rot, k_rot = ops.apply_rotary(positions, q[..., :rd].contiguous(), k[..., :rd].contiguous(),
+                                        self.cos_cache, self.sin_cache)
+        return torch.cat([q_rot, q[..., rd:]], dim=-1), torch.cat([k_rot, k[..., rd:]], dim=-1)

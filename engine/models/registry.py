@@ -12,6 +12,11 @@ _MODEL_CLASS_PATHS: dict[str, str] = {
     "Qwen2MoeForCausalLM": "engine.models.qwen2_moe",
     "DeepseekV3ForCausalLM": "engine.models.deepseek_v3",
     "Glm4MoeLiteForCausalLM": "engine.models.glm4_moe_lite",
+    "Qwen3NextForCausalLM": "engine.models.qwen3_next",
+    "Qwen3_5ForCausalLM": "engine.models.qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "engine.models.qwen3_5",
+    "Qwen3_5MoeForCausalLM": "engine.models.qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "engine.models.qwen3_5_moe",
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(_MODEL_CLASS_PATHS)
