@@ -23,9 +23,26 @@ def _tiny_set(root, initializer_range: float, hidden_size: int = 64) -> dict:
 
 
 @pytest.fixture(scope="session")
-def tiny_dirs(tmp_path_factory, mla_dirs):
+def tiny_dirs(tmp_path_factory, mla_dirs, hybrid_dirs):
     """One small random checkpoint per supported architecture, written by the project's factory."""
-    return _tiny_set(tmp_path_factory.mktemp("tiny"), 0.1) | mla_dirs
+    return _tiny_set(tmp_path_factory.mktemp("tiny"), 0.1) | mla_dirs | hybrid_dirs
+
+
+@pytest.fixture(scope="session")
+def hybrid_dirs(tmp_path_factory):
+    """The hybrid linear-attention architectures, small and random: 4 layers, full attention every second."""
+    from engine.tiny_checkpoint import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("hybrid")
+    common = dict(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128, vocab_size=512,
+                  max_position_embeddings=1024, initializer_range=0.1)
+    return {
+        "qwen3_next": make_tiny_checkpoint(root / "qwen3_next", "qwen3_next", seed=7, **common, num_experts=4,
+                                           num_experts_per_tok=2, moe_intermediate_size=32),
+        "qwen3_5": make_tiny_checkpoint(root / "qwen3_5", "qwen3_5", seed=8, **common),
+        "qwen3_5_moe": make_tiny_checkpoint(root / "qwen3_5_moe", "qwen3_5_moe", seed=9, **common, num_experts=4,
+                                            num_experts_per_tok=2, moe_intermediate_size=32),
+    }
 
 
 MLA_YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256, "mscale": 1.0,

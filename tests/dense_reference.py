@@ -27,6 +27,28 @@ class MaskedDenseRunner:
         pass
 
 
+class FreshLinearState:
+    """A hybrid model's linear-attention state for one sequence computed from its first token: zeros before the
+    pass; what the layer stores after it is dropped (the next pass starts from scratch again)."""
+
+    def __init__(self, model, num_tokens: int):
+        linear, param = model.config.linear, next(model.parameters())
+        self.query_lens = [num_tokens]
+        self.conv = torch.zeros(1, *linear.conv_state_shape, dtype=param.dtype)
+        self.recurrent = torch.zeros(1, *linear.recurrent_state_shape, dtype=getattr(torch, linear.recurrent_dtype))
+
+    def store(self, conv, recurrent) -> None:
+        pass
+
+
+def from_scratch(runner, model, num_tokens: int):
+    """``runner`` made ready for a whole-sequence forward of ``num_tokens`` tokens: hybrid models' linear layers
+    get a fresh state (``LayerRunner.linear_state``)."""
+    if getattr(model.config, "linear", None) is not None:
+        runner.linear_state = lambda layer: FreshLinearState(model, num_tokens)
+    return runner
+
+
 def causal(num_kv_heads: int, T: int) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool).tril().expand(num_kv_heads, T, T)
 
@@ -37,6 +59,6 @@ def greedy_with_mask(model, prompt: list[int], max_new: int, visible: Visibility
     ids = list(prompt)
     for _ in range(max_new):
         x = torch.tensor(ids)
-        hidden = model(x, torch.arange(len(ids)), MaskedDenseRunner(visible))
+        hidden = model(x, torch.arange(len(ids)), from_scratch(MaskedDenseRunner(visible), model, len(ids)))
         ids.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
     return ids[len(prompt):]

@@ -48,6 +48,11 @@ CASES = {
     "pyramidkv": ("pyramidkv", dict(SNAP, beta=4), "qwen3"),
     "h2o": ("h2o", dict(heavy_budget=12, recent_budget=12), "qwen3"),
     "h2o-every-3": ("h2o", dict(heavy_budget=10, recent_budget=8, evict_every=3), "llama"),
+    # hybrids: the methods act on the full-attention layers; the linear layers' state is resumed, and the
+    # reference recomputes it from the first token at every step
+    "dense-hybrid": ("dense", {}, "qwen3_next"),
+    "snapkv-hybrid": ("snapkv", SNAP, "qwen3_5"),
+    "h2o-hybrid": ("h2o", dict(heavy_budget=12, recent_budget=12), "qwen3_5_moe"),
 }
 
 
@@ -196,7 +201,7 @@ def prune_reference(kept, lo, hi):
 def record_steps(engine):
     """After every step: (request id, tokens computed, kept positions per layer) of each request of the step."""
     method, cache = engine.method, engine.cache
-    num_layers = engine.model_config.num_layers
+    num_layers = engine.cache.spec.num_layers  # layers with KV (a hybrid's full-attention layers)
     steps = []
     inner = method.end_step
 
@@ -236,7 +241,7 @@ def run_chain(llm, seed, prune_before=None):
             assert out.resume_status == "resumed"
             resumed = len(history) - 1
             window = engine.method.config.window if engine.method.name in ("snapkv", "pyramidkv") else 0
-            if window:
+            if window and engine.cache.storage.cuts_tables:  # a hybrid's state resumes only whole
                 resumed = min(resumed, max(len(prompt) - window, floor))
             assert out.num_prefilled_tokens == len(prompt) - resumed
             assert out.num_resumed_tokens == resumed
@@ -254,9 +259,10 @@ def run_chain(llm, seed, prune_before=None):
 def check_chain_against_reference(llm, method, cfg, turns, steps, prune_before=None):
     engine = llm.engine
     model, mc = engine.model, engine.model_config
-    rule = make_rule(method, cfg, mc.num_layers)
+    num_layers = engine.cache.spec.num_layers
+    rule = make_rule(method, cfg, num_layers)
     turns_ref = [(new, n, len(prompt) - out.num_prefilled_tokens) for prompt, new, n, out in turns]
-    ref_tokens, ref_kept, mask = simulate_chain(model, turns_ref, rule, mc.num_layers, mc.num_kv_heads,
+    ref_tokens, ref_kept, mask = simulate_chain(model, turns_ref, rule, num_layers, mc.num_kv_heads,
                                                 prune_before)
     # (b) the kept positions after every step, and the tokens of every turn
     assert len(ref_kept) == len(steps)

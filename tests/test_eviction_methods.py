@@ -23,7 +23,7 @@ import policies.streaming_llm  # noqa: F401
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError
 from engine.registry import create_method
-from tests.dense_reference import greedy_with_mask
+from tests.dense_reference import from_scratch, greedy_with_mask
 
 PAGE = 4
 MAX_NEW = 8
@@ -93,7 +93,7 @@ def dense_step(model, ids, s, e, mask, kept):
             for i in range(s, e):
                 layer[h, i, row] = True
                 layer[h, i, s:i + 1] = True
-    rec = RecordingRunner(mask)
+    rec = from_scratch(RecordingRunner(mask), model, e)
     hidden = model(torch.tensor(ids[:e]), torch.arange(e), rec)
     token = int(model.compute_logits(hidden[e - 1:e]).argmax(-1)) if e == len(ids) else None
     for heads in kept:
