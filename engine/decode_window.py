@@ -141,12 +141,15 @@ class DecodeWindows:
         ones, and each has the length and the pages left for them (pages for the extra steps are allocated
         here); two steps at least, or one with ``overlap_decode`` (the next launched before it is read). Never
         for a request with a grammar: its next mask depends on the matcher state, which the host only learns by
-        reading the token just sampled."""
+        reading the token just sampled; nor for a chain turn on a storage whose tables cannot be cut (a hybrid's
+        recurrent state would run past a stop found inside the window, and the chain keeps that state)."""
         k = self.config.decode_steps
         if (k == 1 and not self._overlap) or plan.preempted:
             return 0
         if any(req.grammar is not None for req in plan.requests):
             return 0
+        if not self.cache.storage.cuts_tables and any(req.chain_id is not None for req in plan.requests):
+            return 0  # a chain keeps its recurrent state: steps run past a stop could not be taken back
         if any(req.method is not plan.requests[0].method for req in plan.requests):
             return 0  # requests of several methods: each method's hooks see its own sub-batch, step by step
         for req, n in zip(plan.requests, plan.num_new_tokens):
@@ -185,6 +188,8 @@ class DecodeWindows:
         (nothing the host learns from ``window`` changes it), each request has the length left, and pages are
         allocated here."""
         reqs = window.requests
+        if not self.cache.storage.cuts_tables and any(req.chain_id is not None for req in reqs):
+            return 0  # as in ``size``: a chain's recurrent state must not run past a stop
         running = {id(r) for r in self.scheduler.running}
         if self.scheduler.waiting or len(running) != len(reqs) or not all(id(r) in running for r in reqs):
             return 0

@@ -72,7 +72,7 @@ def test_greedy_mixed_lengths_equal_single_steps(tiny_dirs, overlap):
     assert len(ks) < len(ref_ks)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "glm4_moe_lite"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "glm4_moe_lite", "qwen3_next"])
 def test_stop_tokens_and_strings_inside_a_window(tiny_dirs, arch):
     base = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     (free,), _, _ = run(tiny_dirs[arch], [(prompts(1, (30,))[0], base)], 1)
@@ -105,18 +105,20 @@ def test_seeded_sampling_and_forced_tokens_equal_single_steps(tiny_dirs):
     assert max(ks) == 3
 
 
-@pytest.mark.parametrize("prune", [False, True], ids=["plain", "pruned"])
-def test_chain_turns_resume_the_same_state(tiny_dirs, prune):
+@pytest.mark.parametrize("arch,prune", [("llama", False), ("llama", True), ("qwen3_next", False)],
+                         ids=["plain", "pruned", "hybrid"])
+def test_chain_turns_resume_the_same_state(tiny_dirs, arch, prune):
     """Three turns of a chain: a k-step turn leaves the chain's KV exactly as single steps do (the next turn
     resumes the same number of tokens and generates the same tokens); ``pruned``: an interval of the chain is
-    pruned after the first turn (a compacted table: the window's slots follow its physical length)."""
+    pruned after the first turn (a compacted table: the window's slots follow its physical length); ``hybrid``:
+    a recurrent state cannot be given back past a stop, so a hybrid's chain turns run single steps."""
     free = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    (ref_free,), _, _ = run(tiny_dirs["llama"], [(prompts(4, (21,))[0], free)], 1)
+    (ref_free,), _, _ = run(tiny_dirs[arch], [(prompts(4, (21,))[0], free)], 1)
     # the first turn stops on a token inside a window (pages taken ahead go back), the second at its length
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, stop_token_ids=[ref_free.token_ids[5]])
 
     def turns(k):
-        engine = LLMEngine(EngineConfig(tiny_dirs["llama"], decode_steps=k, **COMMON))
+        engine = LLMEngine(EngineConfig(tiny_dirs[arch], decode_steps=k, **COMMON))
         history, out, infos = prompts(4, (21,))[0], [], []
         fields = ("logical_tokens", "computed_tokens", "physical_tokens", "pages_held")
         for t in range(3):
