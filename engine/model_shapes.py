@@ -197,6 +197,73 @@ DEEPSEEK_V3_LITE: dict[str, Any] = {
     "dtype": "bfloat16",
 }
 
+# Qwen3-Next-80B-A3B: 48 layers, 3 of 4 gated DeltaNet (16 key / 32 value heads of 128), every 4th gated full
+# attention (16 query / 2 KV heads of 256, a quarter rotated); 512 experts of which 10 a token plus a shared
+# expert; transformers' Qwen3NextConfig defaults
+QWEN3_NEXT_80B_A3B: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 12,
+    "decoder_sparse_step": 1,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 10,
+    "num_experts": 512,
+    "norm_topk_prob": True,
+    "hidden_act": "silu",
+    "max_position_embeddings": 262144,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    **_QWEN_SPECIAL_IDS,
+    "dtype": "bfloat16",
+}
+
+# A Qwen3.6-27B-like dense hybrid: 64 layers, 3 of 4 gated DeltaNet (16 key / 48 value heads of 128), every 4th
+# gated full attention (24 query / 4 KV heads of 256, a quarter rotated); the sizes as we read the published
+# Qwen3.5 / 3.6 27B configs (a benchmark shape with random weights)
+QWEN3_6_27B: dict[str, Any] = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    "vocab_size": 248320,
+    "hidden_size": 5120,
+    "intermediate_size": 17408,
+    "num_hidden_layers": 64,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 16,
+    "hidden_act": "silu",
+    "max_position_embeddings": 262144,
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+    "attention_bias": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 248044,
+    "eos_token_id": 248046,
+    "dtype": "bfloat16",
+}
+
 TINY: dict[str, Any] = {
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -229,6 +296,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen2.5-7b": QWEN2_5_7B,
     "glm-4.7-flash": GLM_4_7_FLASH,
     "deepseek-v3-lite": DEEPSEEK_V3_LITE,
+    "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
+    "qwen3.6-27b": QWEN3_6_27B,
     "tiny": TINY,
 }
 
