@@ -96,7 +96,7 @@ for step in "$@"; do
             tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py tests/test_moe_router.py \
             tests/test_triton_kernels.py tests/test_decode_steps.py tests/test_asym_encode.py tests/test_fused_paths.py \
             tests/test_decode_linear.py tests/test_fused_decode_linears.py tests/test_overlap_decode.py \
-            tests/test_mla_decode_kernel.py tests/test_mla_backend.py ;;
+            tests/test_mla_decode_kernel.py tests/test_mla_prefill_kernel.py tests/test_mla_backend.py ;;
     fused)  # the fused paths against the torch code they replace (KIVI encode, SnapKV vote, probe, RoPE+store)
         run fused 150 python -m benchmarks.fused_paths --json "$OUT/fused.json" ;;
     kernels)

@@ -101,8 +101,8 @@ class TritonBackend(AttentionBackend):
 
     def _latent(self, q, latent, value_dim: int, view: PagedView, scale: float, return_scores: bool):
         """A latent (MLA) cache: one KV head whose values are its rows' first ``value_dim`` channels. Decode rows
-        take the MLA decode kernel (``agentrt_kernels.triton.mla_decode``); prefill chunks and mixed steps the
-        torch reference, per request (no Triton MLA prefill kernel is wired yet)."""
+        take the MLA decode kernel (``agentrt_kernels.triton.mla_decode``), prefill chunks and mixed steps the MLA
+        prefill kernel (``agentrt_kernels.triton.mla_prefill``)."""
         block_tables = view.block_tables
         if isinstance(view, SelectedSlotsView):
             latent = latent.flatten(0, 1).unsqueeze(1)
@@ -113,11 +113,10 @@ class TritonBackend(AttentionBackend):
                     self._slot_table = (view, _slot_table(view))
                 block_tables = self._slot_table[1]
         if not view.is_pure_decode:
-            from agentrt_kernels.torch_ref import paged_attention
+            from agentrt_kernels.triton.mla_prefill import mla_paged_prefill
 
-            out, _ = paged_attention(q, latent, latent[..., :value_dim], block_tables, view.kv_lens_cpu,
-                                     view.query_lens_cpu, scale, causal=view.causal)
-            return out, None
+            return mla_paged_prefill(q, latent, block_tables, view.kv_lens, view.query_start_loc, scale, value_dim,
+                                     causal=view.causal, max_query_len=view.max_query_len), None
         from agentrt_kernels.triton.mla_decode import mla_paged_decode
 
         out = mla_paged_decode(q, latent, block_tables, view.kv_lens, scale, value_dim)

@@ -27,8 +27,10 @@ MIXED = [(70, 1), (37, 37), (0, 0), (150, 45), (9, 9)]
 
 
 def _case(seed, dtype, reqs, hq, dk, page_size, extra_pages=3, pad_pages=1):
-    """q [T, Hq, Dk], latent [P, page_size, 1, Dk], block tables over shuffled pages (rows padded with other valid
-    page ids, which the kernel must not read past kv_len), kv_lens and query_start_loc int32."""
+    """q [T, Hq, Dk], latent [P, page_size, 1, Dk], block tables over shuffled pages, kv_lens and query_start_loc
+    int32. Every latent row no request may see is NaN (the slots past kv_len in a request's last page, and the
+    spare pages that pad the block-table rows): a kernel that reads past kv_len gets NaN into its output (p = 0
+    times a NaN value)."""
     g = torch.Generator().manual_seed(seed)
     need = [math.ceil(max(n, 1) / page_size) for n, _ in reqs]
     num_pages = sum(need) + extra_pages
@@ -36,10 +38,13 @@ def _case(seed, dtype, reqs, hq, dk, page_size, extra_pages=3, pad_pages=1):
     q_lens = [ql for _, ql in reqs]
     q = torch.randn(sum(q_lens), hq, dk, generator=g).to(dtype)
     perm = torch.randperm(num_pages, generator=g)
-    bt = perm[torch.randint(0, num_pages, (len(reqs), max(need) + pad_pages), generator=g)]  # garbage padding
+    spare = perm[sum(need):]
+    latent[spare] = float("nan")
+    bt = spare[torch.randint(0, extra_pages, (len(reqs), max(need) + pad_pages), generator=g)]
     start = 0
     for i, n in enumerate(need):
         bt[i, :n] = perm[start:start + n]
+        latent[bt[i, n - 1], reqs[i][0] - (n - 1) * page_size:] = float("nan")
         start += n
     kv_lens = torch.tensor([n for n, _ in reqs], dtype=torch.int32)
     qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -106,21 +111,18 @@ def test_mla_prefill_matches_dense(dtype, hq, dk, dv, page_size, causal, block_n
     torch.testing.assert_close(lse, want_lse, atol=1e-4 if dtype == torch.float32 else 2e-2, rtol=1e-4)
 
 
-@pytest.mark.parametrize("block_m", [16, 32])
-def test_many_heads_small_row_tiles_and_defaults(block_m):
-    """Hq 72: several head tiles (72 > BLOCK_M), balanced (2 x 36 for 64 rows, 3 x 24 for 32, 5 x 15 for 16);
-    q a strided slice of a wider buffer, the latent given as [P, ps, Dk], max_query_len left to the host and
-    a larger one than needed (a grid sized for a bigger batch: the extra query blocks exit)."""
-    dtype, hq, dk, dv, page_size = torch.float16, 72, 48, 32, 16
+@pytest.mark.parametrize("block_m,max_query_len", [(None, 26), (32, None), (16, 40)])
+def test_many_heads_strided_q_and_grid_bounds(block_m, max_query_len):
+    """Hq 40: one tile of 40 heads in 64 rows, or several balanced head tiles (2 x 20 for 32 rows, 3 x 14 for 16);
+    q a strided slice of a wider buffer, the latent given as [P, ps, Dk], max_query_len exact, left to the host,
+    or larger than needed (a grid sized for a bigger batch: the extra query blocks exit)."""
+    dtype, hq, dk, dv, page_size = torch.float16, 40, 48, 32, 16
     reqs = [(40, 6), (13, 1), (26, 26)]
     q_wide, latent, bt, lens, qsl = _case(9, dtype, reqs, hq, dk + 16, page_size)
     q = q_wide[..., :dk]
     latent = latent[..., :dk].contiguous()[:, :, 0]
-    want, _ = _dense(q, latent, bt, lens, qsl, 0.2, dv)
-    for mql in (None, 40):
-        _close(mla_paged_prefill(q, latent, bt, lens, qsl, 0.2, dv, max_query_len=mql, block_m=block_m), want,
-               dtype)
-    _close(mla_paged_prefill(q, latent, bt, lens, qsl, 0.2, dv), want, dtype)
+    got = mla_paged_prefill(q, latent, bt, lens, qsl, 0.2, dv, max_query_len=max_query_len, block_m=block_m)
+    _close(got, _dense(q, latent, bt, lens, qsl, 0.2, dv)[0], dtype)
 
 
 def test_launch_config():
@@ -136,6 +138,8 @@ def test_launch_config():
     assert tiles(20, 2) == (20, 2, 64, 1, 32, 8)
     assert tiles(20, 4096, torch.float32) == (10, 1, 16, 2, 16, 8)
     assert tiles(20, 4096, torch.float32, dv=32) == (20, 3, 64, 1, 32, 4)  # small widths
+    assert tiles(40, 4096, dv=32) == (40, 1, 64, 1, 32, 4)
+    assert launch_config(40, 4096, 32, torch.float16, block_m=16)["HEAD_TILES"] == 3
 
 
 def test_comparison_is_sharp_for_scale_and_causal_limit():
@@ -193,8 +197,9 @@ def test_mla_prefill_cuda_graph():
     """Captured once for a token budget and max_query_len, replayed with new queries, page tables, kv lens and
     query_start_loc written into the static inputs (no host syncs inside)."""
     dtype, hq, dk, dv, page_size = torch.bfloat16, 20, 576, 512, 64
-    reqs = [(300, 64), (200, 64), (128, 64)]
+    reqs = [(300, 64)] * 3  # the capture's shapes: the replays' page tables index the same pages
     q, latent, bt, lens, qsl = _case(21, dtype, reqs, hq, dk, page_size, extra_pages=8)
+    latent = torch.where(latent.isnan(), torch.randn_like(latent), latent)  # the replays use other page tables
     out = torch.empty(q.shape[0], hq, dv, dtype=dtype, device=DEVICE)
     lse = torch.empty(q.shape[:2], dtype=torch.float32, device=DEVICE)
     stream = torch.cuda.Stream()
