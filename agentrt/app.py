@@ -31,6 +31,7 @@ from agentrt.request_guards import strict_json_body
 from agentrt.host_guard import host_guard
 from agentrt.routes import ChainController, OpenAIController, SystemController
 from agentrt.routes.anthropic import AnthropicController
+from agentrt.routes.conversations import ConversationsController
 from agentrt.routes.openai import TextCompletionsController
 from agentrt.routes.responses import ResponsesController
 
@@ -107,7 +108,7 @@ def create_app(config: ServerConfig | None = None, engine: EngineHandle | None =
 
     return Litestar(
         route_handlers=[ChainController, OpenAIController, TextCompletionsController, ResponsesController,
-                        SystemController, AnthropicController],
+                        ConversationsController, SystemController, AnthropicController],
         dependencies={"chains": Provide(_chains, sync_to_thread=False),
                       "completions": Provide(_completions, sync_to_thread=False),
                       "tenant": Provide(_tenant, sync_to_thread=False)},

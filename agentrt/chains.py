@@ -147,7 +147,7 @@ class ChainService:
         return ChainList(data=data, offset=offset, limit=limit, total=total, has_more=offset + len(rows) < total)
 
     async def read(self, chain_id: str, include_tokens: bool = False, *, tenant: str) -> ChainRead:
-        chain, turns, regions = await self._rows(chain_id, tenant)
+        chain, turns, regions = await self.rows(chain_id, tenant)
         async with self.db.sessions() as s:
             events = (await s.scalars(select(PruneEventRow).where(PruneEventRow.chain_id == chain_id)
                                       .order_by(PruneEventRow.index))).all()
@@ -221,7 +221,7 @@ class ChainService:
         """The chain's state; ChainNotFound when it does not exist or (``tenant`` given) belongs to another."""
         state = self.states.get(chain_id)
         if state is None:
-            state = state_from_rows(*await self._rows(chain_id))
+            state = state_from_rows(*await self.rows(chain_id))
             state = self.states.setdefault(chain_id, state)
         if tenant is not None and state.row.tenant != tenant:
             raise ChainNotFound(chain_id)
@@ -368,7 +368,7 @@ class ChainService:
         new_id = f"chain_{uuid.uuid4().hex}"
         forked = False
         try:
-            chain, turns, regions = await self._rows(chain_id)
+            chain, turns, regions = await self.rows(chain_id)
             try:
                 await self.worker.call(lambda e: e.fork_chain(chain_id, new_id))
                 forked = True
@@ -403,7 +403,7 @@ class ChainService:
             raise bad_field("num_turns", "give exactly one of num_turns or num_tokens")
         self._acquire(chain_id)
         try:
-            chain, turns, regions = await self._rows(chain_id)
+            chain, turns, regions = await self.rows(chain_id)
             bounds = [0]
             for t in turns:
                 bounds.append(bounds[-1] + len(t.appended_token_ids) + len(t.generated_token_ids))
@@ -558,7 +558,16 @@ class ChainService:
                               ignore_eos=s.ignore_eos, forced_token_ids=list(s.forced_token_ids),
                               structured=structured)
 
-    async def _rows(self, chain_id: str, tenant: str | None = None) -> tuple[ChainRow, list[TurnRow], list[RegionRow]]:
+    async def write_row(self, state: ChainState, **columns: Any) -> None:
+        """Write columns of a chain's row (``meta``, ``system_prompt``, ...) to the database, then to its state; for
+        a route that keeps its own data in the chain's metadata (agentrt.conversations)."""
+        async with self.db.sessions.begin() as s:
+            await s.execute(update(ChainRow).where(ChainRow.id == state.id).values(**columns))
+        for name, value in columns.items():
+            setattr(state.row, name, value)
+
+    async def rows(self, chain_id: str, tenant: str | None = None) -> tuple[ChainRow, list[TurnRow], list[RegionRow]]:
+        """The chain's row, its turns and its regions, in order (ChainNotFound, also for another tenant's)."""
         if "\x00" in chain_id:  # no chain has one (and PostgreSQL cannot even compare it): as any unknown id
             raise ChainNotFound(chain_id)
         async with self.db.sessions() as s:

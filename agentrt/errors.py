@@ -149,8 +149,8 @@ EXCEPTION_HANDLERS: Any = {
 # --- the OpenAI-compatible routes ------------------------------------------------------------------
 def _openai_path(path: str) -> bool:
     path = path.rstrip("/")
-    return path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses") or path.startswith(
-        ("/v1/models/", "/v1/responses/"))
+    return path in ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/responses",
+                    "/v1/conversations") or path.startswith(("/v1/models/", "/v1/responses/", "/v1/conversations/"))
 
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",

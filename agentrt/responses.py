@@ -22,6 +22,11 @@ A response is one chain turn. Which chain:
   are prefilled: the chain's KV is resumed); with the id of an older response the chain is forked and the fork
   rewound to that response's turn, then the turn is appended there. Assistant ``message`` and ``function_call``
   items may only echo the previous response's output (skipped: the chain holds them).
+- With ``conversation`` (agentrt.conversations; not with ``previous_response_id``): the next turn of the
+  conversation's chain, its pending items (then the request's items) its messages; added assistant items are
+  imported first, one turn each. The output's item ids are the conversation's (``msg_<key>``, ...). On the
+  conversation's first turn ``instructions`` and ``tools`` set the chain's system prompt and tools; later ones must
+  repeat them or leave them out.
 
 The map response -> (chain, turn) lives in this process (``ResponseService.records``), for every response, of
 an implicit chain too: a later ``previous_response_id`` continues it. After a restart the responses are gone
@@ -57,8 +62,10 @@ from litestar.exceptions import NotFoundException
 from litestar.response import ServerSentEventMessage
 
 from agentrt.anthropic_messages import ChainMoved
+from agentrt.chains import no_nul
 from agentrt.chat import Message, calls_in, template_kwargs, without_calls
 from agentrt.completions import REASONING_EFFORTS
+from agentrt.conversations import ConversationService, TurnPlan, call_item_id, conversations_service, output_ids
 from agentrt.errors import ModelNotFound, bad_field, openai_error_body
 from agentrt.implicit_chains import implicit_chains_for
 from agentrt.reasoning import ReasoningParser, split_reasoning
@@ -66,8 +73,8 @@ from agentrt.reasoning import parser as reasoning_parser
 from agentrt.responses_types import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, IncompleteDetails,
                                      InputItem, InputItemList, InputTokensDetails, MessageItem,
                                      OutputFunctionCall, OutputMessage, OutputReasoning, OutputText, OutputTextPart,
-                                     OutputTokensDetails, ReasoningItem, ReasoningTextPart, ResponseObject,
-                                     ResponsesRequest, ResponseUsage, ToolChoiceFunction)
+                                     OutputTokensDetails, ReasoningItem, ReasoningTextPart, ResponseConversation,
+                                     ResponseObject, ResponsesRequest, ResponseUsage, ToolChoiceFunction)
 from agentrt.tool_call_stream import ToolCallStream
 from engine.structured_output import schema_error
 from sdk.schema import ChainCreate, ForkRequest, RewindRequest, Tool, TurnCreate, TurnDelta, TurnMessage, TurnResult
@@ -100,6 +107,7 @@ class Pending:
     parse_calls: bool
     thinking: bool | None = None  # None: the model does not think; else the prompt left a think block open
     imported: list[TurnResult] = field(default_factory=list)  # history turns this request appended first
+    item_key: str | None = None  # a conversation's turn: its output item ids (agentrt.conversations.output_ids)
     seq: int = 0
     items: list[Any] = field(default_factory=list)
 
@@ -129,11 +137,12 @@ def _convert(value: Any, kind: Any, key: str) -> Any:
 
 
 class ResponseService:
-    def __init__(self, chains: Any, model_name: str, config: Any):
+    def __init__(self, chains: Any, model_name: str, config: Any, conversations: ConversationService | None = None):
         self.chains = chains
         self.model_name = model_name
         self.config = config
         self.records: dict[str, Record] = {}
+        self.conversations = conversations if conversations is not None else ConversationService(chains)
 
     # --- the request --------------------------------------------------------------------------------------
     def _items(self, req: ResponsesRequest) -> list[InputItem]:
@@ -155,7 +164,7 @@ class ResponseService:
             raise ModelNotFound(req.model, self.model_name)
         if req.background:
             raise bad_field("background", "this server runs responses in the foreground only")
-        for name in ("conversation", "prompt", "top_logprobs"):
+        for name in ("prompt", "top_logprobs"):
             if getattr(req, name) is not None:
                 raise bad_field(name, "not supported by this server: leave it out")
         if req.truncation not in (None, "disabled"):
@@ -350,6 +359,44 @@ class ResponseService:
                 await self._discard(chain_id, tenant)
             raise
 
+    async def _start_conversation(self, req: ResponsesRequest, tenant: str, plan: TurnPlan,
+                                  tools: list[dict[str, Any]] | None, sampling: dict[str, Any]
+                                  ) -> tuple[Any, list[TurnResult]]:
+        """The conversation's next turn (agentrt.conversations.plan): its item ids recorded, any added assistant
+        items imported as turns, then the response's turn. On its first turn ``instructions`` (before the text
+        of the system items it was created with) and ``tools`` become the chain's."""
+        try:
+            state = plan.state
+            first = state.num_turns == 0
+            chain_tools = None if tools is None else msgspec.to_builtins(_convert(tools, list[Tool], "tools"))
+            row: dict[str, Any] = {}
+            if first:
+                parts = ([req.instructions] if req.instructions is not None else []) + plan.system_texts
+                system = "\n".join(parts) if parts else self.config.default_system_prompt
+                no_nul(req.instructions, "instructions")
+                _convert({"system_prompt": system}, ChainCreate, "instructions")
+                row = {"system_prompt": system, "tools": chain_tools or []}
+                if row == {"system_prompt": state.row.system_prompt, "tools": state.row.tools}:
+                    row = {}
+            else:
+                if req.instructions is not None and req.instructions != plan.instructions:
+                    raise bad_field("instructions", "differs from the conversation's first response's (the chain's "
+                                                    "system prompt is fixed): leave it out or repeat it")
+                if chain_tools is not None and chain_tools != state.row.tools:
+                    raise bad_field("tools", "differ from the conversation's (the chain renders its tools once): "
+                                             "leave them out or repeat them")
+            data = self._turn(req, plan.messages[plan.offset:], sampling)
+            await self.conversations.record(plan, first, req.instructions, **row)
+            imported: list[TurnResult] = []
+            if plan.offset:
+                imported, _ = await implicit_chains_for(self.chains).import_history(
+                    tenant, state.id, plan.messages, 0, plan.names)
+            with template_kwargs(enable_thinking=_thinking(req)):
+                turn = await self.chains.start_turn(state.id, data, tenant=tenant)
+        finally:
+            self.conversations.release(plan)
+        return turn, imported
+
     async def _discard(self, chain_id: str, tenant: str) -> None:
         try:
             await self.chains.delete(chain_id, tenant=tenant)
@@ -392,14 +439,27 @@ class ResponseService:
         self._refuse(req)
         items = self._items(req)
         tools = self._tools(req)
+        given_tools = tools
+        conversation = _conversation_id(req)
+        if conversation is not None and req.previous_response_id is not None:
+            raise bad_field("previous_response_id", "cannot be given with `conversation`: the conversation's "
+                                                    "next turn follows its last (give one of them)")
         if req.previous_response_id is not None and tools is None:
             previous = self.records.get(req.previous_response_id)
             if previous is not None and previous.tenant == tenant:
                 tools = (await self.chains.state(previous.chain_id, tenant)).row.tools
+        elif conversation is not None and tools is None:
+            tools = (await self.conversations.state(conversation, tenant)).row.tools
         sampling, parse_calls = self._sampling(req, tools or [])
         imported: list[TurnResult] = []
+        item_ids: list[str | None] = []
+        item_key = None
         if req.previous_response_id is not None:
             turn = await self._start_continued(req, tenant, items, tools, sampling)
+        elif conversation is not None:
+            plan = await self.conversations.plan(conversation, tenant, items, parse_calls)
+            turn, imported = await self._start_conversation(req, tenant, plan, given_tools, sampling)
+            item_ids, item_key = plan.input_ids, plan.key
         else:
             conv = self._conversation(req, items)
             tools = msgspec.to_builtins(_convert(tools or [], list[Tool], "tools"))
@@ -407,8 +467,9 @@ class ResponseService:
             turn, imported = await start(req, tenant, conv, tools, sampling)
         state = turn.state
         stored = req.store is not False
-        input_items = [{**msgspec.to_builtins(it), "id": getattr(it, "id", None) or _new_id("item")}
-                       for it in items] if stored else []  # never read back when not stored
+        input_items = [{**msgspec.to_builtins(it), "id": (item_ids[i] if i < len(item_ids) else None)
+                        or getattr(it, "id", None) or _new_id("item")}
+                       for i, it in enumerate(items)] if stored else []  # never read back when not stored
         record = Record(tenant=tenant, chain_id=state.id, turn=state.num_turns, stored=stored,
                         input_items=input_items)
         response = ResponseObject(
@@ -419,9 +480,11 @@ class ResponseService:
             top_p=sampling["top_p"], max_output_tokens=req.max_output_tokens,
             previous_response_id=req.previous_response_id, metadata=req.metadata or {},
             text=msgspec.to_builtins(req.text) if req.text is not None and req.text.format is not None
-            else {"format": {"type": "text"}}, store=stored)
+            else {"format": {"type": "text"}}, store=stored,
+            conversation=ResponseConversation(id=conversation) if conversation is not None else None)
         return Pending(response=response, record=record, turn=turn, parse_calls=parse_calls,
-                       thinking=self.chains.renderer.renderer.thinking(turn.prompt), imported=imported)
+                       thinking=self.chains.renderer.renderer.thinking(turn.prompt), imported=imported,
+                       item_key=item_key)
 
     # --- the response -------------------------------------------------------------------------------------
     def _finish(self, pending: Pending, result: TurnResult, output: list[Any]) -> ResponseObject:
@@ -468,13 +531,17 @@ class ResponseService:
             calls = chain_calls[len(chain_calls) - min(len(calls_in(text)), len(chain_calls)):]
             text = without_calls(text)
         output: list[Any] = []
+        key = pending.item_key
+        if key is not None:  # a conversation's turn: the ids its items are listed with
+            reasoning_id, message_id = reasoning_id or output_ids(key)[0], message_id or output_ids(key)[1]
         if thought:
             output.append(OutputReasoning(id=reasoning_id or _new_id("rs"),
                                           content=[ReasoningTextPart(text=thought)]))
         if text:
             output.append(OutputMessage(id=message_id or _new_id("msg"), content=[OutputTextPart(text=text)]))
-        output += [OutputFunctionCall(id=_new_id("fc"), call_id=c.id, name=c.function.name,
-                                      arguments=c.function.arguments) for c in calls]
+        output += [OutputFunctionCall(id=call_item_id(key, j) if key is not None else _new_id("fc"), call_id=c.id,
+                                      name=c.function.name, arguments=c.function.arguments)
+                   for j, c in enumerate(calls)]
         return output
 
     async def create(self, req: ResponsesRequest, tenant: str) -> ResponseObject:
@@ -496,7 +563,8 @@ class ResponseService:
         yield ev(pending, "response.in_progress", response=pending.response)
         parser = ToolCallStream() if pending.parse_calls else None
         thinking = reasoning_parser(pending.thinking)
-        rs_id, msg_id = _new_id("rs"), _new_id("msg")
+        rs_id, msg_id = output_ids(pending.item_key) if pending.item_key is not None else (_new_id("rs"),
+                                                                                            _new_id("msg"))
         thought, text = "", ""
         thought_done = False  # the reasoning item's done events were sent
 
@@ -626,6 +694,11 @@ class ResponseService:
                              last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
 
 
+def _conversation_id(req: ResponsesRequest) -> str | None:
+    c = req.conversation
+    return c if c is None or isinstance(c, str) else c.id
+
+
 def _effort(req: ResponsesRequest) -> str | None:
     effort = (req.reasoning or {}).get("effort")
     return effort if effort is None or isinstance(effort, str) else str(effort)
@@ -646,6 +719,6 @@ def _response_tool(tool: dict[str, Any]) -> dict[str, Any]:
 def responses_service(state: State) -> ResponseService:
     service = getattr(state, "responses", None)
     if service is None:
-        service = ResponseService(state.chains, state.model_name, state.config)
+        service = ResponseService(state.chains, state.model_name, state.config, conversations_service(state))
         state.responses = service
     return service

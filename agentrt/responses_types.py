@@ -5,8 +5,8 @@ Unknown fields are refused (400 naming them); the documented fields are accepted
 Fields that have no effect here: ``service_tier``, ``truncation`` ("disabled" only), ``include``, ``max_tool_calls``, ``reasoning`` (but ``reasoning.effort`` for a model that thinks: "none"
 is thinking off, another level on), ``stream_options``, ``text.verbosity``, ``tools[].strict`` and
 ``tools[].description`` beyond the rendered prompt (a forced call follows the schema either way).
-Refused when set: ``background: true``, ``conversation``, ``prompt``, ``top_logprobs``, non-function tools,
-``truncation: "auto"``.
+Refused when set: ``background: true``, ``prompt``, ``top_logprobs``, non-function tools, ``truncation: "auto"``.
+``conversation`` (an id, or ``{"id": ...}``): the response is the conversation's next turn (agentrt.conversations).
 
 Input items are taken as raw objects and checked one by one (agentrt.responses) so that an error names the
 item (``input[2].call_id``); their typed forms are below.
@@ -102,6 +102,10 @@ class TextConfig(_In):
     verbosity: str | None = None  # no effect
 
 
+class ConversationParam(_In):
+    id: str
+
+
 class ResponsesRequest(_In):
     model: str
     input: str | list[dict[str, Any]]
@@ -129,9 +133,9 @@ class ResponsesRequest(_In):
     max_tool_calls: int | None = None
     reasoning: dict[str, Any] | None = None  # ``effort``: a thinking model's on ("none": off) / off switch
     stream_options: dict[str, Any] | None = None
+    conversation: str | ConversationParam | None = None  # not with previous_response_id
     # refused when set
     background: bool | None = None
-    conversation: Any = None
     prompt: Any = None
     top_logprobs: int | None = None
     # agentrt extension: the first generated tokens, forced (the chain routes' ``sampling.forced_token_ids``)
@@ -201,6 +205,10 @@ class IncompleteDetails(Struct, kw_only=True):
     reason: str
 
 
+class ResponseConversation(Struct, kw_only=True):
+    id: str
+
+
 class ResponseObject(Struct, kw_only=True):
     id: str
     created_at: int
@@ -222,6 +230,7 @@ class ResponseObject(Struct, kw_only=True):
     incomplete_details: IncompleteDetails | None = None
     error: Any = None
     truncation: str = "disabled"
+    conversation: ResponseConversation | None = None  # the conversation the response is a turn of
     object: str = "response"
 
 

@@ -31,6 +31,14 @@ OPENAI = {"post /v1/chat/completions": {200, 400, 401, 404, 409, 413, 415, 503},
           "get /v1/responses/{response_id}": {200, 400, 401, 404},
           "delete /v1/responses/{response_id}": {200, 400, 401, 404},
           "get /v1/responses/{response_id}/input_items": {200, 400, 401, 404},
+          "post /v1/conversations": {200, 400, 401, 413, 415, 429},
+          "get /v1/conversations/{conversation_id}": {200, 400, 401, 404},
+          "post /v1/conversations/{conversation_id}": {200, 400, 401, 404, 413, 415},
+          "delete /v1/conversations/{conversation_id}": {200, 400, 401, 404, 409},
+          "get /v1/conversations/{conversation_id}/items": {200, 400, 401, 404},
+          "post /v1/conversations/{conversation_id}/items": {200, 400, 401, 404, 413, 415},
+          "get /v1/conversations/{conversation_id}/items/{item_id}": {200, 400, 401, 404},
+          "delete /v1/conversations/{conversation_id}/items/{item_id}": {200, 400, 401, 404, 409},
           "get /v1/models": {200, 401},
           "get /v1/models/{model_id}": {200, 400, 401, 404}}
 ANTHROPIC = {"post /v1/messages": {200, 400, 401, 404, 409, 413, 415, 429, 503},
@@ -118,13 +126,15 @@ def test_info_and_a_valid_document(with_keys):
 def test_request_bodies_forbid_unknown_fields(with_keys):
     bodies = [op["requestBody"]["content"]["application/json"]["schema"] for _, op in _operations(with_keys)
               if "requestBody" in op]
-    # create, turns, prune, fork, rewind, chat completions, text completions, responses, messages, count_tokens
-    assert len(bodies) == 10
+    # create, turns, prune, fork, rewind, chat completions, text completions, responses, messages, count_tokens,
+    # conversations: create, update, add items
+    assert len(bodies) == 13
     structs = {name: s for name, s in _reachable(with_keys, bodies).items() if s.get("properties")}
     assert {"ChainCreate", "TurnCreate", "Sampling", "PrunePolicy", "PruneRequest", "ForkRequest", "RewindRequest",
             "ChatCompletionRequest", "StreamOptions", "TextPart", "sdk.schema.UserMessage", "ToolResultMessage",
             "agentrt.openai_types.Tool", "agentrt.openai_types.FunctionDef", "TextCompletionRequest",
-            "ResponsesRequest", "TextConfig", "MessagesRequest", "MessageParam", "CountTokensRequest"} <= set(structs)
+            "ResponsesRequest", "TextConfig", "MessagesRequest", "MessageParam", "CountTokensRequest",
+            "ConversationCreate", "ConversationUpdate", "ItemsCreate"} <= set(structs)
     # every struct a request takes forbids unknown fields, the OpenAI and Anthropic ones included; ToolCall (echoed
     # back by clients inside an assistant message) is the server's own output type and takes extra fields, and the
     # Anthropic blocks this server refuses by type (images, documents, ...) are read with any fields, so that the

@@ -1,15 +1,16 @@
 """The published OpenAPI document against the server: schemathesis generates requests from
 ``/schema/openapi.json`` (schema-valid ones and ones that break it) and checks every answer against the same
 document, in-process over ASGI, with auth on and a real tenant's key. Every route is in the document: the chain
-routes, OpenAI's chat completions, text completions, Responses and models, and Anthropic's Messages (whose
-``x-api-key`` header is a second security scheme; the key goes as ``Authorization: Bearer`` here).
+routes, OpenAI's chat completions, text completions, Responses, Conversations and models, and Anthropic's
+Messages (whose ``x-api-key`` header is a second security scheme; the key goes as ``Authorization: Bearer`` here).
 
 All of schemathesis's phases run, as ``st run`` does: the coverage phase (each field's boundary values and
 each way to break it, requests without the key, methods the document does not name), fuzzing (hypothesis,
 ``max-examples`` per operation, derandomized: the same requests every run) and the stateful phase, which
 follows the document's links (a created chain's ``id`` is the ``chain_id`` of every chain route, a created
-response's the ``response_id`` of the Responses routes) so turns, prune, fork, rewind and delete meet real chains
-and retrieval, input items and delete real responses.
+response's the ``response_id`` of the Responses routes, a created conversation's the ``conversation_id`` of the
+Conversations routes) so turns, prune, fork, rewind and delete meet real chains, retrieval, input items and delete
+real responses, and updates, items and delete real conversations.
 
 Checks: no 5xx; every status, content type and documented header as the document says; every JSON body and
 every server-sent event valid against its schema; schema-breaking requests refused (4xx); a request without
@@ -146,6 +147,11 @@ def test_server_matches_its_openapi_document(tmp_path):
             ("POST /v1/responses", 200, "text/event-stream"),
             ("POST /v1/responses", 400, "application/json"),
             ("GET /v1/responses/{response_id}", 404, "application/json"),
+            ("POST /v1/conversations", 200, "application/json"),
+            ("POST /v1/conversations/{conversation_id}", 200, "application/json"),
+            ("GET /v1/conversations/{conversation_id}/items", 200, "application/json"),
+            ("POST /v1/conversations/{conversation_id}/items", 200, "application/json"),
+            ("DELETE /v1/conversations/{conversation_id}", 200, "application/json"),
             ("POST /v1/messages", 200, "application/json"),
             ("POST /v1/messages", 200, "text/event-stream"),
             ("POST /v1/messages", 400, "application/json"),

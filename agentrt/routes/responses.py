@@ -61,9 +61,9 @@ class ResponsesController(Controller):
     @post("/", status_code=200,
           opt={EVENT_STREAM: RESPONSE_EVENTS, CREATES: "response_id", REQUEST_EXAMPLES: RESPONSE_EXAMPLES},
           responses=openai_errors(404, 409, 429, 503, descriptions={
-              404: "An unknown model",
-              409: "the conversation's chain (`previous_response_id`'s, or the implicit chain holding the input) has a "
-                   "turn in flight",
+              404: "An unknown model, or an unknown `conversation` (another tenant's, deleted)",
+              409: "the conversation's chain (`previous_response_id`'s, `conversation`'s, or the implicit chain holding "
+                   "the input) has a turn in flight",
               429: "A new conversation over the tenant's chain limit (`max_chains_per_tenant`)"}))
     async def create_response(self, data: JSONBody[ResponsesRequest], request: Request, state: State,
                               tenant: NamedDependency[str]) -> Response[ResponseObject]:
