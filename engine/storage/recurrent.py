@@ -5,8 +5,8 @@ The spec counts only the full-attention layers as ``num_layers`` (pages, views, 
 those alone); the states live in slots ``[linear_layers, max_states + 1, ...]`` whose bytes come out of the KV
 budget first, like a codec's windows (``window_bytes``). A running table holds a slot (``open_table``, the
 table's ``window``): a table that has computed nothing starts from zeros; a table coming back (a chain's next
-turn) copies in the state it saved when it stopped (``close_table`` keeps a copy on the table, outside the
-pool: an idle chain's state). A state exists only at its table's end, so a table cannot be cut back
+turn) copies in the state it saved when it stopped (``close_table`` keeps a copy on the table in host memory,
+pinned on a GPU: an idle chain's state costs no device memory and no pages). A state exists only at its table's end, so a table cannot be cut back
 (``cuts_tables`` is False: a rewound or diverging chain is recomputed) and a prefix of another request's
 pages cannot be reused (``CacheSpec.prefix_reusable`` is False: the state after the prefix is not kept).
 """
@@ -84,6 +84,15 @@ class SavedState:
     recurrent: torch.Tensor
 
 
+def _to_host(x: torch.Tensor) -> torch.Tensor:
+    """A host copy of a slot's state (pinned when it comes from a GPU, so the copy back runs at full speed)."""
+    if x.device.type == "cpu":
+        return x.clone()
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x)
+    return host
+
+
 class HybridKV(DenseKV):
     cuts_tables = False
 
@@ -124,7 +133,7 @@ class HybridKV(DenseKV):
             return
         slot, table.window = table.window, None
         if table.num_slots:
-            table.state = SavedState(self.conv[:, slot].clone(), self.recurrent[:, slot].clone())
+            table.state = SavedState(_to_host(self.conv[:, slot]), _to_host(self.recurrent[:, slot]))
         self._free.append(slot)
 
     def drop_table_state(self, table: TableHandle) -> None:
