@@ -220,7 +220,7 @@ class ChainTurn(Struct, kw_only=True):
 
     id: str
     turn: int
-    resume_status: Literal["created", "resumed", "recomputed"]
+    resume_status: Literal["created", "resumed", "recomputed", "loaded"]
 
 
 class ChainCompletion(ChatCompletion, kw_only=True):

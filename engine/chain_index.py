@@ -21,6 +21,7 @@ class ResumeStatus(str, enum.Enum):
     CREATED = "created"  # the chain's first turn
     RESUMED = "resumed"  # the retained KV was re-attached; only the suffix is prefilled
     RECOMPUTED = "recomputed"  # the retained KV was gone (reclaimed) or unusable (diverged after compaction)
+    LOADED = "loaded"  # the retained KV was moved to host memory or disk under pressure and loaded back
 
 
 class ChainBusyError(InvalidRequestError):
@@ -44,6 +45,7 @@ class ChainState:
     busy_request: str | None = None
     num_reclaims: int = 0
     pruned_intervals: list[tuple[int, int]] = field(default_factory=list)
+    offloaded: Any = None  # engine.chain_tiers.OffloadedTable: the table moved below the device, if any
 
     @property
     def is_idle(self) -> bool:
@@ -61,7 +63,7 @@ class ChainInfo:
     computed_tokens: int
     physical_tokens: list[int]  # per layer
     pages_held: int
-    status: str  # busy | idle | reclaimed
+    status: str  # busy | idle | host | disk (offloaded, loaded back by the next turn) | reclaimed
     compacted: bool
     pinned: bool
 

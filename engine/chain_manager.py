@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.chain_index import ChainBusyError, ChainIndex, ChainInfo, ChainState, ResumeStatus
+from engine.chain_tiers import ChainTiers
 from engine.contract.cache import CacheManager
 from engine.contract.scorer import ImportanceScorer, ScoreContext
 from engine.errors import InvalidRequestError, OutOfPagesError
@@ -43,10 +44,11 @@ MAX_PRUNE_RESULTS = 4096
 
 
 class ChainManager:
-    def __init__(self, cache: CacheManager, num_layers: int):
+    def __init__(self, cache: CacheManager, num_layers: int, tiers: ChainTiers | None = None):
         self.index = ChainIndex()
         self.cache = cache
         self.num_layers = num_layers
+        self.tiers = tiers  # host / disk tiers for idle chains under pressure (engine.chain_tiers); None: off
         self.prober = None  # engine.probe.Prober, for scorers that probe
         self._deferred: dict[str, list[tuple]] = {}  # chain id -> prunes queued behind its running turn
         self._prune_results: dict[int, PruneResult] = {}  # oldest first; finished ones beyond the cap are dropped
@@ -66,6 +68,7 @@ class ChainManager:
         if state.table is not None and state.method is not req.method:
             self.cache.release_table(state.table)  # retained by another method: its state does not carry over
             state.table, state.num_computed, state.method_state = None, 0, None
+        loaded = self._load(state, keep=state.method is req.method)
         if state.table is None:
             status = ResumeStatus.RECOMPUTED if state.token_ids else ResumeStatus.CREATED
         else:
@@ -79,7 +82,7 @@ class ChainManager:
             if usable > 0:
                 self.cache.attach(req, table)
                 resumed = usable
-                status = ResumeStatus.RESUMED
+                status = ResumeStatus.LOADED if loaded else ResumeStatus.RESUMED
             else:
                 self.cache.release_table(table)
                 state.method_state = None
@@ -128,16 +131,43 @@ class ChainManager:
 
     # --- memory -----------------------------------------------------------------------------------
     def reclaim(self, pages_needed: int) -> bool:
-        """Free idle chains' KV, least recently used first, until ``pages_needed`` pages are free."""
+        """Free idle chains' KV, least recently used first, until ``pages_needed`` pages are free. With tiers a
+        chain's table moves to host memory (or further down) first, and its next turn loads it back."""
         freed = False
         for state in self.index.reclaim_order():
             if self.cache.pool.can_allocate(pages_needed):
                 break
+            entry = None if self.tiers is None else self.tiers.offload(state.chain_id, state.table)
             self.cache.release_table(state.table)
-            state.table, state.num_computed, state.method_state = None, 0, None
+            state.table, state.offloaded = None, entry
+            if entry is None:
+                state.num_computed, state.method_state = 0, None
             state.num_reclaims += 1
             freed = True
         return freed
+
+    @staticmethod
+    def _tier_of(state: ChainState) -> str:
+        """Where an idle chain that is not on the device is: ``host`` / ``disk``, or ``reclaimed`` (its KV gone)."""
+        entry = state.offloaded
+        return entry.where if entry is not None and entry.where in ("host", "disk") else "reclaimed"
+
+    def _load(self, state: ChainState, keep: bool = True) -> bool:
+        """Bring an offloaded chain's table back to the device (making room as ``reclaim`` does); True if it is
+        resident again. ``keep`` False: the offloaded copy is dropped instead (it cannot serve the turn)."""
+        entry, state.offloaded = state.offloaded, None
+        if entry is None or self.tiers is None:
+            return False
+        table = self.tiers.load(entry) if keep else None
+        if table is None and keep and entry.where != "dropped":
+            self.reclaim(entry.num_pages)
+            table = self.tiers.load(entry)
+        if table is None:
+            self.tiers.drop(entry)
+            state.num_computed, state.method_state = 0, None
+            return False
+        state.table = table
+        return True
 
     # --- chain operations (idle chains only) ------------------------------------------------------
     def _idle(self, chain_id: str) -> ChainState:
@@ -148,6 +178,8 @@ class ChainManager:
 
     def delete(self, chain_id: str) -> None:
         state = self._idle(chain_id)
+        if state.offloaded is not None:
+            self.tiers.drop(state.offloaded)
         if state.table is not None:
             self.cache.release_table(state.table)
         self.index.pop(chain_id)
@@ -156,6 +188,7 @@ class ChainManager:
         if new_chain_id in self.index:
             raise InvalidRequestError(f"chain {new_chain_id!r} already exists")
         state = self._idle(chain_id)
+        self._load(state)
         table = None if state.table is None else self.cache.fork_table(state.table)
         if state.table is not None and table is None:
             raise OutOfPagesError(f"not enough free pages to copy chain {chain_id!r}")
@@ -173,6 +206,7 @@ class ChainManager:
         if not 0 <= num_tokens <= len(state.token_ids):
             raise InvalidRequestError(f"num_tokens must be in [0, {len(state.token_ids)}], got {num_tokens}")
         state.token_ids = state.token_ids[:num_tokens]
+        self._load(state)
         if state.table is not None and num_tokens < state.num_computed:
             if num_tokens == 0 or not self.cache.can_truncate(state.table, num_tokens):
                 self.cache.release_table(state.table)
@@ -243,6 +277,7 @@ class ChainManager:
 
     def _prune_idle(self, state: ChainState, intervals: list[tuple[int, int]], scorer: ImportanceScorer | None,
                     keep_ratio: float, keep_tokens: int | None = None) -> PruneResult:
+        self._load(state)
         for lo, hi in intervals:
             if not hi <= state.num_computed:
                 raise InvalidRequestError(
@@ -297,6 +332,6 @@ class ChainManager:
         return ChainInfo(
             chain_id=chain_id, logical_tokens=len(state.token_ids), computed_tokens=state.num_computed,
             physical_tokens=lens, pages_held=pages,
-            status="busy" if not state.is_idle else ("idle" if state.table is not None else "reclaimed"),
+            status="busy" if not state.is_idle else ("idle" if state.table is not None else self._tier_of(state)),
             compacted=bool(compacted), pinned=state.pinned,
         )

@@ -48,6 +48,12 @@ class EngineConfig:
     # for the architectures that have the fused path
     fused_decode_linears: bool | None = None
     tensor_parallel_size: int = 1  # ranks (GPUs; gloo processes on CPU) the model and its KV heads split over
+    # idle chains under memory pressure move to host memory (this many bytes; 0: off, they are recomputed), a
+    # full host tier moves its oldest to disk (chain_disk_dir, at most chain_disk_bytes), and a chain's next turn
+    # loads its KV back (engine.chain_tiers)
+    chain_host_bytes: int = 0
+    chain_disk_dir: str | Path | None = None
+    chain_disk_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -83,6 +89,14 @@ class EngineConfig:
             raise ConfigError(f"kv_storage must be a name or None, got {self.kv_storage!r}")
         if not isinstance(self.kv_storage_config, dict):
             raise ConfigError(f"kv_storage_config must be a dict, got {type(self.kv_storage_config).__name__}")
+        for name in ("chain_host_bytes", "chain_disk_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
+        if (self.chain_disk_dir is None) != (self.chain_disk_bytes is None):
+            raise ConfigError("chain_disk_dir and chain_disk_bytes go together (the disk tier's directory and size)")
+        if self.chain_disk_dir is not None and not self.chain_host_bytes:
+            raise ConfigError("the disk tier takes chains from the host tier: set chain_host_bytes too")
         if self.kv_storage is None and self.kv_storage_config:
             raise ConfigError("kv_storage_config is set but kv_storage is not")
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from engine.attention_backend import make_backend
 from engine.chain_index import ChainInfo
 from engine.chain_manager import ChainManager, PruneResult
+from engine.chain_tiers import ChainTiers
 from engine.config import DTYPES, EngineConfig
 from engine.contract.cache import CacheSpec
 from engine.contract.codec import CodedCacheSpec, check_composes
@@ -114,7 +115,10 @@ class LLMEngine:
                                     spec.head_dim)
         self.methods = MethodSet(self.method, lambda m: take_on(m, self.codec, self.backend, spec, self.cache),
                                  config.max_methods)
-        self.chains = ChainManager(self.cache, spec.num_layers)
+        tiers = None
+        if config.chain_host_bytes:
+            tiers = ChainTiers(self.cache, config.chain_host_bytes, config.chain_disk_dir, config.chain_disk_bytes)
+        self.chains = ChainManager(self.cache, spec.num_layers, tiers)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
                                    on_preempt=self._on_preempt, reclaim=self.chains.reclaim)
         self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)

@@ -12,7 +12,7 @@ import msgspec
 from msgspec import Meta, Struct, field
 
 RegionKind = Literal["system", "user", "assistant", "tool_result"]
-ResumeStatus = Literal["created", "resumed", "recomputed"]
+ResumeStatus = Literal["created", "resumed", "recomputed", "loaded"]
 FinishReason = Literal["stop", "length", "abort"]
 ChainStatus = Literal["idle", "busy"]
 

@@ -123,6 +123,11 @@ class KVStorage(ABC):
         """How many physical slots ``scatter_kept`` of n kept tokens writes (a codec rounds up to its group)."""
         return n
 
+    def page_tensors(self) -> list[tuple[torch.Tensor, int]]:
+        """Every tensor that holds per-page bytes, with the dimension that indexes pages: a table's pages across
+        them are all a table's KV (a chain moved to host memory or disk copies exactly these)."""
+        raise NotImplementedError(f"{type(self).__name__} does not list its page tensors")
+
     # --- reads ----------------------------------------------------------------------------------
     @abstractmethod
     def layer_kv(self, layer: int) -> tuple[Any, Any]:

@@ -75,6 +75,10 @@ class CodedStorage(KVStorage):
         self._write_plans: list[WritePlan] | DeferredWritePlans | None = None
         self._prefix_plan: tuple | None = None  # write_prefix's plan, shared by the layers of one table
 
+    def page_tensors(self):
+        """The codes' fields (the full-precision windows are working state, reloaded from codes on open)."""
+        return [(f, 1) for side in self.fields.values() for f in side.values()]
+
     # --- windows --------------------------------------------------------------------------------
     @property
     def scratch_window(self) -> int:

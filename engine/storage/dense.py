@@ -64,3 +64,6 @@ class DenseKV(KVStorage):
 
     def layer_kv(self, layer):
         return self.kv[layer, 0], self.kv[layer, 1]
+
+    def page_tensors(self):
+        return [(self.kv, 2)]

@@ -60,6 +60,9 @@ class LatentKV(KVStorage):
     def scatter_kept(self, layer, table, kept, new_slots) -> None:
         self.rows[layer].flatten(0, 1)[new_slots[: kept.shape[0]]] = kept
 
+    def page_tensors(self):
+        return [(self.rows, 1)]
+
     def layer_kv(self, layer):
         rows = self.rows[layer]
         return rows, rows[..., : self.spec.value_dim]

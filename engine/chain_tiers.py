@@ -1,0 +1,231 @@
+"""Idle chains below the device: host memory, then disk, instead of recomputing them.
+
+When the scheduler needs pages and reclaims idle chains (``ChainManager.reclaim``), a chain's table is copied to
+host memory (pinned on a GPU) before its pages are freed; a full host tier moves its least recently offloaded
+chains to disk (one safetensors file per chain under ``chain_disk_dir``), and a full disk tier drops its oldest,
+which are then recomputed from their tokens as before. A chain's next turn loads its table back into fresh pages
+(``resume_status`` ``loaded``) instead of recomputing.
+
+What moves is representation-blind: the table's pages across every tensor its storage lists
+(``KVStorage.page_tensors``: dense K/V, latent rows, a codec's fields), the table's layout (slots, per-layer
+lengths and kept positions of a compacted table) and the state a storage keeps with a stopped table (a hybrid
+model's recurrent state). A file is written under a temporary name and renamed when complete, with a digest of
+its bytes in its header, so a partial or corrupted file is never loaded: the chain is recomputed and the reason
+logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from engine.contract.cache import CacheManager
+from engine.page_table import PageTable
+
+log = logging.getLogger(__name__)
+HOST, DISK, DROPPED = "host", "disk", "dropped"
+
+
+@dataclass(slots=True, eq=False)
+class OffloadedTable:
+    """A chain table off the device: where it is, its layout, and its bytes (host tensors, or a file)."""
+
+    chain_id: str
+    num_pages: int
+    num_slots: int
+    layer_lens: list[int] | None
+    kept_positions: list[torch.Tensor] | None
+    compacted_at: int
+    nbytes: int
+    where: str = HOST
+    pages: list[torch.Tensor] = field(default_factory=list)  # per storage tensor, its pages (host)
+    state: list[torch.Tensor] = field(default_factory=list)  # a storage's per-table state (host)
+    state_type: Any = None
+    path: Path | None = None
+
+
+@dataclass(slots=True)
+class TierCounters:
+    """Tokens and seconds moved per tier, and how loads went (exported in ``/metrics`` and chain accounting)."""
+
+    offloaded_tokens: int = 0
+    spilled_tokens: int = 0  # host -> disk
+    loaded_tokens: dict[str, int] = field(default_factory=lambda: {HOST: 0, DISK: 0})
+    loads: dict[str, int] = field(default_factory=lambda: {HOST: 0, DISK: 0})
+    failed_loads: int = 0
+    dropped: int = 0
+
+
+class ChainTiers:
+    def __init__(self, cache: CacheManager, host_bytes: int, disk_dir: str | Path | None = None,
+                 disk_bytes: int | None = None):
+        self.cache = cache
+        self.host_bytes, self.disk_bytes = host_bytes, disk_bytes
+        self.disk_dir = None if disk_dir is None else Path(disk_dir)
+        if self.disk_dir is not None:
+            self.disk_dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.disk_dir.glob("*.tmp"):  # a write cut short by a crash
+                stale.unlink(missing_ok=True)
+        self.entries: OrderedDict[str, OffloadedTable] = OrderedDict()  # least recently offloaded first
+        self.host_used = self.disk_used = 0
+        self.counters = TierCounters()
+
+    # --- down ---------------------------------------------------------------------------------------
+    def offload(self, chain_id: str, table: PageTable) -> OffloadedTable | None:
+        """Copy ``table`` (about to lose its pages) to the host tier, making room by moving older chains down;
+        None when no tier can hold it (it is then recomputed later)."""
+        tensors = self.cache.storage.page_tensors()
+        index = torch.tensor(table.pages, dtype=torch.int64, device=tensors[0][0].device)
+        pages = [_host(t.index_select(dim, index)) for t, dim in tensors]
+        state = [_host(x) for x in _state_tensors(table.state)]
+        nbytes = sum(p.numel() * p.element_size() for p in pages + state)
+        if not self._room(HOST, nbytes, chain_id):
+            return None
+        entry = OffloadedTable(chain_id, len(table.pages), table.num_slots,
+                               None if table.layer_lens is None else list(table.layer_lens),
+                               None if table.kept_positions is None else [k.cpu() for k in table.kept_positions],
+                               table.compacted_at, nbytes, pages=pages, state=state,
+                               state_type=None if table.state is None else type(table.state))
+        self.entries[chain_id] = entry
+        self.host_used += nbytes
+        self.counters.offloaded_tokens += table.num_slots
+        return entry
+
+    def _room(self, tier: str, nbytes: int, chain_id: str) -> bool:
+        """Free ``nbytes`` in ``tier`` by moving (host) or dropping (disk) the oldest other entries there."""
+        capacity = self.host_bytes if tier == HOST else self.disk_bytes
+        if capacity is None or nbytes > capacity:
+            return False
+        for victim in [e for e in self.entries.values() if e.where == tier and e.chain_id != chain_id]:
+            if (self.host_used if tier == HOST else self.disk_used) + nbytes <= capacity:
+                break
+            if tier == HOST and self.disk_dir is not None and self._spill(victim):
+                continue
+            self.drop(victim)
+        return (self.host_used if tier == HOST else self.disk_used) + nbytes <= capacity
+
+    def _spill(self, entry: OffloadedTable) -> bool:
+        """Host -> disk: one file per chain, written whole under a temporary name, then renamed."""
+        if self.disk_dir is None or not self._room(DISK, entry.nbytes, entry.chain_id):
+            return False
+        tensors = {f"page{i}": p.contiguous() for i, p in enumerate(entry.pages)}
+        tensors |= {f"state{i}": s.contiguous() for i, s in enumerate(entry.state)}
+        tensors |= {f"kept{i}": k.contiguous() for i, k in enumerate(entry.kept_positions or [])}
+        path = self.disk_dir / f"{hashlib.sha256(entry.chain_id.encode()).hexdigest()[:32]}.safetensors"
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata={"digest": _digest(tensors), "layout": json.dumps(_layout(entry))})
+        os.replace(tmp, path)
+        self.host_used -= entry.nbytes
+        self.disk_used += entry.nbytes
+        entry.where, entry.path, entry.pages, entry.state = DISK, path, [], []
+        entry.kept_positions = None if entry.kept_positions is None else []  # read back from the file
+        self.counters.spilled_tokens += entry.num_slots
+        return True
+
+    def drop(self, entry: OffloadedTable) -> None:
+        """Forget ``entry`` (its chain is recomputed from its tokens)."""
+        if entry.where != DROPPED:
+            self.counters.dropped += 1
+        self._forget(entry)
+
+    def _forget(self, entry: OffloadedTable) -> None:
+        if entry.where == HOST:
+            self.host_used -= entry.nbytes
+        elif entry.where == DISK:
+            self.disk_used -= entry.nbytes
+            if entry.path is not None:
+                entry.path.unlink(missing_ok=True)
+        entry.where, entry.pages, entry.state = DROPPED, [], []
+        if self.entries.get(entry.chain_id) is entry:
+            del self.entries[entry.chain_id]
+
+    # --- up -----------------------------------------------------------------------------------------
+    def load(self, entry: OffloadedTable) -> PageTable | None:
+        """The entry's table in fresh pages (its bytes copied in), the entry dropped from its tier; None (the
+        entry dropped) when it was dropped, its file is unreadable or corrupted, or the pool lacks the pages."""
+        if entry.where == DROPPED:
+            return None
+        tier = entry.where
+        try:
+            pages, state, kept = self._read(entry)
+        except (OSError, SafetensorError, ValueError, KeyError) as exc:
+            log.warning("chain %s: its offloaded KV could not be read (%s); recomputing it", entry.chain_id, exc)
+            self.counters.failed_loads += 1
+            self.drop(entry)
+            return None
+        pool = self.cache.pool
+        if not pool.can_allocate(entry.num_pages):
+            return None  # kept where it is: the caller may make room and try again
+        new = pool.allocate(entry.num_pages)
+        tensors = self.cache.storage.page_tensors()
+        index = torch.tensor(new, dtype=torch.int64, device=tensors[0][0].device)
+        for (t, dim), data in zip(tensors, pages):
+            t.index_copy_(dim, index, data.to(t.device))
+        table = PageTable(pages=new, num_slots=entry.num_slots, layer_lens=entry.layer_lens,
+                          kept_positions=None if kept is None else [k.to(self.cache.spec.device) for k in kept],
+                          compacted_at=entry.compacted_at,
+                          state=None if entry.state_type is None else entry.state_type(*state))
+        self.counters.loads[tier] += 1
+        self.counters.loaded_tokens[tier] += entry.num_slots
+        self._forget(entry)
+        return table
+
+    def _read(self, entry: OffloadedTable) -> tuple[list[torch.Tensor], list[torch.Tensor], list | None]:
+        if entry.where == HOST:
+            return entry.pages, entry.state, entry.kept_positions
+        with safe_open(str(entry.path), framework="pt", device="cpu") as f:
+            meta = f.metadata() or {}
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        if meta.get("digest") != _digest(tensors) or json.loads(meta.get("layout", "{}")) != _layout(entry):
+            raise ValueError("its digest or layout does not match (a corrupted or foreign file)")
+        count = len(self.cache.storage.page_tensors())
+        pages = [tensors[f"page{i}"] for i in range(count)]
+        state = [tensors[f"state{i}"] for i in range(sum(1 for n in tensors if n.startswith("state")))]
+        kept = None if entry.kept_positions is None else [
+            tensors[f"kept{i}"] for i in range(sum(1 for n in tensors if n.startswith("kept")))]
+        return pages, state, kept
+
+    def where(self, chain_id: str) -> str | None:
+        entry = self.entries.get(chain_id)
+        return None if entry is None else entry.where
+
+
+def _host(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "cpu":
+        return x.clone()
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x)
+    return host
+
+
+def _state_tensors(state: Any) -> list[torch.Tensor]:
+    """A storage's per-table state as tensors (a dataclass of tensors, e.g. a recurrent state), or none."""
+    if state is None:
+        return []
+    return [getattr(state, name) for name in state.__dataclass_fields__]
+
+
+def _layout(entry: OffloadedTable) -> dict[str, Any]:
+    return {"chain": entry.chain_id, "pages": entry.num_pages, "slots": entry.num_slots,
+            "layer_lens": entry.layer_lens, "compacted_at": entry.compacted_at}
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(name.encode())
+        h.update(str(t.dtype).encode())
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()

@@ -1,0 +1,167 @@
+"""Idle chains in host memory and on disk (engine.chain_tiers): a chain reclaimed under pressure moves down and
+its next turn loads it back, byte-identical, for every representation; a full host tier spills to disk, a full
+disk tier drops its oldest (recomputed), and a corrupted or partial file is never loaded.
+
+The reference for a loaded chain is the same engine configuration without tiers whose chain never left the
+device (a pool large enough): tokens and logprobs of the next turn must be equal."""
+
+import random
+
+import pytest
+import torch
+
+from engine import EngineConfig, LLMEngine, SamplingParams
+from engine.errors import ConfigError
+from tests.chain_helpers import random_tokens, run_chain_turn
+
+PAGE = 4
+PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True)
+CASES = {  # name: (arch, options)
+    "dense": ("qwen3", {}),
+    "compacted": ("llama", {"method": "snapkv", "method_config": {"budget": 16, "window": 4}}),
+    "fp8": ("qwen3", {"kv_storage": "fp8"}),
+    "latent": ("deepseek_v3", {}),
+    "hybrid": ("qwen3_next", {}),
+}
+
+
+def engine(model_dir, num_pages, **options):
+    return LLMEngine(EngineConfig(model_dir, dtype="float32", device="cpu", page_size=PAGE, num_pages=num_pages,
+                                  max_num_batched_tokens=64, **options))
+
+
+def table_bytes(eng, table):
+    index = torch.tensor(table.pages)
+    return [t.index_select(dim, index).clone() for t, dim in eng.cache.storage.page_tensors()]
+
+
+def turns(eng, histories, rng, sizes=(12, 30)):
+    """One more turn on every chain; returns their outputs."""
+    outs = {}
+    for cid in histories:
+        prompt = histories[cid] + random_tokens(rng, rng.choice(sizes))
+        outs[cid] = run_chain_turn(eng, cid, prompt, PARAMS)
+        histories[cid] = prompt + outs[cid].token_ids
+    return outs
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_an_offloaded_chain_loads_back_byte_identical_and_its_next_turn_equals_one_that_never_left(case, tiny_dirs):
+    arch, options = CASES[case]
+    ref = engine(tiny_dirs[arch], 400, **options)
+    eng = engine(tiny_dirs[arch], 40, chain_host_bytes=64 * 2**20, **options)
+    rng_ref, rng = random.Random(1), random.Random(1)
+    hist_ref = {c: random_tokens(rng_ref, 40) for c in ("a", "b")}
+    hist = {c: random_tokens(rng, 40) for c in ("a", "b")}
+    turns(ref, hist_ref, rng_ref)
+    turns(eng, hist, rng)
+    a = eng.chains.index.get("a")
+    before = table_bytes(eng, a.table)
+    layout = (a.table.num_slots, a.table.layer_lens, a.table.compacted_at)
+    state = None if a.table.state is None else [x.clone() for x in (a.table.state.conv, a.table.state.recurrent)]
+    eng.chains.reclaim(eng.pool.num_pages)  # pressure: every idle chain moves to the host tier
+    assert a.table is None and eng.chain_info("a").status == "host" and eng.pool.num_free == eng.pool.num_pages
+    assert eng.chains._load(a)  # noqa: SLF001 -- what a turn does first
+    assert all(torch.equal(x, y) for x, y in zip(before, table_bytes(eng, a.table)))
+    assert (a.table.num_slots, a.table.layer_lens, a.table.compacted_at) == layout
+    if state is not None:
+        assert torch.equal(a.table.state.conv, state[0]) and torch.equal(a.table.state.recurrent, state[1])
+    eng.chains.reclaim(eng.pool.num_pages)
+    outs_ref, outs = turns(ref, hist_ref, rng_ref), turns(eng, hist, rng)
+    for cid in hist:
+        assert outs[cid].resume_status == "loaded" and outs_ref[cid].resume_status == "resumed"
+        assert outs[cid].token_ids == outs_ref[cid].token_ids
+        assert outs[cid].logprobs == outs_ref[cid].logprobs
+        assert outs[cid].num_prefilled_tokens == outs_ref[cid].num_prefilled_tokens
+    counters = eng.chains.tiers.counters
+    assert counters.loads["host"] == 3 and counters.offloaded_tokens > 0 and counters.failed_loads == 0
+    for cid in hist:
+        eng.delete_chain(cid)
+    assert eng.pool.num_free == eng.pool.num_pages and eng.chains.tiers.host_used == 0
+
+
+def test_a_full_host_tier_spills_to_disk_and_a_full_disk_drops_the_oldest(tiny_dirs, tmp_path):
+    model_dir = tiny_dirs["qwen3"]
+    rng = random.Random(2)
+    hist = {f"c{i}": random_tokens(rng, 40) for i in range(4)}
+    hist_ref = {c: list(h) for c, h in hist.items()}
+    eng = engine(model_dir, 400, chain_host_bytes=1, chain_disk_dir=str(tmp_path), chain_disk_bytes=1)
+    ref = engine(model_dir, 400)
+    turns(eng, hist, random.Random(3), sizes=(5,))
+    turns(ref, hist_ref, random.Random(3), sizes=(5,))
+    one = sum(t.numel() * t.element_size() for t in table_bytes(eng, eng.chains.index.get("c0").table))
+    tiers = eng.chains.tiers
+    tiers.host_bytes, tiers.disk_bytes = one + one // 2, 2 * one + one // 2  # the host holds one, the disk two
+    for cid in hist:  # oldest first, as the scheduler's LRU reclaims them
+        state = eng.chains.index.get(cid)
+        entry = tiers.offload(cid, state.table)
+        eng.cache.release_table(state.table)
+        state.table, state.offloaded = None, entry
+    where = {cid: eng.chain_info(cid).status for cid in hist}
+    assert where == {"c0": "reclaimed", "c1": "disk", "c2": "disk", "c3": "host"}, where
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2 and not list(tmp_path.glob("*.tmp"))
+    outs = turns(eng, hist, random.Random(4), sizes=(5,))
+    outs_ref = turns(ref, hist_ref, random.Random(4), sizes=(5,))
+    assert {c: o.resume_status for c, o in outs.items()} == {"c0": "recomputed", "c1": "loaded", "c2": "loaded",
+                                                             "c3": "loaded"}
+    assert all(outs[c].token_ids == outs_ref[c].token_ids for c in hist)
+    assert eng.chains.tiers.counters.loads == {"host": 1, "disk": 2}
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupted", "partial"])
+def test_a_damaged_file_is_never_loaded_the_chain_recomputes(tiny_dirs, tmp_path, damage, caplog):
+    model_dir = tiny_dirs["qwen3"]
+    eng = engine(model_dir, 400, chain_host_bytes=1, chain_disk_dir=str(tmp_path), chain_disk_bytes=64 * 2**20)
+    ref = engine(model_dir, 400)
+    hist, hist_ref = {"c": random_tokens(random.Random(5), 40)}, None
+    hist_ref = {"c": list(hist["c"])}
+    turns(eng, hist, random.Random(6))
+    turns(ref, hist_ref, random.Random(6))
+    state = eng.chains.index.get("c")
+    tiers = eng.chains.tiers
+    tiers.host_bytes = 64 * 2**20
+    entry = tiers.offload("c", state.table)
+    eng.cache.release_table(state.table)
+    state.table, state.offloaded = None, entry
+    assert tiers._spill(entry)  # noqa: SLF001 -- host -> disk, as a full host tier does
+    (path,) = tmp_path.glob("*.safetensors")
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "corrupted":
+        path.write_bytes(data[:-9] + bytes([data[-9] ^ 0xFF]) + data[-8:])
+    else:  # a crash mid-write leaves only the temporary file, which the next start removes
+        path.rename(path.with_suffix(".tmp"))
+        ChainTiersRestart = type(tiers)
+        ChainTiersRestart(eng.cache, 1, tmp_path, 64 * 2**20)
+        assert not list(tmp_path.glob("*.tmp"))
+    outs, outs_ref = turns(eng, hist, random.Random(7)), turns(ref, hist_ref, random.Random(7))
+    assert outs["c"].resume_status == "recomputed" and outs["c"].token_ids == outs_ref["c"].token_ids
+    if damage != "partial":
+        assert tiers.counters.failed_loads == 1 and "could not be read" in caplog.text
+
+
+def test_bad_tier_settings_are_config_errors(tiny_dirs, tmp_path):
+    with pytest.raises(ConfigError, match="chain_host_bytes must be an int >= 0"):
+        EngineConfig(tiny_dirs["qwen3"], chain_host_bytes=-1)
+    with pytest.raises(ConfigError, match="chain_disk_dir and chain_disk_bytes go together"):
+        EngineConfig(tiny_dirs["qwen3"], chain_host_bytes=10, chain_disk_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="set chain_host_bytes too"):
+        EngineConfig(tiny_dirs["qwen3"], chain_disk_dir=str(tmp_path), chain_disk_bytes=10)
+
+
+def test_under_pressure_the_scheduler_moves_chains_down_and_their_turns_load_them(tiny_dirs):
+    """Six chains on a pool that holds about three: the scheduler reclaims idle chains as it admits turns; with a
+    host tier their next turns load instead of recomputing, and every turn equals a roomy engine's."""
+    model_dir = tiny_dirs["llama"]
+    eng, ref = engine(model_dir, 48, chain_host_bytes=64 * 2**20), engine(model_dir, 600)
+    rng, rng_ref = random.Random(8), random.Random(8)
+    hist = {f"c{i}": random_tokens(rng, 36) for i in range(6)}
+    hist_ref = {f"c{i}": random_tokens(rng_ref, 36) for i in range(6)}
+    statuses = []
+    for _ in range(3):
+        outs, outs_ref = turns(eng, hist, rng, sizes=(3, 9)), turns(ref, hist_ref, rng_ref, sizes=(3, 9))
+        assert {c: o.token_ids for c, o in outs.items()} == {c: o.token_ids for c, o in outs_ref.items()}
+        statuses += [o.resume_status for o in outs.values()]
+    assert statuses.count("loaded") >= 6 and "recomputed" not in statuses
+    assert eng.chains.tiers.counters.offloaded_tokens > 0
