@@ -219,6 +219,14 @@ def _serve(args: argparse.Namespace) -> int:
         engine_options["kv_cache_memory_bytes"] = args.kv_cache_memory
     if args.kv_storage is not None:
         engine_options.update(kv_storage=args.kv_storage, kv_storage_config=args.kv_storage_config)
+    if args.chain_host_memory is not None:
+        engine_options["chain_host_bytes"] = args.chain_host_memory
+    if args.chain_disk is not None:
+        try:
+            disk_bytes = byte_size(args.chain_disk[1])
+        except argparse.ArgumentTypeError as exc:
+            return usage_error(prog, f"--chain-disk SIZE: {exc}")
+        engine_options.update(chain_disk_dir=args.chain_disk[0], chain_disk_bytes=disk_bytes)
     try:
         problem = _check_engine_flags(args, model, engine_options)
     except CheckpointError as exc:
@@ -403,6 +411,12 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--kv-cache-memory", type=byte_size, metavar="SIZE",
                       help="KV pool byte budget, e.g. 2GiB (default: 512MiB on CPU; on a GPU what 90%% of its "
                            "memory leaves after the weights)")
+    serve.add_argument("--chain-host-memory", type=byte_size, metavar="SIZE",
+                       help="host memory for idle chains' KV under pressure, e.g. 8GiB: their next turn loads it "
+                            "back instead of recomputing (default: off)")
+    serve.add_argument("--chain-disk", nargs=2, metavar=("DIR", "SIZE"),
+                       help="a directory and a byte budget for chains the host tier moves down (needs "
+                            "--chain-host-memory)")
     serve.add_argument("--require-auth", dest="require_auth", action="store_true", default=None,
                        help="require API keys (the default unless --host is a loopback address)")
     serve.add_argument("--no-auth", dest="require_auth", action="store_false",

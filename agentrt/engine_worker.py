@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import logging
 import queue
 import threading
@@ -36,6 +37,8 @@ class EngineSnapshot:
     num_pages: int = 0
     pages_free: int = 0
     num_requests: int = 0
+    tiers: Any = None  # engine.chain_tiers.TierCounters (a copy), None when the engine has no chain tiers
+    tier_bytes: tuple[int, int] = (0, 0)  # bytes held in the host and disk tiers
 
     @property
     def pages_used(self) -> int:
@@ -229,7 +232,10 @@ class EngineWorker:
 
     def _update_snapshot(self) -> None:
         pool = self.engine.pool
-        self.snapshot = EngineSnapshot(pool.num_pages, pool.num_free, len(self._streams))
+        tiers = getattr(getattr(self.engine, "chains", None), "tiers", None)
+        self.snapshot = EngineSnapshot(pool.num_pages, pool.num_free, len(self._streams),
+                                       None if tiers is None else copy.deepcopy(tiers.counters),
+                                       (0, 0) if tiers is None else (tiers.host_used, tiers.disk_used))
 
 
 _NOTHING: Any = object()

@@ -27,6 +27,22 @@ class Metrics:
         chains = Gauge("agentrt_chains", "chains by state", ["state"], registry=r)
         chains.labels("busy").set_function(lambda: chain_counts()[0])
         chains.labels("idle").set_function(lambda: chain_counts()[1] - chain_counts()[0])
+        tier_bytes = Gauge("agentrt_chain_tier_bytes", "bytes of idle chains' KV held per tier", ["tier"], registry=r)
+        tier_bytes.labels("host").set_function(lambda: worker.snapshot.tier_bytes[0])
+        tier_bytes.labels("disk").set_function(lambda: worker.snapshot.tier_bytes[1])
+        moved = Gauge("agentrt_chain_tier_tokens", "tokens of chain KV moved: offloaded to host, spilled to disk, "
+                      "loaded back from each tier", ["move"], registry=r)
+        for move, read in (("offloaded", lambda c: c.offloaded_tokens), ("spilled", lambda c: c.spilled_tokens),
+                           ("loaded_host", lambda c: c.loaded_tokens["host"]),
+                           ("loaded_disk", lambda c: c.loaded_tokens["disk"])):
+            moved.labels(move).set_function(lambda read=read: 0 if worker.snapshot.tiers is None
+                                            else read(worker.snapshot.tiers))
+        loads = Gauge("agentrt_chain_tier_loads", "chain loads by outcome: from host, from disk, failed (recomputed), "
+                      "copies dropped", ["outcome"], registry=r)
+        for outcome, read in (("host", lambda c: c.loads["host"]), ("disk", lambda c: c.loads["disk"]),
+                              ("failed", lambda c: c.failed_loads), ("dropped", lambda c: c.dropped)):
+            loads.labels(outcome).set_function(lambda read=read: 0 if worker.snapshot.tiers is None
+                                               else read(worker.snapshot.tiers))
         self.tokens_prefilled = Counter("agentrt_tokens_prefilled", "prompt tokens computed", registry=r)
         self.tokens_resumed = Counter("agentrt_tokens_resumed", "prompt tokens re-attached from a chain", registry=r)
         self.tokens_cached = Counter("agentrt_tokens_prefix_cached", "prompt tokens from the prefix cache", registry=r)

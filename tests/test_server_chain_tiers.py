@@ -1,0 +1,37 @@
+"""Chain tiers through the server: under pressure idle chains move to host memory, their next turn reports
+``loaded`` in the turn's ``resume_status`` (and not ``recomputed``), and /metrics exports the tokens moved per
+tier and the loads."""
+
+from litestar.testing import TestClient
+
+from agentrt.app import create_app
+from agentrt.config import ServerConfig
+from engine.tiny_checkpoint import random_model_dir
+from tests.server_helpers import ENGINE_OPTIONS
+
+SAMPLING = {"temperature": 0.0, "max_tokens": 4}
+
+
+def metric(text: str, prefix: str) -> float:
+    return float(next(x for x in text.splitlines() if x.startswith(prefix)).split()[-1])
+
+
+def test_pressure_moves_idle_chains_to_host_and_their_turns_load(tmp_path):
+    options = {**ENGINE_OPTIONS, "num_pages": 24, "page_size": 16, "chain_host_bytes": 256 * 2**20}
+    app = create_app(ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{tmp_path / 'db'}",
+                                  engine_options=options))
+    with TestClient(base_url="http://127.0.0.1", app=app, timeout=120) as client:
+        ids = [client.post("/v1/chains", json={"system_prompt": f"agent {i}"}).json()["id"] for i in range(4)]
+        statuses = []
+        for round_ in range(2):
+            for i, cid in enumerate(ids):
+                r = client.post(f"/v1/chains/{cid}/turns", json={
+                    "messages": [{"role": "user", "content": f"turn {round_} of chain {i}: " + "words " * 12}],
+                    "sampling": SAMPLING})
+                assert r.status_code == 200, r.text
+                statuses.append(r.json()["resume_status"])
+        assert statuses[:4] == ["created"] * 4 and "recomputed" not in statuses and "loaded" in statuses
+        text = client.get("/metrics").text
+        assert metric(text, 'agentrt_chain_tier_tokens{move="offloaded"}') > 0
+        assert metric(text, 'agentrt_chain_tier_loads{outcome="host"}') == statuses.count("loaded")
+        assert metric(text, 'agentrt_chain_tier_loads{outcome="failed"}') == 0
