@@ -1,4 +1,5 @@
-"""ORM tables: chains, turns (token ids as appended and as generated), regions, prune events, API keys."""
+"""ORM tables: chains, turns (token ids as appended and as generated), regions, prune events, API keys, and the
+Responses API's responses."""
 
 from __future__ import annotations
 
@@ -142,6 +143,24 @@ class PruneEventRow(Base):
     pages_freed: Mapped[int]
     pages_before: Mapped[int]
     pages_after: Mapped[int]
+
+
+class ResponseRow(Base):
+    """A response of the Responses API (agentrt.responses): the chain turn it is, written with the turn (in its
+    transaction) and deleted with its chain. ``response`` is the response object as returned (kept also when
+    not ``stored``: a later ``previous_response_id`` checks echoed items against its output); ``input_items``
+    the request's items as listed by ``input_items`` (empty when not stored)."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(128))  # the owner; others get 404
+    chain_id: Mapped[str] = mapped_column(String(64), ForeignKey("chains.id", ondelete="CASCADE"), index=True)
+    turn: Mapped[int]  # the chain turn's index
+    stored: Mapped[bool]
+    created_at: Mapped[float] = mapped_column(Float)
+    response: Mapped[dict[str, Any]]
+    input_items: Mapped[list[Any]]
 
 
 class ApiKeyRow(Base):

@@ -28,12 +28,18 @@ A response is one chain turn. Which chain:
   conversation's first turn ``instructions`` and ``tools`` set the chain's system prompt and tools; later ones must
   repeat them or leave them out.
 
-The map response -> (chain, turn) lives in this process (``ResponseService.records``), for every response, of
-an implicit chain too: a later ``previous_response_id`` continues it. After a restart the responses are gone
-(404) while their chains, KV and turns stay readable over the chain API (implicit chains are still found by
-the next request that re-sends their conversation). ``store: false``: the response is not retrievable (GET /
-DELETE / input_items answer 404; its input items are not kept) but it can still be continued with
-``previous_response_id``, and its chain keeps its KV.
+The map response -> (chain, turn) is a database row per response (agentrt.models.ResponseRow: its tenant,
+chain, turn, ``store`` flag, the response object and, when stored, its input items), for every response, of an
+implicit chain too: a later ``previous_response_id`` continues it. The row is written in the transaction that
+commits the chain turn (``PendingTurn.extra_rows``), so a failed or aborted turn leaves none, and it is deleted
+with its chain (ON DELETE CASCADE: deleting the chain, a conversation, or an implicit chain evicted). So
+responses survive a restart: GET, input_items, DELETE and ``previous_response_id`` read the database (the next
+turn recomputes the KV the restart dropped). A rewind of the chain (the chain API) leaves its responses.
+``ResponseService.records`` caches the latest responses of this process (a bounded LRU, without input items);
+an entry is used only while its chain's state is loaded here (ChainService.states, which deleting the chain
+drops), else the row is read again. ``store: false``: the response is not retrievable (GET / DELETE /
+input_items answer 404; its input items are not kept) but it can still be continued with
+``previous_response_id``, and its chain keeps its KV. Another tenant's response id is a 404.
 
 ``usage.input_tokens_details.cached_tokens``: the prompt tokens this request did not compute (the turn's
 prompt less its prefill and the prefill of any history imported for it).
@@ -51,6 +57,7 @@ import json
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
@@ -60,6 +67,7 @@ import msgspec
 from litestar.datastructures import State
 from litestar.exceptions import NotFoundException
 from litestar.response import ServerSentEventMessage
+from sqlalchemy import delete
 
 from agentrt.anthropic_messages import ChainMoved
 from agentrt.chains import no_nul
@@ -68,6 +76,7 @@ from agentrt.completions import REASONING_EFFORTS
 from agentrt.conversations import ConversationService, TurnPlan, call_item_id, conversations_service, output_ids
 from agentrt.errors import ModelNotFound, bad_field, openai_error_body
 from agentrt.implicit_chains import implicit_chains_for
+from agentrt.models import ResponseRow
 from agentrt.reasoning import ReasoningParser, split_reasoning
 from agentrt.reasoning import parser as reasoning_parser
 from agentrt.responses_types import (FunctionCallItem, FunctionCallOutputItem, FunctionTool, IncompleteDetails,
@@ -82,6 +91,8 @@ from sdk.schema import ChainCreate, ForkRequest, RewindRequest, Tool, TurnCreate
 log = logging.getLogger(__name__)
 METADATA = {"agentrt_responses": True}
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+OUTPUT_TYPES = {"message": OutputMessage, "function_call": OutputFunctionCall, "reasoning": OutputReasoning}
+CACHED_RECORDS = 1024  # ResponseService.records: the latest responses read or made by this process
 
 
 class ResponseNotFound(NotFoundException):
@@ -91,12 +102,13 @@ class ResponseNotFound(NotFoundException):
 
 @dataclass(slots=True)
 class Record:
+    """A response (its row less the input items): the chain turn it is."""
+
     tenant: str
     chain_id: str
     turn: int  # the chain turn's index (the chain has turn + 1 turns right after it)
     stored: bool
-    input_items: list[dict[str, Any]]
-    response: ResponseObject | None = None
+    response: ResponseObject | None = None  # None until the turn is committed
 
 
 @dataclass(slots=True)
@@ -105,9 +117,13 @@ class Pending:
     record: Record
     turn: Any  # agentrt.turns.PendingTurn
     parse_calls: bool
+    input_items: list[dict[str, Any]] = field(default_factory=list)  # as input_items lists them; [] unless stored
     thinking: bool | None = None  # None: the model does not think; else the prompt left a think block open
     imported: list[TurnResult] = field(default_factory=list)  # history turns this request appended first
     item_key: str | None = None  # a conversation's turn: its output item ids (agentrt.conversations.output_ids)
+    message_id: str = ""  # the output's message / reasoning item ids
+    reasoning_id: str = ""
+    done: ResponseObject | None = None  # the finished response, made when the turn commits
     seq: int = 0
     items: list[Any] = field(default_factory=list)
 
@@ -141,7 +157,7 @@ class ResponseService:
         self.chains = chains
         self.model_name = model_name
         self.config = config
-        self.records: dict[str, Record] = {}
+        self.records: OrderedDict[str, Record] = OrderedDict()  # a cache of the rows (module docstring)
         self.conversations = conversations if conversations is not None else ConversationService(chains)
 
     # --- the request --------------------------------------------------------------------------------------
@@ -328,12 +344,12 @@ class ResponseService:
         return turn, imported
 
     async def _start_continued(self, req: ResponsesRequest, tenant: str, items: list[InputItem],
-                               tools: list[dict[str, Any]] | None, sampling: dict[str, Any]) -> Any:
-        """With ``previous_response_id``: a turn of its chain, or of a fork rewound to its turn (an older
-        response; the fork is deleted again if the turn does not start)."""
-        assert req.previous_response_id is not None
-        previous = self.records.get(req.previous_response_id)
-        if previous is None or previous.tenant != tenant:
+                               tools: list[dict[str, Any]] | None, sampling: dict[str, Any],
+                               previous: Record | None) -> Any:
+        """With ``previous_response_id`` (``previous``: its record, None when there is none for the tenant): a
+        turn of its chain, or of a fork rewound to its turn (an older response; the fork is deleted again if the
+        turn does not start)."""
+        if previous is None:
             raise bad_field("previous_response_id", f"no response with the id {req.previous_response_id!r}",
                             code="previous_response_not_found")
         state = await self.chains.state(previous.chain_id, tenant)
@@ -444,10 +460,11 @@ class ResponseService:
         if conversation is not None and req.previous_response_id is not None:
             raise bad_field("previous_response_id", "cannot be given with `conversation`: the conversation's "
                                                     "next turn follows its last (give one of them)")
-        if req.previous_response_id is not None and tools is None:
-            previous = self.records.get(req.previous_response_id)
-            if previous is not None and previous.tenant == tenant:
-                tools = (await self.chains.state(previous.chain_id, tenant)).row.tools
+        previous = None
+        if req.previous_response_id is not None:
+            previous = await self._record(req.previous_response_id, tenant)
+        if previous is not None and tools is None:
+            tools = (await self.chains.state(previous.chain_id, tenant)).row.tools
         elif conversation is not None and tools is None:
             tools = (await self.conversations.state(conversation, tenant)).row.tools
         sampling, parse_calls = self._sampling(req, tools or [])
@@ -455,7 +472,7 @@ class ResponseService:
         item_ids: list[str | None] = []
         item_key = None
         if req.previous_response_id is not None:
-            turn = await self._start_continued(req, tenant, items, tools, sampling)
+            turn = await self._start_continued(req, tenant, items, tools, sampling, previous)
         elif conversation is not None:
             plan = await self.conversations.plan(conversation, tenant, items, parse_calls)
             turn, imported = await self._start_conversation(req, tenant, plan, given_tools, sampling)
@@ -470,8 +487,7 @@ class ResponseService:
         input_items = [{**msgspec.to_builtins(it), "id": (item_ids[i] if i < len(item_ids) else None)
                         or getattr(it, "id", None) or _new_id("item")}
                        for i, it in enumerate(items)] if stored else []  # never read back when not stored
-        record = Record(tenant=tenant, chain_id=state.id, turn=state.num_turns, stored=stored,
-                        input_items=input_items)
+        record = Record(tenant=tenant, chain_id=state.id, turn=state.num_turns, stored=stored)
         response = ResponseObject(
             id=_new_id("resp"), created_at=int(time.time()), model=self.model_name, status="in_progress", output=[],
             instructions=state.row.system_prompt, tools=[_response_tool(t) for t in state.row.tools],
@@ -482,12 +498,34 @@ class ResponseService:
             text=msgspec.to_builtins(req.text) if req.text is not None and req.text.format is not None
             else {"format": {"type": "text"}}, store=stored,
             conversation=ResponseConversation(id=conversation) if conversation is not None else None)
-        return Pending(response=response, record=record, turn=turn, parse_calls=parse_calls,
-                       thinking=self.chains.renderer.renderer.thinking(turn.prompt), imported=imported,
-                       item_key=item_key)
+        reasoning_id, message_id = output_ids(item_key) if item_key is not None else (_new_id("rs"), _new_id("msg"))
+        pending = Pending(response=response, record=record, turn=turn, parse_calls=parse_calls,
+                          input_items=input_items, thinking=self.chains.renderer.renderer.thinking(turn.prompt),
+                          imported=imported, item_key=item_key, message_id=message_id, reasoning_id=reasoning_id)
+        turn.extra_rows = lambda result, generated: self._rows(pending, result, generated)
+        return pending
 
     # --- the response -------------------------------------------------------------------------------------
-    def _finish(self, pending: Pending, result: TurnResult, output: list[Any]) -> ResponseObject:
+    def _rows(self, pending: Pending, result: TurnResult, generated: list[int]) -> list[ResponseRow]:
+        """The response's row, written in the transaction that commits its turn (``PendingTurn.extra_rows``);
+        the finished response becomes ``pending.done``."""
+        response = self._response(pending, result, self._output(result, pending), generated)
+        record = pending.record
+        record.chain_id, record.turn, record.response = result.chain_id, result.turn, response
+        pending.done = response
+        return [ResponseRow(id=response.id, tenant=record.tenant, chain_id=record.chain_id, turn=record.turn,
+                            stored=record.stored, created_at=time.time(), response=msgspec.to_builtins(response),
+                            input_items=pending.input_items)]
+
+    def _finish(self, pending: Pending) -> ResponseObject:
+        """The response of the committed turn (made with its row), now cached."""
+        response = pending.done
+        assert response is not None, "the turn committed without its response row"
+        self._remember(response.id, pending.record)
+        return response
+
+    def _response(self, pending: Pending, result: TurnResult, output: list[Any],
+                  generated: list[int]) -> ResponseObject:
         u = result.usage
         computed = u.prefilled_tokens + sum(t.usage.prefilled_tokens for t in pending.imported)
         cached = max(0, u.prompt_tokens - computed)
@@ -498,14 +536,12 @@ class ResponseService:
             else None,
             usage=ResponseUsage(input_tokens=u.prompt_tokens, input_tokens_details=InputTokensDetails(
                 cached_tokens=cached), output_tokens=u.completion_tokens,
-                output_tokens_details=OutputTokensDetails(reasoning_tokens=self._reasoning_tokens(pending, result)),
+                output_tokens_details=OutputTokensDetails(
+                    reasoning_tokens=self._reasoning_tokens(pending, result, generated)),
                 total_tokens=u.prompt_tokens + u.completion_tokens))
-        pending.record.turn = result.turn
-        pending.record.response = response
-        self.records[response.id] = pending.record
         return response
 
-    def _reasoning_tokens(self, pending: Pending, result: TurnResult) -> int:
+    def _reasoning_tokens(self, pending: Pending, result: TurnResult, generated: list[int]) -> int:
         """The generated tokens of the think block: up to its closing tag, or all of them when it never closed."""
         think = self.chains.renderer.renderer.think
         if pending.thinking is None or think is None:
@@ -513,15 +549,12 @@ class ResponseService:
         parser = ReasoningParser(pending.thinking)
         parser.feed(result.message.content)
         parser.finish()
-        state = self.chains.states.get(result.chain_id)
-        n = result.usage.completion_tokens
-        if not parser.found or state is None or not n:
+        n = len(generated)
+        if not parser.found or not n:
             return 0
-        generated = state.token_ids[-n:]
         return generated.index(think.close_id) + 1 if think.close_id in generated else n
 
-    def _output(self, result: TurnResult, pending: Pending, message_id: str | None = None,
-                reasoning_id: str | None = None) -> list[Any]:
+    def _output(self, result: TurnResult, pending: Pending) -> list[Any]:
         thought, text = "", result.message.content
         if pending.thinking is not None:
             thought, text = split_reasoning(text, pending.thinking)
@@ -531,14 +564,11 @@ class ResponseService:
             calls = chain_calls[len(chain_calls) - min(len(calls_in(text)), len(chain_calls)):]
             text = without_calls(text)
         output: list[Any] = []
-        key = pending.item_key
-        if key is not None:  # a conversation's turn: the ids its items are listed with
-            reasoning_id, message_id = reasoning_id or output_ids(key)[0], message_id or output_ids(key)[1]
+        key = pending.item_key  # a conversation's turn: its message / reasoning ids are the conversation's
         if thought:
-            output.append(OutputReasoning(id=reasoning_id or _new_id("rs"),
-                                          content=[ReasoningTextPart(text=thought)]))
+            output.append(OutputReasoning(id=pending.reasoning_id, content=[ReasoningTextPart(text=thought)]))
         if text:
-            output.append(OutputMessage(id=message_id or _new_id("msg"), content=[OutputTextPart(text=text)]))
+            output.append(OutputMessage(id=pending.message_id, content=[OutputTextPart(text=text)]))
         output += [OutputFunctionCall(id=call_item_id(key, j) if key is not None else _new_id("fc"), call_id=c.id,
                                       name=c.function.name, arguments=c.function.arguments)
                    for j, c in enumerate(calls)]
@@ -547,10 +577,10 @@ class ResponseService:
     async def create(self, req: ResponsesRequest, tenant: str) -> ResponseObject:
         pending = await self.start(req, tenant)
         try:
-            result = await pending.turn.result()
+            await pending.turn.result()
         finally:
             await pending.turn.close()
-        return self._finish(pending, result, self._output(result, pending))
+        return self._finish(pending)
 
     def _event(self, pending: Pending, kind: str, **body: Any) -> ServerSentEventMessage:
         data = {"type": kind, "sequence_number": pending.seq, **msgspec.to_builtins(body)}
@@ -563,8 +593,7 @@ class ResponseService:
         yield ev(pending, "response.in_progress", response=pending.response)
         parser = ToolCallStream() if pending.parse_calls else None
         thinking = reasoning_parser(pending.thinking)
-        rs_id, msg_id = output_ids(pending.item_key) if pending.item_key is not None else (_new_id("rs"),
-                                                                                            _new_id("msg"))
+        rs_id, msg_id = pending.reasoning_id, pending.message_id
         thought, text = "", ""
         thought_done = False  # the reasoning item's done events were sent
 
@@ -610,7 +639,8 @@ class ResponseService:
             assert result is not None
             for e in deltas("", final=True) + close_reasoning():
                 yield e
-            output = self._output(result, pending, msg_id, rs_id)
+            response = self._finish(pending)
+            output = response.output
             index = 1 if thought else 0
             if text:
                 part = OutputTextPart(text=text)
@@ -629,7 +659,6 @@ class ResponseService:
                          name=item.name, arguments=item.arguments)
                 yield ev(pending, "response.output_item.done", output_index=index, item=item)
                 index += 1
-            response = self._finish(pending, result, output)
             kind = "response.completed" if response.status == "completed" else "response.incomplete"
             yield ev(pending, kind, response=response)
         except Exception as exc:  # the status line is sent: the error goes into the stream
@@ -667,23 +696,58 @@ class ResponseService:
         return events
 
     # --- stored responses ------------------------------------------------------------------------------------
-    def _stored(self, response_id: str, tenant: str) -> Record:
+    def _remember(self, response_id: str, record: Record) -> None:
+        self.records[response_id] = record
+        self.records.move_to_end(response_id)
+        while len(self.records) > CACHED_RECORDS:
+            self.records.popitem(last=False)
+
+    async def _row(self, response_id: str) -> ResponseRow | None:
+        if "\x00" in response_id:  # no response has one (and PostgreSQL cannot even compare it)
+            return None
+        async with self.chains.db.sessions() as s:
+            return await s.get(ResponseRow, response_id)
+
+    async def _record(self, response_id: str, tenant: str) -> Record | None:
+        """The response's record, None when there is none for ``tenant``: from the cache while its chain's state
+        is loaded (deleting the chain drops both), else from its row."""
         record = self.records.get(response_id)
-        if record is None or record.tenant != tenant or not record.stored or record.response is None:
+        if record is not None and record.chain_id in self.chains.states:
+            self.records.move_to_end(response_id)
+        else:
+            row = await self._row(response_id)
+            if row is None:
+                self.records.pop(response_id, None)
+                return None
+            record = Record(tenant=row.tenant, chain_id=row.chain_id, turn=row.turn, stored=row.stored,
+                            response=_response_object(row.response))
+            self._remember(response_id, record)
+        return record if record.tenant == tenant else None
+
+    async def _stored(self, response_id: str, tenant: str) -> Record:
+        record = await self._record(response_id, tenant)
+        if record is None or not record.stored or record.response is None:
             raise ResponseNotFound(response_id)
         return record
 
-    def get(self, response_id: str, tenant: str) -> ResponseObject:
-        return self._stored(response_id, tenant).response  # type: ignore[return-value]
+    async def get(self, response_id: str, tenant: str) -> ResponseObject:
+        return (await self._stored(response_id, tenant)).response  # type: ignore[return-value]
 
-    def delete(self, response_id: str, tenant: str) -> None:
+    async def delete(self, response_id: str, tenant: str) -> None:
         """The response is forgotten (its chain and turn stay: they belong to the chain API)."""
-        self._stored(response_id, tenant)
-        del self.records[response_id]
+        await self._stored(response_id, tenant)
+        async with self.chains.db.sessions.begin() as s:
+            deleted = (await s.execute(delete(ResponseRow).where(ResponseRow.id == response_id))).rowcount
+        self.records.pop(response_id, None)
+        if not deleted:  # deleted meanwhile (with its chain, or by a concurrent DELETE)
+            raise ResponseNotFound(response_id)
 
-    def input_items(self, response_id: str, tenant: str, order: str = "desc", limit: int = 20,
-                    after: str | None = None) -> InputItemList:
-        items = list(self._stored(response_id, tenant).input_items)
+    async def input_items(self, response_id: str, tenant: str, order: str = "desc", limit: int = 20,
+                          after: str | None = None) -> InputItemList:
+        row = await self._row(response_id)
+        if row is None or row.tenant != tenant or not row.stored:
+            raise ResponseNotFound(response_id)
+        items = list(row.input_items)
         if order == "desc":
             items.reverse()
         if after is not None:
@@ -692,6 +756,13 @@ class ResponseService:
         page = items[:limit]
         return InputItemList(data=page, first_id=page[0]["id"] if page else None,
                              last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
+
+
+def _response_object(stored: dict[str, Any]) -> ResponseObject:
+    """A response object as its row holds it (``msgspec.to_builtins``), its output items typed again."""
+    response = msgspec.convert(stored, ResponseObject)
+    return msgspec.structs.replace(response, output=[msgspec.convert(o, OUTPUT_TYPES[o["type"]])
+                                                     for o in response.output])
 
 
 def _conversation_id(req: ResponsesRequest) -> str | None:

@@ -2,6 +2,8 @@
 
 Nothing is written before generation ends: an aborted or failed turn leaves the chain (in memory and in the
 database) as it was. Once generation has finished the commit runs to the end even if the client has gone.
+A route that keeps rows of its own about the turn (agentrt.responses) sets ``PendingTurn.extra_rows``: they are
+written in the turn's transaction, so they exist exactly when the turn does.
 """
 
 from __future__ import annotations
@@ -9,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Iterable
 from contextlib import aclosing
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 from sqlalchemy import update
@@ -43,6 +45,8 @@ class PendingTurn:
         self.prompt = prompt
         self.stream = stream
         self._started = False
+        # rows written in the turn's transaction, made from its result and its generated token ids
+        self.extra_rows: Callable[[TurnResult, list[int]], Iterable[Any]] | None = None
 
     async def result(self) -> TurnResult:
         final = None
@@ -152,8 +156,13 @@ class PendingTurn:
                       resume_status=status, appended_token_ids=appended.token_ids, generated_token_ids=generated,
                       usage=msgspec.to_builtins(usage))
         token_ids = self.prompt + generated
+        result = TurnResult(chain_id=chain_id, turn=turn, message=AssistantMessage(content=content, tool_calls=calls),
+                            finish_reason=cast(FinishReason, out.finish_reason), usage=usage,
+                            resume_status=status)
         async with self.service.db.sessions.begin() as s:
             s.add(row)
+            if self.extra_rows is not None:
+                s.add_all(self.extra_rows(result, generated))
             if closed is not None:
                 await s.execute(update(RegionRow).where(RegionRow.chain_id == chain_id, RegionRow.index == closed.index)
                                 .values(end=closed.end, kept_tokens=closed.kept_tokens))
@@ -174,7 +183,4 @@ class PendingTurn:
             num_turns=turn + 1, tool_rounds=st.tool_rounds + any(p.kind == "tool_result" for p in appended.pieces))
         if self.service.metrics is not None:
             self.service.metrics.record_request(prefilled, resumed, cached, len(generated))
-        result = TurnResult(chain_id=chain_id, turn=turn, message=AssistantMessage(content=content, tool_calls=calls),
-                            finish_reason=cast(FinishReason, out.finish_reason), usage=usage,
-                            resume_status=status)
         return result, new_state

@@ -50,8 +50,8 @@ RESPONSE_EVENTS = {**{name: (ResponseLifecycleEvent,) for name in (
     r"^response\.": (ResponseStreamEvent,), "error": (ResponseErrorEvent,)}
 _EXAMPLE = {"model": "MODEL", "input": "Hello!", "max_output_tokens": 4}
 RESPONSE_EXAMPLES = {"text": _EXAMPLE, "streamed": {**_EXAMPLE, "stream": True}}
-_UNKNOWN = {404: "No stored response with this id for this tenant (another tenant's, deleted, `store: false`, or "
-                 "from before a restart)"}
+_UNKNOWN = {404: "No stored response with this id for this tenant (another tenant's, deleted, its chain deleted, "
+                 "or `store: false`)"}
 
 
 class ResponsesController(Controller):
@@ -73,19 +73,19 @@ class ResponsesController(Controller):
             return EventStream(service.events(pending), background=BackgroundTask(pending.turn.close))
         return Response(await unless_disconnected(request, service.create(data, tenant)))
 
-    @get("/{response_id:str}", sync_to_thread=False, responses=openai_errors(404, descriptions=_UNKNOWN))
-    def retrieve(self, response_id: FromPath[str], state: State, tenant: NamedDependency[str]) -> ResponseObject:
-        return responses_service(state).get(response_id, tenant)
+    @get("/{response_id:str}", responses=openai_errors(404, descriptions=_UNKNOWN))
+    async def retrieve(self, response_id: FromPath[str], state: State,
+                       tenant: NamedDependency[str]) -> ResponseObject:
+        return await responses_service(state).get(response_id, tenant)
 
-    @delete("/{response_id:str}", status_code=200, sync_to_thread=False,
-            responses=openai_errors(404, descriptions=_UNKNOWN))
-    def delete_response(self, response_id: FromPath[str], state: State,
-                        tenant: NamedDependency[str]) -> ResponseDeleted:
-        responses_service(state).delete(response_id, tenant)
+    @delete("/{response_id:str}", status_code=200, responses=openai_errors(404, descriptions=_UNKNOWN))
+    async def delete_response(self, response_id: FromPath[str], state: State,
+                              tenant: NamedDependency[str]) -> ResponseDeleted:
+        await responses_service(state).delete(response_id, tenant)
         return ResponseDeleted(id=response_id)
 
-    @get("/{response_id:str}/input_items", sync_to_thread=False, responses=openai_errors(404, descriptions=_UNKNOWN))
-    def input_items(self, response_id: FromPath[str], state: State, tenant: NamedDependency[str],
-                    order: FromQuery[str] = "desc", limit: FromQuery[int] = 20,
-                    after: FromQuery[str | None] = None) -> InputItemList:
-        return responses_service(state).input_items(response_id, tenant, order, limit, after)
+    @get("/{response_id:str}/input_items", responses=openai_errors(404, descriptions=_UNKNOWN))
+    async def input_items(self, response_id: FromPath[str], state: State, tenant: NamedDependency[str],
+                          order: FromQuery[str] = "desc", limit: FromQuery[int] = 20,
+                          after: FromQuery[str | None] = None) -> InputItemList:
+        return await responses_service(state).input_items(response_id, tenant, order, limit, after)
