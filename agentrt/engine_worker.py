@@ -229,6 +229,12 @@ class EngineWorker:
 
     def _shutdown(self) -> None:
         self._fail_all(RuntimeError("server shutting down"))
+        persist = getattr(self.engine, "persist_chains", None)
+        if persist is not None:  # idle chains to the disk tier, if there is one: the next server loads them
+            try:
+                persist()
+            except Exception:
+                log.exception("writing the idle chains to disk failed")
 
     def _update_snapshot(self) -> None:
         pool = self.engine.pool

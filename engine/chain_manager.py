@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +21,8 @@ from engine.contract.cache import CacheManager
 from engine.contract.scorer import ImportanceScorer, ScoreContext
 from engine.errors import InvalidRequestError, OutOfPagesError
 from engine.request import FinishReason, Request
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -137,7 +140,7 @@ class ChainManager:
         for state in self.index.reclaim_order():
             if self.cache.pool.can_allocate(pages_needed):
                 break
-            entry = None if self.tiers is None else self.tiers.offload(state.chain_id, state.table)
+            entry = None if self.tiers is None else self.tiers.offload(state.chain_id, state.table, _info(state))
             self.cache.release_table(state.table)
             state.table, state.offloaded = None, entry
             if entry is None:
@@ -145,6 +148,45 @@ class ChainManager:
             state.num_reclaims += 1
             freed = True
         return freed
+
+    def persist(self) -> int:
+        """Write every idle chain's table to the disk tier (a server shutting down), so that the next process
+        adopts them (``restore``) and their next turns load instead of recomputing; returns how many were
+        written. Chains whose method keeps state of its own between turns are not written (it is not saved)."""
+        written = 0
+        for state in self.index.reclaim_order():
+            if self.tiers is None or state.method_state is not None:
+                continue
+            entry = self.tiers.persist(state.chain_id, state.table, _info(state))
+            if entry is not None:
+                self.cache.release_table(state.table)
+                state.table, state.offloaded = None, entry
+                written += 1
+        return written
+
+    def restore(self, resolve_method) -> int:
+        """Adopt the chains a previous process wrote to the disk tier: their tokens and method come from the
+        file, their KV stays on disk until their next turn loads it. ``resolve_method(name, options)`` gives the
+        engine's instance; a chain whose method it cannot serve is dropped (recomputed when it is next used)."""
+        adopted = 0
+        for entry in [] if self.tiers is None else self.tiers.restore():
+            info = entry.info
+            try:
+                method = resolve_method(info["method"], info["method_config"])
+            except Exception as exc:  # noqa: BLE001 -- a method this engine cannot take on
+                log.warning("chain %s from disk: method %r not served here (%s); dropped", entry.chain_id,
+                            info.get("method"), exc)
+                self.tiers.drop(entry)
+                continue
+            if entry.chain_id in self.index:
+                self.tiers.drop(entry)
+                continue
+            state = ChainState(entry.chain_id, token_ids=list(info["token_ids"]), num_computed=info["num_computed"],
+                               method=method, offloaded=entry)
+            self.index.add(state)
+            self.index.touch(state)
+            adopted += 1
+        return adopted
 
     @staticmethod
     def _tier_of(state: ChainState) -> str:
@@ -335,3 +377,11 @@ class ChainManager:
             status="busy" if not state.is_idle else ("idle" if state.table is not None else self._tier_of(state)),
             compacted=bool(compacted), pinned=state.pinned,
         )
+
+
+def _info(state: ChainState) -> dict:
+    """What a restart needs to adopt a chain from its file: its tokens and its method (name and knobs)."""
+    config = state.method.config
+    options = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
+    return {"token_ids": list(state.token_ids), "num_computed": state.num_computed,
+            "method": state.method.name, "method_config": options}

@@ -52,6 +52,7 @@ class OffloadedTable:
     state: list[torch.Tensor] = field(default_factory=list)  # a storage's per-table state (host)
     state_type: Any = None
     path: Path | None = None
+    info: dict[str, Any] | None = None  # what a restart needs to adopt the chain (tokens, method); see ``restore``
 
 
 @dataclass(slots=True)
@@ -81,9 +82,10 @@ class ChainTiers:
         self.counters = TierCounters()
 
     # --- down ---------------------------------------------------------------------------------------
-    def offload(self, chain_id: str, table: PageTable) -> OffloadedTable | None:
+    def offload(self, chain_id: str, table: PageTable, info: dict[str, Any] | None = None) -> OffloadedTable | None:
         """Copy ``table`` (about to lose its pages) to the host tier, making room by moving older chains down;
-        None when no tier can hold it (it is then recomputed later)."""
+        None when no tier can hold it (it is then recomputed later). ``info``: what a restart needs to adopt the
+        chain from its file (JSON-able)."""
         tensors = self.cache.storage.page_tensors()
         index = torch.tensor(table.pages, dtype=torch.int64, device=tensors[0][0].device)
         pages = [_host(t.index_select(dim, index)) for t, dim in tensors]
@@ -95,7 +97,7 @@ class ChainTiers:
                                None if table.layer_lens is None else list(table.layer_lens),
                                None if table.kept_positions is None else [k.cpu() for k in table.kept_positions],
                                table.compacted_at, nbytes, pages=pages, state=state,
-                               state_type=None if table.state is None else type(table.state))
+                               state_type=None if table.state is None else type(table.state), info=info)
         self.entries[chain_id] = entry
         self.host_used += nbytes
         self.counters.offloaded_tokens += table.num_slots
@@ -123,7 +125,10 @@ class ChainTiers:
         tensors |= {f"kept{i}": k.contiguous() for i, k in enumerate(entry.kept_positions or [])}
         path = self.disk_dir / f"{hashlib.sha256(entry.chain_id.encode()).hexdigest()[:32]}.safetensors"
         tmp = path.with_suffix(".tmp")
-        save_file(tensors, str(tmp), metadata={"digest": _digest(tensors), "layout": json.dumps(_layout(entry))})
+        state_type = None if entry.state_type is None else f"{entry.state_type.__module__}:{entry.state_type.__qualname__}"
+        save_file(tensors, str(tmp), metadata={"digest": _digest(tensors), "layout": json.dumps(_layout(entry)),
+                                               "info": json.dumps(entry.info), "state_type": json.dumps(state_type),
+                                               "nbytes": str(entry.nbytes)})
         os.replace(tmp, path)
         self.host_used -= entry.nbytes
         self.disk_used += entry.nbytes
@@ -195,9 +200,57 @@ class ChainTiers:
             tensors[f"kept{i}"] for i in range(sum(1 for n in tensors if n.startswith("kept")))]
         return pages, state, kept
 
+    def persist(self, chain_id: str, table: PageTable, info: dict[str, Any]) -> OffloadedTable | None:
+        """Write ``table`` to the disk tier now (through the host tier), for a restart; None if it does not fit."""
+        if self.disk_dir is None:
+            return None
+        entry = self.offload(chain_id, table, info)
+        if entry is not None and not self._spill(entry):
+            self.drop(entry)
+            return None
+        return entry
+
+    def restore(self) -> list[OffloadedTable]:
+        """The chains a previous process left in the disk directory, as disk entries (headers read, bytes
+        checked when loaded); files without what a restart needs are removed."""
+        if self.disk_dir is None:
+            return []
+        found = []
+        for path in sorted(self.disk_dir.glob("*.safetensors")):
+            try:
+                with safe_open(str(path), framework="pt", device="cpu") as f:
+                    meta = f.metadata() or {}
+                layout, info = json.loads(meta["layout"]), json.loads(meta.get("info", "null"))
+                state_type = json.loads(meta.get("state_type", "null"))
+                nbytes = int(meta["nbytes"])
+            except (OSError, SafetensorError, ValueError, KeyError) as exc:
+                log.warning("chain file %s is unreadable (%s): removed", path.name, exc)
+                path.unlink(missing_ok=True)
+                continue
+            if info is None or not self._room(DISK, nbytes, layout["chain"]):
+                path.unlink(missing_ok=True)
+                continue
+            entry = OffloadedTable(layout["chain"], layout["pages"], layout["slots"], layout["layer_lens"],
+                                   None if layout["layer_lens"] is None else [], layout["compacted_at"], nbytes,
+                                   where=DISK, path=path, info=info, state_type=_import(state_type))
+            self.entries[entry.chain_id] = entry
+            self.disk_used += nbytes
+            found.append(entry)
+        return found
+
     def where(self, chain_id: str) -> str | None:
         entry = self.entries.get(chain_id)
         return None if entry is None else entry.where
+
+
+def _import(qualified: str | None) -> Any:
+    """A class from ``module:QualName`` (a storage's per-table state type), None for None."""
+    if qualified is None:
+        return None
+    import importlib
+
+    module, _, name = qualified.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 def _host(x: torch.Tensor) -> torch.Tensor:

@@ -119,6 +119,10 @@ class LLMEngine:
         if config.chain_host_bytes:
             tiers = ChainTiers(self.cache, config.chain_host_bytes, config.chain_disk_dir, config.chain_disk_bytes)
         self.chains = ChainManager(self.cache, spec.num_layers, tiers)
+        if tiers is not None and tiers.disk_dir is not None:  # chains an earlier process wrote at its shutdown
+            adopted = self.chains.restore(self.methods.resolve)
+            if adopted:
+                log.info("adopted %d chain(s) from %s: their next turns load their KV", adopted, tiers.disk_dir)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
                                    on_preempt=self._on_preempt, reclaim=self.chains.reclaim)
         self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)
@@ -327,6 +331,11 @@ class LLMEngine:
         state = self.chains.index.get(chain_id)
         busy = self._requests.get(state.busy_request) if state.busy_request else None
         return self.chains.info(chain_id, busy)
+
+    def persist_chains(self) -> int:
+        """Write every idle chain's KV to the disk tier (``chain_disk_dir``), for the next process started on the
+        same directory; returns how many (0 without a disk tier). A server calls it when it shuts down."""
+        return self.chains.persist()
 
     # --- cache ----------------------------------------------------------------------------------
     @mirrored

@@ -165,3 +165,29 @@ def test_under_pressure_the_scheduler_moves_chains_down_and_their_turns_load_the
         statuses += [o.resume_status for o in outs.values()]
     assert statuses.count("loaded") >= 6 and "recomputed" not in statuses
     assert eng.chains.tiers.counters.offloaded_tokens > 0
+
+
+def test_a_restart_adopts_the_chains_written_at_shutdown_and_their_turns_load(tiny_dirs, tmp_path):
+    """``persist_chains`` (a server's shutdown) writes the idle chains to the disk tier; an engine started on the
+    same directory adopts them and their next turns load (only the new suffix is prefilled) with the tokens a
+    process that never stopped produces. A chain whose method keeps state between turns is not written."""
+    model_dir = tiny_dirs["qwen3"]
+    tiers = dict(chain_host_bytes=64 * 2**20, chain_disk_dir=str(tmp_path), chain_disk_bytes=64 * 2**20)
+    first, ref = engine(model_dir, 400, **tiers), engine(model_dir, 400)
+    hist, hist_ref = {"d": random_tokens(random.Random(10), 30)}, None
+    hist_ref = {"d": list(hist["d"])}
+    turns(first, hist, random.Random(11))
+    turns(ref, hist_ref, random.Random(11))
+    first.add_request(random_tokens(random.Random(12), 30), PARAMS, chain_id="h2o", method="h2o",
+                      method_config={"heavy_budget": 8, "recent_budget": 8})  # keeps scores between turns
+    while first.has_unfinished():
+        first.step()
+    assert first.persist_chains() == 1  # "d" only
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    second = engine(model_dir, 400, **tiers)
+    assert "h2o" not in second.chains.index
+    assert second.chain_info("d").status == "disk" and second.chain_info("d").computed_tokens == len(hist["d"]) - 1
+    outs, outs_ref = turns(second, hist, random.Random(14)), turns(ref, hist_ref, random.Random(14))
+    assert outs["d"].resume_status == "loaded" and outs["d"].token_ids == outs_ref["d"].token_ids
+    assert outs["d"].num_prefilled_tokens == outs_ref["d"].num_prefilled_tokens
+    assert outs["d"].logprobs == outs_ref["d"].logprobs

@@ -35,3 +35,21 @@ def test_pressure_moves_idle_chains_to_host_and_their_turns_load(tmp_path):
         assert metric(text, 'agentrt_chain_tier_tokens{move="offloaded"}') > 0
         assert metric(text, 'agentrt_chain_tier_loads{outcome="host"}') == statuses.count("loaded")
         assert metric(text, 'agentrt_chain_tier_loads{outcome="failed"}') == 0
+
+
+def test_a_restarted_server_loads_the_chains_it_wrote_at_shutdown(tmp_path):
+    options = {**ENGINE_OPTIONS, "chain_host_bytes": 256 * 2**20, "chain_disk_dir": str(tmp_path / "chains"),
+               "chain_disk_bytes": 256 * 2**20}
+    config = ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{tmp_path / 'db'}",
+                          engine_options=options)
+    turn = {"messages": [{"role": "user", "content": "remember the word tangerine"}], "sampling": SAMPLING}
+    with TestClient(base_url="http://127.0.0.1", app=create_app(config), timeout=120) as client:
+        cid = client.post("/v1/chains", json={"system_prompt": "an agent"}).json()["id"]
+        assert client.post(f"/v1/chains/{cid}/turns", json=turn).json()["resume_status"] == "created"
+    assert len(list((tmp_path / "chains").glob("*.safetensors"))) == 1  # written at shutdown
+    with TestClient(base_url="http://127.0.0.1", app=create_app(config), timeout=120) as client:
+        r = client.post(f"/v1/chains/{cid}/turns", json={**turn, "messages": [{"role": "user", "content": "and?"}]})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["resume_status"] == "loaded"
+        assert body["usage"]["prefilled_tokens"] < body["usage"]["prompt_tokens"] // 2
