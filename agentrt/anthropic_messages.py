@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -52,11 +53,12 @@ from agentrt.anthropic_types import (ClearToolUsesApplied, ClearToolUsesEdit, Co
                                      ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlock, ToolUseBlockParam,
                                      ToolUses, Usage)
 from agentrt.chat import Message as ChainMessage
-from agentrt.chat import template_kwargs
+from agentrt.chat import TOOL_CALL_RE, template_kwargs, tool_call_from_json
 from agentrt.errors import ModelNotFound, bad_field
 from agentrt.implicit_chains import ImplicitChains, Resolved, arguments_value, implicit_chains_of, turn_create
 from agentrt.reasoning import parser as reasoning_parser
 from agentrt.tool_call_stream import ToolCallStream
+from engine.errors import InvalidRequestError
 from engine.structured_output import schema_error
 from sdk.schema import FunctionDef, PruneRequest, Tool, ToolCall, TurnDelta, TurnResult
 
@@ -69,6 +71,7 @@ log = logging.getLogger(__name__)
 CLOSE_TAG = "</tool_call>"
 DEFAULT_TRIGGER_TOKENS = 100_000  # clear_tool_uses_20250919's defaults
 DEFAULT_KEEP_TOOL_USES = 3
+READS_KEPT = 1024  # assistant turns whose tool-call input spans are kept read (MessagesService._input_spans)
 THINKING_SIGNATURE = "agentrt-unsigned"  # every thinking block's: opaque to clients, never checked here
 
 
@@ -221,12 +224,118 @@ def _clear_tool_uses(req: MessagesRequest) -> ClearToolUsesEdit | None:
     edits = [(i, e) for i, e in enumerate(req.context_management.edits) if isinstance(e, ClearToolUsesEdit)]
     for i, edit in edits[1:]:
         raise bad_field(f"context_management.edits[{i}]", "give at most one clear_tool_uses_20250919 edit")
-    for i, edit in edits:
-        if edit.clear_tool_inputs:
-            raise bad_field(f"context_management.edits[{i}].clear_tool_inputs",
-                            "only false: a tool call's input is part of the generated assistant text, of which "
-                            "this server drops no part (tool results are cleared)")
     return edits[0][1] if edits else None
+
+
+def _clears_input(edit: ClearToolUsesEdit, tool_name: str | None) -> bool:
+    """Whether ``edit`` clears the input of a cleared use of ``tool_name`` (never one of ``exclude_tools``)."""
+    if tool_name in (edit.exclude_tools or []):
+        return False
+    if isinstance(edit.clear_tool_inputs, list):
+        return tool_name in edit.clear_tool_inputs
+    return bool(edit.clear_tool_inputs)
+
+
+# --- a tool_use input's tokens in the chain's log ------------------------------------------------------------
+_WS = re.compile(r"\s*")
+_JSON = json.JSONDecoder()
+
+
+def _member_span(body: str, key: str) -> tuple[int, int] | None:
+    """The character span of the value of ``key`` in the JSON object ``body`` (the last one, as ``json.loads``
+    takes it); None when there is none or ``body`` is no object."""
+    found = None
+    try:
+        i = _WS.match(body, 0).end()  # type: ignore[union-attr]
+        if body[i] != "{":
+            return None
+        i = _WS.match(body, i + 1).end()  # type: ignore[union-attr]
+        if body[i] == "}":
+            return None
+        while True:
+            if body[i] != '"':
+                return None
+            name, i = json.decoder.scanstring(body, i + 1)  # type: ignore[attr-defined]
+            i = _WS.match(body, i).end()  # type: ignore[union-attr]
+            if body[i] != ":":
+                return None
+            i = _WS.match(body, i + 1).end()  # type: ignore[union-attr]
+            _, end = _JSON.raw_decode(body, i)
+            if name == key:
+                found = (i, end)
+            i = _WS.match(body, end).end()  # type: ignore[union-attr]
+            if body[i] == "}":
+                return found
+            if body[i] != ",":
+                return None
+            i = _WS.match(body, i + 1).end()  # type: ignore[union-attr]
+    except (ValueError, IndexError):
+        return None
+
+
+def _token_offsets(decode: Any, ids: list[int]) -> tuple[str, list[int | None]]:
+    """The text of ``ids`` and, per token boundary ``i``, the length of the text of ``ids[:i]`` (None at a
+    boundary inside a character: a multi-byte character split over tokens). Linear: each step decodes the tokens
+    since the last whole boundary after the window before it (agentrt's incremental detokenizer's scheme, so that
+    a decoder that strips a window's leading space strips it from the context only); should the pieces still not
+    make the whole text, every prefix is decoded instead."""
+    full = decode(ids)
+    offsets: list[int | None] = [0] + [None] * len(ids)
+    text, prefix, base = "", 0, 0
+    for i in range(1, len(ids) + 1):
+        before, after = decode(ids[prefix:base]), decode(ids[prefix:i])
+        if (len(after) <= len(before) or after.endswith("\ufffd")) and i < len(ids):
+            continue
+        text += after[len(before):]
+        offsets[i], prefix, base = len(text), base, i
+    if text != full:
+        for i in range(1, len(ids) + 1):
+            prefix = decode(ids[:i])
+            offsets[i] = len(prefix) if full.startswith(prefix) and not prefix.endswith("\ufffd") else None
+        offsets[-1] = len(full)
+    return full, offsets
+
+
+def call_input_spans(decode: Any, ids: list[int]) -> list[tuple[str, Any, int, int] | None]:
+    """Per well-formed ``<tool_call>`` block in the tokens ``ids`` (an assistant turn's region), in order: its
+    name, its arguments' value and the span ``[lo, hi)`` of the tokens that spell the arguments (the fewest
+    tokens covering their JSON text: a token at either edge may carry a space or brace of the markup too); None
+    for a block without arguments."""
+    text, offsets = _token_offsets(decode, ids)
+    found: list[tuple[str, Any, int, int] | None] = []
+    for match in TOOL_CALL_RE.finditer(text):
+        call = tool_call_from_json(match.group(1))
+        if call is None:
+            continue
+        span = _member_span(match.group(1), "arguments")
+        if span is None:
+            found.append(None)
+            continue
+        a, b = match.start(1) + span[0], match.start(1) + span[1]
+        lo = max(i for i, at in enumerate(offsets) if at is not None and at <= a)
+        hi = min(i for i, at in enumerate(offsets) if at is not None and at >= b)
+        found.append((call.function.name, json.loads(text[a:b]), lo, hi))
+    return found
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        elif lo < hi:
+            out.append((lo, hi))
+    return out
+
+
+def _covered(span: tuple[int, int], intervals: list[tuple[int, int]]) -> bool:
+    """Whether the token span lies wholly within the union of ``intervals``."""
+    lo, hi = span
+    for a, b in _merged(intervals):
+        if a > lo:
+            break
+        lo = max(lo, b)
+    return lo >= hi
 
 
 def tool_input(call: ToolCall) -> dict[str, Any]:
@@ -392,6 +501,9 @@ class MessagesService:
         self.implicit = implicit
         self.model_name = model_name
         self.config = config
+        # (chain, region, start, hash of its tokens) of an assistant turn -> its calls' input spans
+        # (call_input_spans), the most recently read last
+        self._reads: dict[tuple[str, int, int, int], list[tuple[str, Any, int, int] | None]] = {}
 
     # --- requests ---------------------------------------------------------------------------------------
     def _check(self, req: MessagesRequest) -> dict[str, Any]:
@@ -522,10 +634,13 @@ class MessagesService:
                                conv: Conversation) -> ContextManagementResponse:
         """``clear_tool_uses_20250919`` as pruning: once the prompt is over the trigger, the chain's oldest tool
         results (all but the ``keep`` most recent tool uses, the request's new ones counted first; tools in
-        ``exclude_tools`` never) leave the KV, if that frees at least ``clear_at_least`` tokens. The chain keeps
-        the messages, so the client's next request, which re-sends them, still resumes it. The report counts
-        every tool result cleared from the chain's KV, as a stateless server would report the edit on the
-        re-sent history."""
+        ``exclude_tools`` never) leave the KV, if that frees at least ``clear_at_least`` tokens. With
+        ``clear_tool_inputs`` (true, or the tools named) the inputs of the cleared uses leave it too: the tokens
+        of each ``tool_use``'s arguments in the assistant turn that made the call (``call_input_spans``), pruned
+        as intervals with the results in one prune. The chain keeps the messages, so the client's next request,
+        which re-sends them, still resumes it. The report counts every tool use whose result is cleared from the
+        chain's KV and the tokens cleared (those results and the inputs of theirs cleared too), as a stateless
+        server would report the edit on the re-sent history."""
         state = resolved.state
         if edit is not None:
             excluded = set(edit.exclude_tools or [])
@@ -536,17 +651,93 @@ class MessagesService:
             clearable = [r for r in results if r.tool_name not in excluded]
             kept_here = max(0, keep - sum(1 for m in new_uses if m.get("name") not in excluded))
             due = [r for r in clearable[:max(0, len(clearable) - kept_here)] if not r.pruned]
-            freed = sum(r.end - r.start for r in due)
+            # the inputs of every use cleared once this edit has run, not cleared yet (a use whose result an
+            # earlier request cleared without clear_tool_inputs included)
+            cleared = {r.index for r in due} | {r.index for r in results if r.pruned}
+            inputs = [r for r in results if r.index in cleared and _clears_input(edit, r.tool_name)]
+            spans = self._input_spans(state, conv, resolved.offset, inputs)
+            pruned = [(int(a), int(b)) for a, b in state.row.pruned_intervals or []]
+            due_inputs = [span for span in spans.values() if not _covered(span, pruned)]
+            freed = sum(r.end - r.start for r in due) + sum(hi - lo for lo, hi in due_inputs)
             at_least = edit.clear_at_least.value if edit.clear_at_least is not None else 0
-            if due and freed >= at_least and await self._triggered(trigger, state, conv, resolved, len(results)):
-                await self.chains.prune(state.id, PruneRequest(regions=[r.index for r in due]), tenant=tenant)
-                state = await self.chains.state(state.id, tenant)
-                resolved.state = state
-        cleared = [r for r in state.regions if r.kind == "tool_result" and r.pruned]
-        applied = [ClearToolUsesApplied(cleared_tool_uses=len(cleared),
-                                        cleared_input_tokens=sum(r.end - r.start for r in cleared))] \
-            if edit is not None and cleared else []
+            if ((due or due_inputs) and freed >= at_least
+                    and await self._triggered(trigger, state, conv, resolved, len(results))):
+                if due_inputs:
+                    intervals = await self._intervals(state, [(r.start, r.end) for r in due] + due_inputs)
+                    request = PruneRequest(intervals=intervals) if intervals else None
+                else:
+                    request = PruneRequest(regions=[r.index for r in due])
+                if request is not None:
+                    await self.chains.prune(state.id, request, tenant=tenant)
+                    state = await self.chains.state(state.id, tenant)
+                    resolved.state = state
+        applied: list[ClearToolUsesApplied] = []
+        cleared_results = [r for r in state.regions if r.kind == "tool_result" and r.pruned]
+        if edit is not None and cleared_results:
+            tokens = sum(r.end - r.start for r in cleared_results)
+            touched = {r.turn for r in state.regions if r.kind == "assistant" and r.kept_tokens < r.end - r.start}
+            if touched:  # some assistant turn lost tokens: the inputs of the cleared uses among them
+                pruned = [(int(a), int(b)) for a, b in state.row.pruned_intervals or []]
+                spans = self._input_spans(state, conv, resolved.offset, cleared_results, touched)
+                tokens += sum(hi - lo for lo, hi in spans.values() if _covered((lo, hi), pruned))
+            applied.append(ClearToolUsesApplied(cleared_tool_uses=len(cleared_results), cleared_input_tokens=tokens))
         return ContextManagementResponse(applied_edits=applied)
+
+    def _input_spans(self, state: Any, conv: Conversation, offset: int, results: list[Any],
+                     turns: set[int] | None = None) -> dict[str, tuple[int, int]]:
+        """tool_use id -> the token span, in the chain's log, of the arguments of the call that the tool-result
+        regions ``results`` answer (only calls made in ``turns``, when given). The request's messages before
+        ``offset`` are the chain's history message for message (the chain was resolved on them), so the k-th
+        assistant message is turn k, and its j-th ``tool_use`` the j-th call in that turn's region; a call whose
+        name or arguments read there differ from the message's is left out (never cleared)."""
+        calls: dict[str, tuple[int, int, int, dict[str, Any]]] = {}  # id -> (turn, place, the turn's calls, call)
+        turn = 0
+        for m in conv.messages[:offset]:
+            if m["role"] != "assistant":
+                continue
+            made = m.get("tool_calls") or []
+            for j, call in enumerate(made):
+                calls.setdefault(call["id"], (turn, j, len(made), call))
+            turn += 1
+        wanted: dict[int, list[str]] = {}
+        for r in results:
+            found = calls.get(r.tool_call_id)
+            if found is not None and (turns is None or found[0] in turns):
+                wanted.setdefault(found[0], []).append(r.tool_call_id)
+        regions = {r.turn: r for r in state.regions if r.kind == "assistant"}
+        decode = self.chains.renderer.renderer.decode
+        spans: dict[str, tuple[int, int]] = {}
+        for k, ids in wanted.items():
+            region = regions.get(k)
+            if region is None:
+                continue
+            tokens = state.token_ids[region.start:region.end]
+            key = (state.id, region.index, region.start, hash(tuple(tokens)))  # a rewound turn's differ
+            read = self._reads.pop(key, None)
+            if read is None:
+                read = call_input_spans(decode, tokens)
+            self._reads[key] = read  # the most recently read last
+            while len(self._reads) > READS_KEPT:
+                self._reads.pop(next(iter(self._reads)))
+            for tool_use_id in ids:
+                _, j, n, call = calls[tool_use_id]
+                if len(read) < n:  # the turn's calls are its last well-formed blocks (its reasoning's come first)
+                    continue
+                seen = read[len(read) - n + j]
+                if seen is None or seen[0] != call["function"]["name"] or \
+                        seen[1] != arguments_value(call["function"]["arguments"]):
+                    continue
+                spans[tool_use_id] = (region.start + seen[2], region.start + seen[3])
+        return spans
+
+    async def _intervals(self, state: Any, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """The spans merged, within the chain's computed KV (the whole log when the engine does not hold it)."""
+        try:
+            info = await self.chains.worker.call(lambda e: e.chain_info(state.id))
+            limit = info.computed_tokens
+        except InvalidRequestError:  # the engine does not hold the chain: the prune is a no-op
+            limit = len(state.token_ids)
+        return _merged([(lo, min(hi, limit)) for lo, hi in spans])
 
     async def _triggered(self, trigger: InputTokens | ToolUses, state: Any, conv: Conversation, resolved: Resolved,
                          in_chain: int) -> bool:

@@ -149,7 +149,9 @@ class ClearToolUsesEdit(_Input, tag_field="type", tag="clear_tool_uses_20250919"
     keep: ToolUses | None = None  # default: the 3 most recent tool uses
     clear_at_least: InputTokens | None = None
     exclude_tools: list[Annotated[str, Meta(min_length=1, max_length=256)]] | None = None
-    clear_tool_inputs: bool | list[str] | None = None  # only false / [] (refused otherwise)
+    # true: the cleared tool uses' inputs (their tool_use arguments) leave the KV with their results; a list:
+    # only those of the tools named
+    clear_tool_inputs: bool | list[Annotated[str, Meta(min_length=1, max_length=256)]] | None = None
 
 
 class ClearThinkingEdit(_Refused, tag_field="type", tag="clear_thinking_20251015"):

@@ -446,8 +446,8 @@ def test_errors_are_anthropics_and_name_the_field(alice, http, keys, model):
                                                       "content": "x"}]}]), "messages[0].content[0].tool_use_id"),
         (dict(messages=[{"role": "assistant", "content": "first"}, *ask]), "messages[0].role"),
         (dict(messages=ask, extra_body={"context_management": {"edits": [
-            {"type": "clear_tool_uses_20250919", "clear_tool_inputs": True}]}}),
-         "context_management.edits[0].clear_tool_inputs"),
+            {"type": "clear_tool_uses_20250919", "clear_tool_inputs": "yes"}]}}),
+         "context_management.edits[0].clear_tool_inputs"),  # more bad values: test_anthropic_clear_tool_inputs
         (dict(messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": [
             {"type": "thinking", "thinking": "hm", "signature": "s"}]}]), "messages[1].content[0].type"),
     ]
