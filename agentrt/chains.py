@@ -28,8 +28,8 @@ from engine.chain_index import ChainInfo, UnknownChainError
 from engine.errors import ConfigError, EngineError, InvalidRequestError
 from engine.registry import METHODS, SCORERS, create_method
 from engine.sampling_params import SamplingParams
-from sdk.schema import (ChainCreate, ChainStatus, ChainList, ChainRead, ChainSummary, ForkRequest, PruneEvent,
-                        PruneRequest, PruneResult, Region, RewindRequest, ToolResultMessage, TurnCreate)
+from sdk.schema import (ChainCreate, ChainStatus, ChainList, ChainRead, ChainSummary, ForkRequest, HintsRequest,
+                        PruneEvent, PruneRequest, PruneResult, Region, RewindRequest, ToolResultMessage, TurnCreate)
 
 if TYPE_CHECKING:
     from engine.engine_handle import EngineHandle
@@ -396,6 +396,32 @@ class ChainService:
             self._creating.release()
             self.busy.discard(chain_id)
         return await self.read(new_id, tenant=tenant)
+
+    async def hints(self, chain_id: str, data: HintsRequest, *, tenant: str) -> ChainRead:
+        """Session hints on the chain's KV in the engine (``HintsRequest``); a chain the engine does not hold yet
+        (never run here, or before its first turn after a restart) takes them with its next turn's KV: the pin and
+        priority are applied as soon as the engine knows it."""
+        await self.state(chain_id, tenant)
+        if data.release and data.prefetch:
+            raise bad_field("release", "release and prefetch exclude each other")
+        if data.ttl_seconds is not None and data.clear_ttl:
+            raise bad_field("clear_ttl", "ttl_seconds and clear_ttl exclude each other")
+
+        def apply(e: EngineHandle) -> None:
+            if data.pin is not None:
+                e.pin_chain(chain_id, data.pin)
+            if data.priority is not None or data.ttl_seconds is not None or data.clear_ttl:
+                e.chain_hints(chain_id, priority=data.priority, ttl_s=data.ttl_seconds, clear_ttl=data.clear_ttl)
+            if data.release:
+                e.release_chain(chain_id)
+            if data.prefetch:
+                e.prefetch_chain(chain_id)
+
+        try:
+            await self.worker.call(apply)
+        except UnknownChainError:
+            pass
+        return await self.read(chain_id, tenant=tenant)
 
     async def rewind(self, chain_id: str, data: RewindRequest, *, tenant: str) -> ChainRead:
         await self.state(chain_id, tenant)

@@ -46,6 +46,9 @@ class ChainState:
     num_reclaims: int = 0
     pruned_intervals: list[tuple[int, int]] = field(default_factory=list)
     offloaded: Any = None  # engine.chain_tiers.OffloadedTable: the table moved below the device, if any
+    priority: int = 0  # session hint: under pressure lower priorities leave the device first
+    ttl_s: float | None = None  # session hint: an idle chain's KV is dropped after this many seconds idle
+    idle_since: float = 0.0  # time.monotonic() when its last turn ended
 
     @property
     def is_idle(self) -> bool:
@@ -102,9 +105,9 @@ class ChainIndex:
         state.last_used = next(self._clock)
 
     def reclaim_order(self) -> list[ChainState]:
-        """Idle, unpinned chains that hold KV, least recently used first."""
+        """Idle, unpinned chains that hold KV: lowest priority, then least recently used first."""
         idle = [c for c in self._chains.values() if c.is_idle and c.is_resident and not c.pinned]
-        return sorted(idle, key=lambda c: c.last_used)
+        return sorted(idle, key=lambda c: (c.priority, c.last_used))
 
     def states(self) -> list[ChainState]:
         return list(self._chains.values())

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,7 @@ class ChainManager:
         self.cache = cache
         self.num_layers = num_layers
         self.tiers = tiers  # host / disk tiers for idle chains under pressure (engine.chain_tiers); None: off
+        self._with_ttl: set[str] = set()  # chains with a TTL hint (``expire`` looks at these only)
         self.prober = None  # engine.probe.Prober, for scorers that probe
         self._deferred: dict[str, list[tuple]] = {}  # chain id -> prunes queued behind its running turn
         self._prune_results: dict[int, PruneResult] = {}  # oldest first; finished ones beyond the cap are dropped
@@ -129,6 +131,7 @@ class ChainManager:
         if state.table is None:
             state.num_computed, state.method_state = 0, None
         state.busy_request = None
+        state.idle_since = time.monotonic()
         self.index.touch(state)
         self._apply_deferred(state)
 
@@ -359,6 +362,68 @@ class ChainManager:
 
     def set_pinned(self, chain_id: str, pinned: bool) -> None:
         self.index.get(chain_id).pinned = pinned
+
+    # --- session hints ------------------------------------------------------------------------------
+    def set_hints(self, chain_id: str, *, priority: int | None = None, ttl_s: float | None = None,
+                  clear_ttl: bool = False) -> None:
+        """Retention hints: ``priority`` (under pressure lower priorities leave the device first; default 0) and
+        ``ttl_s`` (an idle chain's KV is dropped after that many seconds idle; ``clear_ttl``: no expiry)."""
+        state = self.index.get(chain_id)
+        if priority is not None:
+            state.priority = priority
+        if ttl_s is not None:
+            if not ttl_s > 0:
+                raise InvalidRequestError(f"ttl_s must be > 0, got {ttl_s!r}")
+            state.ttl_s = ttl_s
+            self._with_ttl.add(chain_id)
+        if clear_ttl:
+            state.ttl_s = None
+            self._with_ttl.discard(chain_id)
+
+    def release(self, chain_id: str) -> bool:
+        """Take an idle chain's KV off the device now (to the host tier when there is one, else dropped: its
+        next turn recomputes); False if it held none. A pinned chain is never moved."""
+        state = self._idle(chain_id)
+        if state.table is None:
+            return False
+        if state.pinned:
+            raise InvalidRequestError(f"chain {chain_id!r} is pinned: unpin it before releasing it")
+        entry = None if self.tiers is None else self.tiers.offload(chain_id, state.table, _info(state))
+        self.cache.release_table(state.table)
+        state.table, state.offloaded = None, entry
+        if entry is None:
+            state.num_computed, state.method_state = 0, None
+        return True
+
+    def prefetch(self, chain_id: str) -> bool:
+        """Load an idle chain's offloaded KV back to the device now (an agent about to send a tool result warms
+        its chain); True if it is resident afterwards."""
+        state = self._idle(chain_id)
+        if state.table is None:
+            self._load(state)
+        return state.table is not None
+
+    def expire(self, now: float) -> int:
+        """Drop the KV of idle chains past their TTL (device and tiers); returns how many."""
+        expired = 0
+        for chain_id in list(self._with_ttl):
+            if chain_id not in self.index:
+                self._with_ttl.discard(chain_id)
+                continue
+            state = self.index.get(chain_id)
+            if state.ttl_s is None or not state.is_idle or now - state.idle_since < state.ttl_s:
+                continue
+            if state.table is None and state.offloaded is None:
+                continue
+            if state.offloaded is not None:
+                self.tiers.drop(state.offloaded)
+                state.offloaded = None
+            if state.table is not None:
+                self.cache.release_table(state.table)
+                state.table = None
+            state.num_computed, state.method_state = 0, None
+            expired += 1
+        return expired
 
     def info(self, chain_id: str, busy_request: Request | None = None) -> ChainInfo:
         """Accounting of a chain; pass the running turn's request to see a busy chain's live KV."""

@@ -98,6 +98,19 @@ class EngineHandle(Protocol):
     def rewind_chain(self, chain_id: str, num_tokens: int) -> None:
         ...
 
+    def pin_chain(self, chain_id: str, pinned: bool = True) -> None:
+        ...
+
+    def chain_hints(self, chain_id: str, *, priority: int | None = None, ttl_s: float | None = None,
+                    clear_ttl: bool = False) -> None:
+        ...
+
+    def release_chain(self, chain_id: str) -> bool:
+        ...
+
+    def prefetch_chain(self, chain_id: str) -> bool:
+        ...
+
     def prune_chain(self, chain_id: str, intervals: list[tuple[int, int]], scorer: str | None = None,
                     keep_ratio: float = 0.0, defer: bool = True, keep_tokens: int | None = None) -> PruneResult:
         ...

@@ -262,6 +262,7 @@ class LLMEngine:
             return outputs
         t0 = time.perf_counter()
         self.last_step = None
+        self.chains.expire(time.monotonic())
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -326,6 +327,22 @@ class LLMEngine:
     @mirrored
     def pin_chain(self, chain_id: str, pinned: bool = True) -> None:
         self.chains.set_pinned(chain_id, pinned)
+
+    @mirrored
+    def chain_hints(self, chain_id: str, *, priority: int | None = None, ttl_s: float | None = None,
+                    clear_ttl: bool = False) -> None:
+        """Session hints: retention ``priority`` and ``ttl_s`` (``ChainManager.set_hints``)."""
+        self.chains.set_hints(chain_id, priority=priority, ttl_s=ttl_s, clear_ttl=clear_ttl)
+
+    @mirrored
+    def release_chain(self, chain_id: str) -> bool:
+        """Take an idle chain's KV off the device now (to the host tier, else dropped)."""
+        return self.chains.release(chain_id)
+
+    @mirrored
+    def prefetch_chain(self, chain_id: str) -> bool:
+        """Load an idle chain's offloaded KV back to the device now."""
+        return self.chains.prefetch(chain_id)
 
     def chain_info(self, chain_id: str) -> ChainInfo:
         state = self.chains.index.get(chain_id)

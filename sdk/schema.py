@@ -147,6 +147,20 @@ class ForkRequest(_Input, kw_only=True):
     metadata: dict[str, Any] | None = None  # default: the parent's metadata
 
 
+class HintsRequest(_Input, kw_only=True):
+    """Session hints for a chain's KV: ``pin`` (never moved off the device), ``priority`` (under pressure lower
+    priorities leave the device first; default 0), ``ttl_seconds`` (dropped after that long idle; null: keep
+    the current, ``clear_ttl``: none), ``release`` (off the device now: to host memory when the server has a tier,
+    else dropped), ``prefetch`` (load it back now: an agent about to send a tool result warms its chain)."""
+
+    pin: bool | None = None
+    priority: Annotated[int, Meta(ge=-1000, le=1000)] | None = None
+    ttl_seconds: Annotated[float, Meta(gt=0)] | None = None
+    clear_ttl: bool = False
+    release: bool = False
+    prefetch: bool = False
+
+
 class RewindRequest(_Input, kw_only=True):
     """Exactly one of: ``num_turns`` to keep, or ``num_tokens`` (must fall on a turn boundary)."""
 

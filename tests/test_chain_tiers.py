@@ -191,3 +191,42 @@ def test_a_restart_adopts_the_chains_written_at_shutdown_and_their_turns_load(ti
     assert outs["d"].resume_status == "loaded" and outs["d"].token_ids == outs_ref["d"].token_ids
     assert outs["d"].num_prefilled_tokens == outs_ref["d"].num_prefilled_tokens
     assert outs["d"].logprobs == outs_ref["d"].logprobs
+
+
+def test_session_hints_pin_release_prefetch_priority_and_ttl(tiny_dirs):
+    model_dir = tiny_dirs["qwen3"]
+    eng = engine(model_dir, 400, chain_host_bytes=64 * 2**20)
+    ref = engine(model_dir, 400)
+    rng, rng_ref = random.Random(20), random.Random(20)
+    hist = {c: random_tokens(rng, 30) for c in ("a", "b", "c")}
+    hist_ref = {c: random_tokens(rng_ref, 30) for c in ("a", "b", "c")}
+    turns(eng, hist, rng)
+    turns(ref, hist_ref, rng_ref)
+    # release: off the device at once (to the host tier); prefetch: back before the turn, which then resumes
+    assert eng.release_chain("a") and eng.chain_info("a").status == "host"
+    assert eng.prefetch_chain("a") and eng.chain_info("a").status == "idle"
+    # pin: never moved, not by release and not by pressure; priority: lower ones leave first
+    eng.pin_chain("b")
+    with pytest.raises(Exception, match="pinned"):
+        eng.release_chain("b")
+    eng.chain_hints("a", priority=5)
+    pages = eng.chain_info("c").pages_held
+    eng.chains.reclaim(eng.pool.num_free + pages)  # room for one more chain's pages: "c" (priority 0) goes
+    assert [eng.chain_info(c).status for c in "abc"] == ["idle", "idle", "host"]
+    outs, outs_ref = turns(eng, hist, rng), turns(ref, hist_ref, rng_ref)
+    assert [outs[c].resume_status for c in "abc"] == ["resumed", "resumed", "loaded"]
+    assert all(outs[c].token_ids == outs_ref[c].token_ids for c in "abc")
+    # ttl: an idle chain's KV is dropped once it has been idle that long (device and tiers), then recomputed
+    eng.chain_hints("a", ttl_s=0.001)
+    eng.release_chain("c")
+    eng.chain_hints("c", ttl_s=0.001)
+    import time
+
+    time.sleep(0.01)
+    assert eng.chains.expire(time.monotonic()) == 2
+    assert eng.chain_info("a").status == "reclaimed" and eng.chain_info("c").status == "reclaimed"
+    assert eng.chains.tiers.host_used == 0
+    outs = turns(eng, hist, rng)
+    assert outs["a"].resume_status == "recomputed" and outs["b"].resume_status == "resumed"
+    with pytest.raises(Exception, match="ttl_s must be > 0"):
+        eng.chain_hints("a", ttl_s=0)

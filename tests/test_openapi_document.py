@@ -24,7 +24,8 @@ CHAIN = {"post /v1/chains": {201, 400, 401, 413, 415, 422, 429},
          "post /v1/chains/{chain_id}/turns": {200, 400, 401, 404, 409, 413, 415, 422, 503},
          "post /v1/chains/{chain_id}/prune": {200, 400, 401, 404, 409, 413, 415},
          "post /v1/chains/{chain_id}/fork": {201, 400, 401, 404, 409, 413, 415, 429},
-         "post /v1/chains/{chain_id}/rewind": {200, 400, 401, 404, 409, 413, 415}}
+         "post /v1/chains/{chain_id}/rewind": {200, 400, 401, 404, 409, 413, 415},
+         "post /v1/chains/{chain_id}/hints": {200, 400, 401, 404, 409, 413, 415}}
 OPENAI = {"post /v1/chat/completions": {200, 400, 401, 404, 409, 413, 415, 503},
           "post /v1/completions": {200, 400, 401, 404, 413, 415, 503},
           "post /v1/responses": {200, 400, 401, 404, 409, 413, 415, 429, 503},
@@ -126,11 +127,11 @@ def test_info_and_a_valid_document(with_keys):
 def test_request_bodies_forbid_unknown_fields(with_keys):
     bodies = [op["requestBody"]["content"]["application/json"]["schema"] for _, op in _operations(with_keys)
               if "requestBody" in op]
-    # create, turns, prune, fork, rewind, chat completions, text completions, responses, messages, count_tokens,
-    # conversations: create, update, add items
-    assert len(bodies) == 13
+    # create, turns, prune, fork, rewind, hints, chat completions, text completions, responses, messages,
+    # count_tokens, conversations: create, update, add items
+    assert len(bodies) == 14
     structs = {name: s for name, s in _reachable(with_keys, bodies).items() if s.get("properties")}
-    assert {"ChainCreate", "TurnCreate", "Sampling", "PrunePolicy", "PruneRequest", "ForkRequest", "RewindRequest",
+    assert {"ChainCreate", "TurnCreate", "Sampling", "PrunePolicy", "PruneRequest", "ForkRequest", "RewindRequest", "HintsRequest",
             "ChatCompletionRequest", "StreamOptions", "TextPart", "sdk.schema.UserMessage", "ToolResultMessage",
             "agentrt.openai_types.Tool", "agentrt.openai_types.FunctionDef", "TextCompletionRequest",
             "ResponsesRequest", "TextConfig", "MessagesRequest", "MessageParam", "CountTokensRequest",

@@ -53,3 +53,25 @@ def test_a_restarted_server_loads_the_chains_it_wrote_at_shutdown(tmp_path):
         body = r.json()
         assert body["resume_status"] == "loaded"
         assert body["usage"]["prefilled_tokens"] < body["usage"]["prompt_tokens"] // 2
+
+
+def test_session_hints_through_the_chain_route(tmp_path):
+    options = {**ENGINE_OPTIONS, "chain_host_bytes": 256 * 2**20}
+    config = ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{tmp_path / 'db'}",
+                          engine_options=options)
+    turn = {"messages": [{"role": "user", "content": "hello there"}], "sampling": SAMPLING}
+    with TestClient(base_url="http://127.0.0.1", app=create_app(config), timeout=120) as client:
+        cid = client.post("/v1/chains", json={}).json()["id"]
+        client.post(f"/v1/chains/{cid}/turns", json=turn)
+        released = client.post(f"/v1/chains/{cid}/hints", json={"release": True, "priority": 3, "ttl_seconds": 600})
+        assert released.status_code == 200 and released.json()["kv"]["engine_status"] == "host"
+        r = client.post(f"/v1/chains/{cid}/hints", json={"prefetch": True, "pin": True})
+        assert r.json()["kv"]["engine_status"] == "idle" and r.json()["kv"]["pinned"] is True
+        refused = client.post(f"/v1/chains/{cid}/hints", json={"release": True})
+        assert refused.status_code == 422 and "pinned" in refused.text
+        both = client.post(f"/v1/chains/{cid}/hints", json={"release": True, "prefetch": True})
+        assert both.status_code == 400 and "release" in both.text
+        assert client.post(f"/v1/chains/{cid}/hints", json={"ttl_seconds": 0}).status_code == 400
+        second = client.post(f"/v1/chains/{cid}/turns", json={**turn, "messages": [{"role": "user", "content": "x"}]})
+        assert second.json()["resume_status"] == "resumed"
+        assert client.post("/v1/chains/chain_unknown/hints", json={}).status_code == 404

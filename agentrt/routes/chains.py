@@ -25,8 +25,8 @@ from agentrt.routes.event_stream import EventStream
 from agentrt.turns import PendingTurn
 from engine.chain_index import ChainBusyError, UnknownChainError
 from engine.errors import InvalidRequestError, InvalidSamplingParamsError
-from sdk.schema import (ChainCreate, ChainList, ChainRead, ErrorBody, ErrorDetail, ForkRequest, PruneRequest,
-                        PruneResult, RewindRequest, TurnCreate, TurnDelta, TurnResult, encode)
+from sdk.schema import (ChainCreate, ChainList, ChainRead, ErrorBody, ErrorDetail, ForkRequest, HintsRequest,
+                        PruneRequest, PruneResult, RewindRequest, TurnCreate, TurnDelta, TurnResult, encode)
 
 Service = NamedDependency[ChainService]
 Tenant = NamedDependency[str]  # the request's tenant (agentrt.auth.auth_guard)
@@ -78,6 +78,12 @@ class ChainController(Controller):
     async def fork_chain(self, chain_id: FromPath[str], chains: Service, tenant: Tenant,
                          data: JSONBody[ForkRequest | None] = None) -> ChainRead:
         return await chains.fork(chain_id, data or ForkRequest(), tenant=tenant)
+
+    @post("/{chain_id:str}/hints", status_code=200, responses=chain_errors(404, 409))
+    async def chain_hints(self, chain_id: FromPath[str], data: JSONBody[HintsRequest], chains: Service,
+                          tenant: Tenant) -> ChainRead:
+        """Session hints for the chain's KV: pin, priority, TTL, release now, prefetch now (docs/server.md)."""
+        return await chains.hints(chain_id, data, tenant=tenant)
 
     @post("/{chain_id:str}/rewind", status_code=200, responses=chain_errors(404, 409))
     async def rewind_chain(self, chain_id: FromPath[str], data: JSONBody[RewindRequest], chains: Service,
