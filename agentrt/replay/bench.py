@@ -14,9 +14,14 @@ from agentrt.replay.replayer import ReplayConfig, Replayer, RunResult
 from agentrt.replay.trace import Trace
 
 
+TIER_HOST_BYTES = 64 * 2**30  # the host tier of the ``-tiers`` configurations
+
+
 def standard_configs(snapkv_config: dict[str, Any] | None = None,
                      lag_policy: dict[str, Any] | None = None) -> dict[str, ReplayConfig]:
-    """The named configurations (``agentrt replay run --configs``)."""
+    """The named configurations (``agentrt replay run --configs``); ``-tiers``: idle chains reclaimed under
+    pressure move to host memory and load back instead of recomputing (engine.chain_tiers)."""
+    tiers = {"chain_host_bytes": TIER_HOST_BYTES}
     return {c.name: c for c in [
         ReplayConfig("dense-noprefix", "stateless", prefix_cache=False),
         ReplayConfig("dense-prefix", "stateless"),
@@ -25,6 +30,11 @@ def standard_configs(snapkv_config: dict[str, Any] | None = None,
         ReplayConfig("snapkv-chain", "chain", method="snapkv", method_config=snapkv_config or {}),
         ReplayConfig("snapkv-chain-lag", "chain", method="snapkv", method_config=snapkv_config or {},
                      prune_policy=lag_policy or {"lag": 2}),
+        ReplayConfig("dense-chain-tiers", "chain", engine_options=tiers),
+        ReplayConfig("snapkv-chain-tiers", "chain", method="snapkv", method_config=snapkv_config or {},
+                     engine_options=tiers),
+        ReplayConfig("snapkv-chain-lag-tiers", "chain", method="snapkv", method_config=snapkv_config or {},
+                     prune_policy=lag_policy or {"lag": 2}, engine_options=tiers),
     ]}
 
 
@@ -39,7 +49,8 @@ def serve_and_replay(traces: list[Trace], config: ReplayConfig, *, model: str | 
         server_config = ServerConfig(
             model=model, model_name="replay", db_url=f"sqlite+aiosqlite:///{Path(tmp) / 'replay.db'}",
             method=config.method, method_config=dict(config.method_config),
-            engine_options={**(engine_options or {}), "enable_prefix_caching": config.prefix_cache},
+            engine_options={**(engine_options or {}), **config.engine_options,
+                            "enable_prefix_caching": config.prefix_cache},
             max_tokens_per_turn=max(4096, longest), max_chains_per_tenant=None, max_queue_depth=None,
             max_body_size=256 * 2**20,
             implicit_chains=False)  # the stateless configurations stand for clients that get no chain at all

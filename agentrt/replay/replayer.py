@@ -39,6 +39,7 @@ class ReplayConfig:
     method_config: dict[str, Any] = field(default_factory=dict)
     prefix_cache: bool = True
     prune_policy: dict[str, Any] | None = None  # sdk.schema.PrunePolicy fields (chain route only)
+    engine_options: dict[str, Any] = field(default_factory=dict)  # EngineConfig fields of this configuration
 
     def __post_init__(self) -> None:
         if self.route not in ("stateless", "chain"):
