@@ -95,6 +95,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
         if (self.chain_disk_dir is None) != (self.chain_disk_bytes is None):
             raise ConfigError("chain_disk_dir and chain_disk_bytes go together (the disk tier's directory and size)")
+        if self.chain_host_bytes and self.tensor_parallel_size > 1:
+            raise ConfigError("chain tiers (chain_host_bytes) run at tensor_parallel_size 1 (each rank would move "
+                              "its own heads' share; not built)")
         if self.chain_disk_dir is not None and not self.chain_host_bytes:
             raise ConfigError("the disk tier takes chains from the host tier: set chain_host_bytes too")
         if self.kv_storage is None and self.kv_storage_config:

@@ -349,6 +349,7 @@ class LLMEngine:
         busy = self._requests.get(state.busy_request) if state.busy_request else None
         return self.chains.info(chain_id, busy)
 
+    @mirrored
     def persist_chains(self) -> int:
         """Write every idle chain's KV to the disk tier (``chain_disk_dir``), for the next process started on the
         same directory; returns how many (0 without a disk tier). A server calls it when it shuts down."""
