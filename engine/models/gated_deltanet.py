@@ -330,6 +330,9 @@ class HybridForCausalLM(DecoderForCausalLM):
     """The hybrid decoder; subclasses pick the MLP (``make_mlp``) and the DeltaNet checkpoint layout."""
 
     fused_decode_path = False  # DecoderLayer.forward_fused serves the plain decoder only
+    # the DeltaNet layers group a step's requests by length on the host (and the runner gathers their state
+    # slots from host lists): a decode CUDA graph would replay one step's grouping for every step
+    cuda_graph_safe = False
     checkpoint_layout: tuple[str, ...] = SPLIT_LAYOUT
 
     def __init__(self, config: ModelConfig) -> None:
