@@ -289,6 +289,24 @@ TINY: dict[str, Any] = {
     "dtype": "bfloat16",
 }
 
+# CPU smoke shapes of the latent-attention and hybrid families (benchmarks' code paths, not their figures)
+TINY_MLA: dict[str, Any] = {
+    **{k: v for k, v in GLM_4_7_FLASH.items() if k not in ("mlp_layer_types", "eos_token_id")},
+    "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+    "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4, "n_routed_experts": 8,
+    "num_experts_per_tok": 2, "kv_lora_rank": 64, "q_lora_rank": 96, "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 32, "v_head_dim": 32, "mlp_layer_types": ["dense", "sparse", "sparse", "sparse"],
+    "max_position_embeddings": 4096, "bos_token_id": 507, "eos_token_id": 509,
+}
+TINY_HYBRID: dict[str, Any] = {
+    **{k: v for k, v in QWEN3_6_27B.items() if k not in ("layer_types", "bos_token_id", "eos_token_id")},
+    "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "linear_key_head_dim": 32, "linear_value_head_dim": 32,
+    "layer_types": ["linear_attention", "full_attention"] * 2, "max_position_embeddings": 4096,
+    "bos_token_id": 507, "eos_token_id": 509,
+}
+
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": LLAMA_3_1_8B,
     "qwen3-4b": QWEN3_4B,
@@ -299,6 +317,8 @@ SHAPES: dict[str, dict[str, Any]] = {
     "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
     "qwen3.6-27b": QWEN3_6_27B,
     "tiny": TINY,
+    "tiny-mla": TINY_MLA,
+    "tiny-hybrid": TINY_HYBRID,
 }
 
 

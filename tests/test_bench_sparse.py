@@ -50,3 +50,14 @@ def test_h2o_scores_slots_loaded_outside_a_step_as_unattended():
     (h2o,) = results
     assert h2o["batch"] == 2
     assert h2o["pages_per_request"] <= -(-(32 + 3 + 1) // 16) + 1  # compacted to the budget despite the fill
+
+
+def test_the_latent_and_hybrid_shapes_run_the_same_benchmark():
+    """Latent rows (one per token and layer) and a hybrid (KV in its full-attention layers only): SnapKV compacts
+    the synthetic context here too, and the KV bytes per token are the storage's."""
+    for shape, kv_bytes_per_token in (("tiny-mla", 4 * (64 + 16) * 4), ("tiny-hybrid", 2 * 2 * 2 * 64 * 4)):
+        dense, snap = main(["--shape", shape, "--context", "256", "--max-batch", "2", "--decode-steps", "2",
+                            "--dtype", "float32", "--device", "cpu", "--repeats", "1",
+                            "--methods", 'dense;snapkv:{"budget":32,"window":8}'])
+        assert snap["pages_per_request"] < dense["pages_per_request"] / 2
+        assert dense["kv_bytes_per_token"] == kv_bytes_per_token, shape
