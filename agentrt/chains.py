@@ -29,7 +29,8 @@ from engine.errors import ConfigError, EngineError, InvalidRequestError
 from engine.registry import METHODS, SCORERS, create_method
 from engine.sampling_params import SamplingParams
 from sdk.schema import (ChainCreate, ChainStatus, ChainList, ChainRead, ChainSummary, ForkRequest, HintsRequest,
-                        PruneEvent, PruneRequest, PruneResult, Region, RewindRequest, ToolResultMessage, TurnCreate)
+                        PruneEvent, PruneRequest, PruneResult, Region, RewindRequest, ToolResultMessage, TurnCreate,
+                        TurnHints)
 
 if TYPE_CHECKING:
     from engine.engine_handle import EngineHandle
@@ -396,6 +397,21 @@ class ChainService:
             self._creating.release()
             self.busy.discard(chain_id)
         return await self.read(new_id, tenant=tenant)
+
+    async def apply_turn_hints(self, chain_id: str, hints: TurnHints) -> None:
+        """A turn's hints (``TurnCreate.hints``), once it has ended; a failure is logged, the turn stands."""
+        def apply(e: EngineHandle) -> None:
+            if hints.pin is not None:
+                e.pin_chain(chain_id, hints.pin)
+            if hints.priority is not None or hints.ttl_seconds is not None:
+                e.chain_hints(chain_id, priority=hints.priority, ttl_s=hints.ttl_seconds)
+            if hints.release_after:
+                e.release_chain(chain_id)
+
+        try:
+            await self.worker.call(apply)
+        except Exception:
+            log.exception("session hints of chain %s were not applied", chain_id)
 
     async def hints(self, chain_id: str, data: HintsRequest, *, tenant: str) -> ChainRead:
         """Session hints on the chain's KV in the engine (``HintsRequest``); a chain the engine does not hold yet

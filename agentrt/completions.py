@@ -153,6 +153,7 @@ class CompletionService:
                     "forced_token_ids": p.forced_token_ids, "response_format": req.response_format,
                     "tool_choice": req.tool_choice, "parallel_tool_calls": req.parallel_tool_calls}
         turn_data = chain_completions.turn_request(new, offset, sampling, bool(req.stream))
+        turn_data = msgspec.structs.replace(turn_data, hints=req.session_hints)
         with template_kwargs(enable_thinking=enable_thinking(req)):
             turn = await self.chains.start_turn(req.chain_id, turn_data, tenant=tenant)
         if turn.state.num_turns != state.num_turns:  # another request appended a turn meanwhile
@@ -231,6 +232,7 @@ class CompletionService:
         implicit = implicit_chains_for(self.chains)
         async with implicit.resolve(tenant, session, system, tools, messages, names) as resolved:
             data = turn_create(messages[resolved.offset:], sampling, stream=bool(req.stream))
+            data = msgspec.structs.replace(data, hints=req.session_hints)
             with template_kwargs(enable_thinking=enable_thinking(req)):
                 turn = await self.chains.start_turn(resolved.chain_id, data, tenant=tenant)
             if turn.state.num_turns != resolved.state.num_turns:

@@ -1,7 +1,8 @@
 """The OpenAI chat-completions wire types the compatible route reads and writes.
 
 Requests forbid unknown fields, as OpenAI does: a field that is neither OpenAI's nor one of agentrt's extensions
-(``chain_id``, ``forced_token_ids``, ``top_k``, ``min_p``, ``chat_template_kwargs``) is a 400 naming it. Every
+(``chain_id``, ``forced_token_ids``, ``top_k``, ``min_p``, ``chat_template_kwargs``, ``session_hints``) is a 400
+naming it. Every
 field of OpenAI's request is declared; those this server cannot honor are refused by ``agentrt.completions`` with a
 400 naming them (docs/server.md lists each field and what it does here).
 """
@@ -12,7 +13,7 @@ from typing import Annotated, Any, Literal
 
 from msgspec import UNSET, Meta, Struct, UnsetType
 
-from sdk.schema import FunctionCall, ToolCall
+from sdk.schema import FunctionCall, ToolCall, TurnHints
 
 
 class _Strict(Struct, forbid_unknown_fields=True, kw_only=True):
@@ -162,6 +163,7 @@ class ChatCompletionRequest(_Strict, kw_only=True):
     chain_id: Annotated[str, Meta(min_length=1, max_length=64)] | None = None  # resume a chain
     forced_token_ids: list[Annotated[int, Meta(ge=0, le=2**31)]] | None = None  # emitted first (replays, tests)
     chat_template_kwargs: ChatTemplateKwargs | None = None  # {"enable_thinking": bool}, as vLLM and SGLang take it
+    session_hints: TurnHints | None = None  # for the chain the turn runs on (sdk.schema.TurnHints)
 
 
 class ChatMessage(Struct, kw_only=True):

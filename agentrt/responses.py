@@ -300,8 +300,9 @@ class ResponseService:
                             names=names)
 
     def _turn(self, req: ResponsesRequest, messages: list[Message], sampling: dict[str, Any]) -> TurnCreate:
-        return _convert({"messages": messages, "sampling": sampling, "stream": bool(req.stream)}, TurnCreate,
-                        "input")
+        return _convert({"messages": messages, "sampling": sampling, "stream": bool(req.stream),
+                         "hints": None if req.session_hints is None else msgspec.to_builtins(req.session_hints)},
+                        TurnCreate, "input")
 
     async def _start_implicit(self, req: ResponsesRequest, tenant: str, conv: Conversation,
                               tools: list[dict[str, Any]], sampling: dict[str, Any]

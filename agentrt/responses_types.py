@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct, field
 
+from sdk.schema import TurnHints
+
 
 class _In(Struct, forbid_unknown_fields=True, kw_only=True):
     pass
@@ -126,6 +128,7 @@ class ResponsesRequest(_In):
     user: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
+    session_hints: TurnHints | None = None  # agentrt extension: for the response's chain (sdk.schema.TurnHints)
     # accepted, no effect
     service_tier: str | None = None
     truncation: str | None = None

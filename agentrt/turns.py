@@ -93,6 +93,12 @@ class PendingTurn:
             self.service.metrics.turns.labels(outcome).inc()
 
     async def _commit(self, out: RequestOutput) -> TurnResult:
+        result = await self._commit_turn(out)
+        if self.data.hints is not None:  # the turn is committed: hints never fail it
+            await self.service.apply_turn_hints(self.state.id, self.data.hints)
+        return result
+
+    async def _commit_turn(self, out: RequestOutput) -> TurnResult:
         new_state = None
         try:
             result, new_state = await self._write(out)

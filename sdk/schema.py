@@ -161,6 +161,17 @@ class HintsRequest(_Input, kw_only=True):
     prefetch: bool = False
 
 
+class TurnHints(_Input, kw_only=True):
+    """Session hints a turn carries for its chain's KV, applied when the turn has ended: ``pin``, ``priority``,
+    ``ttl_seconds`` as on ``POST /v1/chains/{id}/hints``, and ``release_after`` (off the device as soon as the turn
+    ends: an agent that will run a long tool call)."""
+
+    pin: bool | None = None
+    priority: Annotated[int, Meta(ge=-1000, le=1000)] | None = None
+    ttl_seconds: Annotated[float, Meta(gt=0)] | None = None
+    release_after: bool = False
+
+
 class RewindRequest(_Input, kw_only=True):
     """Exactly one of: ``num_turns`` to keep, or ``num_tokens`` (must fall on a turn boundary)."""
 
@@ -257,6 +268,7 @@ class TurnCreate(_Input, kw_only=True):
     assistant_prefix: Text | None = None  # generation continues this text
     sampling: Sampling = field(default_factory=Sampling)
     stream: bool = False
+    hints: TurnHints | None = None  # applied to the chain's KV when the turn has ended
 
 
 class TurnResult(Struct, kw_only=True):

@@ -75,3 +75,42 @@ def test_session_hints_through_the_chain_route(tmp_path):
         second = client.post(f"/v1/chains/{cid}/turns", json={**turn, "messages": [{"role": "user", "content": "x"}]})
         assert second.json()["resume_status"] == "resumed"
         assert client.post("/v1/chains/chain_unknown/hints", json={}).status_code == 404
+
+
+def test_a_turn_carries_session_hints_on_every_route(tmp_path):
+    """``hints`` on a chain turn, ``session_hints`` on chat completions and Responses (agentrt extensions):
+    applied when the turn has ended -- pinned, or released to the host tier at once for a long tool call."""
+    from openai import OpenAI
+
+    options = {**ENGINE_OPTIONS, "chain_host_bytes": 256 * 2**20}
+    config = ServerConfig(model=random_model_dir(), db_url=f"sqlite+aiosqlite:///{tmp_path / 'db'}",
+                          engine_options=options)
+    with TestClient(base_url="http://127.0.0.1", app=create_app(config), timeout=120) as client:
+        cid = client.post("/v1/chains", json={}).json()["id"]
+        r = client.post(f"/v1/chains/{cid}/turns", json={
+            "messages": [{"role": "user", "content": "hi"}], "sampling": SAMPLING,
+            "hints": {"pin": True, "priority": 7, "ttl_seconds": 3600}})
+        assert r.status_code == 200
+        assert client.get(f"/v1/chains/{cid}").json()["kv"]["pinned"] is True
+        r = client.post(f"/v1/chains/{cid}/turns", json={
+            "messages": [{"role": "user", "content": "a long tool call follows"}], "sampling": SAMPLING,
+            "hints": {"pin": False, "release_after": True}})
+        kv = client.get(f"/v1/chains/{cid}").json()["kv"]
+        assert kv["pinned"] is False and kv["engine_status"] == "host"
+        bad = client.post(f"/v1/chains/{cid}/turns", json={
+            "messages": [{"role": "user", "content": "x"}], "hints": {"ttl_seconds": -1}})
+        assert bad.status_code == 400 and "ttl_seconds" in bad.text
+
+        openai = OpenAI(base_url="http://127.0.0.1/v1", api_key="none", http_client=client)
+        model = client.get("/v1/models").json()["data"][0]["id"]
+        response = openai.responses.create(model=model, input="hello",
+                                           max_output_tokens=4, extra_body={"session_hints": {"release_after": True}})
+        chain = client.get("/v1/chains", params={"limit": 100}).json()["data"]
+        assert response.status in ("completed", "incomplete") and chain  # 4 tokens may cut the reply
+        chat = openai.chat.completions.create(
+            model=model, max_tokens=4, messages=[{"role": "user", "content": "hey"}],
+            extra_body={"session_hints": {"release_after": True}, "prompt_cache_key": "s1"})
+        assert chat.choices[0].message is not None
+        statuses = [client.get(f"/v1/chains/{c['id']}").json()["kv"]["engine_status"]
+                    for c in client.get("/v1/chains", params={"limit": 100}).json()["data"]]
+        assert statuses.count("host") >= 3, statuses  # the chain turn's, the response's, the chat's
