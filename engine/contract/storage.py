@@ -5,12 +5,12 @@ A cache manager owns pages and page tables (which request holds which page, pref
 slot: ``page * page_size + offset``, one page id naming the same slot range in every layer. The manager
 hands the storage slots, tables and lengths; the storage knows nothing of requests.
 
-Built-in storages (``engine.storage``): ``DenseKV`` (k and v in the model dtype) and ``CodedStorage`` (a
-codec's fields per token group, plus a full-precision window per running request). A storage is chosen by
-the type of its ``CacheSpec`` (``engine.storage.register_storage``), and the spec's ``bytes_per_page``
-sizes the pool, so a new representation is a spec subclass, a storage class and one registration: no page
-logic changes. docs/architecture.md describes the representations planned on this interface (a latent
-store whose V is a slice of K, and a per-request recurrent-state store).
+Built-in storages (``engine.storage``): ``DenseKV`` (k and v in the model dtype), ``CodedStorage`` (a codec's
+fields per token group, plus a full-precision window per running request), ``LatentKV`` (one latent row per token
+whose values are a slice of it) and ``HybridKV`` (dense pages for full-attention layers plus a recurrent-state slot
+per running request). A storage is chosen by the type of its ``CacheSpec`` (``engine.storage.register_storage``),
+and the spec's ``bytes_per_page`` sizes the pool, so a new representation is a spec subclass, a storage class and
+one registration: no page logic changes (docs/architecture.md, "KV storage representations").
 """
 
 from __future__ import annotations
