@@ -61,6 +61,8 @@ class AttentionBackend:
 
     dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.float16, torch.bfloat16)
     head_dims: ClassVar[tuple[int, ...] | None] = None  # the head sizes its kernels are built for (None: any)
+    # a latent (MLA) cache's widest (kv_lora_rank, qk_rope_head_dim) its kernels run (None: any)
+    latent_dims: ClassVar[tuple[int, int] | None] = None
 
     def reads_codec(self, codec: KVCodec, head_dim: int | None = None) -> bool:
         """Whether a ``QuantizedPagesView`` of this codec (at ``head_dim``, when known) is read (the torch
@@ -68,9 +70,10 @@ class AttentionBackend:
         return True
 
     def unsupported(self, method: SparseMethod, dtype: torch.dtype | None = None,
-                    codec: KVCodec | None = None, head_dim: int | None = None) -> list[str]:
+                    codec: KVCodec | None = None, head_dim: int | None = None,
+                    value_dim: int | None = None) -> list[str]:
         """Why this backend cannot serve ``method`` on a KV cache of ``dtype`` and ``head_dim`` stored by
-        ``codec`` (empty when it can)."""
+        ``codec`` (empty when it can); ``value_dim`` below ``head_dim``: a latent cache (values a slice of keys)."""
         view_types = method.view_types if codec is None else (QuantizedPagesView,)
         reasons = [f"the {self.name} backend cannot read {t.__name__}" for t in view_types
                    if not backend_can_read(t, self.accepted_views)]
@@ -79,7 +82,13 @@ class AttentionBackend:
             reasons.append(f"the {self.name} backend has no kernel for kv_storage {codec.name!r}{at}")
         if dtype is not None and dtype not in self.dtypes:
             reasons.append(f"the {self.name} backend does not run {dtype} (it runs {list(self.dtypes)})")
-        if head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
+        latent = head_dim is not None and value_dim is not None and value_dim != head_dim
+        if latent and self.latent_dims is not None and (value_dim > self.latent_dims[0]
+                                                        or head_dim - value_dim > self.latent_dims[1]):
+            reasons.append(f"the {self.name} backend's MLA kernels run kv_lora_rank <= {self.latent_dims[0]} and "
+                           f"qk_rope_head_dim <= {self.latent_dims[1]} (this model: kv_lora_rank {value_dim}, "
+                           f"qk_rope_head_dim {head_dim - value_dim})")
+        elif head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
             reasons.append(f"the {self.name} backend does not run head_dim {head_dim} (it runs {list(self.head_dims)})")
         if method.needs.attention_scores and not self.supports_scores:
             reasons.append(f"the {self.name} backend does not return the attention scores {method.name} needs")
@@ -150,14 +159,14 @@ def auto_candidates(device: torch.device, flashinfer_installed: bool) -> list[st
 
 def make_backend(
     name: str, device: torch.device, method: SparseMethod, dtype: torch.dtype | None = None,
-    codec: KVCodec | None = None, head_dim: int | None = None,
+    codec: KVCodec | None = None, head_dim: int | None = None, value_dim: int | None = None,
 ) -> AttentionBackend:
     """The backend by name; ``auto`` takes the first of ``auto_candidates`` that serves ``method``."""
     if name not in BACKEND_NAMES:
         raise ConfigError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     if name != "auto":
         backend = _construct(name, device)
-        reasons = backend.unsupported(method, dtype, codec, head_dim)
+        reasons = backend.unsupported(method, dtype, codec, head_dim, value_dim)
         if reasons:
             raise ConfigError(f"method {method.name!r} cannot run on attention_backend {name!r}: {'; '.join(reasons)}")
         return backend
@@ -169,7 +178,7 @@ def make_backend(
         except ConfigError as exc:  # flashinfer present but not importable here
             log.info("attention backend auto: not %s (%s)", candidate, exc)
             continue
-        reasons = backend.unsupported(method, dtype, codec, head_dim)
+        reasons = backend.unsupported(method, dtype, codec, head_dim, value_dim)
         if not reasons:
             break
         log.info("attention backend auto: not %s (%s)", candidate, "; ".join(reasons))

@@ -24,6 +24,7 @@ class TritonBackend(AttentionBackend):
     accepted_views = (PagedView, SelectedSlotsView, QuantizedPagesView)
     supports_scores = True
     cuda_graph_safe = True
+    latent_dims = (512, 64)  # the MLA decode / prefill tiles compiled for sm_90a without spills (their tests)
 
     def reads_codec(self, codec, head_dim=None) -> bool:
         from agentrt_kernels.triton.quant_decode import FORMATS, unsupported_shape

@@ -112,7 +112,7 @@ class LLMEngine:
                               f"kv_storage {self.codec.name!r}")
         self.method.bind(self.cache)
         self.backend = make_backend(config.attention_backend, self.device, self.method, spec.dtype, self.codec,
-                                    spec.head_dim)
+                                    spec.head_dim, spec.v_head_dim)
         self.methods = MethodSet(self.method, lambda m: take_on(m, self.codec, self.backend, spec, self.cache),
                                  config.max_methods)
         tiers = None

@@ -42,7 +42,7 @@ def take_on(method: SparseMethod, codec: KVCodec | None, backend: TorchReference
     not); it is then handed the engine's ``cache``."""
     if codec is not None:
         check_composes(codec, method.name, method.view_types)
-    reasons = backend.unsupported(method, spec.dtype, codec, spec.head_dim)
+    reasons = backend.unsupported(method, spec.dtype, codec, spec.head_dim, spec.v_head_dim)
     if reasons:
         raise ConfigError(f"method {method.name!r} cannot run on attention backend {backend.name!r}: "
                           + "; ".join(reasons))

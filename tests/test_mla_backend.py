@@ -66,3 +66,15 @@ def test_latent_decode_scores_and_selected_slots_equal_the_torch_backend():
     got, _ = backend.forward(q, latent, latent[..., :DV], selected, DK**-0.5)
     ref, _ = ref_backend.forward(q, latent, latent[..., :DV], selected, DK**-0.5)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-5)
+
+
+def test_a_latent_width_its_kernels_do_not_tile_is_refused_naming_the_field():
+    from engine.contract.method import SparseMethod
+
+    backend = TritonBackend()
+    assert backend.unsupported(SparseMethod(), torch.bfloat16, None, head_dim=576, value_dim=512) == []
+    (reason,) = backend.unsupported(SparseMethod(), torch.bfloat16, None, head_dim=1024 + 64, value_dim=1024)
+    assert "kv_lora_rank <= 512" in reason and "this model: kv_lora_rank 1024" in reason
+    (reason,) = backend.unsupported(SparseMethod(), torch.bfloat16, None, head_dim=512 + 128, value_dim=512)
+    assert "qk_rope_head_dim 128" in reason
+    assert TorchReferenceBackend().unsupported(SparseMethod(), torch.bfloat16, None, 1024 + 64, 1024) == []
