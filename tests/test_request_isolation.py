@@ -91,13 +91,15 @@ def test_a_request_larger_than_the_context_can_hold_is_413_before_rendering(tmp_
 
 
 class Prober:
-    """Another client: /health and 4-token turns, back to back, recording each call's latency."""
+    """Another client: /health and 4-token turns, back to back, recording each call's latency; and a third that
+    polls /health alone (``health``), so the event loop is sampled also while a turn of the second waits."""
 
     def __init__(self, url: str):
         self.url, self.latencies, self.errors = url, [], []
-        self.health: list[float] = []  # the event loop's share of the latencies: /health does nothing else
+        self.health: list[float] = []
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.threads = [threading.Thread(target=self._run, daemon=True),
+                        threading.Thread(target=self._poll_health, daemon=True)]
 
     def _run(self) -> None:
         with httpx.Client(base_url=self.url, timeout=30) as http:
@@ -107,21 +109,31 @@ class Prober:
                     t0 = time.perf_counter()
                     r = http.request(method, path, json=body)
                     self.latencies.append(time.perf_counter() - t0)
-                    if path == "/health":
-                        self.health.append(self.latencies[-1])
                     if r.status_code != 200:
                         self.errors.append((path, r.status_code, r.text[:200]))
 
+    def _poll_health(self) -> None:
+        with httpx.Client(base_url=self.url, timeout=30) as http:
+            while not self.stop.is_set():
+                t0 = time.perf_counter()
+                r = http.get("/health")
+                self.health.append(time.perf_counter() - t0)
+                if r.status_code != 200:
+                    self.errors.append(("/health", r.status_code, r.text[:200]))
+                time.sleep(0.02)
+
     def __enter__(self) -> "Prober":
-        self.thread.start()
-        while not self.latencies:
+        for thread in self.threads:
+            thread.start()
+        while not self.latencies or not self.health:
             time.sleep(0.05)
         return self
 
     def __exit__(self, *exc) -> None:
         time.sleep(0.3)
         self.stop.set()
-        self.thread.join(timeout=60)
+        for thread in self.threads:
+            thread.join(timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +164,7 @@ def test_a_huge_turn_does_not_stall_other_clients(served):
         # the event loop never waits on the render: /health answers at once throughout. (Another chain's turn
         # can take as long as the huge render on a loaded 2-core machine -- it shares the render threads and the
         # GIL with it -- so its latency is not bounded here; docs/server.md, "Request isolation".)
-        assert len(prober.health) >= 2 and max(prober.health) < 1.0, (prober.health, heavy_s)
+        assert len(prober.health) > 20 and max(prober.health) < 1.0, (max(prober.health), heavy_s)
 
 
 def test_a_14mb_websocket_frame_does_not_stall_other_clients(served):
