@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -65,12 +66,19 @@ def _tenant(scope: Scope) -> str:
     return scope[TENANT_SCOPE_KEY]  # type: ignore[literal-required]  # set by auth_guard
 
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
 def create_app(config: ServerConfig | None = None, engine: EngineHandle | None = None) -> Litestar:
     """``engine``: an LLMEngine to serve instead of building one from ``config`` (it is not closed on exit).
     Raises agentrt.config.ConfigurationError for a configuration that must not serve (e.g. no auth off
     loopback)."""
     config = config or ServerConfig()
     config.check()
+    # The engine thread runs thousands of short torch calls a step, each giving up and taking back the GIL; while a
+    # render thread runs pure-Python templating (a huge turn: seconds), each take-back waits out the switch interval
+    # (5 ms by default), so a step of another client's turn slowed to seconds. 0.5 ms bounds that wait.
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
