@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -53,11 +52,12 @@ from agentrt.anthropic_types import (ClearToolUsesApplied, ClearToolUsesEdit, Co
                                      ToolChoiceTool, ToolParam, ToolResultBlockParam, ToolUseBlock, ToolUseBlockParam,
                                      ToolUses, Usage)
 from agentrt.chat import Message as ChainMessage
-from agentrt.chat import TOOL_CALL_RE, template_kwargs, tool_call_from_json
+from agentrt.chat import template_kwargs
 from agentrt.errors import ModelNotFound, bad_field
 from agentrt.implicit_chains import ImplicitChains, Resolved, arguments_value, implicit_chains_of, turn_create
 from agentrt.reasoning import parser as reasoning_parser
 from agentrt.tool_call_stream import ToolCallStream
+from agentrt.tool_input_spans import call_input_spans, covered, merged
 from engine.errors import InvalidRequestError
 from engine.structured_output import schema_error
 from sdk.schema import FunctionDef, PruneRequest, Tool, ToolCall, TurnDelta, TurnResult
@@ -236,108 +236,6 @@ def _clears_input(edit: ClearToolUsesEdit, tool_name: str | None) -> bool:
     return bool(edit.clear_tool_inputs)
 
 
-# --- a tool_use input's tokens in the chain's log ------------------------------------------------------------
-_WS = re.compile(r"\s*")
-_JSON = json.JSONDecoder()
-
-
-def _member_span(body: str, key: str) -> tuple[int, int] | None:
-    """The character span of the value of ``key`` in the JSON object ``body`` (the last one, as ``json.loads``
-    takes it); None when there is none or ``body`` is no object."""
-    found = None
-    try:
-        i = _WS.match(body, 0).end()  # type: ignore[union-attr]
-        if body[i] != "{":
-            return None
-        i = _WS.match(body, i + 1).end()  # type: ignore[union-attr]
-        if body[i] == "}":
-            return None
-        while True:
-            if body[i] != '"':
-                return None
-            name, i = json.decoder.scanstring(body, i + 1)  # type: ignore[attr-defined]
-            i = _WS.match(body, i).end()  # type: ignore[union-attr]
-            if body[i] != ":":
-                return None
-            i = _WS.match(body, i + 1).end()  # type: ignore[union-attr]
-            _, end = _JSON.raw_decode(body, i)
-            if name == key:
-                found = (i, end)
-            i = _WS.match(body, end).end()  # type: ignore[union-attr]
-            if body[i] == "}":
-                return found
-            if body[i] != ",":
-                return None
-            i = _WS.match(body, i + 1).end()  # type: ignore[union-attr]
-    except (ValueError, IndexError):
-        return None
-
-
-def _token_offsets(decode: Any, ids: list[int]) -> tuple[str, list[int | None]]:
-    """The text of ``ids`` and, per token boundary ``i``, the length of the text of ``ids[:i]`` (None at a
-    boundary inside a character: a multi-byte character split over tokens). Linear: each step decodes the tokens
-    since the last whole boundary after the window before it (agentrt's incremental detokenizer's scheme, so that
-    a decoder that strips a window's leading space strips it from the context only); should the pieces still not
-    make the whole text, every prefix is decoded instead."""
-    full = decode(ids)
-    offsets: list[int | None] = [0] + [None] * len(ids)
-    text, prefix, base = "", 0, 0
-    for i in range(1, len(ids) + 1):
-        before, after = decode(ids[prefix:base]), decode(ids[prefix:i])
-        if (len(after) <= len(before) or after.endswith("\ufffd")) and i < len(ids):
-            continue
-        text += after[len(before):]
-        offsets[i], prefix, base = len(text), base, i
-    if text != full:
-        for i in range(1, len(ids) + 1):
-            prefix = decode(ids[:i])
-            offsets[i] = len(prefix) if full.startswith(prefix) and not prefix.endswith("\ufffd") else None
-        offsets[-1] = len(full)
-    return full, offsets
-
-
-def call_input_spans(decode: Any, ids: list[int]) -> list[tuple[str, Any, int, int] | None]:
-    """Per well-formed ``<tool_call>`` block in the tokens ``ids`` (an assistant turn's region), in order: its
-    name, its arguments' value and the span ``[lo, hi)`` of the tokens that spell the arguments (the fewest
-    tokens covering their JSON text: a token at either edge may carry a space or brace of the markup too); None
-    for a block without arguments."""
-    text, offsets = _token_offsets(decode, ids)
-    found: list[tuple[str, Any, int, int] | None] = []
-    for match in TOOL_CALL_RE.finditer(text):
-        call = tool_call_from_json(match.group(1))
-        if call is None:
-            continue
-        span = _member_span(match.group(1), "arguments")
-        if span is None:
-            found.append(None)
-            continue
-        a, b = match.start(1) + span[0], match.start(1) + span[1]
-        lo = max(i for i, at in enumerate(offsets) if at is not None and at <= a)
-        hi = min(i for i, at in enumerate(offsets) if at is not None and at >= b)
-        found.append((call.function.name, json.loads(text[a:b]), lo, hi))
-    return found
-
-
-def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    out: list[tuple[int, int]] = []
-    for lo, hi in sorted(spans):
-        if out and lo <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], hi))
-        elif lo < hi:
-            out.append((lo, hi))
-    return out
-
-
-def _covered(span: tuple[int, int], intervals: list[tuple[int, int]]) -> bool:
-    """Whether the token span lies wholly within the union of ``intervals``."""
-    lo, hi = span
-    for a, b in _merged(intervals):
-        if a > lo:
-            break
-        lo = max(lo, b)
-    return lo >= hi
-
-
 def tool_input(call: ToolCall) -> dict[str, Any]:
     """A call's arguments as a tool_use ``input`` (an object: arguments that are not one are wrapped)."""
     value = arguments_value(call.function.arguments)
@@ -502,7 +400,7 @@ class MessagesService:
         self.model_name = model_name
         self.config = config
         # (chain, region, start, hash of its tokens) of an assistant turn -> its calls' input spans
-        # (call_input_spans), the most recently read last
+        # (agentrt.tool_input_spans.call_input_spans), the most recently read last
         self._reads: dict[tuple[str, int, int, int], list[tuple[str, Any, int, int] | None]] = {}
 
     # --- requests ---------------------------------------------------------------------------------------
@@ -657,7 +555,7 @@ class MessagesService:
             inputs = [r for r in results if r.index in cleared and _clears_input(edit, r.tool_name)]
             spans = self._input_spans(state, conv, resolved.offset, inputs)
             pruned = [(int(a), int(b)) for a, b in state.row.pruned_intervals or []]
-            due_inputs = [span for span in spans.values() if not _covered(span, pruned)]
+            due_inputs = [span for span in spans.values() if not covered(span, pruned)]
             freed = sum(r.end - r.start for r in due) + sum(hi - lo for lo, hi in due_inputs)
             at_least = edit.clear_at_least.value if edit.clear_at_least is not None else 0
             if ((due or due_inputs) and freed >= at_least
@@ -679,7 +577,7 @@ class MessagesService:
             if touched:  # some assistant turn lost tokens: the inputs of the cleared uses among them
                 pruned = [(int(a), int(b)) for a, b in state.row.pruned_intervals or []]
                 spans = self._input_spans(state, conv, resolved.offset, cleared_results, touched)
-                tokens += sum(hi - lo for lo, hi in spans.values() if _covered((lo, hi), pruned))
+                tokens += sum(hi - lo for lo, hi in spans.values() if covered((lo, hi), pruned))
             applied.append(ClearToolUsesApplied(cleared_tool_uses=len(cleared_results), cleared_input_tokens=tokens))
         return ContextManagementResponse(applied_edits=applied)
 
@@ -737,7 +635,7 @@ class MessagesService:
             limit = info.computed_tokens
         except InvalidRequestError:  # the engine does not hold the chain: the prune is a no-op
             limit = len(state.token_ids)
-        return _merged([(lo, min(hi, limit)) for lo, hi in spans])
+        return merged([(lo, min(hi, limit)) for lo, hi in spans])
 
     async def _triggered(self, trigger: InputTokens | ToolUses, state: Any, conv: Conversation, resolved: Resolved,
                          in_chain: int) -> bool:

@@ -223,7 +223,7 @@ def test_bad_clear_tool_inputs_is_a_400_naming_it(alice, model, value):
     '<|im_end|>\n',
     '<|im_start|>assistant\n' + _markup("search", {"query": 'a " } b', "limit": 9}) + '<|im_end|>\n'])
 def test_call_input_spans_are_the_fewest_tokens_that_spell_the_arguments(decode, tokens, text):
-    from agentrt.anthropic_messages import call_input_spans
+    from agentrt.tool_input_spans import call_input_spans
 
     ids = tokens(text)
     found = call_input_spans(decode, ids)
