@@ -631,7 +631,7 @@ class MessagesService:
     async def _intervals(self, state: Any, spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         """The spans merged, within the chain's computed KV (the whole log when the engine does not hold it)."""
         try:
-            info = await self.chains.worker.call(lambda e: e.chain_info(state.id))
+            info = await self.chains.worker.call(lambda e: e.chain_info(state.id), chain=state.id)
             limit = info.computed_tokens
         except InvalidRequestError:  # the engine does not hold the chain: the prune is a no-op
             limit = len(state.token_ids)

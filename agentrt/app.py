@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from litestar import Litestar
@@ -37,7 +37,13 @@ from agentrt.routes.openai import TextCompletionsController
 from agentrt.routes.responses import ResponsesController
 
 if TYPE_CHECKING:
+    from collections.abc import Awaitable, Callable
+
+    from agentrt.db import Database
+    from agentrt.scaleout.leases import ChainLeases
     from engine.engine_handle import EngineHandle
+
+    RemoteFactory = Callable[[Database], Awaitable[tuple[Any, ChainLeases]]]
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +75,11 @@ def _tenant(scope: Scope) -> str:
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-def create_app(config: ServerConfig | None = None, engine: EngineHandle | None = None) -> Litestar:
+def create_app(config: ServerConfig | None = None, engine: EngineHandle | None = None,
+               remote: RemoteFactory | None = None) -> Litestar:
     """``engine``: an LLMEngine to serve instead of building one from ``config`` (it is not closed on exit).
+    ``remote``: serve engine replicas elsewhere instead (agentrt.scaleout): called with the database, it returns
+    the started worker (EngineWorker's interface) and the chain leases the HTTP replicas share.
     Raises agentrt.config.ConfigurationError for a configuration that must not serve (e.g. no auth off
     loopback)."""
     config = config or ServerConfig()
@@ -82,7 +91,14 @@ def create_app(config: ServerConfig | None = None, engine: EngineHandle | None =
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        llm = engine if engine is not None else await anyio.to_thread.run_sync(build_engine, config)
+        db = await open_database(config.db_url or default_db_url())
+        leases = None
+        if remote is not None:
+            worker, leases = await remote(db)
+            llm = worker.engine
+        else:
+            llm = engine if engine is not None else await anyio.to_thread.run_sync(build_engine, config)
+            worker = EngineWorker(llm, max_queue_depth=config.max_queue_depth, retry_after_s=config.retry_after_s)
         from engine.llm_engine import load_tokenizer
         from engine.tiny_checkpoint import DEFAULT_MODEL_NAME
 
@@ -90,14 +106,17 @@ def create_app(config: ServerConfig | None = None, engine: EngineHandle | None =
         model_name = config.model_name or (DEFAULT_MODEL_NAME if config.model is None else model_dir.name)
         renderer = ChatRenderer(load_tokenizer(model_dir), llm.model_config.eos_token_ids)
         pool = RenderPool(renderer, llm.max_model_len, config.render_workers, config.max_chars_per_token)
-        worker = EngineWorker(llm, max_queue_depth=config.max_queue_depth, retry_after_s=config.retry_after_s)
-        db = await open_database(config.db_url or default_db_url())
-        chains = ChainService(config, model_name, worker, pool, db)
+        chains = ChainService(config, model_name, worker, pool, db, leases=leases)
         await chains.start()
         metrics = Metrics(worker, chains.counts)
         chains.metrics = metrics
-        worker.on_step = metrics.observe_step
-        worker.start()
+        if remote is None:
+            worker.on_step = metrics.observe_step
+            worker.start()
+        else:
+            from agentrt.scaleout.replica_metrics import register_replica_gauges
+
+            register_replica_gauges(metrics.registry, worker)
         keys = KeyService(db)
         if config.auth_required and not await keys.count_active():
             log.warning("auth is required but the database holds no active API key: create one with "

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from sqlalchemy import delete, func, inspect, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
 
 from agentrt.chain_state import (ChainState, chain_read, chain_summary, kv_accounting, message_dict, policy_of,
                                  prune_event_row, state_from_rows)
@@ -22,6 +23,7 @@ from agentrt.db import Database
 from agentrt.engine_worker import EngineUnavailable, EngineWorker
 from agentrt.errors import ChainBusy, ChainNotFound, TooManyChains, TooManyMethodConfigs, bad_field
 from agentrt.metrics import Metrics
+from agentrt.scaleout.leases import ChainLeases, Lease
 from agentrt.models import ChainRow, PruneEventRow, RegionRow, TurnRow
 from agentrt.turns import PendingTurn
 from engine.chain_index import ChainInfo, UnknownChainError
@@ -53,8 +55,14 @@ def no_nul(value: str | None, key: str) -> None:
 
 class ChainService:
     def __init__(self, config: ServerConfig, model_name: str, worker: EngineWorker, renderer: RenderPool,
-                 db: Database):
+                 db: Database, leases: ChainLeases | None = None):
+        """``leases``: chains are shared with other HTTP replicas (agentrt.scaleout): a chain is held through its
+        lease in the database, not only in ``busy``, and its state is read from the database each time, since
+        another replica may have changed it."""
         self.config = config
+        self.leases = leases
+        self._leases: dict[str, Lease] = {}  # the leases this replica holds now
+        self._releasing: set[asyncio.Task] = set()
         self.model_name = model_name
         self.worker = worker
         self.renderer = renderer
@@ -136,7 +144,8 @@ class ChainService:
                 await self._give_back_method(tenant, key)
                 raise
         self.num_chains += 1
-        self.states[row.id] = ChainState(row=row)
+        if self.leases is None:
+            self.states[row.id] = ChainState(row=row)
         return chain_read(row, "idle", [], [], kv_accounting(0, None), False, [])
 
     async def page(self, offset: int, limit: int, *, tenant: str) -> ChainList:
@@ -157,9 +166,7 @@ class ChainService:
 
     async def delete(self, chain_id: str, *, tenant: str) -> None:
         state = await self.state(chain_id, tenant)  # 404 for another tenant's chain before anything else (no 409 leak)
-        if chain_id in self.busy:
-            raise ChainBusy(chain_id)
-        self.busy.add(chain_id)
+        await self._hold(chain_id)
         try:
             async with self.db.sessions.begin() as s:
                 if await s.get(ChainRow, chain_id) is None:
@@ -171,11 +178,13 @@ class ChainService:
             self.states.pop(chain_id, None)
             self.num_chains -= 1
             try:
-                await self._engine_call(lambda e: e.delete_chain(chain_id))
+                await self._engine_call(lambda e: e.delete_chain(chain_id), chain_id)
             finally:
                 await self._give_back_method(state.row.tenant, method_key(state.row.method, state.row.method_config))
+                if self.leases is not None:
+                    await self.leases.forget(chain_id)
         finally:
-            self.busy.discard(chain_id)
+            self._let_go(chain_id)
 
     # --- turns ----------------------------------------------------------------------------------
     async def start_turn(self, chain_id: str, data: TurnCreate, *, tenant: str) -> PendingTurn:
@@ -187,10 +196,10 @@ class ChainService:
             if isinstance(m, ToolResultMessage):
                 no_nul(m.tool_call_id, f"messages[{i}].tool_call_id")
                 no_nul(m.name, f"messages[{i}].name")
-        if chain_id in self.busy:
-            raise ChainBusy(chain_id)
-        self.busy.add(chain_id)
+        await self._hold(chain_id)
         try:
+            if self.leases is not None:  # another replica may have run a turn since the read above
+                state = await self.state(chain_id, tenant)
             key = method_key(state.row.method, state.row.method_config)
             if key in self._method_chains and key not in self._retained:
                 await self._retain(key)  # not retained at start (the engine could not take it on then)
@@ -206,42 +215,69 @@ class ChainService:
             stream = await self.worker.submit(prompt, params, chain_id=chain_id,
                                               method=(state.row.method, state.row.method_config))
         except ConfigError as exc:  # the chain's method cannot run on this server (e.g. restarted otherwise)
-            self.busy.discard(chain_id)
+            self._let_go(chain_id)
             raise bad_field("method", f"the chain's method {state.row.method!r} cannot run here: {exc}") from None
         except BaseException:
-            self.busy.discard(chain_id)
+            self._let_go(chain_id)
             raise
         return PendingTurn(self, state, data, messages, appended, prompt, stream)
 
     def finish_turn(self, chain_id: str, new_state: ChainState | None) -> None:
-        if new_state is not None:
+        if new_state is not None and self.leases is None:
             self.states[chain_id] = new_state
-        self.busy.discard(chain_id)
+        self._let_go(chain_id)
+
+    async def fence(self, session: AsyncSession, chain_id: str, engine_replica: str | None) -> None:
+        """In the transaction committing a turn: with leases, release the chain's lease and record the engine
+        replica that ran the turn as its owner, or raise agentrt.scaleout.leases.LeaseLost (nothing is written)
+        when the lease expired and another request took the chain."""
+        lease = self._leases.pop(chain_id, None)
+        if self.leases is not None and lease is not None:
+            await self.leases.fence(session, lease, engine_replica)
 
     async def state(self, chain_id: str, tenant: str | None = None) -> ChainState:
         """The chain's state; ChainNotFound when it does not exist or (``tenant`` given) belongs to another."""
-        state = self.states.get(chain_id)
+        state = self.states.get(chain_id) if self.leases is None else None
         if state is None:
             state = state_from_rows(*await self.rows(chain_id))
-            state = self.states.setdefault(chain_id, state)
+            if self.leases is None:
+                state = self.states.setdefault(chain_id, state)
         if tenant is not None and state.row.tenant != tenant:
             raise ChainNotFound(chain_id)
         return state
 
     # --- prune / fork / rewind ------------------------------------------------------------------
-    def _acquire(self, chain_id: str) -> None:
+    async def _hold(self, chain_id: str) -> None:
+        """Hold the chain for one operation (ChainBusy when something holds it already): in this process, and
+        with leases in the database too, so no other HTTP replica runs it meanwhile."""
         if chain_id in self.busy:
             raise ChainBusy(chain_id)
         self.busy.add(chain_id)
+        if self.leases is not None:
+            try:
+                self._leases[chain_id] = await self.leases.acquire(chain_id)
+            except BaseException:
+                self.busy.discard(chain_id)
+                raise
+
+    def _let_go(self, chain_id: str) -> None:
+        self.busy.discard(chain_id)
+        lease = self._leases.pop(chain_id, None)
+        if self.leases is not None and lease is not None:
+            task = asyncio.ensure_future(self.leases.release(lease))
+            self._releasing.add(task)
+            task.add_done_callback(self._releasing.discard)
 
     async def prune(self, chain_id: str, data: PruneRequest, *, tenant: str) -> PruneResult:
         state = await self.state(chain_id, tenant)
-        self._acquire(chain_id)
+        await self._hold(chain_id)
         try:
+            if self.leases is not None:
+                state = await self.state(chain_id, tenant)
             if data.scorer is not None:
                 self._check_scorer(data.scorer, "scorer")
             _check_keep(data.scorer, data.keep_ratio, data.keep_tokens)
-            info = await self._engine_call(lambda e: e.chain_info(chain_id))
+            info = await self._chain_info(chain_id)
             computed = info.computed_tokens if info is not None else 0
             selector = (data.regions, data.kinds, data.tool_names, data.rounds)
             if data.intervals is not None:
@@ -268,9 +304,10 @@ class ChainService:
                                               merge=data.keep_tokens is None)
             event, state = await self._prune(state, intervals, touched, data.scorer, data.keep_ratio, "explicit",
                                              info, data.keep_tokens)
-            self.states[chain_id] = state
+            if self.leases is None:
+                self.states[chain_id] = state
         finally:
-            self.busy.discard(chain_id)
+            self._let_go(chain_id)
         regions = [state.regions[i] for i in event.regions]
         return PruneResult(chain_id=chain_id, tokens_kept=event.tokens_kept, tokens_freed=event.tokens_freed,
                            pages_freed=event.pages_freed, event=event, regions=regions)
@@ -288,7 +325,7 @@ class ChainService:
         due = [r for r in live if r.round is not None and r.round <= newest - policy.lag]
         if not due:
             return [], state
-        info = await self._engine_call(lambda e: e.chain_info(state.id))
+        info = await self._chain_info(state.id)
         computed = info.computed_tokens if info is not None else 0
         intervals = _region_intervals(due, computed, merge=policy.keep_tokens is None)
         if info is None or not intervals:
@@ -311,12 +348,12 @@ class ChainService:
             try:
                 for part in calls:
                     res = await self.worker.call(lambda e, part=part: e.prune_chain(
-                        chain_id, part, scorer, keep_ratio, keep_tokens=keep_tokens))
+                        chain_id, part, scorer, keep_ratio, keep_tokens=keep_tokens), chain=chain_id)
                     tokens_kept, tokens_freed = res.tokens_kept, tokens_freed + res.tokens_freed
                     pages_freed += res.pages_freed
             except UnknownChainError:
                 pass
-        after = await self._engine_call(lambda e: e.chain_info(chain_id)) if info is not None else None
+        after = await self._chain_info(chain_id) if info is not None else None
         pages_after = after.pages_held if after is not None else 0
         regions = list(state.regions)
         changed: list[Region] = []
@@ -362,7 +399,7 @@ class ChainService:
         await self._creating.acquire()
         try:
             await self._check_quota(tenant)
-            self._acquire(chain_id)
+            await self._hold(chain_id)
         except BaseException:
             self._creating.release()
             raise
@@ -371,7 +408,7 @@ class ChainService:
         try:
             chain, turns, regions = await self.rows(chain_id)
             try:
-                await self.worker.call(lambda e: e.fork_chain(chain_id, new_id))
+                await self.worker.call(lambda e: e.fork_chain(chain_id, new_id), chain=chain_id)
                 forked = True
             except (UnknownChainError, EngineError):  # not resident or no room: the fork recomputes its KV
                 pass
@@ -389,13 +426,15 @@ class ChainService:
                     s.add_all(_clone(e, chain_id=new_id) for e in events)
             except BaseException:
                 if forked:
-                    await self._engine_call(lambda e: e.delete_chain(new_id))
+                    await self._engine_call(lambda e: e.delete_chain(new_id), chain_id)
                 raise
+            if forked and self.leases is not None:  # the copy is on its parent's engine replica
+                await self.leases.set_owner(new_id, await self.leases.owner(chain_id))
             self.num_chains += 1
             self._count_method(tenant, key, +1)  # the parent's configuration: already the tenant's, retained
         finally:
             self._creating.release()
-            self.busy.discard(chain_id)
+            self._let_go(chain_id)
         return await self.read(new_id, tenant=tenant)
 
     async def apply_turn_hints(self, chain_id: str, hints: TurnHints) -> None:
@@ -409,7 +448,7 @@ class ChainService:
                 e.release_chain(chain_id)
 
         try:
-            await self.worker.call(apply)
+            await self.worker.call(apply, chain=chain_id)
         except Exception:
             log.exception("session hints of chain %s were not applied", chain_id)
 
@@ -434,7 +473,7 @@ class ChainService:
                 e.prefetch_chain(chain_id)
 
         try:
-            await self.worker.call(apply)
+            await self.worker.call(apply, chain=chain_id)
         except UnknownChainError:
             pass
         return await self.read(chain_id, tenant=tenant)
@@ -443,7 +482,7 @@ class ChainService:
         await self.state(chain_id, tenant)
         if (data.num_turns is None) == (data.num_tokens is None):
             raise bad_field("num_turns", "give exactly one of num_turns or num_tokens")
-        self._acquire(chain_id)
+        await self._hold(chain_id)
         try:
             chain, turns, regions = await self.rows(chain_id)
             bounds = [0]
@@ -461,10 +500,10 @@ class ChainService:
             compacted = False
             if keep < len(turns):
                 try:
-                    await self.worker.call(lambda e: e.rewind_chain(chain_id, boundary))
+                    await self.worker.call(lambda e: e.rewind_chain(chain_id, boundary), chain=chain_id)
                 except UnknownChainError:
                     pass
-                info = await self._engine_call(lambda e: e.chain_info(chain_id))
+                info = await self._chain_info(chain_id)
                 compacted = info is not None and info.compacted
             else:
                 compacted = bool(chain.pruned_intervals)
@@ -487,7 +526,7 @@ class ChainService:
                                 .values(num_turns=keep, num_tokens=boundary, pruned_intervals=pruned_intervals))
             self.states.pop(chain_id, None)  # rebuilt from the rows on next use
         finally:
-            self.busy.discard(chain_id)
+            self._let_go(chain_id)
         return await self.read(chain_id, tenant=tenant)
 
     def _default_method(self) -> tuple[str, dict]:
@@ -623,11 +662,12 @@ class ChainService:
         return chain, list(turns), list(regions)
 
     async def _chain_info(self, chain_id: str) -> ChainInfo | None:
-        return await self._engine_call(lambda e: e.chain_info(chain_id))
+        return await self._engine_call(lambda e: e.chain_info(chain_id), chain_id)
 
-    async def _engine_call(self, fn: Callable[[EngineHandle], T]) -> T | None:
+    async def _engine_call(self, fn: Callable[[EngineHandle], T], chain: str) -> T | None:
+        """``fn(engine)`` on the engine holding ``chain``; None when it does not know the chain."""
         try:
-            return await self.worker.call(fn)
+            return await self.worker.call(fn, chain=chain)
         except InvalidRequestError:  # the engine does not know the chain (new, reclaimed or after a restart)
             return None
 

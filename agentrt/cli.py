@@ -255,11 +255,13 @@ def _serve(args: argparse.Namespace) -> int:
         return usage_error(prog, f"--host {args.host}: refusing to serve on {config.host!r} (not loopback) with no "
                                  "active API key in the database: create one with `agentrt keys create --tenant NAME"
                                  + (f" --db {config.db_url}" if config.db_url else "") + "`")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.replicas is not None:
+        return _serve_replicas(args, config)
     import uvicorn
 
     from agentrt.app import build_engine, create_app
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         engine = build_engine(config)
     except CheckpointError as exc:
@@ -268,6 +270,26 @@ def _serve(args: argparse.Namespace) -> int:
         return usage_error(prog, f"cannot start the engine: {exc}")
     uvicorn.run(create_app(config, engine=engine), host=args.host, port=args.port, log_level="info",
                 ws_max_size=config.max_body_size)
+    return 0
+
+
+def _serve_replicas(args: argparse.Namespace, config) -> int:
+    """Engine replicas and HTTP replicas on Ray Serve (docs/scale-out.md)."""
+    prog = "agentrt serve"
+    try:
+        from agentrt.scaleout.deploy import ScaleOut, serve_local
+    except ImportError as exc:
+        return usage_error(prog, f"--replicas needs Ray Serve: pip install 'agentrt[scaleout]' ({exc})")
+    scale = ScaleOut(replicas=args.replicas, http_replicas=args.http_replicas, affinity=args.affinity,
+                     engine_cpus=args.engine_cpus, engine_gpus=args.engine_gpus)
+    try:
+        scale.check()
+    except ValueError as exc:
+        return usage_error(prog, str(exc))
+    try:
+        serve_local(config, scale, args.port, ray_address=args.ray_address)
+    except ValueError as exc:
+        return usage_error(prog, str(exc))
     return 0
 
 
@@ -417,6 +439,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--chain-disk", nargs=2, metavar=("DIR", "SIZE"),
                        help="a directory and a byte budget for chains the host tier moves down (needs "
                             "--chain-host-memory)")
+    scale = serve.add_argument_group("scale-out on Ray Serve (docs/scale-out.md)")
+    scale.add_argument("--replicas", type=positive_int, metavar="N",
+                       help="run N engine replicas on Ray Serve, a chain's turns routed to the replica holding it "
+                            "(default: one engine in this process)")
+    scale.add_argument("--http-replicas", type=positive_int, default=1, metavar="M",
+                       help="HTTP replicas in front of the engine replicas (with --replicas)")
+    scale.add_argument("--no-affinity", dest="affinity", action="store_false",
+                       help="route engine requests at random instead of to the chain's owner (a baseline)")
+    scale.add_argument("--engine-cpus", type=float, default=1.0, help="Ray CPUs per engine replica")
+    scale.add_argument("--engine-gpus", type=float, default=0.0, help="Ray GPUs per engine replica")
+    scale.add_argument("--ray-address", help="join this Ray cluster (default: start a local Ray instance)")
     serve.add_argument("--require-auth", dest="require_auth", action="store_true", default=None,
                        help="require API keys (the default unless --host is a loopback address)")
     serve.add_argument("--no-auth", dest="require_auth", action="store_false",

@@ -112,8 +112,9 @@ class EngineWorker:
             self._commands.put(None)
             self._thread.join(timeout)
 
-    async def call(self, fn: Callable[[EngineHandle], T]) -> T:
-        """Run ``fn(engine)`` on the worker thread and return its result (or raise its exception)."""
+    async def call(self, fn: Callable[[EngineHandle], T], chain: str | None = None) -> T:
+        """Run ``fn(engine)`` on the worker thread and return its result (or raise its exception). ``chain``: the
+        chain ``fn`` is about (one engine here holds them all; engine replicas route by it)."""
         if not self._thread.is_alive():
             raise EngineUnavailable("the engine worker is not running")
         loop = asyncio.get_running_loop()

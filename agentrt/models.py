@@ -175,3 +175,31 @@ class ApiKeyRow(Base):
     created_at: Mapped[float] = mapped_column(Float)
     revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True, default=None)
     name: Mapped[str | None] = mapped_column(String(255), nullable=True, default=None)
+
+
+class ChainLeaseRow(Base):
+    """Where a chain runs when engine replicas scale out (agentrt.scaleout.leases): ``owner`` is the engine
+    replica holding its KV (its turns are routed there), ``holder`` the HTTP replica running one of its turns
+    until ``expires_at`` (epoch seconds); ``epoch`` grows with every lease taken, so a holder whose lease
+    expired (a partition, a stall) can no longer commit. No foreign key: a lease may outlive its chain by a
+    moment (deleted with it, otherwise harmless)."""
+
+    __tablename__ = "chain_leases"
+
+    chain_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str | None] = mapped_column(String(128), nullable=True, default=None)
+    holder: Mapped[str | None] = mapped_column(String(128), nullable=True, default=None)
+    expires_at: Mapped[float] = mapped_column(Float, default=0.0)
+    epoch: Mapped[int] = mapped_column(Integer, default=0)
+
+
+class EngineReplicaRow(Base):
+    """An engine replica's heartbeat (agentrt.scaleout.registry): its load for ``/metrics`` with a ``replica``
+    label, written every second or so; a replica whose heartbeat is old is gone."""
+
+    __tablename__ = "engine_replicas"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    started_at: Mapped[float] = mapped_column(Float)
+    heartbeat_at: Mapped[float] = mapped_column(Float, index=True)
+    stats: Mapped[dict[str, Any]]

@@ -166,6 +166,7 @@ class PendingTurn:
                             finish_reason=cast(FinishReason, out.finish_reason), usage=usage,
                             resume_status=status)
         async with self.service.db.sessions.begin() as s:
+            await self.service.fence(s, chain_id, getattr(self.stream, "replica", None))
             s.add(row)
             if self.extra_rows is not None:
                 s.add_all(self.extra_rows(result, generated))

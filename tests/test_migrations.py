@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import create_async_engine
 from agentrt.db import FIRST_REVISION, alembic_config, current_revision, head_revision, open_database
 from agentrt.models import LOCAL_TENANT, Base, ChainRow, TurnRow
 
-TABLES = {"chains", "turns", "regions", "prune_events", "api_keys", "responses"}
+TABLES = {"chains", "turns", "regions", "prune_events", "api_keys", "responses", "chain_leases", "engine_replicas"}
 
 
 def schema_diffs(conn: Connection, metadata: MetaData = Base.metadata) -> list[Any]:
@@ -114,6 +114,8 @@ def test_a_database_made_before_migrations_is_adopted(url):
         conn.execute(text("ALTER TABLE chains DROP COLUMN tenant"))
         conn.execute(text("ALTER TABLE prune_events DROP COLUMN keep_tokens"))  # added by revision 0002
         conn.execute(text("DROP TABLE responses"))  # added by revision 0004
+        conn.execute(text("DROP TABLE chain_leases"))  # added by revision 0005
+        conn.execute(text("DROP TABLE engine_replicas"))
         _insert_first_revision_rows(conn)
 
     on_sync(url, legacy)

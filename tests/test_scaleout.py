@@ -1,0 +1,197 @@
+"""Scale-out on Ray Serve (agentrt.scaleout): two engine replicas behind two HTTP replicas on a local Ray instance,
+driven over HTTP as clients would.
+
+What is checked, against the server's own counters (``usage``, ``resume_status``) and the database:
+- with chain affinity every turn after a chain's first prefills only its new tokens (it reached the replica that
+  holds the chain); the same run routed at random recomputes (the check can fail);
+- a killed engine replica: its in-flight turns fail with a retryable 503 and change nothing, every chain goes on
+  (recomputed on the other replica), every committed turn is in the database;
+- one chain, many concurrent turns through both HTTP replicas: exactly one runs, the others get 409.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")  # the test extra installs it; a bare install without it skips
+from ray import serve  # noqa: E402
+
+from agentrt.config import ServerConfig  # noqa: E402
+from agentrt.scaleout.deploy import APP_NAME, ScaleOut, build_application  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+SAMPLING = {"temperature": 0.0, "max_tokens": 6}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_serve():
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    port = _free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+def _deploy(url: str, db_url: str, affinity: bool = True) -> None:
+    config = ServerConfig(db_url=db_url, engine_options={"device": "cpu", "num_pages": 512})
+    serve.run(build_application(config, ScaleOut(replicas=2, http_replicas=2, affinity=affinity)),
+              name=APP_NAME, route_prefix="/")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # both engine replicas heard from
+        metrics = httpx.get(url + "/metrics", timeout=10).text
+        if "agentrt_replicas 2.0" in metrics:
+            return
+        time.sleep(0.5)
+    raise AssertionError("the engine replicas did not come up")
+
+
+async def _turn(c: httpx.AsyncClient, cid: str, text: str, sampling: dict = SAMPLING) -> httpx.Response:
+    return await c.post(f"/v1/chains/{cid}/turns", json={"sampling": sampling,
+                                                        "messages": [{"role": "user", "content": text}]})
+
+
+async def _session(c: httpx.AsyncClient, i: int, turns: int) -> list[dict]:
+    r = await c.post("/v1/chains", json={})
+    assert r.status_code == 201, r.text
+    cid = r.json()["id"]
+    results = []
+    for t in range(turns):
+        r = await _turn(c, cid, f"session {i}, step {t}: what next?")
+        assert r.status_code == 200, r.text
+        results.append(r.json())
+    return results
+
+
+def _run_sessions(url: str, sessions: int, turns: int) -> list[list[dict]]:
+    async def main():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+            return await asyncio.gather(*(_session(c, i, turns) for i in range(sessions)))
+    return asyncio.run(main())
+
+
+def _db_owners(db_path) -> dict[str, str]:
+    import sqlite3
+
+    with sqlite3.connect(db_path) as conn:
+        return dict(conn.execute("SELECT chain_id, owner FROM chain_leases"))
+
+
+def test_turns_reach_the_engine_replica_holding_their_chain(ray_serve, tmp_path):
+    db = tmp_path / "affinity.db"
+    _deploy(ray_serve, f"sqlite+aiosqlite:///{db}")
+    runs = _run_sessions(ray_serve, sessions=8, turns=6)
+    for run in runs:
+        assert run[0]["resume_status"] == "created"
+        for turn in run[1:]:  # the owner resumes the chain: only the appended tokens (and the last generated one)
+            assert turn["resume_status"] == "resumed", turn
+            assert turn["usage"]["prefilled_tokens"] <= turn["usage"]["appended_tokens"] + 1, turn["usage"]
+    owners = _db_owners(db)
+    assert len(owners) == 8 and len(set(owners.values())) == 2  # new chains spread over both replicas
+
+
+def test_without_affinity_turns_recompute(ray_serve, tmp_path):
+    _deploy(ray_serve, f"sqlite+aiosqlite:///{tmp_path / 'random.db'}", affinity=False)
+    runs = _run_sessions(ray_serve, sessions=8, turns=6)
+    later = [t for run in runs for t in run[1:]]
+    missed = [t for t in later if t["usage"]["prefilled_tokens"] > t["usage"]["appended_tokens"] + 1]
+    assert missed, "random routing never sent a turn away from its chain's replica"
+    assert any(t["resume_status"] == "recomputed" for t in later)
+
+
+def test_concurrent_turns_on_one_chain_through_both_http_replicas(ray_serve, tmp_path):
+    db = tmp_path / "lease.db"
+    _deploy(ray_serve, f"sqlite+aiosqlite:///{db}")
+
+    async def main():
+        async with httpx.AsyncClient(base_url=ray_serve, timeout=300) as c:
+            cid = (await c.post("/v1/chains", json={})).json()["id"]
+            assert (await _turn(c, cid, "first")).status_code == 200
+            codes = []
+            for _ in range(4):  # rounds of simultaneous turns: the proxy spreads them over both HTTP replicas
+                rs = await asyncio.gather(*(_turn(c, cid, f"racer {k}") for k in range(6)))
+                codes.append(sorted(r.status_code for r in rs))
+            chain = (await c.get(f"/v1/chains/{cid}")).json()
+            return codes, chain
+    codes, chain = asyncio.run(main())
+    for round_codes in codes:
+        assert round_codes.count(200) <= 1 and set(round_codes) <= {200, 409}, codes
+    assert chain["num_turns"] == 1 + sum(rc.count(200) for rc in codes)
+
+
+def test_a_killed_engine_replica_loses_no_committed_turn(ray_serve, tmp_path):
+    db = tmp_path / "failover.db"
+    _deploy(ray_serve, f"sqlite+aiosqlite:///{db}")
+    long = {"temperature": 0.0, "max_tokens": 400, "ignore_eos": True}
+
+    async def main():
+        async with httpx.AsyncClient(base_url=ray_serve, timeout=300) as c:
+            cids = [(await c.post("/v1/chains", json={})).json()["id"] for _ in range(6)]
+            committed = dict.fromkeys(cids, 0)
+            for cid in cids:
+                assert (await _turn(c, cid, "warm up")).status_code == 200
+                committed[cid] += 1
+            owners = _db_owners(db)
+            victim = owners[cids[0]]
+            pid = _replica_pid(db, victim)
+            in_flight = [asyncio.ensure_future(_turn(c, cid, "a long answer", long)) for cid in cids]
+            while _replica_stats(db, victim)["requests"] == 0:  # the victim's turns are running
+                await asyncio.sleep(0.05)
+            os.kill(pid, signal.SIGKILL)
+            first = await asyncio.gather(*in_flight)
+            failed = [cid for cid, r in zip(cids, first) if r.status_code != 200]
+            for cid, r in zip(cids, first):
+                if r.status_code == 200:
+                    committed[cid] += 1
+                else:  # a retryable error, nothing written
+                    assert r.status_code == 503 and "retry-after" in r.headers, r.text
+            assert any(owners[cid] == victim for cid in failed) and all(owners[cid] == victim for cid in failed)
+            statuses = {}
+            for cid in cids:  # every session goes on: a failed turn is retried, then one more turn
+                for text in (["a long answer"] if cid in failed else []) + ["and then?"]:
+                    for _attempt in range(60):
+                        r = await _turn(c, cid, text)
+                        if r.status_code != 503:
+                            break
+                        await asyncio.sleep(float(r.headers.get("retry-after", 1)))
+                    assert r.status_code == 200, r.text
+                    committed[cid] += 1
+                    statuses.setdefault(cid, r.json()["resume_status"])
+            chains = {cid: (await c.get(f"/v1/chains/{cid}", params={"include_tokens": "true"})).json()
+                      for cid in cids}
+            return failed, committed, statuses, chains, victim
+    failed, committed, statuses, chains, victim = asyncio.run(main())
+    assert failed, "no turn was in flight on the killed replica"
+    for cid, chain in chains.items():  # every committed turn, and nothing else, in the database and the token log
+        assert chain["num_turns"] == len(chain["turns"]) == committed[cid]
+        log = [t for turn in chain["turns"] for t in turn["appended_token_ids"] + turn["generated_token_ids"]]
+        assert chain["token_ids"] == log
+    for cid in failed:  # the killed replica's chains continue elsewhere, recomputed from their token log
+        assert statuses[cid] == "recomputed"
+    assert victim not in _db_owners(db).values()
+
+
+def _replica_stats(db_path, replica: str) -> dict:
+    import json
+    import sqlite3
+
+    with sqlite3.connect(db_path) as conn:
+        (stats,) = conn.execute("SELECT stats FROM engine_replicas WHERE id = ?", (replica,)).fetchone()
+    return json.loads(stats)
+
+
+def _replica_pid(db_path, replica: str) -> int:
+    return int(_replica_stats(db_path, replica)["pid"])
