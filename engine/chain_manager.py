@@ -13,11 +13,12 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from engine.chain_index import ChainBusyError, ChainIndex, ChainInfo, ChainState, ResumeStatus
-from engine.chain_tiers import ChainTiers
+from engine.chain_tiers import ChainTiers, OffloadedTable, file_chain_id
 from engine.contract.cache import CacheManager
 from engine.contract.scorer import ImportanceScorer, ScoreContext
 from engine.errors import InvalidRequestError, OutOfPagesError
@@ -173,23 +174,39 @@ class ChainManager:
         engine's instance; a chain whose method it cannot serve is dropped (recomputed when it is next used)."""
         adopted = 0
         for entry in [] if self.tiers is None else self.tiers.restore():
-            info = entry.info
-            try:
-                method = resolve_method(info["method"], info["method_config"])
-            except Exception as exc:  # noqa: BLE001 -- a method this engine cannot take on
-                log.warning("chain %s from disk: method %r not served here (%s); dropped", entry.chain_id,
-                            info.get("method"), exc)
-                self.tiers.drop(entry)
-                continue
             if entry.chain_id in self.index:
                 self.tiers.drop(entry)
                 continue
-            state = ChainState(entry.chain_id, token_ids=list(info["token_ids"]), num_computed=info["num_computed"],
-                               method=method, offloaded=entry)
-            self.index.add(state)
-            self.index.touch(state)
-            adopted += 1
+            adopted += self._adopt_entry(entry, resolve_method)
         return adopted
+
+    def adopt(self, path: Path, resolve_method) -> bool:
+        """Take over the chain another engine wrote to ``path`` (a drained replica's handoff), replacing this
+        engine's copy of it, which is older (a chain's turns run where its newest state is): the next turn loads
+        it. False when the file is gone (another engine claimed it), unreadable, or its method is not served here;
+        ChainBusyError when this engine runs a turn of the chain now."""
+        chain_id = file_chain_id(path)
+        if self.tiers is None or self.tiers.disk_dir is None or chain_id is None:
+            return False
+        if chain_id in self.index:
+            self.delete(chain_id)
+        entry = self.tiers.adopt(path)
+        return entry is not None and self._adopt_entry(entry, resolve_method)
+
+    def _adopt_entry(self, entry: OffloadedTable, resolve_method) -> bool:
+        info = entry.info
+        try:
+            method = resolve_method(info["method"], info["method_config"])
+        except Exception as exc:  # noqa: BLE001 -- a method this engine cannot take on
+            log.warning("chain %s from disk: method %r not served here (%s); dropped", entry.chain_id,
+                        info.get("method"), exc)
+            self.tiers.drop(entry)
+            return False
+        state = ChainState(entry.chain_id, token_ids=list(info["token_ids"]), num_computed=info["num_computed"],
+                           method=method, offloaded=entry)
+        self.index.add(state)
+        self.index.touch(state)
+        return True
 
     @staticmethod
     def _tier_of(state: ChainState) -> str:

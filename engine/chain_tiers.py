@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,7 +124,7 @@ class ChainTiers:
         tensors = {f"page{i}": p.contiguous() for i, p in enumerate(entry.pages)}
         tensors |= {f"state{i}": s.contiguous() for i, s in enumerate(entry.state)}
         tensors |= {f"kept{i}": k.contiguous() for i, k in enumerate(entry.kept_positions or [])}
-        path = self.disk_dir / f"{hashlib.sha256(entry.chain_id.encode()).hexdigest()[:32]}.safetensors"
+        path = self.disk_dir / chain_file_name(entry.chain_id)
         tmp = path.with_suffix(".tmp")
         state_type = None if entry.state_type is None else f"{entry.state_type.__module__}:{entry.state_type.__qualname__}"
         save_file(tensors, str(tmp), metadata={"digest": _digest(tensors), "layout": json.dumps(_layout(entry)),
@@ -215,32 +216,71 @@ class ChainTiers:
         checked when loaded); files without what a restart needs are removed."""
         if self.disk_dir is None:
             return []
-        found = []
-        for path in sorted(self.disk_dir.glob("*.safetensors")):
+        found = [self._entry(path) for path in sorted(self.disk_dir.glob("*.safetensors"))]
+        return [e for e in found if e is not None]
+
+    def adopt(self, path: Path) -> OffloadedTable | None:
+        """Take over the chain file another engine wrote (``path``, e.g. a drained replica's handoff): it is moved
+        into this tier's directory, which claims it (two engines racing for it: one gets it, the other None). The
+        caller drops this tier's own copy of the chain first (``file_chain_id`` names it)."""
+        if self.disk_dir is None:
+            return None
+        target = self.disk_dir / path.name
+        try:
+            os.replace(path, target)  # atomic on one file system: the claim
+        except FileNotFoundError:
+            return None
+        except OSError:  # another file system: copy under a temporary name, then claim by removing the source
+            tmp = target.with_suffix(".tmp")
+            shutil.copyfile(path, tmp)
             try:
-                with safe_open(str(path), framework="pt", device="cpu") as f:
-                    meta = f.metadata() or {}
-                layout, info = json.loads(meta["layout"]), json.loads(meta.get("info", "null"))
-                state_type = json.loads(meta.get("state_type", "null"))
-                nbytes = int(meta["nbytes"])
-            except (OSError, SafetensorError, ValueError, KeyError) as exc:
-                log.warning("chain file %s is unreadable (%s): removed", path.name, exc)
-                path.unlink(missing_ok=True)
-                continue
-            if info is None or not self._room(DISK, nbytes, layout["chain"]):
-                path.unlink(missing_ok=True)
-                continue
-            entry = OffloadedTable(layout["chain"], layout["pages"], layout["slots"], layout["layer_lens"],
-                                   None if layout["layer_lens"] is None else [], layout["compacted_at"], nbytes,
-                                   where=DISK, path=path, info=info, state_type=_import(state_type))
-            self.entries[entry.chain_id] = entry
-            self.disk_used += nbytes
-            found.append(entry)
-        return found
+                path.unlink()
+            except FileNotFoundError:
+                tmp.unlink(missing_ok=True)
+                return None
+            os.replace(tmp, target)
+        return self._entry(target)
+
+    def _entry(self, path: Path) -> OffloadedTable | None:
+        """The disk entry of a chain file (header read, bytes checked when loaded); a file without what a
+        restart needs, or that does not fit the disk budget, is removed."""
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                meta = f.metadata() or {}
+            layout, info = json.loads(meta["layout"]), json.loads(meta.get("info", "null"))
+            state_type = json.loads(meta.get("state_type", "null"))
+            nbytes = int(meta["nbytes"])
+        except (OSError, SafetensorError, ValueError, KeyError) as exc:
+            log.warning("chain file %s is unreadable (%s): removed", path.name, exc)
+            path.unlink(missing_ok=True)
+            return None
+        if info is None or not self._room(DISK, nbytes, layout["chain"]):
+            path.unlink(missing_ok=True)
+            return None
+        entry = OffloadedTable(layout["chain"], layout["pages"], layout["slots"], layout["layer_lens"],
+                               None if layout["layer_lens"] is None else [], layout["compacted_at"], nbytes,
+                               where=DISK, path=path, info=info, state_type=_import(state_type))
+        self.entries[entry.chain_id] = entry
+        self.disk_used += nbytes
+        return entry
 
     def where(self, chain_id: str) -> str | None:
         entry = self.entries.get(chain_id)
         return None if entry is None else entry.where
+
+
+def chain_file_name(chain_id: str) -> str:
+    """The disk tier's file of a chain (the same in every engine, so another can find a chain it hands off)."""
+    return f"{hashlib.sha256(chain_id.encode()).hexdigest()[:32]}.safetensors"
+
+
+def file_chain_id(path: Path) -> str | None:
+    """The chain a chain file holds (None for a file that is missing or unreadable)."""
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            return json.loads((f.metadata() or {})["layout"])["chain"]
+    except (OSError, SafetensorError, ValueError, KeyError):
+        return None
 
 
 def _import(qualified: str | None) -> Any:

@@ -111,6 +111,10 @@ class EngineHandle(Protocol):
     def prefetch_chain(self, chain_id: str) -> bool:
         ...
 
+    def adopt_chain(self, path: str) -> bool:
+        """Take over a chain file another engine wrote (agentrt.scaleout hands a drained replica's chains off)."""
+        ...
+
     def prune_chain(self, chain_id: str, intervals: list[tuple[int, int]], scorer: str | None = None,
                     keep_ratio: float = 0.0, defer: bool = True, keep_tokens: int | None = None) -> PruneResult:
         ...

@@ -350,6 +350,13 @@ class LLMEngine:
         return self.chains.info(chain_id, busy)
 
     @mirrored
+    def adopt_chain(self, path: str) -> bool:
+        """Take over a chain another engine wrote to its disk tier (a drained replica's handoff file): the file
+        moves into this engine's disk tier, replacing its own older copy of the chain, and the next turn loads it.
+        False when there is nothing to adopt (no disk tier here, the file gone or unreadable, its method not
+        served here)."""
+        return self.chains.adopt(Path(path), self.methods.resolve)
+
     def persist_chains(self) -> int:
         """Write every idle chain's KV to the disk tier (``chain_disk_dir``), for the next process started on the
         same directory; returns how many (0 without a disk tier). A server calls it when it shuts down."""

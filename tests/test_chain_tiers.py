@@ -193,6 +193,34 @@ def test_a_restart_adopts_the_chains_written_at_shutdown_and_their_turns_load(ti
     assert outs["d"].logprobs == outs_ref["d"].logprobs
 
 
+def test_another_engine_adopts_a_handed_off_chain_replacing_its_older_copy(tiny_dirs, tmp_path):
+    """``adopt_chain``: engine B takes over the file engine A wrote at its shutdown (a drained replica's chain),
+    replacing the older copy of the chain B held from an earlier turn; its next turn loads the newest state and
+    produces what a process that never moved the chain produces. The file moves into B's tier: a second claim
+    finds nothing."""
+    model_dir = tiny_dirs["qwen3"]
+    tiers = dict(chain_host_bytes=64 * 2**20, chain_disk_bytes=64 * 2**20)
+    a = engine(model_dir, 400, chain_disk_dir=str(tmp_path / "a"), **tiers)
+    b = engine(model_dir, 400, chain_disk_dir=str(tmp_path / "b"), **tiers)
+    ref = engine(model_dir, 400)
+    hist, hist_ref = {"d": random_tokens(random.Random(30), 30)}, None
+    hist_ref = {"d": list(hist["d"])}
+    turns(b, dict(hist), random.Random(31))  # B's copy: the chain's first turn only
+    turns(a, hist, random.Random(31))
+    turns(ref, hist_ref, random.Random(31))
+    turns(a, hist, random.Random(32))  # A ran a second turn: its state is the newest
+    turns(ref, hist_ref, random.Random(32))
+    assert a.persist_chains() == 1
+    (path,) = (tmp_path / "a").glob("*.safetensors")
+    assert b.adopt_chain(str(path)) and not path.exists()
+    assert not b.adopt_chain(str(path))  # claimed already
+    assert b.chain_info("d").status == "disk" and b.chain_info("d").computed_tokens == len(hist["d"]) - 1
+    outs, outs_ref = turns(b, hist, random.Random(33)), turns(ref, hist_ref, random.Random(33))
+    assert outs["d"].resume_status == "loaded" and outs["d"].token_ids == outs_ref["d"].token_ids
+    assert outs["d"].num_prefilled_tokens == outs_ref["d"].num_prefilled_tokens
+    assert not engine(model_dir, 400).adopt_chain(str(path))  # no disk tier: nothing to adopt into
+
+
 def test_session_hints_pin_release_prefetch_priority_and_ttl(tiny_dirs):
     model_dir = tiny_dirs["qwen3"]
     eng = engine(model_dir, 400, chain_host_bytes=64 * 2**20)

@@ -51,7 +51,7 @@ def test_the_protocol_lists_what_the_server_uses():
     methods, attributes = _members()
     assert methods == sorted(["add_request", "step", "abort", "has_unfinished", "retain_method",
                               "release_method", "chain_info", "delete_chain", "fork_chain", "rewind_chain",
-                              "prune_chain", "pin_chain", "chain_hints", "release_chain", "prefetch_chain"])
+                              "prune_chain", "pin_chain", "chain_hints", "release_chain", "prefetch_chain", "adopt_chain"])
     assert attributes == sorted(["config", "model_config", "method", "max_model_len", "pool", "last_step"])
 
 

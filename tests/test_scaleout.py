@@ -46,14 +46,14 @@ def ray_serve():
     ray.shutdown()
 
 
-def _deploy(url: str, db_url: str, affinity: bool = True) -> None:
-    config = ServerConfig(db_url=db_url, engine_options={"device": "cpu", "num_pages": 512})
-    serve.run(build_application(config, ScaleOut(replicas=2, http_replicas=2, affinity=affinity)),
+def _deploy(url: str, db_url: str, affinity: bool = True, replicas: int = 2, **engine_options) -> None:
+    config = ServerConfig(db_url=db_url, engine_options={"device": "cpu", "num_pages": 512, **engine_options})
+    serve.run(build_application(config, ScaleOut(replicas=replicas, http_replicas=2, affinity=affinity)),
               name=APP_NAME, route_prefix="/")
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # both engine replicas heard from
+    while time.monotonic() < deadline:  # every engine replica heard from, and no other
         metrics = httpx.get(url + "/metrics", timeout=10).text
-        if "agentrt_replicas 2.0" in metrics:
+        if f"agentrt_replicas {replicas}.0" in metrics:
             return
         time.sleep(0.5)
     raise AssertionError("the engine replicas did not come up")
@@ -195,3 +195,41 @@ def _replica_stats(db_path, replica: str) -> dict:
 
 def _replica_pid(db_path, replica: str) -> int:
     return int(_replica_stats(db_path, replica)["pid"])
+
+
+def test_a_redeployment_drains_the_engine_replicas_and_their_chains_load_on_the_new_ones(ray_serve, tmp_path):
+    """Deploying again (an upgrade; here also down to one replica) replaces the engine replicas one by one: each
+    drained replica hands its idle chains off through the disk tier, and the new replica their next turn reaches
+    loads them (only the new tokens are prefilled) instead of recomputing their history."""
+    db = tmp_path / "drain.db"
+    tiers = {"chain_host_bytes": 64 * 2**20, "chain_disk_dir": str(tmp_path / "chains"),
+             "chain_disk_bytes": 256 * 2**20}
+    _deploy(ray_serve, f"sqlite+aiosqlite:///{db}", **tiers)
+
+    async def turns(cids, text):
+        async with httpx.AsyncClient(base_url=ray_serve, timeout=300) as c:
+            if not cids:
+                cids.extend([(await c.post("/v1/chains", json={})).json()["id"] for _ in range(6)])
+            rs = await asyncio.gather(*(_turn(c, cid, text) for cid in cids))
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        return [r.json() for r in rs]
+    cids: list[str] = []
+    asyncio.run(turns(cids, "first"))
+    asyncio.run(turns(cids, "second"))
+    before = set(_db_owners(db).values())
+    assert len(before) == 2
+    _deploy(ray_serve, f"sqlite+aiosqlite:///{db}", replicas=1, **tiers)
+    (new,) = _live_replicas(db)
+    assert new not in before
+    for result in asyncio.run(turns(cids, "third")):
+        usage = result["usage"]
+        assert result["resume_status"] == "loaded", result
+        assert usage["prefilled_tokens"] <= usage["appended_tokens"] + 1, usage
+    assert set(_db_owners(db).values()) == {new}
+
+
+def _live_replicas(db_path) -> list[str]:
+    import sqlite3
+
+    with sqlite3.connect(db_path) as conn:
+        return [row[0] for row in conn.execute("SELECT id FROM engine_replicas")]

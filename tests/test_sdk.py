@@ -4,6 +4,7 @@ plus deterministic retry / agent-loop checks over httpx.MockTransport."""
 from __future__ import annotations
 
 import asyncio
+import types
 import json
 import time
 
@@ -201,7 +202,11 @@ def test_retry_on_503_async(monkeypatch):
 
     async def fake_sleep(seconds):
         slept.append(seconds)
-    monkeypatch.setattr("sdk.async_client.asyncio.sleep", fake_sleep)
+    # the client module's asyncio only: patching asyncio.sleep itself would also record the sleeps of any other
+    # event loop in this process (a live server thread left by another test)
+    import sdk.async_client
+    monkeypatch.setattr(sdk.async_client, "asyncio", types.SimpleNamespace(
+        **{name: getattr(asyncio, name) for name in dir(asyncio) if not name.startswith("__")} | {"sleep": fake_sleep}))
 
     async def main():
         transport, calls = _flaky([503, 200], after="1")

@@ -138,7 +138,7 @@ class RemoteEngine:
         """``fn(engine)`` on the engine replica that owns ``chain`` (any replica for None)."""
         owner = await self._owner(chain)
         try:
-            _replica, result = await self.handle.call.remote(fn, replica=owner)
+            _replica, result = await self.handle.call.remote(fn, chain=chain, replica=owner)
         except (RayTaskError, RayActorError, DeploymentUnavailableError) as exc:
             _reraise(exc)
         return result

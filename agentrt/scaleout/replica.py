@@ -10,6 +10,7 @@ same to the routers (``record_routing_stats``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -61,9 +62,10 @@ class EngineReplica:
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
         _bound_threads()
         disk = config.engine_options.get("chain_disk_dir")
-        if disk is not None:  # each replica's disk tier is its own: two engines must not adopt the same files
+        self.handoff = HandoffDirs(Path(disk), self.replica_id) if disk is not None else None
+        if self.handoff is not None:  # each replica's disk tier is its own: two engines must not adopt one file
             config = dataclasses.replace(config, engine_options={**config.engine_options,
-                                                                 "chain_disk_dir": str(Path(disk) / self.replica_id)})
+                                                                 "chain_disk_dir": str(self.handoff.own)})
         engine = await anyio.to_thread.run_sync(build_engine, config)
         self.facts_ = EngineFacts(engine.config, engine.model_config, MethodName(engine.method.name),
                                   engine.max_model_len)
@@ -102,21 +104,37 @@ class EngineReplica:
                        prefix: str | None = None) -> AsyncGenerator[str | RequestOutput, None]:
         """This replica's id, then the request's outputs. Raises what EngineWorker.submit raises before the
         first item; a caller that stops early (cancels) aborts the request."""
+        if chain_id is not None:
+            await self._claim(chain_id)
         stream = await self.worker.submit(prompt, params, chain_id=chain_id, method=method)
         yield self.replica_id
         async for out in stream.outputs():
             yield out
 
-    async def call(self, fn: Callable[[EngineHandle], Any], replica: str | None = None,
+    async def call(self, fn: Callable[[EngineHandle], Any], chain: str | None = None, replica: str | None = None,
                    prefix: str | None = None) -> tuple[str, Any]:
         """(this replica's id, ``fn(engine)`` run on the engine's thread)."""
+        if chain is not None:
+            await self._claim(chain)
         return self.replica_id, await self.worker.call(fn)
+
+    async def _claim(self, chain_id: str) -> None:
+        """A chain that another replica handed off (drained) or left on disk (died) becomes this engine's: its
+        next turn loads it instead of recomputing its history."""
+        if self.handoff is None:
+            return
+        path = await self.handoff.find(chain_id, self.db)
+        if path is not None and await self.worker.call(lambda e: e.adopt_chain(str(path))):
+            log.info("chain %s taken over from %s", chain_id, path.parent.name)
 
     async def __del__(self) -> None:
         """Drain (scale-down, upgrade, shutdown): in-flight requests fail with a retryable error, idle chains go to
         the disk tier when the engine has one, and the heartbeat row goes, so no router waits on this replica."""
         self._heartbeat.cancel()
         await anyio.to_thread.run_sync(self.worker.stop)
+        if self.handoff is not None:
+            moved = self.handoff.hand_off()
+            log.info("engine replica %s drained: %d chain(s) handed off", self.replica_id, moved)
         try:
             await registry.leave(self.db, self.replica_id)
         finally:
@@ -132,3 +150,39 @@ def _bound_threads() -> None:
     cpus = ray.get_runtime_context().get_assigned_resources().get("CPU")
     if cpus:
         torch.set_num_threads(max(1, int(cpus)))
+
+
+class HandoffDirs:
+    """The replicas' disk tiers under one shared directory: ``replicas/<id>/`` is each replica's own tier;
+    ``handoff/`` holds the chains of drained replicas until the replica their next turn reaches claims them (by
+    moving the file into its own tier: one claim wins). A replica that died leaves its directory: once its
+    heartbeat is stale (agentrt.scaleout.registry) its files are claimed the same way."""
+
+    def __init__(self, root: Path, replica_id: str):
+        self.root = root
+        self.own = root / "replicas" / replica_id
+        self.shared = root / "handoff"
+        self.shared.mkdir(parents=True, exist_ok=True)
+
+    async def find(self, chain_id: str, db: Any) -> Path | None:
+        from engine.chain_tiers import chain_file_name
+
+        name = chain_file_name(chain_id)
+        if (self.shared / name).exists():
+            return self.shared / name
+        left = [p for p in (self.root / "replicas").glob(f"*/{name}") if p.parent != self.own]
+        if not left:
+            return None
+        alive = await registry.live(db)
+        return next((p for p in left if p.parent.name not in alive), None)
+
+    def hand_off(self) -> int:
+        moved = 0
+        for path in self.own.glob("*.safetensors"):
+            os.replace(path, self.shared / path.name)
+            moved += 1
+        with contextlib.suppress(OSError):
+            for stale in self.own.iterdir():
+                stale.unlink()
+            self.own.rmdir()
+        return moved
