@@ -156,6 +156,15 @@ class ChainService:
         data: list[ChainSummary] = [chain_summary(r, self.status(r.id)) for r in rows]
         return ChainList(data=data, offset=offset, limit=limit, total=total, has_more=offset + len(rows) < total)
 
+    async def created_since(self, tenant: str, since: float | None) -> list[tuple[str, dict[str, Any], float]]:
+        """(id, metadata, created_at) of the tenant's chains created after ``since`` (None: all), oldest first."""
+        query = select(ChainRow.id, ChainRow.meta, ChainRow.created_at).where(ChainRow.tenant == tenant)
+        if since is not None:
+            query = query.where(ChainRow.created_at >= since)
+        async with self.db.sessions() as s:
+            rows = (await s.execute(query.order_by(ChainRow.created_at, ChainRow.id))).all()
+        return [(r.id, r.meta, r.created_at) for r in rows]
+
     async def read(self, chain_id: str, include_tokens: bool = False, *, tenant: str) -> ChainRead:
         chain, turns, regions = await self.rows(chain_id, tenant)
         async with self.db.sessions() as s:

@@ -191,6 +191,7 @@ class ImplicitChains:
         self._lru: dict[str, OrderedDict[str, tuple[str | None, str]]] = {}
         self._claimed: set[str] = set()  # chosen by a request that has not started its turn yet
         self._loaded: set[str] = set()
+        self._seen: dict[str, float] = {}  # tenant -> the creation time of the newest chain read from the database
         self._loading = asyncio.Lock()
         self._end_token: int | None | Literal[False] = False  # False: not looked up yet
 
@@ -379,27 +380,26 @@ class ImplicitChains:
                 pass
 
     async def _load(self, tenant: str) -> None:
-        """Index the tenant's implicit chains from the database, once per tenant and process."""
-        if tenant in self._loaded:
+        """Index the tenant's implicit chains from the database, once per tenant and process; when other HTTP
+        replicas make chains too (``ChainService.leases``), also those made since the last look, each time."""
+        shared = self.chains.leases is not None
+        if tenant in self._loaded and not shared:
             return
         async with self._loading:
-            if tenant in self._loaded:
+            if tenant in self._loaded and not shared:
                 return
+            since = self._seen.get(tenant)
             found: list[tuple[str, tuple[str | None, str]]] = []  # oldest first
-            offset = 0
-            while True:
-                page = await self.chains.page(offset, 100, tenant=tenant)
-                for chain in page.data:
-                    info = chain.metadata.get(IMPLICIT_KEY)
-                    if isinstance(info, dict) and isinstance(info.get("head"), str):
-                        found.append((chain.id, (info.get("session"), info["head"])))
-                if not page.has_more:
-                    break
-                offset += len(page.data)
-            for chain_id, key in reversed(found):  # older than any chain made since the start
+            for chain_id, meta, created_at in await self.chains.created_since(tenant, since):
+                info = meta.get(IMPLICIT_KEY)
+                if isinstance(info, dict) and isinstance(info.get("head"), str):
+                    found.append((chain_id, (info.get("session"), info["head"])))
+                self._seen[tenant] = created_at
+            for chain_id, key in found if since is not None else reversed(found):
                 if chain_id not in self._lru.get(tenant, {}):
                     self._add(tenant, chain_id, key)
-                    self._lru[tenant].move_to_end(chain_id, last=False)
+                    if since is None:  # older than any chain made here since the start
+                        self._lru[tenant].move_to_end(chain_id, last=False)
             self._loaded.add(tenant)
 
 

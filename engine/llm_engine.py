@@ -357,6 +357,7 @@ class LLMEngine:
         served here)."""
         return self.chains.adopt(Path(path), self.methods.resolve)
 
+    @mirrored
     def persist_chains(self) -> int:
         """Write every idle chain's KV to the disk tier (``chain_disk_dir``), for the next process started on the
         same directory; returns how many (0 without a disk tier). A server calls it when it shuts down."""

@@ -112,6 +112,78 @@ def test_without_affinity_turns_recompute(ray_serve, tmp_path):
     assert any(t["resume_status"] == "recomputed" for t in later)
 
 
+def test_stateless_clients_resume_their_implicit_chains_whichever_http_replica_answers(ray_serve, tmp_path):
+    """The official ``openai`` client re-sending whole conversations: each conversation keeps one chain and every
+    request after its first resumes it, though the HTTP replicas take turns answering (a chain made by one is
+    found by the other)."""
+    from openai import OpenAI
+
+    _deploy(ray_serve, f"sqlite+aiosqlite:///{tmp_path / 'implicit.db'}")
+    client = OpenAI(base_url=ray_serve + "/v1", api_key="unused", max_retries=0)
+    chains = []
+    for conv in range(4):
+        history = [{"role": "user", "content": f"Conversation {conv}: count with me."}]
+        ids = []
+        for step in range(4):
+            r = client.chat.completions.create(model="qwen3-tiny", messages=history, temperature=0.0,
+                                               max_tokens=6)
+            ids.append(r.model_extra["chain"]["id"])
+            history += [{"role": "assistant", "content": r.choices[0].message.content},
+                        {"role": "user", "content": f"Step {step}."}]
+        assert len(set(ids)) == 1, ids
+        chains.append(ids[0])
+    with httpx.Client(base_url=ray_serve, timeout=60) as c:
+        for cid in chains:
+            turns = c.get(f"/v1/chains/{cid}").json()["turns"]
+            assert len(turns) == 4 and all(t["resume_status"] == "resumed" for t in turns[1:]), turns
+
+
+def test_websocket_and_sse_turns_stream_through_the_replicas(ray_serve, tmp_path):
+    """The streaming transports pass Ray Serve's proxy: a chain turn over the chain's WebSocket (the SDK) and a
+    streamed chat completion (SSE, the ``openai`` client) arrive as deltas that add up to the final text."""
+    from openai import OpenAI
+
+    from sdk import Client
+    from sdk.schema import TurnDelta, TurnResult
+
+    _deploy(ray_serve, f"sqlite+aiosqlite:///{tmp_path / 'stream.db'}")
+    with Client(ray_serve, timeout=120) as client:
+        chain = client.chains.create()
+        for step in range(2):
+            items = list(chain.stream(f"step {step}", temperature=0.0, max_tokens=8, ignore_eos=True))
+            deltas = [i for i in items if isinstance(i, TurnDelta)]
+            (result,) = [i for i in items if isinstance(i, TurnResult)]
+            assert len(deltas) >= 2 and "".join(d.text for d in deltas) == result.message.content
+            assert result.resume_status == ("created" if step == 0 else "resumed")
+    stream = OpenAI(base_url=ray_serve + "/v1", api_key="unused", max_retries=0).chat.completions.create(
+        model="qwen3-tiny", messages=[{"role": "user", "content": "stream please"}], temperature=0.0, max_tokens=8,
+        stream=True)
+    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+    assert len(chunks) >= 2 and "".join(chunks)
+
+
+def test_the_documented_cluster_config_is_a_valid_serve_config_that_builds():
+    """docs/scale-out.md's config file: Ray Serve's own schema accepts it and its application builds (nothing
+    starts: building binds the deployments)."""
+    import re
+    from pathlib import Path
+
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from agentrt.scaleout.deploy import app_builder
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "scale-out.md").read_text()
+    (block,) = re.findall(r"```yaml\n(.*?)```", doc, re.S)
+    config = ServeDeploySchema.model_validate(yaml.safe_load(block))
+    (app,) = config.applications
+    assert app.import_path == "agentrt.scaleout.deploy:app_builder"
+    built = app_builder(app.args)
+    assert type(built).__name__ == "Application"
+    with pytest.raises(ValueError, match="unknown server option"):
+        app_builder({"server": {"modle": "x"}})
+
+
 def test_concurrent_turns_on_one_chain_through_both_http_replicas(ray_serve, tmp_path):
     db = tmp_path / "lease.db"
     _deploy(ray_serve, f"sqlite+aiosqlite:///{db}")
@@ -132,6 +204,51 @@ def test_concurrent_turns_on_one_chain_through_both_http_replicas(ray_serve, tmp
     assert chain["num_turns"] == 1 + sum(rc.count(200) for rc in codes)
 
 
+def test_two_http_replicas_never_run_one_chain_at_once(ray_serve, tmp_path):
+    """Forced: two HTTP replicas (two apps in this process, each with its own lease holder, both on the deployed
+    engine replicas). While another holder has the chain's lease (an operation of replica A in flight), B's turn
+    gets 409 and runs nothing; once it is released B's turn runs, on the chain's owner, on top of A's last turn
+    (read from the database, not from B's memory)."""
+    from litestar.testing import AsyncTestClient
+
+    from agentrt.app import create_app
+    from agentrt.db import open_database
+    from agentrt.scaleout.leases import ChainLeases
+    from agentrt.scaleout.remote_engine import RemoteEngine
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'two.db'}"
+    _deploy(ray_serve, url)
+    config = ServerConfig(db_url=url)
+    handle = serve.get_deployment_handle("engine", APP_NAME)
+
+    def app(holder: str):
+        async def remote(database):
+            leases = ChainLeases(database, holder)
+            worker = RemoteEngine(handle, database, leases)
+            await worker.start()
+            return worker, leases
+        return create_app(config, remote=remote)
+
+    async def main():
+        db = await open_database(url)
+        async with AsyncTestClient(app("http-a"), base_url="http://localhost", timeout=300) as a, \
+                AsyncTestClient(app("http-b"), base_url="http://localhost", timeout=300) as b:
+            cid = (await a.post("/v1/chains", json={})).json()["id"]
+            first = await _turn(a, cid, "from a")
+            held = await ChainLeases(db, "http-a").acquire(cid)  # A's next operation on the chain, in flight
+            refused = await _turn(b, cid, "me too")
+            await ChainLeases(db, "http-a").release(held)
+            second = await _turn(b, cid, "now me")
+            chain = (await b.get(f"/v1/chains/{cid}")).json()
+        await db.dispose()
+        return first, refused, second, chain
+    first, refused, second, chain = asyncio.run(main())
+    assert refused.status_code == 409, refused.text
+    assert first.status_code == 200 and second.status_code == 200, (first.text, second.text)
+    assert second.json()["turn"] == 1 and second.json()["resume_status"] == "resumed"
+    assert chain["num_turns"] == 2 and [t["messages"][0]["content"] for t in chain["turns"]] == ["from a", "now me"]
+
+
 def test_a_killed_engine_replica_loses_no_committed_turn(ray_serve, tmp_path):
     db = tmp_path / "failover.db"
     _deploy(ray_serve, f"sqlite+aiosqlite:///{db}")
@@ -148,7 +265,12 @@ def test_a_killed_engine_replica_loses_no_committed_turn(ray_serve, tmp_path):
             victim = owners[cids[0]]
             pid = _replica_pid(db, victim)
             in_flight = [asyncio.ensure_future(_turn(c, cid, "a long answer", long)) for cid in cids]
-            while _replica_stats(db, victim)["requests"] == 0:  # the victim's turns are running
+            await asyncio.sleep(0.2)
+            since = time.time()
+            while True:  # a heartbeat after the turns were sent shows them running on the victim
+                beat, stats = _replica_stats(db, victim)
+                if beat > since and stats["requests"] > 0:
+                    break
                 await asyncio.sleep(0.05)
             os.kill(pid, signal.SIGKILL)
             first = await asyncio.gather(*in_flight)
@@ -158,7 +280,9 @@ def test_a_killed_engine_replica_loses_no_committed_turn(ray_serve, tmp_path):
                     committed[cid] += 1
                 else:  # a retryable error, nothing written
                     assert r.status_code == 503 and "retry-after" in r.headers, r.text
-            assert any(owners[cid] == victim for cid in failed) and all(owners[cid] == victim for cid in failed)
+            seen = {cid: (owners[cid] == victim, r.status_code, r.text[:120]) for cid, r in zip(cids, first)}
+            assert any(owners[cid] == victim for cid in failed), seen
+            assert all(owners[cid] == victim for cid in failed), seen
             statuses = {}
             for cid in cids:  # every session goes on: a failed turn is retried, then one more turn
                 for text in (["a long answer"] if cid in failed else []) + ["and then?"]:
@@ -184,17 +308,19 @@ def test_a_killed_engine_replica_loses_no_committed_turn(ray_serve, tmp_path):
     assert victim not in _db_owners(db).values()
 
 
-def _replica_stats(db_path, replica: str) -> dict:
+def _replica_stats(db_path, replica: str) -> tuple[float, dict]:
+    """(the time of the replica's last heartbeat, the load it reported)."""
     import json
     import sqlite3
 
     with sqlite3.connect(db_path) as conn:
-        (stats,) = conn.execute("SELECT stats FROM engine_replicas WHERE id = ?", (replica,)).fetchone()
-    return json.loads(stats)
+        beat, stats = conn.execute("SELECT heartbeat_at, stats FROM engine_replicas WHERE id = ?",
+                                   (replica,)).fetchone()
+    return beat, json.loads(stats)
 
 
 def _replica_pid(db_path, replica: str) -> int:
-    return int(_replica_stats(db_path, replica)["pid"])
+    return int(_replica_stats(db_path, replica)[1]["pid"])
 
 
 def test_a_redeployment_drains_the_engine_replicas_and_their_chains_load_on_the_new_ones(ray_serve, tmp_path):
@@ -233,3 +359,4 @@ def _live_replicas(db_path) -> list[str]:
 
     with sqlite3.connect(db_path) as conn:
         return [row[0] for row in conn.execute("SELECT id FROM engine_replicas")]
+
