@@ -77,8 +77,15 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+SQLITE_BUSY_TIMEOUT_S = 30.0
+
+
 async def open_database(url: str) -> Database:
-    engine = create_async_engine(url)
+    """SQLite waits up to SQLITE_BUSY_TIMEOUT_S for another connection's write to end (sqlite3's default is 5 s):
+    with replicas (agentrt.scaleout) several processes write one file, and a writer on a loaded machine can hold
+    the lock for seconds; a request failing there would be a 500 where a wait serves it."""
+    is_sqlite = url.startswith("sqlite")
+    engine = create_async_engine(url, **({"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}} if is_sqlite else {}))
     if engine.dialect.name == "sqlite":
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
     async with engine.begin() as conn:

@@ -59,6 +59,7 @@ async def _session(c: httpx.AsyncClient, rng: random.Random, turns: int, max_tok
     r = await c.post("/v1/chains", json={})
     if r.status_code != 201:
         out["errors"] += turns
+        out["error_samples"].append(f"{r.status_code} {r.text[:300]}")
         return
     cid = r.json()["id"]
     for _ in range(turns):
@@ -70,6 +71,7 @@ async def _session(c: httpx.AsyncClient, rng: random.Random, turns: int, max_tok
         out["latency"].append(time.perf_counter() - t0)
         if r.status_code != 200:
             out["errors"] += 1
+            out["error_samples"].append(f"{r.status_code} {r.text[:300]}")
             continue
         body = r.json()
         out["prefilled"] += body["usage"]["prefilled_tokens"]
@@ -77,10 +79,10 @@ async def _session(c: httpx.AsyncClient, rng: random.Random, turns: int, max_tok
 
 
 async def _drive(url: str, chains: int, turns: int, max_tokens: int, seed: int) -> dict:
-    out = {"latency": [], "errors": 0, "prefilled": 0, "recomputed": 0}
+    out = {"latency": [], "errors": 0, "prefilled": 0, "recomputed": 0, "error_samples": []}
     async with httpx.AsyncClient(base_url=url, timeout=600) as c:
         await _session(c, random.Random(-1), 1, max_tokens, {"latency": [], "errors": 0, "prefilled": 0,
-                                                              "recomputed": 0})  # warm-up, not counted
+                                                              "recomputed": 0, "error_samples": []})  # warm-up, not counted
         t0 = time.perf_counter()
         await asyncio.gather(*(_session(c, random.Random(seed + i), turns, max_tokens, out) for i in range(chains)))
         out["seconds"] = time.perf_counter() - t0
@@ -93,7 +95,7 @@ def _summary(name: str, raw: dict) -> dict:
     return {"config": name, "turns": len(lat), "errors": raw["errors"],
             "p50_s": statistics.median(lat) if lat else float("nan"), "p99_s": p99,
             "turns_per_s": len(lat) / raw["seconds"], "seconds": raw["seconds"], "prefilled_tokens": raw["prefilled"],
-            "recomputed_turns": raw["recomputed"]}
+            "recomputed_turns": raw["recomputed"], "error_samples": sorted(set(raw["error_samples"]))[:5]}
 
 
 def _run_single(args: argparse.Namespace, db: str) -> dict:
@@ -153,7 +155,13 @@ def main() -> None:
                 import ray
                 from ray import serve
 
-                ray.init(include_dashboard=False, log_to_driver=False)
+                from agentrt.scaleout.deploy import ScaleOut, local_cpus
+
+                most = max(int(n.removeprefix("ray").removesuffix("-random")) for n in configs if n != "single")
+                need = local_cpus(ScaleOut(replicas=most, http_replicas=args.http_replicas,
+                                           engine_cpus=args.engine_cpus))
+                ray.init(num_cpus=max(os.cpu_count() or 1, int(need + 0.999)), include_dashboard=False,
+                         log_to_driver=False)
                 port = _free_port()
                 serve.start(http_options={"host": "127.0.0.1", "port": port})
                 args.url, ray_up = f"http://127.0.0.1:{port}", True

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from types import SimpleNamespace
 
 import pytest
@@ -24,48 +25,72 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_one_holder_at_a_time_and_the_owner_recorded_at_commit(db_url):
-    async def main():
-        db = await open_database(db_url)
-        a, b = ChainLeases(db, "http-a"), ChainLeases(db, "http-b")
-        lease = await a.acquire("c1")
-        assert (lease.epoch, lease.owner) == (1, None)
-        with pytest.raises(ChainBusy):
-            await b.acquire("c1")
-        with pytest.raises(ChainBusy):  # the same holder twice is refused too: one operation per chain
-            await a.acquire("c1")
+async def check_one_holder_at_a_time(db_url: str) -> None:
+    db = await open_database(db_url)
+    c1, c2, c3 = (f"{uuid.uuid4().hex}-{i}" for i in range(3))
+    a, b = ChainLeases(db, "http-a"), ChainLeases(db, "http-b")
+    lease = await a.acquire(c1)
+    assert (lease.epoch, lease.owner) == (1, None)
+    with pytest.raises(ChainBusy):
+        await b.acquire(c1)
+    again = await a.acquire(c1)  # the same holder: its release had not landed (a retry); the old epoch dies
+    assert again.epoch == 2
+    await a.release(lease)  # the late release of the old epoch changes nothing
+    with pytest.raises(ChainBusy):
+        await b.acquire(c1)
+    with pytest.raises(LeaseLost):
         async with db.sessions.begin() as s:
-            await a.fence(s, lease, "engine-1")
-        assert await b.owner("c1") == "engine-1"
-        second = await b.acquire("c1")  # released by the commit
-        assert (second.epoch, second.owner) == (2, "engine-1")
-        await b.release(second)  # a failed turn: the owner stays
-        assert await a.owner("c1") == "engine-1"
-        await a.set_owner("c2", "engine-2")  # a fork's copy
-        assert await b.owner("c2") == "engine-2" and await b.owner("c3") is None
-        await a.forget("c1")
-        assert await a.owner("c1") is None
-        await db.dispose()
-    run(main())
+            await a.fence(s, lease, "engine-0")
+    async with db.sessions.begin() as s:
+        await a.fence(s, again, "engine-1")
+    assert await b.owner(c1) == "engine-1"
+    second = await b.acquire(c1)  # released by the commit
+    assert (second.epoch, second.owner) == (3, "engine-1")
+    await b.release(second)  # a failed turn: the owner stays
+    assert await a.owner(c1) == "engine-1"
+    await a.set_owner(c2, "engine-2")  # a fork's copy
+    assert await b.owner(c2) == "engine-2" and await b.owner(c3) is None
+    await a.forget(c1)
+    assert await a.owner(c1) is None
+    await db.dispose()
 
 
-def test_an_expired_lease_is_taken_over_and_its_holder_cannot_commit(db_url):
-    async def main():
-        db = await open_database(db_url)
-        stalled, other = ChainLeases(db, "http-a", ttl_s=0.3), ChainLeases(db, "http-b")
-        old = await stalled.acquire("c1")
-        ChainLeases._stop(old)  # a holder that stopped renewing (partitioned, stuck)
-        await asyncio.sleep(0.4)
-        new = await other.acquire("c1")
-        assert new.epoch == old.epoch + 1
-        with pytest.raises(LeaseLost):
-            async with db.sessions.begin() as s:
-                await stalled.fence(s, old, "engine-1")
+async def check_an_expired_lease_is_taken_over(db_url: str) -> None:
+    db = await open_database(db_url)
+    chain = uuid.uuid4().hex
+    stalled, other = ChainLeases(db, "http-a", ttl_s=0.3), ChainLeases(db, "http-b")
+    old = await stalled.acquire(chain)
+    ChainLeases._stop(old)  # a holder that stopped renewing (partitioned, stuck)
+    await asyncio.sleep(0.4)
+    new = await other.acquire(chain)
+    assert new.epoch == old.epoch + 1
+    with pytest.raises(LeaseLost):
         async with db.sessions.begin() as s:
-            await other.fence(s, new, "engine-2")
-        assert await other.owner("c1") == "engine-2"
-        await db.dispose()
-    run(main())
+            await stalled.fence(s, old, "engine-1")
+    async with db.sessions.begin() as s:
+        await other.fence(s, new, "engine-2")
+    assert await other.owner(chain) == "engine-2"
+    await db.dispose()
+
+
+async def check_concurrent_acquires_grant_one(db_url: str) -> None:
+    db = await open_database(db_url)
+    chain = uuid.uuid4().hex
+    holders = [ChainLeases(db, f"http-{i}") for i in range(8)]
+    results = await asyncio.gather(*(h.acquire(chain) for h in holders), return_exceptions=True)
+    granted = [r for r in results if not isinstance(r, BaseException)]
+    assert len(granted) == 1 and all(isinstance(r, ChainBusy) for r in results if r not in granted), results
+    for r in granted:
+        ChainLeases._stop(r)
+    await db.dispose()
+
+
+CHECKS = (check_one_holder_at_a_time, check_an_expired_lease_is_taken_over, check_concurrent_acquires_grant_one)
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_leases_on_sqlite(check, db_url):
+    run(check(db_url))  # tests/test_postgres.py runs the same checks on PostgreSQL
 
 
 def test_a_renewed_lease_outlives_its_ttl(db_url):
@@ -85,21 +110,7 @@ def test_a_renewed_lease_outlives_its_ttl(db_url):
     run(main())
 
 
-def test_concurrent_acquires_from_many_holders_grant_one(db_url):
-    async def main():
-        db = await open_database(db_url)
-        holders = [ChainLeases(db, f"http-{i}") for i in range(8)]
-        results = await asyncio.gather(*(h.acquire("c1") for h in holders), return_exceptions=True)
-        granted = [r for r in results if not isinstance(r, BaseException)]
-        assert len(granted) == 1 and all(isinstance(r, ChainBusy) for r in results if r not in granted)
-        for r in granted:
-            ChainLeases._stop(r)
-        await db.dispose()
-    run(main())
-
-
-# --- routing rules ------------------------------------------------------------------------------------------------
-ray = pytest.importorskip("ray")
+# --- routing rules (Ray's types are imported inside: tests/test_postgres.py imports this module) -------------------
 
 
 def _replica(name: str, requests: int = 0, pages_free: int = 100):

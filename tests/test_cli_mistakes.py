@@ -36,6 +36,8 @@ IN_A_PROCESS = [
     (["serve", "--method", "nope"], "--method", "choose one of dense"),
     (["serve", "--kv-storage", "nope"], "--kv-storage", "choose one of fp8"),
     (["serve", "--tp", "0"], "--tp", "expected an integer >= 1"),
+    (["serve", "--replicas", "0"], "--replicas", "expected an integer >= 1"),
+    (["serve", "--replicas", "2", "--http-replicas", "0"], "--http-replicas", "expected an integer >= 1"),
     (["keys", "list", "--db", "sqlite:///x.db"], "--db", "use sqlite+aiosqlite:///x.db"),
     (["bench", "--shape", "nope"], "--shape", "'qwen3-4b'"),
     (["bench", "--model", "/nope"], "--model", "/nope is not a directory"),

@@ -4,6 +4,7 @@ survive an app restart and the next turn recomputes; a turn whose commit fails l
 
 from __future__ import annotations
 
+import asyncio
 import glob
 import os
 import pwd
@@ -23,6 +24,7 @@ from agentrt.config import ServerConfig
 from agentrt.db import current_revision, head_revision
 from engine.tiny_checkpoint import random_model_dir
 from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL
+from tests.test_chain_leases import CHECKS
 from tests.test_migrations import on_sync, open_and_close, schema_diffs
 
 pytest.importorskip("asyncpg", reason="asyncpg is not installed (pip install -e '.[test]')")
@@ -167,3 +169,11 @@ def test_chains_survive_a_restart_and_a_failed_turn_changes_nothing(pg_url):
         assert r.json()["turn"] == 4
         final = http.get(f"/v1/chains/{cid}?include_tokens=true").json()
         assert final["num_turns"] == 5 and final["token_ids"][: len(state["token_ids"])] == state["token_ids"]
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)
+def test_chain_leases_on_postgres(pg_url, check):
+    """The scale-out chain leases (agentrt.scaleout.leases) on PostgreSQL: its INSERT ... ON CONFLICT and
+    UPDATE ... RETURNING, and concurrent acquires from many holders granting one."""
+    open_and_close(pg_url)
+    asyncio.run(check(pg_url))

@@ -9,6 +9,8 @@ with a config file whose ``import_path`` is ``agentrt.scaleout.deploy:app_builde
 from __future__ import annotations
 
 import logging
+import math
+import os
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -89,7 +91,7 @@ def build_application(config: ServerConfig, scale: ScaleOut) -> Application:
     engine = serve.deployment(EngineReplica, name="engine", **engine_options)
     http = serve.deployment(HttpIngress, name="http", num_replicas=scale.http_replicas,
                             max_ongoing_requests=4 * (config.max_queue_depth or 1024),
-                            ray_actor_options={"num_cpus": 0.5})
+                            ray_actor_options={"num_cpus": HTTP_CPUS})
     return http.bind(config, engine.bind(config), scale.lease_ttl_s)
 
 
@@ -103,6 +105,15 @@ def app_builder(args: dict[str, Any]) -> Application:
     return build_application(ServerConfig(**server), ScaleOut(**dict(args.get("scale") or {})))
 
 
+HTTP_CPUS = 0.5  # Ray CPUs per HTTP replica
+
+
+def local_cpus(scale: ScaleOut) -> float:
+    """The Ray CPUs the application asks for (a local instance is started with at least as many, so that no
+    replica waits for room on a machine with fewer cores: the replicas then share them)."""
+    return scale.replicas * scale.engine_cpus + scale.http_replicas * HTTP_CPUS
+
+
 def serve_local(config: ServerConfig, scale: ScaleOut, port: int, ray_address: str | None = None,
                 num_cpus: int | None = None) -> None:
     """Start (or join) a Ray instance, run the application with Ray Serve's HTTP proxy on ``config.host:port``
@@ -111,6 +122,8 @@ def serve_local(config: ServerConfig, scale: ScaleOut, port: int, ray_address: s
 
     if config.db_url is not None and ":memory:" in config.db_url:
         raise ValueError("the replicas share the database: give --db a file or a server URL, not :memory:")
+    if ray_address is None and num_cpus is None:  # a local instance: room for every replica, even on few cores
+        num_cpus = max(os.cpu_count() or 1, math.ceil(local_cpus(scale)))
     ray.init(address=ray_address, num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True)
     serve.start(http_options={"host": config.host, "port": port})
     serve.run(build_application(config, scale), name=APP_NAME, route_prefix="/")

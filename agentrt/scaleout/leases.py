@@ -58,7 +58,9 @@ class ChainLeases:
 
     async def acquire(self, chain_id: str) -> Lease:
         """Take the chain's lease (ChainBusy when another holder's is live) and keep it renewed until
-        ``release``."""
+        ``release``. A live lease of this same holder is taken over: the holder's process holds a chain once at a
+        time (ChainService.busy), so such a lease is one whose release has not landed yet (a failed turn retried
+        at once); its epoch is then stale, and its release and fence no-ops."""
         now = time.time()
         async with self.db.sessions.begin() as s:
             await s.execute(self._insert(ChainLeaseRow).values(chain_id=chain_id, expires_at=0.0, epoch=0)
@@ -66,7 +68,8 @@ class ChainLeases:
             row = (await s.execute(
                 update(ChainLeaseRow)
                 .where(ChainLeaseRow.chain_id == chain_id,
-                       or_(ChainLeaseRow.holder.is_(None), ChainLeaseRow.expires_at < now))
+                       or_(ChainLeaseRow.holder.is_(None), ChainLeaseRow.holder == self.holder,
+                           ChainLeaseRow.expires_at < now))
                 .values(holder=self.holder, expires_at=now + self.ttl_s, epoch=ChainLeaseRow.epoch + 1)
                 .returning(ChainLeaseRow.epoch, ChainLeaseRow.owner))).first()
         if row is None:

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -57,10 +58,13 @@ class EngineReplica:
     async def __init__(self, config: ServerConfig, heartbeat_s: float = 1.0):
         from ray import serve
 
-        from agentrt.app import build_engine
+        from agentrt.app import GIL_SWITCH_INTERVAL_S, build_engine
 
         self.replica_id: str = serve.get_replica_context().replica_id.unique_id
         _bound_threads()
+        # as in the single-process server (agentrt.app): the event loop, which streams outputs to the HTTP
+        # replicas and writes the heartbeat, must not wait out 5 ms GIL slices behind the engine thread
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         disk = config.engine_options.get("chain_disk_dir")
         self.handoff = HandoffDirs(Path(disk), self.replica_id) if disk is not None else None
         if self.handoff is not None:  # each replica's disk tier is its own: two engines must not adopt one file
