@@ -48,6 +48,8 @@ NOT_RUN = {
     "agentrt serve --db postgresql": "needs a PostgreSQL server",
     "agentrt keys create --tenant acme --db": "writes outside the test's folders",
     "curl -s localhost:8000/v1/chains -H": "needs the key of a server with auth on",
+    "agentrt serve --replicas": "starts Ray and serves until interrupted; tests/test_scaleout_cli.py runs it",
+    "pip install 'agentrt\\[scaleout\\]'": "the test extra installs Ray Serve (.ci/run)",
 }
 # commands run as written (after the /tmp and port rewrites), by a regular expression matching their start
 RUN = ("agentrt generate ", "agentrt make-tiny ", "agentrt bench ", "agentrt demo$", "agentrt replay run ",

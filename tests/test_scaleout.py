@@ -103,6 +103,28 @@ def test_turns_reach_the_engine_replica_holding_their_chain(ray_serve, tmp_path)
     assert len(owners) == 8 and len(set(owners.values())) == 2  # new chains spread over both replicas
 
 
+def test_load_64_chains_x_20_turns_across_the_replicas_without_an_error(ray_serve, tmp_path):
+    """64 sessions at once, 20 turns each, through both HTTP replicas: every turn answers 200 and none
+    recomputes (each engine replica has room for its chains). Timings are benchmarks/scaleout.py's."""
+    _deploy(ray_serve, f"sqlite+aiosqlite:///{tmp_path / 'load.db'}", num_pages=4096)
+
+    async def session(c: httpx.AsyncClient, i: int) -> list[tuple[int, str | None]]:
+        cid = (await c.post("/v1/chains", json={})).json()["id"]
+        seen = []
+        for t in range(20):
+            r = await _turn(c, cid, f"{i}/{t}", {"temperature": 0.0, "max_tokens": 4})
+            seen.append((r.status_code, r.json().get("resume_status") if r.status_code == 200 else r.text))
+        return seen
+
+    async def main():
+        async with httpx.AsyncClient(base_url=ray_serve, timeout=600) as c:
+            return await asyncio.gather(*(session(c, i) for i in range(64)))
+    runs = asyncio.run(main())
+    bad = [x for run in runs for x in run if x[0] != 200]
+    assert not bad, bad[:5]
+    assert all([s for _, s in run] == ["created"] + ["resumed"] * 19 for run in runs)
+
+
 def test_without_affinity_turns_recompute(ray_serve, tmp_path):
     _deploy(ray_serve, f"sqlite+aiosqlite:///{tmp_path / 'random.db'}", affinity=False)
     runs = _run_sessions(ray_serve, sessions=8, turns=6)
