@@ -178,6 +178,7 @@ class ChainService:
         await self._hold(chain_id)
         try:
             async with self.db.sessions.begin() as s:
+                await self.fence(s, chain_id)
                 if await s.get(ChainRow, chain_id) is None:
                     raise ChainNotFound(chain_id)
                 await s.execute(delete(RegionRow).where(RegionRow.chain_id == chain_id))
@@ -236,13 +237,28 @@ class ChainService:
             self.states[chain_id] = new_state
         self._let_go(chain_id)
 
-    async def fence(self, session: AsyncSession, chain_id: str, engine_replica: str | None) -> None:
-        """In the transaction committing a turn: with leases, release the chain's lease and record the engine
-        replica that ran the turn as its owner, or raise agentrt.scaleout.leases.LeaseLost (nothing is written)
-        when the lease expired and another request took the chain."""
+    async def fence(self, session: AsyncSession, chain_id: str, engine_replica: str | None = None,
+                    release: bool = False) -> None:
+        """In a transaction writing a chain this replica holds: with leases, raise
+        agentrt.scaleout.leases.LeaseLost (nothing is written) when the lease expired and another request took
+        the chain; else record ``engine_replica`` as the chain's owner (a turn's commit) and, with ``release``,
+        give the lease back in the same transaction."""
+        lease = self._leases.get(chain_id)
+        if self.leases is None or lease is None:
+            return
+        await self.leases.fence(session, lease, engine_replica, release)
+        if release:
+            self._leases.pop(chain_id, None)
+
+    async def release(self, chain_id: str) -> None:
+        """Give the chain's lease back now (awaited: the client's next request may reach another HTTP replica at
+        once); ``busy`` is left to ``finish_turn``."""
         lease = self._leases.pop(chain_id, None)
         if self.leases is not None and lease is not None:
-            await self.leases.fence(session, lease, engine_replica)
+            try:
+                await self.leases.release(lease)
+            except Exception:  # noqa: BLE001 -- it expires after its TTL
+                log.exception("releasing the lease of %s failed", chain_id)
 
     async def state(self, chain_id: str, tenant: str | None = None) -> ChainState:
         """The chain's state; ChainNotFound when it does not exist or (``tenant`` given) belongs to another."""
@@ -385,6 +401,7 @@ class ChainService:
         pruned_intervals = list(state.row.pruned_intervals or []) + ([list(iv) for iv in intervals]
                                                                       if tokens_freed > 0 else [])
         async with self.db.sessions.begin() as s:
+            await self.fence(s, chain_id)
             index = await s.scalar(select(func.count()).select_from(PruneEventRow)
                                    .where(PruneEventRow.chain_id == chain_id)) or 0
             event = PruneEvent(index=index, source=source, created_at=time.time(), after_turn=state.num_turns,  # type: ignore[arg-type]
@@ -423,6 +440,7 @@ class ChainService:
                 pass
             try:
                 async with self.db.sessions.begin() as s:
+                    await self.fence(s, chain_id)
                     events = (await s.scalars(select(PruneEventRow).where(PruneEventRow.chain_id == chain_id))).all()
                     s.add(_clone(chain, id=new_id, created_at=time.time(), parent_id=chain_id,
                                  meta=chain.meta if data.metadata is None else data.metadata,
@@ -520,6 +538,7 @@ class ChainService:
             pruned_intervals = [[lo, min(hi, boundary)] for lo, hi in chain.pruned_intervals or [] if lo < boundary] \
                 if compacted else []
             async with self.db.sessions.begin() as s:
+                await self.fence(s, chain_id)
                 await s.execute(delete(TurnRow).where(TurnRow.chain_id == chain_id, TurnRow.index >= keep))
                 await s.execute(delete(RegionRow).where(RegionRow.chain_id == chain_id, RegionRow.turn >= keep))
                 await s.execute(delete(PruneEventRow).where(PruneEventRow.chain_id == chain_id,

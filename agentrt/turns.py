@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 import msgspec
 from sqlalchemy import update
 
-from agentrt.chain_state import ChainState, region_row
+from agentrt.chain_state import ChainState, policy_of, region_row
 from agentrt.chat import Appended, Message, parse_tool_calls
 from agentrt.engine_worker import RequestStream, prefill_counts
 from agentrt.errors import TurnFailed
@@ -114,6 +114,7 @@ class PendingTurn:
             self._count("failed")
             raise
         finally:
+            await self.service.release(self.state.id)
             self.service.finish_turn(self.state.id, new_state)
 
     async def _write(self, out: RequestOutput) -> tuple[TurnResult, ChainState]:
@@ -166,7 +167,9 @@ class PendingTurn:
                             finish_reason=cast(FinishReason, out.finish_reason), usage=usage,
                             resume_status=status)
         async with self.service.db.sessions.begin() as s:
-            await self.service.fence(s, chain_id, getattr(self.stream, "replica", None))
+            # the lease goes with the commit unless a pruning policy runs next (it is released after that)
+            policy_next = policy_of(st.row) is not None and any(p.kind == "tool_result" for p in appended.pieces)
+            await self.service.fence(s, chain_id, getattr(self.stream, "replica", None), release=not policy_next)
             s.add(row)
             if self.extra_rows is not None:
                 s.add_all(self.extra_rows(result, generated))

@@ -232,8 +232,8 @@ class ChainTiers:
             return None
         except OSError:  # another file system: copy under a temporary name, then claim by removing the source
             tmp = target.with_suffix(".tmp")
-            shutil.copyfile(path, tmp)
             try:
+                shutil.copyfile(path, tmp)
                 path.unlink()
             except FileNotFoundError:
                 tmp.unlink(missing_ok=True)

@@ -41,8 +41,13 @@ async def check_one_holder_at_a_time(db_url: str) -> None:
     with pytest.raises(LeaseLost):
         async with db.sessions.begin() as s:
             await a.fence(s, lease, "engine-0")
+    async with db.sessions.begin() as s:  # more work follows (a pruning policy): the lease stays
+        await a.fence(s, again, "engine-1", release=False)
+    assert await b.owner(c1) == "engine-1"
+    with pytest.raises(ChainBusy):
+        await b.acquire(c1)
     async with db.sessions.begin() as s:
-        await a.fence(s, again, "engine-1")
+        await a.fence(s, again, None)
     assert await b.owner(c1) == "engine-1"
     second = await b.acquire(c1)  # released by the commit
     assert (second.epoch, second.owner) == (3, "engine-1")

@@ -25,6 +25,7 @@ from ray import serve  # noqa: E402
 
 from agentrt.config import ServerConfig  # noqa: E402
 from agentrt.scaleout.deploy import APP_NAME, ScaleOut, build_application  # noqa: E402
+from tests.server_helpers import TOOL_CALL, WEATHER_TOOL  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 SAMPLING = {"temperature": 0.0, "max_tokens": 6}
@@ -262,9 +263,23 @@ def test_two_http_replicas_never_run_one_chain_at_once(ray_serve, tmp_path):
             await ChainLeases(db, "http-a").release(held)
             second = await _turn(b, cid, "now me")
             chain = (await b.get(f"/v1/chains/{cid}")).json()
+            # a tool round on A with a pruning policy: A keeps the lease through the policy's prune, then B's
+            # turn, sent right after A's answer, runs
+            pid = (await a.post("/v1/chains", json={"tools": [WEATHER_TOOL],
+                                                     "prune_policy": {"lag": 0}})).json()["id"]
+            call = (await a.post(f"/v1/chains/{pid}/turns", json={
+                "sampling": SAMPLING, "assistant_prefix": TOOL_CALL,
+                "messages": [{"role": "user", "content": "Weather in Paris?"}]})).json()["message"]["tool_calls"][0]
+            tool = await a.post(f"/v1/chains/{pid}/turns", json={"sampling": SAMPLING, "messages": [
+                {"role": "tool", "tool_call_id": call["id"], "content": '{"temp_c": 18}'}]})
+            after = await _turn(b, pid, "and tomorrow?")
+            policy = (await b.get(f"/v1/chains/{pid}")).json()
         await db.dispose()
-        return first, refused, second, chain
-    first, refused, second, chain = asyncio.run(main())
+        return first, refused, second, chain, tool, after, policy
+    first, refused, second, chain, tool, after, policy = asyncio.run(main())
+    assert tool.status_code == 200 and len(tool.json()["pruned"]) == 1, tool.text
+    assert after.status_code == 200, after.text
+    assert len(policy["prune_events"]) == 1 and policy["num_turns"] == 3
     assert refused.status_code == 409, refused.text
     assert first.status_code == 200 and second.status_code == 200, (first.text, second.text)
     assert second.json()["turn"] == 1 and second.json()["resume_status"] == "resumed"

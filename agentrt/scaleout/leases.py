@@ -95,13 +95,17 @@ class ChainLeases:
         return update(ChainLeaseRow).where(ChainLeaseRow.chain_id == lease.chain_id,
                                            ChainLeaseRow.holder == self.holder, ChainLeaseRow.epoch == lease.epoch)
 
-    async def fence(self, session: AsyncSession, lease: Lease, owner: str | None) -> None:
-        """In the transaction that commits the lease's work: release the lease and record ``owner`` (None: keep
-        it), or raise LeaseLost (the transaction rolls back) when the lease is no longer the holder's."""
-        values = {"holder": None, "expires_at": 0.0} | ({} if owner is None else {"owner": owner})
+    async def fence(self, session: AsyncSession, lease: Lease, owner: str | None, release: bool = True) -> None:
+        """In a transaction writing the lease's work: raise LeaseLost (the transaction rolls back) when the lease is
+        no longer the holder's; else record ``owner`` (None: keep it) and, with ``release``, give the lease back
+        in the same transaction (without: the holder keeps it for more work, e.g. a pruning policy after a
+        turn)."""
+        values = ({"holder": None, "expires_at": 0.0} if release else {"expires_at": time.time() + self.ttl_s}) \
+            | ({} if owner is None else {"owner": owner})
         if not (await session.execute(self._held(lease).values(**values))).rowcount:
             raise LeaseLost(lease.chain_id)
-        self._stop(lease)
+        if release:
+            self._stop(lease)
 
     async def release(self, lease: Lease, owner: str | None = None) -> None:
         """Give the lease back (work that failed, or needs no fence); ``owner``: record it (None: keep)."""
