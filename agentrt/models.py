@@ -1,5 +1,5 @@
-"""ORM tables: chains, turns (token ids as appended and as generated), regions, prune events, API keys, and the
-Responses API's responses."""
+"""ORM tables: chains, turns (token ids as appended and as generated), regions, prune events, API keys, the
+Responses API's responses, and, when engine replicas scale out, chain leases and the replicas' heartbeats."""
 
 from __future__ import annotations
 
