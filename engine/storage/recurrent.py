@@ -102,6 +102,8 @@ class HybridKV(DenseKV):
         self.conv = zeroed((spec.linear_layers, slots, *spec.conv_shape), spec.dtype, spec.device)
         self.recurrent = zeroed((spec.linear_layers, slots, *spec.recurrent_shape), spec.state_dtype, spec.device)
         self._free = list(range(spec.max_states - 1, -1, -1))
+        # the batch's state slots as a device tensor, made once per step (every linear layer asks for the same)
+        self._slots: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     @property
     def free_states(self) -> int:
@@ -147,5 +149,7 @@ class HybridKV(DenseKV):
             dst.state = SavedState(saved.conv.clone(), saved.recurrent.clone())
 
     def linear_state(self, tables: list[TableHandle], layer: int, query_lens: list[int]) -> LinearState:
-        slots = torch.tensor([t.window for t in tables], dtype=torch.int64, device=self.conv.device)
-        return LinearState(self, layer, slots, query_lens)
+        key = tuple(t.window for t in tables)
+        if self._slots is None or self._slots[0] != key:
+            self._slots = key, torch.tensor(key, dtype=torch.int64, device=self.conv.device)
+        return LinearState(self, layer, self._slots[1], query_lens)
