@@ -516,7 +516,8 @@ class MessagesService:
                 state = found[0]
                 new = ([state.system_message()] if state.num_turns == 0 else []) + new
                 last = state.token_ids[-1] if state.token_ids else None
-                appended = await renderer.append(state.history, new, state.row.tools, last, conv.prefix)
+                appended = await renderer.append(state.history, new, state.row.tools, last, conv.prefix,
+                                                log_ids=state.token_ids)
                 count = len(state.token_ids) + len(appended.token_ids)
             else:
                 system = {"role": "system", "content": self.config.default_system_prompt if conv.system is None
@@ -643,7 +644,8 @@ class MessagesService:
         if isinstance(trigger, ToolUses):
             return in_chain + sum(1 for m in new if m["role"] == "tool") > trigger.value
         last = state.token_ids[-1] if state.token_ids else None
-        appended = await self.chains.renderer.append(state.history, new, state.row.tools, last, conv.prefix)
+        appended = await self.chains.renderer.append(state.history, new, state.row.tools, last, conv.prefix,
+                                                     log_ids=state.token_ids)
         return len(state.token_ids) + len(appended.token_ids) > trigger.value
 
     # --- the reply -------------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from agentrt.engine_worker import EngineUnavailable, EngineWorker
 from agentrt.errors import ChainBusy, ChainNotFound, TooManyChains, TooManyMethodConfigs, bad_field
 from agentrt.metrics import Metrics
 from agentrt.scaleout.leases import ChainLeases, Lease
+from agentrt.tool_input_spans import covered
 from agentrt.models import ChainRow, PruneEventRow, RegionRow, TurnRow
 from agentrt.turns import PendingTurn
 from engine.chain_index import ChainInfo, UnknownChainError
@@ -220,7 +221,10 @@ class ChainService:
                     m["name"] = state.tool_names.get(m["tool_call_id"])
             new = ([state.system_message()] if state.num_turns == 0 else []) + messages
             last = state.token_ids[-1] if state.token_ids else None
-            appended = await self.renderer.append(state.history, new, state.row.tools, last, data.assistant_prefix)
+            appended = await self.renderer.append(state.history, new, state.row.tools, last, data.assistant_prefix,
+                                                  log_ids=state.token_ids)
+            if appended.dropped:
+                state = await self._drop_reasoning(state, appended.dropped)
             prompt = state.token_ids + appended.token_ids
             stream = await self.worker.submit(prompt, params, chain_id=chain_id,
                                               method=(state.row.method, state.row.method_config))
@@ -336,6 +340,23 @@ class ChainService:
         regions = [state.regions[i] for i in event.regions]
         return PruneResult(chain_id=chain_id, tokens_kept=event.tokens_kept, tokens_freed=event.tokens_freed,
                            pages_freed=event.pages_freed, event=event, regions=regions)
+
+    async def _drop_reasoning(self, state: ChainState, spans: list[tuple[int, int]]) -> ChainState:
+        """The think blocks that the chat template leaves out of the conversation (agentrt.chat: Qwen3's drops
+        earlier replies' reasoning) leave the chain's KV, as a prune: the token log keeps them, so the turn
+        appends only its new messages and the model attends as the template shows the conversation. Call
+        holding the chain."""
+        info = await self._chain_info(state.id)
+        if info is None:  # no KV here: the next turn computes the log (the blocks' prune events stay recorded)
+            return state
+        pruned = [(int(lo), int(hi)) for lo, hi in state.row.pruned_intervals or []]
+        due = [(lo, min(hi, info.computed_tokens)) for lo, hi in spans
+               if lo < info.computed_tokens and not covered((lo, hi), pruned)]
+        if not due:
+            return state
+        touched = [r.index for r in state.regions if any(lo < r.end and r.start < hi for lo, hi in due)]
+        _, state = await self._prune(state, due, touched, None, 0.0, "template", info)
+        return state
 
     async def apply_policy(self, state: ChainState) -> tuple[list[PruneEvent], ChainState]:
         """Right after a turn that appended a tool-result round commits (the chain is still held busy)."""

@@ -2,7 +2,8 @@
 
 New messages are rendered with the model's chat template: the conversation is rendered before and after
 adding them, the old rendering must be a prefix of the new one (true of ChatML), and only the new suffix is
-tokenized and appended. Each message's share of that suffix becomes one region. Generated tokens are never
+tokenized and appended. A template that drops earlier replies' think blocks (Qwen3's) is matched against the
+log less those blocks (``agentrt.reasoning.ThinkLog``); the caller prunes them from the KV (``Appended.dropped``). Each message's share of that suffix becomes one region. Generated tokens are never
 re-tokenized: the previous assistant message is closed by appending what the template puts after its
 content (``<|im_end|>\\n``, minus a stop token the model already produced).
 
@@ -23,7 +24,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.reasoning import answer_of, opens_think, think_tokens
+from agentrt.reasoning import ThinkLog, answer_of, opens_think, think_tokens
 from sdk.schema import FunctionCall, RegionKind, ToolCall
 
 Message = dict[str, Any]
@@ -62,6 +63,7 @@ class Appended:
     pieces: list[Piece]  # one per new message
     prompt_ids: list[int]  # the generation prompt and the assistant prefix: the new assistant region starts here
     token_ids: list[int] = field(default_factory=list)  # all of the above, in order
+    dropped: list[tuple[int, int]] = field(default_factory=list)  # log spans the template leaves out (think blocks)
 
     def __post_init__(self) -> None:
         self.token_ids = self.close_ids + [t for p in self.pieces for t in p.token_ids] + self.prompt_ids
@@ -96,21 +98,39 @@ class ChatRenderer:
         return self.encode(self.render(messages, tools, generation_prompt=True))
 
     def append(self, history: list[Message], new: list[Message], tools: list[dict] | None,
-               last_token: int | None = None, assistant_prefix: str | None = None) -> Appended:
-        """Tokens that extend a log holding ``history`` (its last assistant message as generated) by ``new``."""
+               last_token: int | None = None, assistant_prefix: str | None = None,
+               log_ids: Sequence[int] | None = None) -> Appended:
+        """Tokens that extend a log holding ``history`` (its last assistant message as generated) by ``new``.
+        ``log_ids``, the log itself, lets a template that drops earlier replies' reasoning append anyway: the
+        dropped think blocks are returned (``Appended.dropped``) for the caller to take out of the KV."""
         base = self.render(history, tools) if history else ""
         close = self._close(history, tools, base, last_token) if history and history[-1]["role"] == "assistant" else ""
         final = self.render(history + new, tools, generation_prompt=True)
-        if not final.startswith(base):
-            raise TemplateMismatchError("the chat template does not render the conversation append-only")
-        pieces, pos = [], len(base)
+        log = ThinkLog.of(log_ids, self.think, self.decode) \
+            if log_ids and self.think is not None and not final.startswith(base) else None
+        start, dropped = self._history_end(final, base, close, log)
+        pieces, pos, tail = [], start, final[start:]
         for i, message in enumerate(new):
             upto = self.render(history + new[: i + 1], tools)
-            end = self._safe_boundary(final, _common_prefix(upto, final, pos))
+            at = self._history_end(upto, base, close, log)[0]
+            end = self._safe_boundary(final, start + _common_prefix(upto[at:], tail, pos - start))
             end = max(end, pos)
             pieces.append(Piece(_KINDS[message["role"]], self.encode(final[pos:end]), message))
             pos = end
-        return Appended(self.encode(close), pieces, self.encode(final[pos:] + (assistant_prefix or "")))
+        return Appended(self.encode(close), pieces, self.encode(final[pos:] + (assistant_prefix or "")),
+                        dropped=dropped)
+
+    @staticmethod
+    def _history_end(rendering: str, base: str, close: str,
+                     log: ThinkLog | None) -> tuple[int, list[tuple[int, int]]]:
+        """Where the history ends in ``rendering`` (of the history and more), and the log's think blocks that
+        the rendering leaves out."""
+        if rendering.startswith(base):
+            return len(base), []
+        found = log.dropped_in(rendering, close) if log is not None else None
+        if found is None:
+            raise TemplateMismatchError("the chat template does not render the conversation append-only")
+        return found
 
     def _close(self, history: list[Message], tools: list[dict] | None, base: str, last_token: int | None) -> str:
         content = history[-1]["content"]

@@ -21,7 +21,7 @@ the tokens the model produced).
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,3 +167,61 @@ def answer_of(text: str) -> str:
     if THINK_OPEN not in text and THINK_CLOSE not in text:
         return text
     return split_reasoning(text)[1]
+
+
+
+def think_blocks(token_ids: Sequence[int], think: ThinkTokens,
+                 decode: Callable[[list[int]], str]) -> list[tuple[int, int]]:
+    """The closed think blocks of a token log as ``[start, end)`` spans: ``<think>`` through ``</think>`` and the
+    newline-only tokens after it (what a template drops with the block: Qwen3's ``.lstrip('\\n')``)."""
+    blocks, i, n = [], 0, len(token_ids)
+    while i < n:
+        if token_ids[i] != think.open_id:
+            i += 1
+            continue
+        j = next((m for m in range(i + 1, n) if token_ids[m] == think.close_id), None)
+        if j is None:
+            break  # an unterminated block (max_tokens cut it) is text to a template
+        k = j + 1
+        while k < n and (text := decode([token_ids[k]])) and not text.strip("\n"):
+            k += 1
+        blocks.append((i, k))
+        i = k
+    return blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkLog:
+    """A chain's token log cut at its think blocks, decoded once: for matching a chat template's rendering of
+    the conversation that leaves some of those blocks out."""
+
+    spans: list[tuple[int, int]]  # the closed think blocks
+    blocks: list[str]  # their text
+    segments: list[str]  # the text before each block, then after the last
+
+    @classmethod
+    def of(cls, token_ids: Sequence[int], think: ThinkTokens, decode: Callable[[list[int]], str]) -> ThinkLog:
+        spans = think_blocks(token_ids, think, decode)
+        cuts = [0] + [x for span in spans for x in span] + [len(token_ids)]
+        segments = [decode(list(token_ids[cuts[i]:cuts[i + 1]])) for i in range(0, len(cuts), 2)]
+        return cls(spans, [decode(list(token_ids[a:b])) for a, b in spans], segments)
+
+    def dropped_in(self, rendering: str, tail: str) -> tuple[int, list[tuple[int, int]]] | None:
+        """Whether ``rendering`` begins with the log, then ``tail`` (what closes its last message), less some of
+        its think blocks: a template that drops earlier replies' reasoning (Qwen3's drops every think block
+        before the last user message and, in a tool loop, the empty ones). Returns where the log ends in
+        ``rendering`` and the dropped blocks' spans; None when the rendering differs from the log otherwise or
+        drops nothing."""
+        pos, dropped = 0, []
+        for segment, span, block in zip(self.segments, self.spans, self.blocks):
+            if not rendering.startswith(segment, pos):
+                return None
+            pos += len(segment)
+            if rendering.startswith(block, pos):
+                pos += len(block)
+            else:
+                dropped.append(span)
+        rest = self.segments[-1] + tail
+        if not dropped or not rendering.startswith(rest, pos):
+            return None
+        return pos + len(rest), dropped

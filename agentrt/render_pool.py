@@ -10,7 +10,7 @@ them, and are a 413 naming ``messages`` at once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -49,9 +49,10 @@ class RenderPool:
         return await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
     async def append(self, history: list[Message], new: list[Message], tools: list[dict] | None,
-                     last_token: int | None = None, assistant_prefix: str | None = None) -> Appended:
+                     last_token: int | None = None, assistant_prefix: str | None = None,
+                     log_ids: Sequence[int] | None = None) -> Appended:
         self.check_size(new, tools, assistant_prefix)
-        return await self._run(self.renderer.append, history, new, tools, last_token, assistant_prefix)
+        return await self._run(self.renderer.append, history, new, tools, last_token, assistant_prefix, log_ids)
 
     async def prompt(self, messages: list[Message], tools: list[dict] | None) -> list[int]:
         self.check_size(messages, tools)

@@ -119,7 +119,7 @@ class PruneRequest(_Input, kw_only=True):
 
 class PruneEvent(Struct, kw_only=True):
     index: int  # 0, 1, ... per chain
-    source: Literal["explicit", "policy"]
+    source: Literal["explicit", "policy", "template"]
     created_at: float
     after_turn: int  # the number of turns the chain had when it was pruned
     intervals: list[tuple[int, int]]
