@@ -37,10 +37,17 @@ class Metrics:
                            ("loaded_disk", lambda c: c.loaded_tokens["disk"])):
             moved.labels(move).set_function(lambda read=read: 0 if worker.snapshot.tiers is None
                                             else read(worker.snapshot.tiers))
+        seconds = Gauge("agentrt_chain_tier_seconds", "wall seconds spent moving chain KV: device -> host copies "
+                        "(offload), host -> disk writes on the writer thread (spill), loads from each tier",
+                        ["move"], registry=r)
+        for move in ("offload", "spill", "load_host", "load_disk"):
+            seconds.labels(move).set_function(lambda move=move: 0 if worker.snapshot.tiers is None
+                                              else worker.snapshot.tiers.seconds[move])
         loads = Gauge("agentrt_chain_tier_loads", "chain loads by outcome: from host, from disk, failed (recomputed), "
-                      "copies dropped", ["outcome"], registry=r)
+                      "copies dropped, disk writes failed (recomputed)", ["outcome"], registry=r)
         for outcome, read in (("host", lambda c: c.loads["host"]), ("disk", lambda c: c.loads["disk"]),
-                              ("failed", lambda c: c.failed_loads), ("dropped", lambda c: c.dropped)):
+                              ("failed", lambda c: c.failed_loads), ("dropped", lambda c: c.dropped),
+                              ("failed_writes", lambda c: c.failed_writes)):
             loads.labels(outcome).set_function(lambda read=read: 0 if worker.snapshot.tiers is None
                                                else read(worker.snapshot.tiers))
         self.tokens_prefilled = Counter("agentrt_tokens_prefilled", "prompt tokens computed", registry=r)

@@ -156,16 +156,24 @@ class ChainManager:
     def persist(self) -> int:
         """Write every idle chain's table to the disk tier (a server shutting down), so that the next process
         adopts them (``restore``) and their next turns load instead of recomputing; returns how many were
-        written. Chains whose method keeps state of its own between turns are not written (it is not saved)."""
+        written. Pinned chains are written too, and so are chains in the host tier; chains on disk already are
+        counted once their files are complete. Chains whose method keeps state of its own between turns are not
+        written (it is not saved)."""
+        if self.tiers is None:
+            return 0
         written = 0
-        for state in self.index.reclaim_order():
-            if self.tiers is None or state.method_state is not None:
+        for state in self.index.states():
+            if not state.is_idle or state.method_state is not None:
                 continue
-            entry = self.tiers.persist(state.chain_id, state.table, _info(state))
-            if entry is not None:
-                self.cache.release_table(state.table)
-                state.table, state.offloaded = None, entry
-                written += 1
+            if state.table is not None:
+                entry = self.tiers.persist(state.chain_id, state.table, _info(state))
+                if entry is not None:
+                    self.cache.release_table(state.table)
+                    state.table, state.offloaded = None, entry
+                    written += 1
+            elif state.offloaded is not None:
+                written += self.tiers.persist_entry(state.offloaded)
+        self.tiers.flush()
         return written
 
     def restore(self, resolve_method) -> int:

@@ -12,6 +12,12 @@ lengths and kept positions of a compacted table) and the state a storage keeps w
 model's recurrent state). A file is written under a temporary name and renamed when complete, with a digest of
 its bytes in its header, so a partial or corrupted file is never loaded: the chain is recomputed and the reason
 logged.
+
+Writes to disk run on a writer thread: a spill moves the entry to the disk tier's accounts at once and keeps its
+host tensors until its file is complete, so no engine step waits on a file (a chain loaded meanwhile is served
+from those tensors and its file removed when written). Host memory held by writes in flight is bounded by the
+host tier's size: a spill beyond it waits for the oldest write. ``flush`` waits for all of them (a shutdown's
+``persist``, an adoption).
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +62,8 @@ class OffloadedTable:
     state_type: Any = None
     path: Path | None = None
     info: dict[str, Any] | None = None  # what a restart needs to adopt the chain (tokens, method); see ``restore``
+    writing: Future | None = None  # its file's write, while in flight (the host tensors are kept until it ends)
+    cancelled: bool = False  # dropped or loaded while its file was being written: the file goes when written
 
 
 @dataclass(slots=True)
@@ -65,7 +75,11 @@ class TierCounters:
     loaded_tokens: dict[str, int] = field(default_factory=lambda: {HOST: 0, DISK: 0})
     loads: dict[str, int] = field(default_factory=lambda: {HOST: 0, DISK: 0})
     failed_loads: int = 0
+    failed_writes: int = 0  # spills whose file could not be written (the chain is recomputed)
     dropped: int = 0
+    # wall seconds of each move: device -> host copies, host -> disk writes (on the writer thread), loads back
+    seconds: dict[str, float] = field(default_factory=lambda: {"offload": 0.0, "spill": 0.0, "load_host": 0.0,
+                                                               "load_disk": 0.0})
 
 
 class ChainTiers:
@@ -81,17 +95,22 @@ class ChainTiers:
         self.entries: OrderedDict[str, OffloadedTable] = OrderedDict()  # least recently offloaded first
         self.host_used = self.disk_used = 0
         self.counters = TierCounters()
+        self._writer: ThreadPoolExecutor | None = None
+        self._writes: list[OffloadedTable] = []  # in flight, oldest first
 
     # --- down ---------------------------------------------------------------------------------------
     def offload(self, chain_id: str, table: PageTable, info: dict[str, Any] | None = None) -> OffloadedTable | None:
         """Copy ``table`` (about to lose its pages) to the host tier, making room by moving older chains down;
         None when no tier can hold it (it is then recomputed later). ``info``: what a restart needs to adopt the
         chain from its file (JSON-able)."""
+        self._reap()
+        start = time.perf_counter()
         tensors = self.cache.storage.page_tensors()
         index = torch.tensor(table.pages, dtype=torch.int64, device=tensors[0][0].device)
         pages = [_host(t.index_select(dim, index)) for t, dim in tensors]
         state = [_host(x) for x in _state_tensors(table.state)]
         nbytes = sum(p.numel() * p.element_size() for p in pages + state)
+        self.counters.seconds["offload"] += time.perf_counter() - start
         if not self._room(HOST, nbytes, chain_id):
             return None
         entry = OffloadedTable(chain_id, len(table.pages), table.num_slots,
@@ -117,26 +136,66 @@ class ChainTiers:
             self.drop(victim)
         return (self.host_used if tier == HOST else self.disk_used) + nbytes <= capacity
 
-    def _spill(self, entry: OffloadedTable) -> bool:
-        """Host -> disk: one file per chain, written whole under a temporary name, then renamed."""
+    def _spill(self, entry: OffloadedTable, wait: bool = False) -> bool:
+        """Host -> disk: one file per chain, written whole under a temporary name, then renamed, on the writer
+        thread (``wait``: before returning)."""
         if self.disk_dir is None or not self._room(DISK, entry.nbytes, entry.chain_id):
             return False
+        path = self.disk_dir / chain_file_name(entry.chain_id)
+        # an earlier write of this chain's file (its copy since loaded or dropped) ends first, so that its
+        # removal cannot take this one's file
+        while any(w.path == path for w in self._writes) or self._inflight() + entry.nbytes > self.host_bytes:
+            if not self._writes:
+                break
+            self._writes[0].writing.exception()
+            self._reap()
         tensors = {f"page{i}": p.contiguous() for i, p in enumerate(entry.pages)}
         tensors |= {f"state{i}": s.contiguous() for i, s in enumerate(entry.state)}
         tensors |= {f"kept{i}": k.contiguous() for i, k in enumerate(entry.kept_positions or [])}
-        path = self.disk_dir / chain_file_name(entry.chain_id)
-        tmp = path.with_suffix(".tmp")
         state_type = None if entry.state_type is None else f"{entry.state_type.__module__}:{entry.state_type.__qualname__}"
-        save_file(tensors, str(tmp), metadata={"digest": _digest(tensors), "layout": json.dumps(_layout(entry)),
-                                               "info": json.dumps(entry.info), "state_type": json.dumps(state_type),
-                                               "nbytes": str(entry.nbytes)})
-        os.replace(tmp, path)
+        metadata = {"layout": json.dumps(_layout(entry)), "info": json.dumps(entry.info),
+                    "state_type": json.dumps(state_type), "nbytes": str(entry.nbytes)}
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chain-tier-writer")
         self.host_used -= entry.nbytes
         self.disk_used += entry.nbytes
-        entry.where, entry.path, entry.pages, entry.state = DISK, path, [], []
-        entry.kept_positions = None if entry.kept_positions is None else []  # read back from the file
+        entry.where, entry.path = DISK, path
+        entry.writing = self._writer.submit(_write_file, path, tensors, metadata)
+        self._writes.append(entry)
         self.counters.spilled_tokens += entry.num_slots
+        if wait:
+            entry.writing.exception()
+            self._reap()
         return True
+
+    def _inflight(self) -> int:
+        return sum(w.nbytes for w in self._writes)
+
+    def _reap(self) -> None:
+        """Settle the writes that ended: their host tensors go; a cancelled entry's file is removed; a failed
+        write drops its entry (recomputed later)."""
+        while self._writes and self._writes[0].writing.done():
+            entry = self._writes.pop(0)
+            future, entry.writing = entry.writing, None
+            error = future.exception()
+            if error is None:
+                self.counters.seconds["spill"] += future.result()
+            if entry.cancelled or error is not None:
+                entry.path.unlink(missing_ok=True)
+            if error is not None and not entry.cancelled:
+                log.warning("chain %s: its KV could not be written to disk (%s); it will be recomputed",
+                            entry.chain_id, error)
+                self.counters.failed_writes += 1
+                self.drop(entry)
+            entry.pages, entry.state = [], []
+            if entry.kept_positions is not None:
+                entry.kept_positions = []  # read back from the file
+
+    def flush(self) -> None:
+        """Wait for every write in flight and settle it."""
+        for entry in list(self._writes):
+            entry.writing.exception()
+        self._reap()
 
     def drop(self, entry: OffloadedTable) -> None:
         """Forget ``entry`` (its chain is recomputed from its tokens)."""
@@ -149,9 +208,11 @@ class ChainTiers:
             self.host_used -= entry.nbytes
         elif entry.where == DISK:
             self.disk_used -= entry.nbytes
-            if entry.path is not None:
+            if entry.writing is not None:
+                entry.cancelled = True  # ``_reap`` removes the file once written
+            elif entry.path is not None:
                 entry.path.unlink(missing_ok=True)
-        entry.where, entry.pages, entry.state = DROPPED, [], []
+        entry.where, entry.pages, entry.state = DROPPED, [], []  # a write in flight holds its own references
         if self.entries.get(entry.chain_id) is entry:
             del self.entries[entry.chain_id]
 
@@ -159,9 +220,11 @@ class ChainTiers:
     def load(self, entry: OffloadedTable) -> PageTable | None:
         """The entry's table in fresh pages (its bytes copied in), the entry dropped from its tier; None (the
         entry dropped) when it was dropped, its file is unreadable or corrupted, or the pool lacks the pages."""
+        self._reap()
         if entry.where == DROPPED:
             return None
         tier = entry.where
+        start = time.perf_counter()
         try:
             pages, state, kept = self._read(entry)
         except (OSError, SafetensorError, ValueError, KeyError) as exc:
@@ -183,11 +246,12 @@ class ChainTiers:
                           state=None if entry.state_type is None else entry.state_type(*state))
         self.counters.loads[tier] += 1
         self.counters.loaded_tokens[tier] += entry.num_slots
+        self.counters.seconds[f"load_{tier}"] += time.perf_counter() - start
         self._forget(entry)
         return table
 
     def _read(self, entry: OffloadedTable) -> tuple[list[torch.Tensor], list[torch.Tensor], list | None]:
-        if entry.where == HOST:
+        if entry.where == HOST or entry.writing is not None:  # its file is not written yet: the host copy
             return entry.pages, entry.state, entry.kept_positions
         with safe_open(str(entry.path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
@@ -206,16 +270,27 @@ class ChainTiers:
         if self.disk_dir is None:
             return None
         entry = self.offload(chain_id, table, info)
-        if entry is not None and not self._spill(entry):
+        if entry is not None and not self._spill(entry, wait=True):
             self.drop(entry)
             return None
-        return entry
+        return None if entry is None or entry.where == DROPPED else entry
+
+    def persist_entry(self, entry: OffloadedTable) -> bool:
+        """An offloaded chain to disk for a restart (a host entry is written now); whether its file stands."""
+        if entry.where == HOST:
+            if not self._spill(entry, wait=True):
+                return False
+        elif entry.writing is not None:
+            entry.writing.exception()
+            self._reap()
+        return entry.where == DISK
 
     def restore(self) -> list[OffloadedTable]:
         """The chains a previous process left in the disk directory, as disk entries (headers read, bytes
         checked when loaded); files without what a restart needs are removed."""
         if self.disk_dir is None:
             return []
+        self.flush()
         found = [self._entry(path) for path in sorted(self.disk_dir.glob("*.safetensors"))]
         return [e for e in found if e is not None]
 
@@ -225,6 +300,7 @@ class ChainTiers:
         caller drops this tier's own copy of the chain first (``file_chain_id`` names it)."""
         if self.disk_dir is None:
             return None
+        self.flush()  # a write of this chain's own file in flight would land over the adopted one
         target = self.disk_dir / path.name
         try:
             os.replace(path, target)  # atomic on one file system: the claim
@@ -291,6 +367,19 @@ def _import(qualified: str | None) -> Any:
 
     module, _, name = qualified.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def _write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> float:
+    """Write a chain file (on the writer thread): under a temporary name, then renamed; returns the seconds."""
+    start = time.perf_counter()
+    tmp = path.with_suffix(".tmp")
+    try:
+        save_file(tensors, str(tmp), metadata={"digest": _digest(tensors), **metadata})
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return time.perf_counter() - start
 
 
 def _host(x: torch.Tensor) -> torch.Tensor:

@@ -99,6 +99,7 @@ def test_a_full_host_tier_spills_to_disk_and_a_full_disk_drops_the_oldest(tiny_d
         state.table, state.offloaded = None, entry
     where = {cid: eng.chain_info(cid).status for cid in hist}
     assert where == {"c0": "reclaimed", "c1": "disk", "c2": "disk", "c3": "host"}, where
+    tiers.flush()  # the files are written on the writer thread
     assert len(list(tmp_path.glob("*.safetensors"))) == 2 and not list(tmp_path.glob("*.tmp"))
     outs = turns(eng, hist, random.Random(4), sizes=(5,))
     outs_ref = turns(ref, hist_ref, random.Random(4), sizes=(5,))
@@ -123,7 +124,7 @@ def test_a_damaged_file_is_never_loaded_the_chain_recomputes(tiny_dirs, tmp_path
     entry = tiers.offload("c", state.table)
     eng.cache.release_table(state.table)
     state.table, state.offloaded = None, entry
-    assert tiers._spill(entry)  # noqa: SLF001 -- host -> disk, as a full host tier does
+    assert tiers._spill(entry, wait=True)  # noqa: SLF001 -- host -> disk, as a full host tier does
     (path,) = tmp_path.glob("*.safetensors")
     data = path.read_bytes()
     if damage == "truncated":
@@ -258,3 +259,131 @@ def test_session_hints_pin_release_prefetch_priority_and_ttl(tiny_dirs):
     assert outs["a"].resume_status == "recomputed" and outs["b"].resume_status == "resumed"
     with pytest.raises(Exception, match="ttl_s must be > 0"):
         eng.chain_hints("a", ttl_s=0)
+
+
+# --- writes to disk run on the writer thread ---------------------------------------------------------------------
+def _move_down(eng, cid):
+    """Offload ``cid`` to the host tier (making room by spilling older chains), as a reclaim does."""
+    state = eng.chains.index.get(cid)
+    entry = eng.chains.tiers.offload(cid, state.table)
+    eng.cache.release_table(state.table)
+    state.table, state.offloaded = None, entry
+
+
+@pytest.fixture
+def held_writes(monkeypatch):
+    """The writer thread's file writes wait for ``release`` (set()); ``entered`` is set when one starts; records
+    the threads that wrote."""
+    import threading
+
+    import engine.chain_tiers as chain_tiers
+
+    release, entered, threads, real = threading.Event(), threading.Event(), [], chain_tiers.save_file
+
+    def save_file(*args, **kwargs):
+        threads.append(threading.current_thread().name)
+        entered.set()
+        assert release.wait(30), "the test never released the writer"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chain_tiers, "save_file", save_file)
+    return release, entered, threads
+
+
+def _tier_engines(tiny_dirs, tmp_path, seed, chains=("c0", "c1", "c2")):
+    model_dir = tiny_dirs["qwen3"]
+    eng = engine(model_dir, 400, chain_host_bytes=1, chain_disk_dir=str(tmp_path), chain_disk_bytes=64 * 2**20)
+    ref = engine(model_dir, 400)
+    hist = {c: random_tokens(random.Random(seed), 40) for c in chains}
+    hist_ref = {c: list(h) for c, h in hist.items()}
+    turns(eng, hist, random.Random(seed + 1), sizes=(5,))
+    turns(ref, hist_ref, random.Random(seed + 1), sizes=(5,))
+    one = sum(t.numel() * t.element_size() for t in table_bytes(eng, eng.chains.index.get(chains[0]).table))
+    eng.chains.tiers.host_bytes = one + one // 2  # the host tier holds one chain
+    return eng, ref, hist, hist_ref
+
+
+def test_a_spill_returns_before_its_file_is_written_and_a_turn_meanwhile_loads_the_host_copy(
+        tiny_dirs, tmp_path, held_writes):
+    import threading
+
+    release, entered, threads = held_writes
+    eng, ref, hist, hist_ref = _tier_engines(tiny_dirs, tmp_path, 40)
+    tiers = eng.chains.tiers
+    _move_down(eng, "c0")
+    _move_down(eng, "c1")  # c0 spills: the engine thread goes on while the writer waits
+    assert entered.wait(10)
+    assert threads == ["chain-tier-writer_0"] and threading.current_thread().name not in threads
+    assert eng.chain_info("c0").status == "disk" and not list(tmp_path.glob("*.safetensors"))
+    assert tiers.host_used <= tiers.host_bytes and tiers.disk_used > 0
+    outs = turns(eng, {"c0": hist["c0"]}, random.Random(41), sizes=(5,))  # loads the copy still in memory
+    outs_ref = turns(ref, {"c0": hist_ref["c0"]}, random.Random(41), sizes=(5,))
+    assert outs["c0"].resume_status == "loaded" and outs["c0"].token_ids == outs_ref["c0"].token_ids
+    assert outs["c0"].logprobs == outs_ref["c0"].logprobs
+    release.set()
+    tiers.flush()
+    assert not list(tmp_path.glob("*.safetensors")) and not list(tmp_path.glob("*.tmp"))  # the loaded copy's file
+    assert tiers.disk_used == 0 and tiers.counters.seconds["spill"] > 0
+    _move_down(eng, "c2")  # c1 spills and is written; its turn reads the file
+    tiers.flush()
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    outs = turns(eng, {"c1": hist["c1"]}, random.Random(42), sizes=(5,))
+    outs_ref = turns(ref, {"c1": hist_ref["c1"]}, random.Random(42), sizes=(5,))
+    assert outs["c1"].resume_status == "loaded" and outs["c1"].token_ids == outs_ref["c1"].token_ids
+    assert tiers.counters.loads == {"host": 0, "disk": 2}
+
+
+def test_host_memory_held_by_writes_in_flight_stays_within_the_host_tier(tiny_dirs, tmp_path, held_writes):
+    """A second spill while the first chain's file is still being written waits for it: the copies held for
+    writes never exceed the host tier's size."""
+    import threading
+
+    release, _, _ = held_writes
+    eng, _, _, _ = _tier_engines(tiny_dirs, tmp_path, 50)
+    tiers = eng.chains.tiers
+    _move_down(eng, "c0")
+    _move_down(eng, "c1")  # c0's write is held
+    first = tiers.entries["c0"].writing
+    timer = threading.Timer(0.3, release.set)
+    timer.start()
+    _move_down(eng, "c2")  # c1 spills: it waits for c0's write, which the timer releases
+    assert first.done()
+    tiers.flush()
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
+
+
+def test_a_failed_write_drops_the_chain_which_recomputes(tiny_dirs, tmp_path, monkeypatch, caplog):
+    import engine.chain_tiers as chain_tiers
+
+    def full_disk(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    eng, ref, hist, hist_ref = _tier_engines(tiny_dirs, tmp_path, 60)
+    monkeypatch.setattr(chain_tiers, "save_file", full_disk)
+    _move_down(eng, "c0")
+    _move_down(eng, "c1")
+    eng.chains.tiers.flush()
+    assert eng.chain_info("c0").status == "reclaimed" and eng.chains.tiers.counters.failed_writes == 1
+    assert not list(tmp_path.iterdir()) and "could not be written" in caplog.text
+    outs = turns(eng, {"c0": hist["c0"]}, random.Random(61), sizes=(5,))
+    outs_ref = turns(ref, {"c0": hist_ref["c0"]}, random.Random(61), sizes=(5,))
+    assert outs["c0"].resume_status == "recomputed" and outs["c0"].token_ids == outs_ref["c0"].token_ids
+
+
+def test_shutdown_writes_pinned_chains_and_those_in_the_host_tier(tiny_dirs, tmp_path):
+    model_dir = tiny_dirs["qwen3"]
+    tiers = dict(chain_host_bytes=64 * 2**20, chain_disk_dir=str(tmp_path), chain_disk_bytes=64 * 2**20)
+    first, ref = engine(model_dir, 400, **tiers), engine(model_dir, 400)
+    hist = {c: random_tokens(random.Random(70), 30) for c in ("pinned", "host", "device")}
+    hist_ref = {c: list(h) for c, h in hist.items()}
+    turns(first, hist, random.Random(71))
+    turns(ref, hist_ref, random.Random(71))
+    first.pin_chain("pinned")
+    assert first.release_chain("host") and first.chain_info("host").status == "host"
+    assert first.persist_chains() == 3
+    second = engine(model_dir, 400, **tiers)
+    assert {c: second.chain_info(c).status for c in hist} == {c: "disk" for c in hist}
+    outs, outs_ref = turns(second, hist, random.Random(72)), turns(ref, hist_ref, random.Random(72))
+    for c in hist:
+        assert outs[c].resume_status == "loaded" and outs[c].token_ids == outs_ref[c].token_ids

@@ -35,6 +35,8 @@ def test_pressure_moves_idle_chains_to_host_and_their_turns_load(tmp_path):
         assert metric(text, 'agentrt_chain_tier_tokens{move="offloaded"}') > 0
         assert metric(text, 'agentrt_chain_tier_loads{outcome="host"}') == statuses.count("loaded")
         assert metric(text, 'agentrt_chain_tier_loads{outcome="failed"}') == 0
+        assert metric(text, 'agentrt_chain_tier_seconds{move="offload"}') > 0
+        assert metric(text, 'agentrt_chain_tier_seconds{move="load_host"}') > 0
 
 
 def test_a_restarted_server_loads_the_chains_it_wrote_at_shutdown(tmp_path):
