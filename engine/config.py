@@ -54,6 +54,10 @@ class EngineConfig:
     chain_host_bytes: int = 0
     chain_disk_dir: str | Path | None = None
     chain_disk_bytes: int | None = None
+    # hybrid models (recurrent layers): prefill chunks end on page boundaries and the recurrent state there is kept
+    # (host memory, least recently used dropped) for this many prefixes, so a request sharing a prefix resumes at
+    # its last kept boundary; 0: no prefix caching for hybrid models (their state exists only at a table's end)
+    prefix_checkpoints: int = 32
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -89,7 +93,7 @@ class EngineConfig:
             raise ConfigError(f"kv_storage must be a name or None, got {self.kv_storage!r}")
         if not isinstance(self.kv_storage_config, dict):
             raise ConfigError(f"kv_storage_config must be a dict, got {type(self.kv_storage_config).__name__}")
-        for name in ("chain_host_bytes", "chain_disk_bytes"):
+        for name in ("chain_host_bytes", "chain_disk_bytes", "prefix_checkpoints"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")

@@ -87,7 +87,7 @@ class LLMEngine:
             self.codec.bind_model(self.model)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         spec = model_cache_spec(mc, self.tp.world_size, next(self.model.parameters()).dtype, self.device,
-                                config.page_size, config.max_num_seqs)
+                                config.page_size, config.max_num_seqs, config.prefix_checkpoints)
         if self.codec is not None:
             if type(spec) is not CacheSpec:
                 raise ConfigError(f"kv_storage {self.codec.name!r} codes dense keys and values; "
@@ -103,8 +103,8 @@ class LLMEngine:
         self.method.validate(spec)
         prefix_caching = config.enable_prefix_caching and spec.prefix_reusable
         if config.enable_prefix_caching and not prefix_caching:
-            log.info("prefix caching off: %s keeps per-request recurrent state that published pages do not hold",
-                     mc.architecture)
+            log.info("prefix caching off: %s keeps per-request recurrent state that published pages do not hold "
+                     "(prefix_checkpoints 0)", mc.architecture)
         self.cache = (self.method.make_cache(spec, self.pool, prefix_caching)
                       or PagedCacheManager(spec, self.pool, enable_prefix_caching=prefix_caching))
         if self.codec is not None and self.cache.storage.codec is not self.codec:

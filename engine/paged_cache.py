@@ -34,9 +34,9 @@ class PagedCacheManager(CacheManager):
         self.spec = spec
         self.pool = pool
         self.page_size = spec.page_size
-        self.prefix = PrefixCache(pool, spec.page_size) if enable_prefix_caching else None
         self.scratch_page = pool.num_pages  # never handed out: CUDA-graph padding rows write and read here
         self.storage = storage if storage is not None else make_storage(spec, pool.num_pages + 1)
+        self.prefix = PrefixCache(pool, spec.page_size, self.storage) if enable_prefix_caching else None
         self.meta = StepMetadata(spec, self.storage)
         self._tables: dict[str, PageTable] = {}
 
@@ -59,6 +59,10 @@ class PagedCacheManager(CacheManager):
         return physical_slots(pages, start, n, self.page_size, self.spec.device)
 
     # --- scheduler side -------------------------------------------------------------------------
+    @property
+    def prefill_alignment(self) -> int:
+        return self.page_size if self.prefix is not None and self.storage.aligned_prefill else 1
+
     def match_prefix(self, req: Request) -> int:
         t = self.table(req)
         assert not t.pages, "match_prefix on a request that already holds pages"
@@ -127,6 +131,10 @@ class PagedCacheManager(CacheManager):
             t.layer_lens = [n + num_new_tokens for n in t.layer_lens]
         if self.prefix is not None and not t.is_compacted:
             self.prefix.publish(req, t)
+            # a prefill chunk that ended on a page boundary: the storage may keep its state for prefix reuse
+            if t.keys and len(t.keys) * self.page_size == t.num_slots \
+                    and req.num_computed_tokens <= req.num_prompt_tokens:
+                self.storage.checkpoint(t, t.keys[-1])
 
     def num_pages_held(self, req: Request) -> int:
         t = self._tables.get(req.request_id)

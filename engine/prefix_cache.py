@@ -1,9 +1,12 @@
 """Prefix caching over the page tables: a new request takes the published full pages of its longest cached
 prefix (``match``); a request's full pages are published as it computes them (``publish``). Compacted tables
-publish nothing (their pages no longer hold the tokens in order)."""
+publish nothing (their pages no longer hold the tokens in order). A storage with per-table state (a hybrid
+model's recurrent layers) decides how much of a match a table can start from, and with what state
+(``KVStorage.resumable_prefix``)."""
 
 from __future__ import annotations
 
+from engine.contract.storage import KVStorage
 from engine.page_pool import PagePool
 from engine.page_table import PageTable
 from engine.prefix_index import PageKey, PrefixIndex, page_key
@@ -11,9 +14,9 @@ from engine.request import Request
 
 
 class PrefixCache:
-    def __init__(self, pool: PagePool, page_size: int):
+    def __init__(self, pool: PagePool, page_size: int, storage: KVStorage | None = None):
         self.index = PrefixIndex()
-        self.pool, self.page_size = pool, page_size
+        self.pool, self.page_size, self.storage = pool, page_size, storage
         pool.on_reuse = self.index.forget  # a reused free page no longer holds its prefix
 
     def match(self, req: Request, t: PageTable) -> None:
@@ -34,6 +37,13 @@ class PrefixCache:
             t.pages.append(page)
             t.keys.append(key)
             parent = key
+        if self.storage is not None and t.keys:
+            n, state = self.storage.resumable_prefix(t.keys)
+            for page in t.pages[n:]:
+                self.pool.decref(page)
+            del t.pages[n:], t.keys[n:]
+            if state is not None:
+                t.state = state
 
     def publish(self, req: Request, t: PageTable) -> None:
         """Publish the table's full pages not yet published."""

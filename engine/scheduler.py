@@ -57,7 +57,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self._chunk(req.num_computed_tokens, req.num_tokens, budget)
             assert n > 0
             while not self._allocate(req, n):
                 victim = self.running.pop()
@@ -76,7 +76,7 @@ class Scheduler:
             req = self.waiting[0]
             attached = self.cache.holds(req)  # a chain turn arrives with its KV attached
             cached = req.num_computed_tokens if attached else self.cache.match_prefix(req)
-            n = min(req.num_tokens - cached, budget)
+            n = self._chunk(cached, req.num_tokens, budget)
             if not self._allocate(req, n):
                 if not attached:
                     self.cache.free(req)
@@ -92,6 +92,15 @@ class Scheduler:
             plan.num_new_tokens.append(n)
             budget -= n
         return plan
+
+    def _chunk(self, start: int, end: int, budget: int) -> int:
+        """Tokens of ``[start, end)`` to run this step: as many as the budget allows; a chunk that stops short of
+        ``end`` ends on the cache's prefill alignment when it can (``CacheManager.prefill_alignment``)."""
+        n = min(end - start, budget)
+        align = self.cache.prefill_alignment
+        if n < end - start and align > 1 and (start + n) % align < n:
+            n -= (start + n) % align
+        return n
 
     def _allocate(self, req: Request, n: int) -> bool:
         while not self.cache.allocate(req, n):

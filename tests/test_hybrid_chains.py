@@ -78,7 +78,7 @@ def test_fork_copies_the_state_and_rewind_recomputes(tiny_dirs):
     assert_all_free(engine)
 
 
-def test_state_slots_come_out_of_the_kv_budget_and_prefix_caching_is_off(tiny_dirs):
+def test_state_slots_come_out_of_the_kv_budget_and_prefix_caching_needs_checkpoints(tiny_dirs):
     budget = 2 * 2**20
     engine = LLMEngine(EngineConfig(tiny_dirs["qwen3_5"], dtype="float32", device="cpu", page_size=PAGE,
                                     kv_cache_memory_bytes=budget, max_num_seqs=8))
@@ -87,8 +87,11 @@ def test_state_slots_come_out_of_the_kv_budget_and_prefix_caching_is_off(tiny_di
     recurrent = 4 * 2 * 4 * 16 * 16  # fp32 x 2 linear layers x 4 value heads x 16 x 16
     assert spec.state_bytes == conv + recurrent
     assert engine.pool.num_pages == (budget - 9 * spec.state_bytes) // spec.bytes_per_page
-    assert engine.cache.prefix is None
+    assert engine.cache.prefix is not None and engine.cache.prefill_alignment == PAGE  # checkpoints (default 32)
     assert engine.cache.storage.conv.shape[1] == engine.cache.storage.recurrent.shape[1] == 9
+    off = LLMEngine(EngineConfig(tiny_dirs["qwen3_5"], dtype="float32", device="cpu", page_size=PAGE,
+                                 kv_cache_memory_bytes=budget, max_num_seqs=8, prefix_checkpoints=0))
+    assert off.cache.prefix is None and off.cache.prefill_alignment == 1
 
 
 def test_kvzip_and_the_probe_are_refused(tiny_dirs):

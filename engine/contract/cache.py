@@ -71,6 +71,12 @@ class CacheManager(ABC):
     storage: KVStorage  # the bytes behind the pages and how a token is stored (engine.contract.storage)
 
     # --- scheduler side -------------------------------------------------------------------------
+    @property
+    def prefill_alignment(self) -> int:
+        """A prefill chunk that does not end its prompt ends on a multiple of this many tokens where it can
+        (1: anywhere)."""
+        return 1
+
     @abstractmethod
     def match_prefix(self, req: Request) -> int:
         """Attach cached pages for the longest reusable prefix; returns tokens reused (0 if none)."""

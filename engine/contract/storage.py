@@ -104,6 +104,22 @@ class KVStorage(ABC):
                      slots: torch.Tensor) -> None:
         """Store k/v [n, Hkv, D] as a table's first n slots (``slots``), outside a step (a restore, a fill)."""
 
+    # --- prefix reuse -----------------------------------------------------------------------------
+    @property
+    def aligned_prefill(self) -> bool:
+        """Whether a prefill chunk that does not end its prompt should end on a page boundary: a storage whose
+        per-table state exists only at a table's end checkpoints it there for prefix reuse (``checkpoint``)."""
+        return False
+
+    def checkpoint(self, table: TableHandle, key: Any) -> None:
+        """A prefill chunk of ``table`` ended on a page boundary; ``key`` is the prefix-cache key of the page
+        that ends there. A storage with per-table state keeps a copy of that state for ``resumable_prefix``."""
+
+    def resumable_prefix(self, keys: list[Any]) -> tuple[int, Any]:
+        """Of a prefix match's pages (their keys, in order), how many a new table may start from, and the
+        per-table state it starts with (None: none needed)."""
+        return len(keys), None
+
     # --- moves ----------------------------------------------------------------------------------
     @abstractmethod
     def copy_pages(self, src: list[int], dst: list[int]) -> None:

@@ -7,13 +7,19 @@ budget first, like a codec's windows (``window_bytes``). A running table holds a
 table's ``window``): a table that has computed nothing starts from zeros; a table coming back (a chain's next
 turn) copies in the state it saved when it stopped (``close_table`` keeps a copy on the table in host memory,
 pinned on a GPU: an idle chain's state costs no device memory and no pages). A state exists only at its table's end, so a table cannot be cut back
-(``cuts_tables`` is False: a rewound or diverging chain is recomputed) and a prefix of another request's
-pages cannot be reused (``CacheSpec.prefix_reusable`` is False: the state after the prefix is not kept).
+(``cuts_tables`` is False: a rewound or diverging chain is recomputed). For prefix caching the storage keeps
+checkpoints: with ``prefix_checkpoints`` > 0 a prefill chunk that does not end its prompt ends on a page
+boundary (``aligned_prefill``), the state there is copied to host memory under the prefix-cache key of the page
+that ends there (``checkpoint``; least recently used dropped beyond ``prefix_checkpoints``), and a new request
+whose prefix matches published pages starts from the last matched page that has a checkpoint, with that state
+(``resumable_prefix``). With none the spec is not ``prefix_reusable`` and prefix caching is off.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,6 +40,7 @@ class HybridCacheSpec(CacheSpec):
     recurrent_shape: tuple[int, ...] = ()
     state_dtype: torch.dtype = torch.float32
     max_states: int = 0  # running requests that hold a state slot at once
+    prefix_checkpoints: int = 0  # states kept at page boundaries for prefix reuse (host memory)
 
     @property
     def state_bytes(self) -> int:
@@ -48,7 +55,7 @@ class HybridCacheSpec(CacheSpec):
 
     @property
     def prefix_reusable(self) -> bool:
-        return False
+        return self.prefix_checkpoints > 0
 
     @property
     def recurrent_layers(self) -> int:
@@ -104,6 +111,7 @@ class HybridKV(DenseKV):
         self._free = list(range(spec.max_states - 1, -1, -1))
         # the batch's state slots as a device tensor, made once per step (every linear layer asks for the same)
         self._slots: tuple[tuple[int, ...], torch.Tensor] | None = None
+        self.checkpoints: OrderedDict[Any, SavedState] = OrderedDict()  # prefix key -> state there, LRU first
 
     @property
     def free_states(self) -> int:
@@ -147,6 +155,27 @@ class HybridKV(DenseKV):
         saved = getattr(src, "state", None)
         if saved is not None:
             dst.state = SavedState(saved.conv.clone(), saved.recurrent.clone())
+
+    @property
+    def aligned_prefill(self) -> bool:
+        return self.spec.prefix_checkpoints > 0
+
+    def checkpoint(self, table: TableHandle, key: Any) -> None:
+        if self.spec.prefix_checkpoints <= 0 or table.window is None:
+            return
+        slot = table.window
+        self.checkpoints[key] = SavedState(_to_host(self.conv[:, slot]), _to_host(self.recurrent[:, slot]))
+        self.checkpoints.move_to_end(key)
+        while len(self.checkpoints) > self.spec.prefix_checkpoints:
+            self.checkpoints.popitem(last=False)
+
+    def resumable_prefix(self, keys: list[Any]) -> tuple[int, Any]:
+        for n in range(len(keys), 0, -1):
+            saved = self.checkpoints.get(keys[n - 1])
+            if saved is not None:
+                self.checkpoints.move_to_end(keys[n - 1])
+                return n, SavedState(saved.conv, saved.recurrent)  # ``open_table`` copies it into a slot
+        return 0, None
 
     def linear_state(self, tables: list[TableHandle], layer: int, query_lens: list[int]) -> LinearState:
         key = tuple(t.window for t in tables)
