@@ -133,7 +133,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench(rest: list[str]) -> int:
-    from engine.bench import main as bench_main
+    from benchmarks.throughput import main as bench_main
     from engine.errors import EngineError
 
     try:

@@ -115,7 +115,7 @@ def main() -> None:
     dtype = torch.bfloat16 if on_gpu else torch.float32
     copy_bw = None
     if on_gpu:
-        from engine.roofline import copy_bandwidth
+        from benchmarks.roofline import copy_bandwidth
 
         copy_bw = copy_bandwidth(device)
     shapes, space = (TINY_SHAPES, (TINY_SPACE, TINY_FMA_SPACE)) if args.tiny else (SHAPES, (SPACE, FMA_SPACE))

@@ -60,7 +60,7 @@
 #   serving128klong  114688-token prompts with OUTPUT (default 4096) output tokens, 8 requests, METHODS (default
 #              dense) and REPEATS (default 3) from the environment: one method a call. OUTPUT=16384 does not fit a
 #              10-minute call: dense decodes ~6 such requests at once at ~30 ms a step, ~8 minutes a wave
-# engine.bench and sparse_decode report the median of 3 runs (--repeats), so their limits hold three.
+# benchmarks.throughput and sparse_decode report the median of 3 runs (--repeats), so their limits hold three.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -113,62 +113,62 @@ for step in "$@"; do
     sweep)
         run sweep 400 python benchmarks/attention_kernels.py --sweep --json "$OUT/sweep.json" ;;
     dense)  # one decode step a schedule, each launched before the last is read and not (one engine), HF once
-        run dense 560 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+        run dense 560 python -m benchmarks.throughput --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --overlap-decode both --hf --json "$OUT/dense.json" ;;
     densehf)  # the dense cases with the GPU defaults (8 decode steps a schedule, overlapped, fused decode linears),
         # HF eager and HF static cache + torch.compile in the same run (395 s on an H200, 2026-12-05)
-        run densehf 580 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+        run densehf 580 python -m benchmarks.throughput --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --hf --json "$OUT/densehf.json" ;;
     prefill)  # a 32K prompt's prefill, Triton's kernel against flashinfer's (triton+flashinfer), one process each
         for backend in triton triton+flashinfer; do
             tag=prefill_${backend//+/_}  # plain file names
-            run "$tag" 300 python -m engine.bench --shape llama-3.1-8b --cases 1@32768,4@8192 \
+            run "$tag" 300 python -m benchmarks.throughput --shape llama-3.1-8b --cases 1@32768,4@8192 \
                 --decode-tokens 8 --max-num-batched-tokens 16384 --attention-backend $backend --json "$OUT/$tag.json"
         done ;;
     dense8)  # the same cases with 8 decode steps back to back per schedule (host work off the GPU's path)
-        run dense8 400 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+        run dense8 400 python -m benchmarks.throughput --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/dense8.json" ;;
     dense8hf)  # the two 4K cases with 8 decode steps per schedule, overlapped windows and not (one engine), HF
         # transformers in the same run
-        run dense8hf 560 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
+        run dense8hf 560 python -m benchmarks.throughput --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --hf --json "$OUT/dense8hf.json" ;;
     fusedlinears)  # the fused decode linears over launches beside norm / SiLU + cuBLAS, then the engine at 4K
         # without and with them (each projection at its best launch from the sweep), one process
         sweep_decode_linear
-        run fusedlinears 400 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
+        run fusedlinears 400 python -m benchmarks.throughput --shape llama-3.1-8b --cases 1@4096,8@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both \
             --decode-linear-launches "$OUT/decodelinear.json" --json "$OUT/fusedlinears.json" ;;
     dense8fused)  # the dense cases with 8 decode steps a schedule, without then with the fused decode linears
         # (the H200's tuned table), HF transformers in the same run
-        run dense8fused 580 python -m engine.bench --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
+        run dense8fused 580 python -m benchmarks.throughput --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both --hf \
             --json "$OUT/dense8fused.json" ;;
     decodelinear)  # the launch sweep alone
         sweep_decode_linear ;;
     overlap)  # overlapped decode windows vs not, in one engine each: MoE bs8 / bs32 and dense bs4 @ 32K
-        run overlapmoe 400 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 64 \
+        run overlapmoe 400 python -m benchmarks.throughput --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --json "$OUT/overlapmoe.json"
-        run overlapdense 300 python -m engine.bench --shape llama-3.1-8b --cases 4@32768 --decode-tokens 64 \
+        run overlapdense 300 python -m benchmarks.throughput --shape llama-3.1-8b --cases 4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --overlap-decode both --json "$OUT/overlapdense.json" ;;
     backendtests)  # every backend test in one process (on 8 workers, workers died while others JIT-built
         # flashinfer; one process got through half the file in 260 s with flashinfer's first build: most of a call)
         MAX_JOBS=${MAX_JOBS:-8} run backendtests 540 python -m pytest -v -p no:xdist --tb=short -rf --timeout 200 \
             -p no:cacheprovider tests/test_gpu_backends.py ;;
     moe)
-        run moe 360 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
+        run moe 360 python -m benchmarks.throughput --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --json "$OUT/moe.json"
-        run moe8 360 python -m engine.bench --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
+        run moe8 360 python -m benchmarks.throughput --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/moe8.json" ;;
     mla)  # GLM-4.7-Flash shape (latent attention, 64 experts): decode roofline at bs8 / bs32 @ 4K (weights read:
         # dense layer, routed and shared experts; plus latent KV), 8 decode steps per schedule; never run yet
-        run mla 560 python -m engine.bench --shape glm-4.7-flash --cases 8@4096,32@4096 --decode-tokens 32 \
+        run mla 560 python -m benchmarks.throughput --shape glm-4.7-flash --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/mla.json" ;;
     mlasnap128k)  # SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, each at its largest batch (decode only)
         run mlasnap128k 560 python -m benchmarks.sparse_decode --shape glm-4.7-flash --decode-steps 16 \
             --context 128000 --max-batch 256 --admit-group 16 --methods 'dense;snapkv:{"budget":4096}' \
             --json "$OUT/mlasnap128k.json" ;;
     hybrid)  # Qwen3.6-27B shape (3 of 4 layers gated DeltaNet, torch ops on the GPU: no fused kernel yet) bs8 @ 4K
-        run hybrid 560 python -m engine.bench --shape qwen3.6-27b --cases 8@4096 --decode-tokens 32 \
+        run hybrid 560 python -m benchmarks.throughput --shape qwen3.6-27b --cases 8@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --json "$OUT/hybrid.json" ;;
     profilesteps)  # device busy vs idle time across whole engine steps, and device time per kernel, for the two
         # decode cases below their roofline goal on 2026-12-02 (MoE bs8 @ 4K: 0.61, dense bs1 @ 4K: 0.69)
@@ -218,7 +218,7 @@ for step in "$@"; do
         run "$step" 560 $SPARSE --context 128000 --max-batch 256 --page-size 32 --admit-group 16 --admit-time-limit 400 \
             --methods 'snapkv:{"budget":4096}+kivi:{"bits":4}' --json "$OUT/$step.json" ;;
     moe32)  # the MoE bs32 case alone, 8 decode steps per schedule
-        run moe32 300 python -m engine.bench --shape qwen3-30b-a3b --cases 32@4096 --decode-tokens 32 \
+        run moe32 300 python -m benchmarks.throughput --shape qwen3-30b-a3b --cases 32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/moe32.json" ;;
     retro)
         run retro 300 $SPARSE --context 32768 --max-batch 8 \

@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks.sparse_decode import parse_specs
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_shapes import get_shape
+from benchmarks.model_shapes import get_shape
 from engine.sampling_params import SamplingParams
 from engine.tiny_checkpoint import train_tokenizer
 

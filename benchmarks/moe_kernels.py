@@ -7,7 +7,7 @@ One MoE layer of the Qwen3-30B-A3B shape (128 experts, top-8, hidden 2048, exper
 random weights), T decode tokens routed uniformly at random (each token's 8 experts distinct, as a top-k gives
 them). A decode step reads the weights of every expert its tokens route to -- ``distinct experts x 3 x H x I``
 bytes -- so the kernel's floor is those bytes at the copy bandwidth measured in the same run; the engine's MoE
-roofline (``engine.bench --shape qwen3-30b-a3b``) counts the same bytes. ``fused_moe`` runs in its default
+roofline (``benchmarks.throughput --shape qwen3-30b-a3b``) counts the same bytes. ``fused_moe`` runs in its default
 configuration, checked against a dense per-expert torch reference, then over a grid of block sizes, warps and
 pipelining stages (each checked against the default's output), every time the median of CUDA-graph replays.
 """

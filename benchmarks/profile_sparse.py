@@ -18,7 +18,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.sparse_decode import add_synthetic, parse_methods
-from engine.bench import write_shape_dir
+from benchmarks.throughput import write_shape_dir
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 

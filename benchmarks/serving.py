@@ -13,7 +13,7 @@ prompt), capped by ``--max-batch``.
 Per method config and output length: request throughput, output tok/s (every token a client received, over
 the time from the first arrival to the last finish), TTFT (arrival to first token) and TPOT ((finish - first
 token) / (tokens - 1)) p50 / p99, each the median of ``--repeats`` runs with min and max. This is the
-companion of the decode-only figures of ``engine.bench`` and ``benchmarks.sparse_decode``, which time only
+companion of the decode-only figures of ``benchmarks.throughput`` and ``benchmarks.sparse_decode``, which time only
 steps where every admitted request decodes.
 
     python -m benchmarks.serving --shape llama-3.1-8b --input-len 114688 --output-lens 1024,4096,16384
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import aggregate_runs, with_spread, write_shape_dir
+from benchmarks.throughput import aggregate_runs, with_spread, write_shape_dir
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from engine.attention_backend import BACKEND_NAMES
     from engine.cli_args import checkpoint_dir, device, positive_int, positive_ints
     from engine.config import DTYPES
-    from engine.model_shapes import SHAPES
+    from benchmarks.model_shapes import SHAPES
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.serving", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

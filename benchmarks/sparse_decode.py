@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import TimedTokens, aggregate_runs, with_spread, write_shape_dir
+from benchmarks.throughput import TimedTokens, aggregate_runs, with_spread, write_shape_dir
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams

@@ -52,7 +52,7 @@ class DecodeGraphs:
         self.logits: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps served by a replay (for benchmarks and logs)
         # a replay whose live rows fill less than its bucket reads one KV slot for each padding row, so it is
-        # less work than a full step of the bucket's size: benchmarks time full buckets only (engine.bench)
+        # less work than a full step of the bucket's size: benchmarks time full buckets only (benchmarks.throughput)
         self.padded_replays = 0
         self.last_rows: tuple[int, int] | None = None  # (live rows, bucket) of the last replay
 

@@ -1,10 +1,10 @@
-"""engine.bench's counts: every decode step after the batch's first tokens is timed and counted, and on a CPU
+"""benchmarks.throughput's counts: every decode step after the batch's first tokens is timed and counted, and on a CPU
 none replays a graph (exact counters, with and without back-to-back decode windows); the roofline's FLOP and
 byte ceilings; both HF baselines. The counting rules themselves: tests/test_bench_counting.py."""
 
 import pytest
 
-from engine.bench import main
+from benchmarks.throughput import main
 
 
 @pytest.mark.parametrize("decode_steps", [1, 4])
@@ -16,7 +16,7 @@ def test_timed_steps_and_graph_replays_are_counted(decode_steps):
 
 
 def test_spec_bandwidth_by_gpu_name():
-    from engine.roofline import spec_bandwidth
+    from benchmarks.roofline import spec_bandwidth
 
     assert spec_bandwidth("NVIDIA H200") == 4.8e12
     assert spec_bandwidth("NVIDIA H100 80GB HBM3") == 3.35e12 and spec_bandwidth("NVIDIA H100 PCIe") == 2.0e12
@@ -29,7 +29,7 @@ def test_roofline_counts_the_lm_head_once_per_prompt_and_reports_both_ceilings(t
     """Prefill FLOPs: every weight but the LM head once per prompt token, the LM head once per prompt (logits of
     the last token only). Decode: fractions of the copy rate and of the spec bandwidth, the same bytes."""
     from engine import EngineConfig, LLMEngine
-    from engine.bench import add_roofline, write_shape_dir
+    from benchmarks.throughput import add_roofline, write_shape_dir
 
     engine = LLMEngine(EngineConfig(write_shape_dir("tiny", tmp_path), load_format="dummy", dtype="float32",
                                     device="cpu", num_pages=64))

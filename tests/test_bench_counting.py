@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.serving import RequestRecord, percentile, poisson_arrivals, record_outputs, summarize_requests
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.bench import (FullBucketReplay, TimedTokens, aggregate_runs, is_full_bucket, replay_bucket, run_one,
+from benchmarks.throughput import (FullBucketReplay, TimedTokens, aggregate_runs, is_full_bucket, replay_bucket, run_one,
                           with_spread, write_shape_dir)
 from engine.cuda_graphs import DecodeGraphs
 
@@ -184,7 +184,7 @@ def test_repeats_aggregate_to_median_with_min_and_max():
 
 
 def test_engine_bench_reports_the_median_of_its_repeats():
-    from engine.bench import main
+    from benchmarks.throughput import main
 
     (r,) = main(["--shape", "tiny", "--cases", "2@32", "--decode-tokens", "4", "--device", "cpu", "--dtype",
                  "float32", "--repeats", "3"])

@@ -183,7 +183,7 @@ def _every_parser():
 
 
 def test_every_option_has_help_and_shows_its_default():
-    from engine.model_shapes import SHAPES
+    from benchmarks.model_shapes import SHAPES
     from engine.cli_args import HelpFormatter
 
     parsers = list(_every_parser())

@@ -6,7 +6,7 @@ import pytest
 
 from engine import LLM
 from engine.models.moe import SparseMoeBlock
-from engine.roofline import measure_routed_experts
+from benchmarks.roofline import measure_routed_experts
 
 
 @pytest.mark.parametrize("decode_steps", [1, 4])

@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from engine import tiny_checkpoint
 from engine.errors import ConfigError
-from engine.model_shapes import SHAPES, get_shape
+from benchmarks.model_shapes import SHAPES, get_shape
 from engine.tiny_checkpoint import (
     ENDOFTEXT,
     IM_END,

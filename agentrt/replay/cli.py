@@ -23,7 +23,7 @@ from typing import Any
 from agentrt.replay.bench import standard_configs
 from agentrt.replay.synth import SynthShape, SynthShapeError, fit_trace, synth_traces
 from agentrt.replay.trace import Trace, TraceError, load, write_many
-from engine.model_shapes import SHAPES
+from benchmarks.model_shapes import SHAPES
 from engine.cli_args import (CommandLineParser, checked_after_parsing, checkpoint_dir, device, fraction,
                                     json_object, non_negative_float, non_negative_int, positive_int, usage_error)
 
@@ -103,7 +103,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 
 def _model_dir(args: argparse.Namespace, tmp: Path) -> Path:
     if args.shape:
-        from engine.bench import write_shape_dir
+        from benchmarks.throughput import write_shape_dir
 
         return write_shape_dir(args.shape, tmp)
     if args.model:

@@ -3,8 +3,8 @@
 Prints one JSON object per run and a table. A run that cannot be served (a shape too large for one GPU at
 TP=1) is reported with ``fits: false`` and the engine's error instead of numbers.
 
-    python -m engine.parallel.bench --shape llama-3.1-8b --tp 1,2 --batch 32 --context 4096
-    python -m engine.parallel.bench --shape llama-70b-like --tp 1,2 --batch 1 --context 130944 --auto-pages
+    python -m benchmarks.tensor_parallel --shape llama-3.1-8b --tp 1,2 --batch 32 --context 4096
+    python -m benchmarks.tensor_parallel --shape llama-70b-like --tp 1,2 --batch 1 --context 130944 --auto-pages
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from pathlib import Path
 
 import torch
 
-from engine.bench import run_one, write_shape_dir
+from benchmarks.throughput import run_one, write_shape_dir
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_shapes import get_shape
+from benchmarks.model_shapes import get_shape
 
 # Llama-3.1-70B's dimensions on the 8B config: ~131 GiB of bf16 weights, 320 KiB of KV per token.
 LLAMA_70B_LIKE = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64)
@@ -72,7 +72,7 @@ def run_case(model_dir: Path, args, tp: int) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", default="llama-3.1-8b", help="a name in engine.model_shapes, or llama-70b-like")
+    ap.add_argument("--shape", default="llama-3.1-8b", help="a name in benchmarks.model_shapes, or llama-70b-like")
     ap.add_argument("--tp", default="1,2", help="comma-separated tensor_parallel_size values")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--context", type=int, default=4096)

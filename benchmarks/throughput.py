@@ -24,7 +24,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_shapes import get_shape
+from benchmarks.model_shapes import get_shape
 from engine.sampling_params import SamplingParams
 from engine.cli_args import checked_after_parsing
 
@@ -268,7 +268,7 @@ def with_spread(r: dict, key: str, fmt: str = ".1f") -> str:
 def add_roofline(r: dict, engine: LLMEngine, copy_bw: float, matmul: float, spec_bw: float | None = None) -> None:
     """Decode: weights + KV read per step against the copy rate measured in the run and against the card's spec
     bandwidth (None where the card is not known). Prefill: model FLOPs against the matmul rate."""
-    from engine.roofline import expected_expert_fraction, expert_weight_bytes, lm_head_params, weight_bytes
+    from benchmarks.roofline import expected_expert_fraction, expert_weight_bytes, lm_head_params, weight_bytes
 
     mc = engine.model_config
     kv_per_token = engine.cache.spec.bytes_per_token
@@ -366,7 +366,7 @@ def run_cases(engine: LLMEngine, cases: list[tuple[int, int]], args: argparse.Na
     modes = [True, False] if args.overlap_decode == "both" else [engine.overlap_decode]
     on_gpu = engine.device.type == "cuda"
     if on_gpu:
-        from engine.roofline import copy_bandwidth, matmul_rate, spec_bandwidth
+        from benchmarks.roofline import copy_bandwidth, matmul_rate, spec_bandwidth
 
         copy_bw, matmul = copy_bandwidth(engine.device), matmul_rate(engine.device)
         gpu_name = torch.cuda.get_device_name(engine.device)
@@ -381,7 +381,7 @@ def run_cases(engine: LLMEngine, cases: list[tuple[int, int]], args: argparse.Na
         if on_gpu:
             routed = None
             if engine.model_config.num_experts:
-                from engine.roofline import measure_routed_experts
+                from benchmarks.roofline import measure_routed_experts
 
                 # the timed run's prompts (run_one's seed and order) over as many decode passes: greedy
                 # decoding repeats its tokens, so this counts the experts the timed steps routed to
@@ -450,7 +450,7 @@ def _output_file(text: str) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     from engine.attention_backend import BACKEND_NAMES
     from engine.config import DTYPES
-    from engine.model_shapes import SHAPES
+    from benchmarks.model_shapes import SHAPES
     from engine.cli_args import CommandLineParser, checkpoint_dir, device, positive_int, positive_ints
 
     ap = CommandLineParser(prog="agentrt bench", description=__doc__)
