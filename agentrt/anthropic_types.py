@@ -3,7 +3,9 @@ server takes and answers them (msgspec Structs).
 
 Inputs forbid unknown fields (a 400 naming the field), as every other route's do. Block types this server
 cannot honor (images, documents, thinking) are still decoded, loosely, so that the refusal can say why rather
-than that the type is unknown; what each field does here is tabled in docs/anthropic.md.
+than that the type is unknown; fields refused whatever their value (``thread``, ``compaction``,
+``output_config.format``) refuse themselves as they are decoded, with the reason. What each field does here is
+tabled in docs/anthropic.md.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ class ToolUseBlockParam(_Input, tag_field="type", tag="tool_use"):
     name: Annotated[str, Meta(min_length=1, max_length=256)]
     input: dict[str, Any]
     cache_control: CacheControl | None = None
+    caller: dict[str, Any] | None = None  # accepted, no effect: every call here is the model's own
+    toolset_name: str | None = None  # accepted, no effect: tools are named alone
 
 
 ToolResultContent = list[TextBlockParam | ImageBlockParam | DocumentBlockParam | SearchResultBlockParam]
@@ -72,6 +76,7 @@ class ToolResultBlockParam(_Input, tag_field="type", tag="tool_result"):
     content: Text | ToolResultContent | None = None
     is_error: bool = False
     cache_control: CacheControl | None = None
+    toolset_name: str | None = None  # accepted, no effect
 
 
 ContentBlockParam = (TextBlockParam | ImageBlockParam | DocumentBlockParam | SearchResultBlockParam | ToolUseBlockParam
@@ -90,6 +95,13 @@ class ToolParam(_Input):
     description: str | None = None
     type: Literal["custom"] | None = None
     cache_control: CacheControl | None = None
+    # accepted, no effect: every tool is rendered in the prompt and called by the model directly; a forced call
+    # follows input_schema with strict or not, a free one is not constrained; inputs are sent whole
+    strict: bool | None = None
+    allowed_callers: list[str] | None = None
+    defer_loading: bool | None = None
+    eager_input_streaming: bool | None = None
+    input_examples: list[dict[str, Any]] | None = None
 
 
 class ToolChoiceAuto(_Input, tag_field="type", tag="auto"):
@@ -123,17 +135,24 @@ class Metadata(_Input):
 class ThinkingEnabled(_Input, tag_field="type", tag="enabled"):
     budget_tokens: Annotated[int, Meta(ge=0)]  # no effect: thinking ends when the model closes its block
     display: Literal["summarized", "omitted"] | None = None  # omitted: thinking blocks carry no text
+    block_binding: dict[str, Any] | None = None  # no effect: thinking blocks sent back are never checked
 
 
 class ThinkingDisabled(_Input, tag_field="type", tag="disabled"):
     pass
 
 
+class ThinkingBetweenTools(ThinkingDisabled, tag="between_tools"):
+    """Thinking off, as ``disabled`` (a subclass, so it is taken as one): the progress notes Anthropic's models
+    write between tool calls are text here."""
+
+
 class ThinkingAdaptive(_Input, tag_field="type", tag="adaptive"):
     display: Literal["summarized", "omitted"] | None = None
+    block_binding: dict[str, Any] | None = None
 
 
-Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive
+Thinking = ThinkingEnabled | ThinkingDisabled | ThinkingBetweenTools | ThinkingAdaptive
 
 
 class InputTokens(_Input, tag_field="type", tag="input_tokens"):
@@ -159,8 +178,47 @@ class ClearThinkingEdit(_Refused, tag_field="type", tag="clear_thinking_20251015
     tokens)."""
 
 
+class CompactEdit(_Input, tag_field="type", tag="compact_20260112"):
+    """Accepted, no effect: nothing is summarized; the chain keeps the conversation (clear_tool_uses_20250919
+    frees its KV instead)."""
+
+    trigger: InputTokens | None = None
+    instructions: str | None = None
+    pause_after_compaction: bool | None = None
+
+
 class ContextManagement(_Input):
-    edits: list[ClearToolUsesEdit | ClearThinkingEdit] = field(default_factory=list)
+    edits: list[ClearToolUsesEdit | ClearThinkingEdit | CompactEdit] = field(default_factory=list)
+
+
+class JSONOutputFormat(Struct, kw_only=True):
+    """Refused: any value but null is a 400 naming ``output_config.format``."""
+
+    def __post_init__(self) -> None:
+        raise ValueError("structured outputs are not taken here: force a tool call with tool_choice (its input "
+                         "follows the tool's input_schema)")
+
+
+class OutputConfig(_Input):
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # no effect: see `thinking`
+    format: JSONOutputFormat | None = None
+    task_budget: dict[str, Any] | None = None  # no effect
+
+
+class Compaction(Struct, kw_only=True):
+    """Refused on /v1/messages (count_tokens ignores it, as Anthropic's does): a 400 naming ``compaction``."""
+
+    def __post_init__(self) -> None:
+        raise ValueError("no compaction blocks are made here: send the conversation as it is (its chain keeps "
+                         "the KV; context_management clear_tool_uses_20250919 frees it)")
+
+
+class Thread(Struct, kw_only=True):
+    """Refused: any value but null is a 400 naming ``thread``."""
+
+    def __post_init__(self) -> None:
+        raise ValueError("server-held threads are not kept here: send the whole conversation every time (its chain "
+                         "is resumed, only the new messages are computed)")
 
 
 ForcedTokenIds = Annotated[list[Annotated[int, Meta(ge=0, le=2**31)]], Meta(max_length=65536)]
@@ -183,8 +241,19 @@ class MessagesRequest(_Input):
     context_management: ContextManagement | None = None
     service_tier: Literal["auto", "standard_only"] | None = None  # accepted, no effect: one tier
     cache_control: CacheControl | None = None
-    container: Any = None  # refused: no code-execution containers here
-    mcp_servers: list[dict[str, Any]] | None = None  # refused unless empty: this server connects to none
+    output_config: OutputConfig | None = None
+    # accepted, no effect: one model, one region, one speed, nothing billed, no diagnostics
+    speed: Literal["standard", "fast"] | None = None
+    inference_geo: str | None = None
+    fallbacks: list[dict[str, Any]] | Literal["default"] | None = None  # the model never declines for policy
+    fallback_credit_token: str | dict[str, Any] | None = None
+    billing_policy: dict[str, Any] | None = None
+    diagnostics: dict[str, Any] | None = None
+    # refused
+    container: Any = None  # no code-execution containers here
+    mcp_servers: list[dict[str, Any]] | None = None  # unless empty: this server connects to none
+    compaction: Compaction | None = None
+    thread: Thread | None = None
     # test extension: the first generated tokens, forced (the chain routes' ``sampling.forced_token_ids``)
     agentrt_forced_token_ids: ForcedTokenIds | None = None
 
@@ -199,6 +268,11 @@ class CountTokensRequest(_Input):
     context_management: ContextManagement | None = None
     cache_control: CacheControl | None = None
     mcp_servers: list[dict[str, Any]] | None = None
+    # accepted, no effect (compaction too: Anthropic's count_tokens ignores it)
+    output_config: OutputConfig | None = None
+    speed: Literal["standard", "fast"] | None = None
+    billing_policy: dict[str, Any] | None = None
+    compaction: dict[str, Any] | None = None
 
 
 # --- the response ----------------------------------------------------------------------------------------

@@ -25,12 +25,15 @@ class TextPart(_Strict, tag_field="type", tag="text", kw_only=True):
     prompt_cache_breakpoint: Any = None  # no effect: prefix caching here is automatic
 
 
+# image, audio and file parts are refused by type (agentrt.completions): decoded whole, so that the 400 names it
 class ImagePart(_Strict, tag_field="type", tag="image_url", kw_only=True):
     image_url: Any = None
+    prompt_cache_breakpoint: Any = None
 
 
 class AudioPart(_Strict, tag_field="type", tag="input_audio", kw_only=True):
     input_audio: Any = None
+    prompt_cache_breakpoint: Any = None
 
 
 class FilePart(_Strict, tag_field="type", tag="file", kw_only=True):

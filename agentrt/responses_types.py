@@ -2,21 +2,27 @@
 
 Unknown fields are refused (400 naming them); the documented fields are accepted. ``prompt_cache_key`` (else
 ``user``, else ``safety_identifier``) scopes the implicit chain a request without ``previous_response_id`` resumes.
-Fields that have no effect here: ``service_tier``, ``truncation`` ("disabled" only), ``include``, ``max_tool_calls``, ``reasoning`` (but ``reasoning.effort`` for a model that thinks: "none"
-is thinking off, another level on), ``stream_options``, ``text.verbosity``, ``tools[].strict`` and
-``tools[].description`` beyond the rendered prompt (a forced call follows the schema either way).
-Refused when set: ``background: true``, ``prompt``, ``top_logprobs``, non-function tools, ``truncation: "auto"``.
+Fields that have no effect here: ``service_tier``, ``truncation`` ("disabled" only), ``include``,
+``max_tool_calls``, ``reasoning`` (but ``reasoning.effort`` for a model that thinks: "none" is thinking off, another
+level on), ``stream_options``, ``text.verbosity``, ``prompt_cache_options``, ``prompt_cache_retention``,
+``context_management``, ``access_programs``, ``background_options``, ``image``, ``tools[].strict`` and
+``tools[].description`` beyond the rendered prompt (a forced call follows the schema either way), and the items'
+and tools' fields of OpenAI's tool search and programmatic tool calling (``caller``, ``namespace``, ``async``,
+``defer_loading``, ``allowed_callers``, ``output_schema``).
+Refused when set: ``background: true``, ``prompt``, ``top_logprobs``, ``moderation``, non-function tools,
+``truncation: "auto"``.
 ``conversation`` (an id, or ``{"id": ...}``): the response is the conversation's next turn (agentrt.conversations).
 
 Input items are taken as raw objects and checked one by one (agentrt.responses) so that an error names the
-item (``input[2].call_id``); their typed forms are below.
+item (``input[2].call_id``); their typed forms are below. Their no-effect fields default to UNSET, so that a stored
+item lists only what the client sent.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from msgspec import Meta, Struct, field
+from msgspec import UNSET, Meta, Struct, UnsetType, field
 
 from sdk.schema import TurnHints
 
@@ -28,6 +34,7 @@ class _In(Struct, forbid_unknown_fields=True, kw_only=True):
 # --- the request ---------------------------------------------------------------------------------------------
 class InputText(_In, tag_field="type", tag="input_text"):
     text: str
+    prompt_cache_breakpoint: Any = UNSET  # no effect: prefix caching here is automatic
 
 
 class OutputText(_In, tag_field="type", tag="output_text"):  # an echoed assistant message's text
@@ -41,6 +48,7 @@ class MessageItem(_In, tag_field="type", tag="message"):
     content: str | list[InputText | OutputText]
     id: str | None = None
     status: str | None = None
+    phase: Literal["commentary", "final_answer"] | None | UnsetType = UNSET  # no effect: an assistant message's label
 
 
 class FunctionCallItem(_In, tag_field="type", tag="function_call"):  # echoed from a previous output
@@ -49,6 +57,10 @@ class FunctionCallItem(_In, tag_field="type", tag="function_call"):  # echoed fr
     arguments: str
     id: str | None = None
     status: str | None = None
+    # no effect: what OpenAI's programmatic and namespaced tool calling label a call with
+    caller: dict[str, Any] | None | UnsetType = UNSET
+    namespace: str | None | UnsetType = UNSET
+    async_: bool | None | UnsetType = field(default=UNSET, name="async")
 
 
 class FunctionCallOutputItem(_In, tag_field="type", tag="function_call_output"):
@@ -56,6 +68,10 @@ class FunctionCallOutputItem(_In, tag_field="type", tag="function_call_output"):
     output: str | list[InputText]
     id: str | None = None
     status: str | None = None
+    # no effect: the tool message is named after the function_call it answers
+    name: str | None | UnsetType = UNSET
+    caller: dict[str, Any] | None | UnsetType = UNSET
+    namespace: str | None | UnsetType = UNSET
 
 
 class ReasoningItem(_In, tag_field="type", tag="reasoning"):  # echoed from a previous output: skipped
@@ -74,6 +90,11 @@ class FunctionTool(_In, tag_field="type", tag="function"):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # no effect: a forced call follows the schema either way
     description: str | None = None
+    # no effect: every tool is in the prompt from the start and called directly; outputs are not checked
+    allowed_callers: list[str] | None = None
+    defer_loading: bool | None = None
+    output_schema: dict[str, Any] | None = None
+    async_: bool | None = field(default=None, name="async")
 
 
 class ToolChoiceFunction(_In):
@@ -108,6 +129,18 @@ class ConversationParam(_In):
     id: str
 
 
+class ContextManagement(_In):  # OpenAI's server-side compaction: no effect, the chain keeps the conversation whole
+    type: str
+    compact_threshold: int | None = None
+
+
+class Moderation(Struct, kw_only=True):
+    """Refused: any value but null is a 400 naming ``moderation``."""
+
+    def __post_init__(self) -> None:
+        raise ValueError("this server runs no moderation: leave it out")
+
+
 class ResponsesRequest(_In):
     model: str
     input: str | list[dict[str, Any]]
@@ -136,11 +169,18 @@ class ResponsesRequest(_In):
     max_tool_calls: int | None = None
     reasoning: dict[str, Any] | None = None  # ``effort``: a thinking model's on ("none": off) / off switch
     stream_options: dict[str, Any] | None = None
+    prompt_cache_options: dict[str, Any] | None = None  # prefix caching here is automatic, keyed by the tokens
+    prompt_cache_retention: str | None = None
+    context_management: list[ContextManagement] | None = None
+    access_programs: dict[str, Any] | None = None
+    background_options: dict[str, Any] | None = None  # its windows need `background`, which is refused
+    image: dict[str, Any] | None = None  # the model takes no images
     conversation: str | ConversationParam | None = None  # not with previous_response_id
     # refused when set
     background: bool | None = None
     prompt: Any = None
     top_logprobs: int | None = None
+    moderation: Moderation | None = None
     # agentrt extension: the first generated tokens, forced (the chain routes' ``sampling.forced_token_ids``)
     forced_token_ids: Annotated[list[Annotated[int, Meta(ge=0, le=2**31)]], Meta(max_length=65536)] | None = None
 
