@@ -408,23 +408,24 @@ class MessagesService:
         """Refuse, with a 400 naming the field, what cannot be honored; the turn's sampling."""
         if req.model != self.model_name:
             raise ModelNotFound(req.model, self.model_name)
-        if req.max_tokens > self.config.max_tokens_per_turn:
-            raise bad_field("max_tokens", f"must be <= {self.config.max_tokens_per_turn}")
+        # a larger max_tokens (agent clients ask for tens of thousands) is lowered to the server's per-turn limit
+        # and by the engine to what the context holds: stop_reason "max_tokens" where it runs out
+        max_tokens = min(req.max_tokens, self.config.max_tokens_per_turn)
         if req.container is not None:
             raise bad_field("container", "this server runs no code-execution containers")
         if req.mcp_servers:
             raise bad_field("mcp_servers", "this server connects to no MCP servers: leave it out or empty")
         forced = list(req.agentrt_forced_token_ids or [])
         vocab = self.chains.worker.engine.model_config.vocab_size
-        if len(forced) > req.max_tokens:
+        if len(forced) > max_tokens:
             raise bad_field("agentrt_forced_token_ids", f"has {len(forced)} tokens, more than max_tokens "
-                                                        f"({req.max_tokens})")
+                                                        f"({max_tokens})")
         if any(t >= vocab for t in forced):
             raise bad_field("agentrt_forced_token_ids", f"every id must be < the vocabulary size {vocab}")
         greedy = req.top_p == 0  # a nucleus of one token; the engine takes top_p in (0, 1]
         return {"temperature": 0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
                 "top_p": 1.0 if req.top_p is None or greedy else req.top_p,
-                "top_k": -1 if req.top_k is None else req.top_k, "max_tokens": req.max_tokens,
+                "top_k": -1 if req.top_k is None else req.top_k, "max_tokens": max_tokens, "fit_max_tokens": True,
                 "stop": list(req.stop_sequences or []), "forced_token_ids": forced}
 
     async def start(self, req: MessagesRequest, tenant: str) -> Pending:

@@ -673,20 +673,24 @@ class ChainService:
     def _sampling(self, data: TurnCreate, tools: list[dict[str, Any]] | None = None) -> SamplingParams:
         """The turn's engine parameters; ``tools``: the chain's, which ``sampling.tool_choice`` chooses among."""
         s = data.sampling
-        if s.max_tokens > self.config.max_tokens_per_turn:
-            raise bad_field("sampling.max_tokens", f"must be <= {self.config.max_tokens_per_turn}")
+        max_tokens = s.max_tokens
+        if max_tokens > self.config.max_tokens_per_turn:
+            if not s.fit_max_tokens:
+                raise bad_field("sampling.max_tokens", f"must be <= {self.config.max_tokens_per_turn} (or set "
+                                                       "sampling.fit_max_tokens)")
+            max_tokens = self.config.max_tokens_per_turn
         vocab = self.worker.engine.model_config.vocab_size
-        if len(s.forced_token_ids) > s.max_tokens:
+        if len(s.forced_token_ids) > max_tokens:
             raise bad_field("sampling.forced_token_ids", f"has {len(s.forced_token_ids)} tokens, more than "
-                                                         f"sampling.max_tokens ({s.max_tokens})")
+                                                         f"sampling.max_tokens ({max_tokens})")
         if any(t >= vocab for t in s.forced_token_ids):
             raise bad_field("sampling.forced_token_ids", f"every id must be < the vocabulary size {vocab}")
         structured, _ = structured_spec(s.response_format, s.tool_choice, tools, s.parallel_tool_calls,
                                         prefix="sampling.", tools_key="sampling.tool_choice")
         return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
-                              max_tokens=s.max_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
+                              max_tokens=max_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
                               ignore_eos=s.ignore_eos, forced_token_ids=list(s.forced_token_ids),
-                              structured=structured)
+                              structured=structured, fit_max_tokens=s.fit_max_tokens)
 
     async def write_row(self, state: ChainState, **columns: Any) -> None:
         """Write columns of a chain's row (``meta``, ``system_prompt``, ...) to the database, then to its state; for

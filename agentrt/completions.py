@@ -123,7 +123,7 @@ class CompletionService:
         tools = msgspec.to_builtins(req.tools) if req.tools else None
         structured, key = structured_spec(req.response_format, req.tool_choice, tools, req.parallel_tool_calls)
         params = self._params(req, structured)
-        with template_kwargs(enable_thinking=enable_thinking(req)):
+        with template_kwargs(enable_thinking=enable_thinking(req), preserve_thinking=preserve_thinking(req)):
             prompt = await self.renderer.prompt([_template_message(m) for m in req.messages], tools)
         try:
             stream = await self.worker.submit(prompt, params)
@@ -149,12 +149,12 @@ class CompletionService:
         structured_spec(req.response_format, req.tool_choice, state.row.tools, req.parallel_tool_calls)  # 400s
         p = self._params(req)
         sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
-                    "seed": p.seed, "max_tokens": p.max_tokens, "stop": p.stop,
+                    "seed": p.seed, "max_tokens": p.max_tokens, "fit_max_tokens": True, "stop": p.stop,
                     "forced_token_ids": p.forced_token_ids, "response_format": req.response_format,
                     "tool_choice": req.tool_choice, "parallel_tool_calls": req.parallel_tool_calls}
         turn_data = chain_completions.turn_request(new, offset, sampling, bool(req.stream))
         turn_data = msgspec.structs.replace(turn_data, hints=req.session_hints)
-        with template_kwargs(enable_thinking=enable_thinking(req)):
+        with template_kwargs(enable_thinking=enable_thinking(req), preserve_thinking=preserve_thinking(req)):
             turn = await self.chains.start_turn(req.chain_id, turn_data, tenant=tenant)
         if turn.state.num_turns != state.num_turns:  # another request appended a turn meanwhile
             await turn.close()
@@ -225,7 +225,7 @@ class CompletionService:
         structured_spec(req.response_format, req.tool_choice, tools or None, req.parallel_tool_calls)  # 400s
         p = self._params(req)
         sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
-                    "seed": p.seed, "max_tokens": p.max_tokens, "stop": p.stop,
+                    "seed": p.seed, "max_tokens": p.max_tokens, "fit_max_tokens": True, "stop": p.stop,
                     "forced_token_ids": p.forced_token_ids, "response_format": req.response_format,
                     "tool_choice": req.tool_choice, "parallel_tool_calls": req.parallel_tool_calls}
         session = req.prompt_cache_key or req.user or req.safety_identifier
@@ -233,7 +233,7 @@ class CompletionService:
         async with implicit.resolve(tenant, session, system, tools, messages, names) as resolved:
             data = turn_create(messages[resolved.offset:], sampling, stream=bool(req.stream))
             data = msgspec.structs.replace(data, hints=req.session_hints)
-            with template_kwargs(enable_thinking=enable_thinking(req)):
+            with template_kwargs(enable_thinking=enable_thinking(req), preserve_thinking=preserve_thinking(req)):
                 turn = await self.chains.start_turn(resolved.chain_id, data, tenant=tenant)
             if turn.state.num_turns != resolved.state.num_turns:
                 from agentrt.anthropic_messages import ChainMoved
@@ -356,17 +356,17 @@ class CompletionService:
 
     def _params(self, req: ChatCompletionRequest, structured: StructuredSpec | None = None) -> SamplingParams:
         # a request that sets none gets the default, within the server's per-turn limit
-        max_tokens = (req.max_completion_tokens or req.max_tokens
-                      or min(self.config.default_max_tokens, self.config.max_tokens_per_turn))
-        if max_tokens > self.config.max_tokens_per_turn:
-            key = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-            raise bad_field(key, f"must be <= {self.config.max_tokens_per_turn}", "invalid_value")
+        # a larger request is lowered to the limit and to what the context holds (agent clients ask for tens of
+        # thousands on every request): finish_reason "length" where it runs out
+        max_tokens = min(req.max_completion_tokens or req.max_tokens or self.config.default_max_tokens,
+                         self.config.max_tokens_per_turn)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         forced = checked_forced_tokens(req.forced_token_ids, max_tokens, self.worker.engine.model_config.vocab_size)
         return SamplingParams(
             **sampling_knobs(req),
             seed=req.seed, max_tokens=max_tokens, stop=stop, forced_token_ids=forced,
-            logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0, structured=structured)
+            logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0, structured=structured,
+            fit_max_tokens=True)
 
     def _logprobs(self, c: Completion, token_ids: Sequence[int], logprobs: Sequence[float] | None,
                   top: Sequence[Sequence[tuple[int, float]]] | None) -> ChoiceLogprobs:
@@ -484,13 +484,10 @@ def check_supported(req: ChatCompletionRequest, thinks: bool = False) -> None:
         refuse("modalities", 'only ["text"]: this model generates text', "unsupported_value")
     if req.audio is not None:
         refuse("audio", "this model generates text only")
-    if not thinks and req.reasoning_effort not in (None, "none"):
-        refuse("reasoning_effort", "this model does not reason: leave it out (or \"none\")", "unsupported_value")
-    if thinks and req.reasoning_effort not in (None, *REASONING_EFFORTS):
+    # a model that does not think takes any level with no effect (agent clients send their configured effort)
+    if req.reasoning_effort not in (None, *REASONING_EFFORTS):
         refuse("reasoning_effort", f"must be one of {', '.join(REASONING_EFFORTS)} (\"none\": no thinking; any "
                                    "other level turns thinking on)", "invalid_value")
-    if req.verbosity is not None:
-        refuse("verbosity", "not supported by this model: leave it out")
     if req.web_search_options is not None:
         refuse("web_search_options", "this server does not search the web")
     if req.moderation is not None:
@@ -624,6 +621,11 @@ def _template_message(m: OpenAIMessage) -> Message:
     if isinstance(m, ToolMessage):
         out["tool_call_id"] = m.tool_call_id
     return out
+
+
+def preserve_thinking(req: ChatCompletionRequest) -> bool | None:
+    """``chat_template_kwargs.preserve_thinking``, for templates that would drop earlier replies' reasoning."""
+    return None if req.chat_template_kwargs is None else req.chat_template_kwargs.preserve_thinking
 
 
 def enable_thinking(req: ChatCompletionRequest) -> bool | None:

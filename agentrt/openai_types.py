@@ -109,9 +109,12 @@ class StreamOptions(_Strict, kw_only=True):
 
 
 class ChatTemplateKwargs(_Strict, kw_only=True):
-    """vLLM's and SGLang's ``chat_template_kwargs``: only ``enable_thinking`` (agentrt.reasoning)."""
+    """vLLM's and SGLang's ``chat_template_kwargs``: ``enable_thinking`` (agentrt.reasoning) and
+    ``preserve_thinking`` (templates that drop earlier replies' reasoning keep it: Qwen3.6's), passed to the chat
+    template; a template that does not know one ignores it."""
 
     enable_thinking: bool | None = None
+    preserve_thinking: bool | None = None
 
 
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)] | None

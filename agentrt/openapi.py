@@ -384,12 +384,22 @@ class OpenAPIDocument:
                                 for target in sorted(takes.get(name, []))}
 
     def _limits(self, components: dict[str, Any], vocab_size: int | None) -> None:
-        """The server's limits on values that the types leave open (a value past one is a 400 naming it):
-        ``max_tokens_per_turn``, and forced token ids below the model's vocabulary size."""
-        limits: list[tuple[str, str, int]] = [(name, field, self.config.max_tokens_per_turn) for name, field in (
-            ("Sampling", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
-            ("ChatCompletionRequest", "max_completion_tokens"), ("TextCompletionRequest", "max_tokens"),
-            ("ResponsesRequest", "max_output_tokens"), ("MessagesRequest", "max_tokens"))]
+        """The server's limits on values that the types leave open: forced token ids below the model's
+        vocabulary size (a value past it is a 400 naming it), and ``max_tokens_per_turn``, described on the
+        fields it bounds: the foreign APIs lower a larger value to it (no schema maximum there), a chain turn
+        refuses one unless ``sampling.fit_max_tokens``."""
+        limit = self.config.max_tokens_per_turn
+        for name, field in (("Sampling", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
+                            ("ChatCompletionRequest", "max_completion_tokens"), ("TextCompletionRequest", "max_tokens"),
+                            ("ResponsesRequest", "max_output_tokens"), ("MessagesRequest", "max_tokens")):
+            schema = components.get(name, {}).get("properties", {}).get(field)
+            if schema is not None:
+                how = ("a larger value is a 400 unless fit_max_tokens" if name == "Sampling"
+                       else "a larger value is lowered to it")
+                schema["description"] = (f"at most {limit} tokens per turn here ({how}); generation also ends "
+                                         "where the model's context or the KV pool runs out")
+        # the chain route's rule stands as the schema's maximum (fit_max_tokens lifts it, as the description says)
+        limits: list[tuple[str, str, int]] = [("Sampling", "max_tokens", limit)]
         if vocab_size is not None:
             limits += [(name, field, vocab_size - 1) for name, field in (
                 ("Sampling", "forced_token_ids"), ("ChatCompletionRequest", "forced_token_ids"),

@@ -185,11 +185,9 @@ class ResponseService:
                 raise bad_field(name, "not supported by this server: leave it out")
         if req.truncation not in (None, "disabled"):
             raise bad_field("truncation", "only 'disabled': a chain is never truncated")
-        if req.max_output_tokens is not None and req.max_output_tokens > self.config.max_tokens_per_turn:
-            raise bad_field("max_output_tokens", f"must be <= {self.config.max_tokens_per_turn}")
         forced = req.forced_token_ids or []
         vocab = self.chains.worker.engine.model_config.vocab_size
-        if len(forced) > (req.max_output_tokens or self.config.max_tokens_per_turn):
+        if len(forced) > self._max_tokens(req):
             raise bad_field("forced_token_ids", f"has {len(forced)} tokens, more than max_output_tokens")
         if any(t >= vocab for t in forced):
             raise bad_field("forced_token_ids", f"every id must be < the vocabulary size {vocab}")
@@ -211,12 +209,17 @@ class ResponseService:
             tools.append({"type": "function", "function": function})
         return tools
 
+    def _max_tokens(self, req: ResponsesRequest) -> int:
+        """``max_output_tokens`` within the server's per-turn limit (a larger one is lowered to it, and by the
+        engine to what the context holds: the response is then incomplete, ``max_output_tokens``)."""
+        return min(req.max_output_tokens or self.config.max_tokens_per_turn, self.config.max_tokens_per_turn)
+
     def _sampling(self, req: ResponsesRequest, tools: list[dict[str, Any]]) -> tuple[dict[str, Any], bool]:
         greedy = req.top_p == 0
         sampling: dict[str, Any] = {
             "temperature": 0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None or greedy else req.top_p,
-            "max_tokens": req.max_output_tokens or self.config.max_tokens_per_turn}
+            "max_tokens": self._max_tokens(req), "fit_max_tokens": True}
         if req.forced_token_ids:
             sampling["forced_token_ids"] = list(req.forced_token_ids)
         choice = req.tool_choice

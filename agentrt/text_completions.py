@@ -147,9 +147,8 @@ class TextCompletionService:
         return run
 
     def _params(self, req: TextCompletionRequest) -> SamplingParams:
-        max_tokens = req.max_tokens or min(DEFAULT_MAX_TOKENS, self.config.max_tokens_per_turn)
-        if max_tokens > self.config.max_tokens_per_turn:
-            raise bad_field("max_tokens", f"must be <= {self.config.max_tokens_per_turn}", "invalid_value")
+        # a larger request is lowered to the limit and to what the context holds (finish_reason "length" there)
+        max_tokens = min(req.max_tokens or DEFAULT_MAX_TOKENS, self.config.max_tokens_per_turn)
         forced = checked_forced_tokens(req.forced_token_ids, max_tokens, self.worker.engine.model_config.vocab_size)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         try:
@@ -157,7 +156,7 @@ class TextCompletionService:
                 **sampling_knobs(req),
                 seed=req.seed, max_tokens=max_tokens, stop=stop, forced_token_ids=forced,
                 ignore_eos=bool(req.ignore_eos), logprobs=req.logprobs is not None,
-                top_logprobs=req.logprobs or 0)
+                top_logprobs=req.logprobs or 0, fit_max_tokens=True)
         except InvalidSamplingParamsError as exc:  # named by its first word: the engine's field name
             name = str(exc).split(" ", 1)[0]
             raise bad_field({"top_logprobs": "logprobs"}.get(name, name), str(exc), "invalid_value") from None

@@ -202,6 +202,10 @@ class LLMEngine:
         grammar = None if params.structured is None else self.structured_outputs.matcher(
             params.structured, params.forced_token_ids)
         chosen = self.methods.resolve(method, method_config)
+        if params.fit_max_tokens:
+            fitted = self.checks.fitted_max_tokens(chosen, len(token_ids), params, chained=chain_id is not None)
+            if fitted != params.max_tokens:
+                params = dataclasses.replace(params, max_tokens=fitted)
         self.checks.fits_pool(chosen, len(token_ids), params, chained=chain_id is not None)
         if chain_id is not None:
             self.chains.check_bindable(chain_id)

@@ -61,11 +61,31 @@ class RequestChecks:
         """The most KV the request may hold at once under ``method`` (``max_physical_tokens``), in pages, fits
         the whole pool; ``chained``: a chain turn, which may copy a forked chain's tail page."""
         max_new = min(params.max_tokens, self.max_model_len - num_prompt_tokens)
-        held = min(num_prompt_tokens + max_new, method.max_physical_tokens(
-            num_prompt_tokens, max_new, self.max_num_batched_tokens))
-        pages = -(-held // self.page_size) + chained  # a forked chain's tail page copy
+        pages, held = self._pages(method, num_prompt_tokens, max_new, chained)
         if pages > self.pool.num_pages:
             raise InvalidRequestError(
                 f"request needs up to {pages} KV pages ({held} tokens held at once) but the pool has "
                 f"{self.pool.num_pages}"
             )
+
+    def fitted_max_tokens(self, method: SparseMethod, num_prompt_tokens: int, params: SamplingParams,
+                          chained: bool) -> int:
+        """``params.max_tokens`` lowered to the most new tokens the context and the pool can hold for the prompt
+        (``SamplingParams.fit_max_tokens``); at least 1, where ``fits_pool`` then refuses a prompt that does not
+        fit at all."""
+        hi = min(params.max_tokens, self.max_model_len - num_prompt_tokens)
+        if self._pages(method, num_prompt_tokens, hi, chained)[0] <= self.pool.num_pages:
+            return hi
+        lo = 1  # the held KV grows with the new tokens: the largest count that fits, by bisection
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._pages(method, num_prompt_tokens, mid, chained)[0] <= self.pool.num_pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def _pages(self, method: SparseMethod, num_prompt_tokens: int, max_new: int, chained: bool) -> tuple[int, int]:
+        held = min(num_prompt_tokens + max_new, method.max_physical_tokens(
+            num_prompt_tokens, max_new, self.max_num_batched_tokens))
+        return -(-held // self.page_size) + chained, held  # a forked chain's tail page copy

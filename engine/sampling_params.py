@@ -36,6 +36,9 @@ class SamplingParams:
     forced_token_ids: list[int] = field(default_factory=list)  # emitted first, in order (replays, tests)
     top_logprobs: int = 0  # with logprobs: also the K most likely tokens of each step, K <= MAX_TOP_LOGPROBS
     structured: StructuredSpec | None = None  # the output must match this grammar (engine.structured_output)
+    # max_tokens is a ceiling: the engine lowers it to what the model's context and the KV pool can hold for the
+    # prompt (the request ends with finish_reason "length" there) instead of refusing the request
+    fit_max_tokens: bool = False
 
     def __post_init__(self) -> None:
         def bad(name: str, why: str) -> InvalidSamplingParamsError:
@@ -82,7 +85,7 @@ class SamplingParams:
             raise bad("stop", "must contain only non-empty strings")
         self.stop = list(self.stop)
 
-        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output"):
+        for name in ("ignore_eos", "logprobs", "include_stop_str_in_output", "fit_max_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "must be a bool")
         if not (_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS):

@@ -250,6 +250,9 @@ class Sampling(_Input, kw_only=True):
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] = 0.0
     seed: Seed | None = None
     max_tokens: Annotated[int, Meta(ge=1)] = 128
+    # max_tokens as a ceiling: above the server's max_tokens_per_turn it is lowered to it (not a 400), and to what
+    # the model's context and KV pool hold for the prompt (the turn ends with finish_reason "length" there)
+    fit_max_tokens: bool = False
     stop: list[Annotated[str, Meta(min_length=1)]] = field(default_factory=list)
     stop_token_ids: list[Annotated[int, Meta(ge=0, le=2**31)]] = field(default_factory=list)
     ignore_eos: bool = False

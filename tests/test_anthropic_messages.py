@@ -437,7 +437,6 @@ def test_errors_are_anthropics_and_name_the_field(alice, http, keys, model):
         (dict(messages=ask, tools=[WEATHER, {"name": "odd", "input_schema": {
             "type": "object", "properties": {"a": {"type": "string", "format": "no-such-format"}}}}],
               tool_choice={"type": "any"}), "tools[1].input_schema"),
-        (dict(messages=ask, max_tokens=5000), "max_tokens"),
         (dict(messages=ask, extra_body={"container": "c"}), "container"),
         (dict(messages=ask, extra_body={"mcp_servers": [{"type": "url", "url": "http://x", "name": "x"}]}),
          "mcp_servers"),

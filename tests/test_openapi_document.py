@@ -158,9 +158,12 @@ def test_types_as_the_strict_decoder_reads_them(with_keys):
     seed = schemas["Sampling"]["properties"]["seed"]["anyOf"][0]
     assert seed == {"type": "integer", "minimum": 0, "maximum": 2**63 - 1}
     assert schemas["Sampling"]["properties"]["stop"]["items"] == {"type": "string", "minLength": 1}
-    # the server's own limit on max_tokens (a larger value is a 400 naming it)
+    # the server's own limit on max_tokens: a chain turn refuses a larger value (unless fit_max_tokens, as its
+    # description says); the foreign APIs lower it, so no schema maximum there
     assert schemas["Sampling"]["properties"]["max_tokens"]["maximum"] == 64
-    assert schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 64
+    assert "at most 64 tokens" in schemas["Sampling"]["properties"]["max_tokens"]["description"]
+    assert "maximum" not in schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]
+    assert "lowered" in schemas["ChatCompletionRequest"]["properties"]["max_tokens"]["description"]
     vocab = json.loads((random_model_dir() / "config.json").read_text())["vocab_size"]  # forced ids below it
     assert schemas["Sampling"]["properties"]["forced_token_ids"]["items"]["maximum"] == vocab - 1
     assert schemas["ChatCompletionRequest"]["properties"]["forced_token_ids"]["anyOf"][0]["items"]["maximum"] \
@@ -252,9 +255,14 @@ def test_what_the_document_refuses_the_server_refuses(served, with_keys):
             assert r.status_code == 400, (path, bad, r.text)
             named = r.json()["extra"][0]["key"] if family == "chain" else r.json()["error"]["param"]
             assert named == field, r.text
-    limit = schemas["Sampling"]["properties"]["max_tokens"]["maximum"]
+    limit = 64  # max_tokens_per_turn: a chain turn over it is a 400 unless fit_max_tokens; chat completions lower it
     r = client.post(f"/v1/chains/{chain}/turns", json={**turn, "sampling": {"max_tokens": limit + 1}}, headers=auth)
     assert r.status_code == 400 and r.json()["extra"][0]["key"] == "sampling.max_tokens"
+    r = client.post(f"/v1/chains/{chain}/turns", json={**turn, "sampling": {"max_tokens": limit + 1,
+                                                                            "fit_max_tokens": True}}, headers=auth)
+    assert r.status_code == 200, r.text
+    assert client.post("/v1/chat/completions", json={**completion, "max_tokens": 10**6}, headers=auth).status_code \
+        == 200
     assert client.post("/v1/chains", json={"model": "other"}, headers=auth).status_code == 400  # enum: the served
 
 
@@ -266,9 +274,9 @@ def test_text_completions_responses_and_messages(with_keys, keyless, served):
     vocab = json.loads((random_model_dir() / "config.json").read_text())["vocab_size"]
     prompt = schemas["TextCompletionRequest"]["properties"]["prompt"]["anyOf"][1]["items"]["anyOf"]
     assert [p.get("maximum") or p.get("items", {}).get("maximum") for p in prompt] == [None, vocab - 1, vocab - 1]
-    assert schemas["TextCompletionRequest"]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 64
-    assert schemas["ResponsesRequest"]["properties"]["max_output_tokens"]["anyOf"][0]["maximum"] == 64
-    assert schemas["MessagesRequest"]["properties"]["max_tokens"]["maximum"] == 64
+    for name, field in (("TextCompletionRequest", "max_tokens"), ("ResponsesRequest", "max_output_tokens"),
+                        ("MessagesRequest", "max_tokens")):
+        assert "at most 64 tokens" in schemas[name]["properties"][field]["description"]
     for name in ("TextCompletionRequest", "ResponsesRequest", "MessagesRequest", "CountTokensRequest"):
         assert schemas[name]["properties"]["model"]["examples"] == ["tiny"]
 
@@ -317,5 +325,5 @@ def test_text_completions_responses_and_messages(with_keys, keyless, served):
         assert client.post(path, json=body, headers=auth).status_code == 200
         r = client.post(path, json={**body, "bogus": 1}, headers=auth)
         assert r.status_code == 400 and named(r.json()) == "bogus", r.text
-        r = client.post(path, json={**body, "max_tokens": 65}, headers=auth)
-        assert r.status_code == 400 and named(r.json()) == "max_tokens", r.text
+        r = client.post(path, json={**body, "max_tokens": 65}, headers=auth)  # lowered to the limit (64)
+        assert r.status_code == 200, r.text

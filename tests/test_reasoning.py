@@ -377,7 +377,7 @@ def test_an_echoed_reply_resumes_its_chain(client, model, tokens, http, server):
 
 def test_a_model_that_does_not_think_is_unchanged(tmp_path_factory):
     """The random model's tokenizer has no think tokens: the same text is content, as generated, and no
-    reasoning field appears; reasoning_effort other than none is still refused."""
+    reasoning field appears; a reasoning_effort level has no effect, a value that is no level is refused."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(random_model_dir())
@@ -389,7 +389,9 @@ def test_a_model_that_does_not_think_is_unchanged(tmp_path_factory):
         message = h.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
         assert message == {"content": tok.decode(forced).strip(), "role": "assistant", "tool_calls": None}
         assert "<think>" in message["content"]
-        r = h.post("/v1/chat/completions", json={**body, "reasoning_effort": "high"})
+        same = h.post("/v1/chat/completions", json={**body, "reasoning_effort": "high"})  # no effect here
+        assert same.status_code == 200 and same.json()["choices"][0]["message"] == message
+        r = h.post("/v1/chat/completions", json={**body, "reasoning_effort": "extreme"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
 
 

@@ -5,7 +5,8 @@ messages and the dropped think blocks leave the chain's KV as a prune (agentrt.c
 
 The template here follows Qwen3's published rules for assistant messages (written for this test on the tiny
 test template: the reasoning split off at ``</think>``, rendered with its block only after the last user message
-and then only when non-empty or last; ``enable_thinking`` false closes an empty block in the generation prompt).
+and then only when non-empty or last; ``enable_thinking`` false closes an empty block in the generation prompt;
+``preserve_thinking``, as Qwen3.6's template takes it, keeps every block).
 Reference: the template's own rendering of the whole conversation, which the chain's token log less the dropped
 spans, plus the appended tokens, must decode to exactly."""
 
@@ -31,7 +32,7 @@ _DROPPING = """    {%- if message.role == 'assistant' and not message.tool_calls
             {%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
             {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
         {%- endif %}
-        {%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}
+        {%- if ((preserve_thinking is defined and preserve_thinking) or loop.index0 > ns.last_query) and (loop.last or reasoning) %}
             {{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content + '<|im_end|>\\n' }}
         {%- else %}
             {{- '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}
@@ -185,3 +186,25 @@ def test_a_chain_resumes_with_the_reasoning_pruned(model_dir, tmp_path, tokenize
 
 def _generated_ids(tokenizer) -> list[int]:
     return tokenizer.encode(GENERATED, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids(END)]
+
+
+def test_preserve_thinking_keeps_every_block_and_prunes_nothing(model_dir, tmp_path, tokenizer):
+    """``chat_template_kwargs.preserve_thinking`` (Qwen3.6's switch) reaches the template: the conversation renders
+    append-only, so later turns resume with no template prune."""
+    with app_server(f"sqlite+aiosqlite:///{tmp_path / 'db.sqlite'}", model=model_dir) as server, \
+            httpx.Client(base_url=server.url, timeout=120) as http:
+        client = openai_client(server.url)
+        model = client.models.list().data[0].id
+        messages, chain_id = [{"role": "user", "content": "P1"}], None
+        for turn in range(3):
+            reply = client.chat.completions.create(
+                model=model, messages=messages, max_tokens=64, temperature=0,
+                extra_body={"forced_token_ids": _generated_ids(tokenizer),
+                            "chat_template_kwargs": {"preserve_thinking": True}})
+            chain_id = chain_id or reply.model_extra["chain"]["id"]
+            assert reply.model_extra["chain"]["id"] == chain_id
+            assert reply.model_extra["chain"]["resume_status"] == ("created" if turn == 0 else "resumed")
+            messages += [reply.choices[0].message.model_dump(include={"role", "content"}),
+                         {"role": "user", "content": f"P{turn + 2}"}]
+        read = http.get(f"/v1/chains/{chain_id}").json()
+        assert read["num_turns"] == 3 and read["prune_events"] == []

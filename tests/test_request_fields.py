@@ -153,10 +153,10 @@ CHAT = {
     "store": {"store": False},
     "service_tier": {"service_tier": "auto"},
     "prediction": {"prediction": {"type": "content", "content": "Hello"}},
+    "reasoning_effort": {"reasoning_effort": "medium"},  # a model that does not think: no effect
+    "verbosity": {"verbosity": "low"},
 }
 CHAT_REFUSED = {  # docs/server.md says why
-    "reasoning_effort": {"reasoning_effort": "medium"},  # a model that does not think: "none" only
-    "verbosity": {"verbosity": "low"},
     "audio": {"audio": {"format": "wav", "voice": "alloy"}},
     "web_search_options": {"web_search_options": {"search_context_size": "low"}},
     "moderation": {"moderation": {"model": "omni-moderation-latest"}},
