@@ -124,9 +124,21 @@ def enable_thinking(thinking: Thinking | None) -> bool | None:
 
 
 def conversation(req: MessagesRequest | CountTokensRequest, thinks: bool = False) -> Conversation:
-    """``thinks``: the model thinks, so thinking blocks in assistant messages are taken (and skipped)."""
+    """``thinks``: the model thinks, so thinking blocks in assistant messages are taken (and skipped). The system
+    prompt is ``system`` and the ``system`` messages that open the conversation, joined by a newline; a ``system``
+    message after the first user or assistant message is a 400 naming it."""
     system = req.system if isinstance(req.system, str) or req.system is None else \
         "\n".join(b.text for b in req.system) if req.system else None
+    opening = 0
+    while opening < len(req.messages) and req.messages[opening].role == "system":
+        m = req.messages[opening]
+        blocks = [TextBlockParam(text=m.content)] if isinstance(m.content, str) else m.content
+        for j, b in enumerate(blocks):
+            if not isinstance(b, TextBlockParam):
+                raise bad_field(f"messages[{opening}].content[{j}].type", "a system message holds text blocks only")
+        text = "\n".join(b.text for b in blocks)
+        system = text if system is None else f"{system}\n{text}"
+        opening += 1
     # the chain routes' form, key order included: the chat template renders the tools as JSON in that order
     tools = msgspec.to_builtins([Tool(function=FunctionDef(name=t.name, description=t.description,
                                                            parameters=t.input_schema)) for t in req.tools or []])
@@ -134,8 +146,11 @@ def conversation(req: MessagesRequest | CountTokensRequest, thinks: bool = False
               for b in m.content if isinstance(b, ToolUseBlockParam)}
     messages: list[ChainMessage] = []
     names: list[str] = []
-    for i, m in enumerate(req.messages):
+    for i, m in enumerate(req.messages[opening:], opening):
         key = f"messages[{i}]"
+        if m.role == "system":
+            raise bad_field(f"{key}.role", "system messages may only open the conversation (the chat template "
+                                           "renders one system prompt): put it in `system` or before the others")
         blocks = [TextBlockParam(text=m.content)] if isinstance(m.content, str) else m.content
         if m.role == "assistant":
             texts, calls = [], []

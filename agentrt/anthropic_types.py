@@ -84,7 +84,7 @@ ContentBlockParam = (TextBlockParam | ImageBlockParam | DocumentBlockParam | Sea
 
 
 class MessageParam(_Input):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: only opening the conversation (after ``system``)
     content: Text | list[ContentBlockParam]
 
 

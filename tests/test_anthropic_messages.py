@@ -580,3 +580,21 @@ def test_the_routers_own_errors_keep_each_apis_shape(server):
         assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}, r.text
         r = http.get("/v1/chains/x/fork")
         assert r.status_code == 405 and r.json()["status_code"] == 405, r.text
+
+
+def test_opening_system_messages_join_the_system_prompt():
+    """Anthropic's ``role: "system"`` messages: those that open the conversation follow ``system`` in the system
+    prompt, in order (the reference: the conversation as the chat template renders it)."""
+    from agentrt.anthropic_messages import conversation
+    import msgspec
+
+    from agentrt.anthropic_types import MessagesRequest
+
+    req = msgspec.convert({"model": "m", "max_tokens": 2, "system": "S", "messages": [
+        {"role": "system", "content": "A"}, {"role": "system", "content": [{"type": "text", "text": "B"}]},
+        {"role": "user", "content": "hi"}]}, MessagesRequest)
+    conv = conversation(req)
+    assert conv.system == "S\nA\nB" and conv.messages == [{"role": "user", "content": "hi"}]
+    no_top = msgspec.convert({"model": "m", "max_tokens": 2, "messages": [
+        {"role": "system", "content": "A"}, {"role": "user", "content": "hi"}]}, MessagesRequest)
+    assert conversation(no_top).system == "A"

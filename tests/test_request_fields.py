@@ -456,8 +456,13 @@ def test_count_tokens_field(claude, model, name):
 def test_messages_variants(claude, model):
     send, send_beta = messages_send(claude, model, False), messages_send(claude, model, True)
     assert variants(anthropic.types.MessageParam, "role") == {"user", "assistant", "system"}
-    refused(send, {"messages": [{"role": "system", "content": "Be brief."}, *A_BASE["messages"]]},
-            "messages[0].role")  # the top-level `system` is the system prompt
+    # system messages that open the conversation join `system` (the chat template renders one system prompt)
+    send({"system": "S", "messages": [{"role": "system", "content": "Be brief."},
+                                      {"role": "system", "content": [{"type": "text", "text": "Really."}]},
+                                      *A_BASE["messages"]]})
+    refused(send, {"messages": [*A_BASE["messages"], {"role": "assistant", "content": "ok"},
+                                {"role": "system", "content": "Later."}, {"role": "user", "content": "hi"}]},
+            "messages[2].role")
     assert A_BLOCKS <= {b["type"] for m in A_MESSAGES for b in m["content"]}
     blocks = variants(anthropic.types.ContentBlockParam) | variants(anthropic_beta.BetaContentBlockParam)
     for kind in blocks - A_BLOCKS:  # images, documents, server tools' blocks; thinking: this model has none
