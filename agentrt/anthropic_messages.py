@@ -438,7 +438,14 @@ class MessagesService:
         if any(t >= vocab for t in forced):
             raise bad_field("agentrt_forced_token_ids", f"every id must be < the vocabulary size {vocab}")
         greedy = req.top_p == 0  # a nucleus of one token; the engine takes top_p in (0, 1]
-        return {"temperature": 0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
+        structured: dict[str, Any] = {}
+        fmt = req.output_config.format if req.output_config is not None else None
+        if fmt is not None:  # the reply's text follows the schema (with tools: that JSON or tool calls)
+            if (why := schema_error(fmt.schema)) is not None:
+                raise bad_field("output_config.format.schema", f"cannot be followed: {why}")
+            structured["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": fmt.schema, "strict": True}}
+        return {**structured, "temperature": 0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
                 "top_p": 1.0 if req.top_p is None or greedy else req.top_p,
                 "top_k": -1 if req.top_k is None else req.top_k, "max_tokens": max_tokens, "fit_max_tokens": True,
                 "stop": list(req.stop_sequences or []), "forced_token_ids": forced}

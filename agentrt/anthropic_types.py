@@ -3,8 +3,8 @@ server takes and answers them (msgspec Structs).
 
 Inputs forbid unknown fields (a 400 naming the field), as every other route's do. Block types this server
 cannot honor (images, documents, thinking) are still decoded, loosely, so that the refusal can say why rather
-than that the type is unknown; fields refused whatever their value (``thread``, ``compaction``,
-``output_config.format``) refuse themselves as they are decoded, with the reason. What each field does here is
+than that the type is unknown; fields refused whatever their value (``thread``, ``compaction``)
+refuse themselves as they are decoded, with the reason. What each field does here is
 tabled in docs/anthropic.md.
 """
 
@@ -191,12 +191,10 @@ class ContextManagement(_Input):
     edits: list[ClearToolUsesEdit | ClearThinkingEdit | CompactEdit] = field(default_factory=list)
 
 
-class JSONOutputFormat(Struct, kw_only=True):
-    """Refused: any value but null is a 400 naming ``output_config.format``."""
+class JSONOutputFormat(_Input, tag_field="type", tag="json_schema"):
+    """Structured outputs: the reply's text is JSON that validates against ``schema`` (docs/structured-outputs.md)."""
 
-    def __post_init__(self) -> None:
-        raise ValueError("structured outputs are not taken here: force a tool call with tool_choice (its input "
-                         "follows the tool's input_schema)")
+    schema: dict[str, Any]
 
 
 class OutputConfig(_Input):

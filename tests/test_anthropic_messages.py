@@ -598,3 +598,18 @@ def test_opening_system_messages_join_the_system_prompt():
     no_top = msgspec.convert({"model": "m", "max_tokens": 2, "messages": [
         {"role": "system", "content": "A"}, {"role": "user", "content": "hi"}]}, MessagesRequest)
     assert conversation(no_top).system == "A"
+
+
+def test_output_config_format_makes_the_reply_follow_the_schema(alice, model):
+    """Anthropic's structured outputs (``output_config.format``) on the embedded model at temperature 1: every
+    reply's text parses and validates against the schema (the reference: the schema itself, checked here)."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                               "temp_c": {"type": "integer", "minimum": -40, "maximum": 50}},
+              "required": ["city", "temp_c"], "additionalProperties": False}
+    for seed in range(6):
+        message = alice.messages.create(model=model, max_tokens=60,  # temperature 1, the default
+                                        messages=[{"role": "user", "content": f"Weather report {seed} as JSON."}],
+                                        output_config={"format": {"type": "json_schema", "schema": schema}})
+        assert message.stop_reason == "end_turn", message
+        value = json.loads(message.content[0].text)
+        assert set(value) == {"city", "temp_c"} and len(value["city"]) <= 12 and -40 <= value["temp_c"] <= 50

@@ -480,8 +480,9 @@ def test_messages_variants(claude, model):
         send_beta({"context_management": {"edits": [A_EDITS[kind]]}})
     for kind in variants(anthropic.types.ToolChoiceParam):
         send({"tools": [A_TOOL], "tool_choice": {"type": kind, **({"name": "get_weather"} if kind == "tool" else {})}})
-    refused(send, {"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
-            "output_config.format")  # structured outputs: force a tool call instead
+    send({"output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}})  # structured outputs
+    refused(send, {"output_config": {"format": {"type": "json_schema", "schema": {"type": "no-such-type"}}}},
+            "output_config.format.schema")
 
 
 def test_messages_examples_cover_the_reference():
