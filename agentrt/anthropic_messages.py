@@ -40,7 +40,8 @@ from litestar.response import ServerSentEventMessage
 from msgspec import UNSET, UnsetType
 
 from agentrt.anthropic_errors import anthropic_error_body
-from agentrt.anthropic_types import (ClearToolUsesApplied, ClearToolUsesEdit, ContentBlock, ContentBlockDeltaEvent,
+from agentrt.anthropic_types import (ClearThinkingEdit, ClearToolUsesApplied, ClearToolUsesEdit, ContentBlock,
+                                     ContentBlockDeltaEvent,
                                      ContentBlockStartEvent, ContentBlockStopEvent, ContextManagementResponse,
                                      CountTokensContextManagement, CountTokensRequest, CountTokensResponse,
                                      DocumentBlockParam, ImageBlockParam, InputJSONDelta, InputTokens, Message,
@@ -54,6 +55,7 @@ from agentrt.anthropic_types import (ClearToolUsesApplied, ClearToolUsesEdit, Co
 from agentrt.chat import Message as ChainMessage
 from agentrt.chat import template_kwargs
 from agentrt.errors import ModelNotFound, bad_field
+from agentrt.clear_thinking import clear_thinking
 from agentrt.implicit_chains import ImplicitChains, Resolved, arguments_value, implicit_chains_of, turn_create
 from agentrt.reasoning import parser as reasoning_parser
 from agentrt.tool_call_stream import ToolCallStream
@@ -239,6 +241,13 @@ def _clear_tool_uses(req: MessagesRequest) -> ClearToolUsesEdit | None:
     edits = [(i, e) for i, e in enumerate(req.context_management.edits) if isinstance(e, ClearToolUsesEdit)]
     for i, edit in edits[1:]:
         raise bad_field(f"context_management.edits[{i}]", "give at most one clear_tool_uses_20250919 edit")
+    return edits[0][1] if edits else None
+
+
+def _clear_thinking_edit(req: MessagesRequest) -> ClearThinkingEdit | None:
+    edits = [(i, e) for i, e in enumerate(req.context_management.edits) if isinstance(e, ClearThinkingEdit)]
+    for i, _ in edits[1:]:
+        raise bad_field(f"context_management.edits[{i}]", "give at most one clear_thinking_20251015 edit")
     return edits[0][1] if edits else None
 
 
@@ -466,6 +475,11 @@ class MessagesService:
             if req.context_management is not None:
                 with template_kwargs(enable_thinking=enable_thinking(req.thinking)):
                     managed = await self._clear_tool_uses(tenant, resolved, edit, conv)
+                thinking_edit = _clear_thinking_edit(req)
+                if thinking_edit is not None:
+                    resolved.state, applied = await clear_thinking(self.chains, resolved.state, thinking_edit, tenant,
+                                                                   self._intervals)
+                    managed.applied_edits.append(applied)
             data = turn_create(conv.messages[resolved.offset:], sampling, conv.prefix, req.stream)
             with template_kwargs(enable_thinking=enable_thinking(req.thinking)):
                 turn = await self.chains.start_turn(resolved.chain_id, data, tenant=tenant)

@@ -173,9 +173,15 @@ class ClearToolUsesEdit(_Input, tag_field="type", tag="clear_tool_uses_20250919"
     clear_tool_inputs: bool | list[Annotated[str, Meta(min_length=1, max_length=256)]] | None = None
 
 
-class ClearThinkingEdit(_Refused, tag_field="type", tag="clear_thinking_20251015"):
-    """Accepted, no effect: a chain's thinking stays in its KV (a turn's reasoning is part of its generated
-    tokens)."""
+class ThinkingTurns(_Input, tag_field="type", tag="thinking_turns"):
+    value: Annotated[int, Meta(ge=0)]
+
+
+class ClearThinkingEdit(_Input, tag_field="type", tag="clear_thinking_20251015"):
+    """The think blocks of all but the last ``keep`` assistant turns that have one leave the chain's KV (a prune:
+    agentrt.clear_thinking); ``"all"`` keeps them; none: keep 1, as Anthropic's default."""
+
+    keep: ThinkingTurns | Literal["all"] | None = None
 
 
 class CompactEdit(_Input, tag_field="type", tag="compact_20260112"):
@@ -311,8 +317,13 @@ class ClearToolUsesApplied(Struct, kw_only=True, tag_field="type", tag="clear_to
     cleared_input_tokens: int
 
 
+class ClearThinkingApplied(Struct, kw_only=True, tag_field="type", tag="clear_thinking_20251015"):
+    cleared_thinking_turns: int
+    cleared_input_tokens: int
+
+
 class ContextManagementResponse(Struct, kw_only=True):
-    applied_edits: list[ClearToolUsesApplied]
+    applied_edits: list[ClearToolUsesApplied | ClearThinkingApplied]
 
 
 class Message(Struct, kw_only=True):

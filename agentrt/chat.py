@@ -3,7 +3,8 @@
 New messages are rendered with the model's chat template: the conversation is rendered before and after
 adding them, the old rendering must be a prefix of the new one (true of ChatML), and only the new suffix is
 tokenized and appended. A template that drops earlier replies' think blocks (Qwen3's) is matched against the
-log less those blocks (``agentrt.reasoning.ThinkLog``); the caller prunes them from the KV (``Appended.dropped``). Each message's share of that suffix becomes one region. Generated tokens are never
+log less those blocks (``agentrt.reasoning.ThinkLog``); the caller prunes them from the KV (``Appended.dropped``).
+Each message's share of that suffix becomes one region. Generated tokens are never
 re-tokenized: the previous assistant message is closed by appending what the template puts after its
 content (``<|im_end|>\\n``, minus a stop token the model already produced).
 

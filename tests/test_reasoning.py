@@ -566,3 +566,46 @@ def test_block_writer_gives_the_same_blocks_for_any_cut():
         writer.finish()
         assert _without_ids(writer.blocks) == _without_ids(whole), pieces
     assert BlockWriter(thinking=None).whole(text)[0].__struct_config__.tag == "text"  # no thinking model
+
+
+def test_anthropic_clear_thinking_prunes_the_blocks_of_earlier_turns(claude, model, tokens, http, tokenizer):
+    """``clear_thinking_20251015`` with ``keep: 1``: at each request the think blocks of every assistant turn but the
+    last that has one leave the chain's KV (prune events over exactly those blocks, found here in the chain's token
+    log), the report counts them as the re-sent history holds them, and the conversation still resumes; ``keep:
+    "all"`` prunes nothing."""
+    think = think_tokens(tokenizer)
+    edit = {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns", "value": 1}}]}
+    history, meta, reports, chain_id = [{"role": "user", "content": "Step 1"}], {"user_id": "clearer"}, [], None
+    for i in range(3):
+        raw = claude.beta.messages.with_raw_response.create(
+            model=model, max_tokens=len(tokens(GENERATED)), messages=history, metadata=meta,
+            betas=["context-management-2025-06-27"], context_management=edit,
+            extra_body={"agentrt_forced_token_ids": tokens(GENERATED), "temperature": 0})
+        message, headers = raw.parse(), raw.headers
+        chain_id = chain_id or headers["agentrt-chain-id"]
+        assert headers["agentrt-chain-id"] == chain_id
+        assert headers["agentrt-chain-resolution"] == ("created" if i == 0 else "resumed")
+        reports.append([(e.type, e.cleared_thinking_turns, e.cleared_input_tokens)
+                        for e in message.context_management.applied_edits])
+        history += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in message.content]},
+                    {"role": "user", "content": f"Step {i + 2}"}]
+    log = _chain(http, chain_id)["token_ids"]
+    opens = [i for i, t in enumerate(log) if t == think.open_id]
+    block = len(tokens(GENERATED.split("</think>")[0] + "</think>\n\n", end=False))
+    assert [tokenizer.decode(log[o:o + block]) for o in opens] == [GENERATED.split(ANSWER)[0]] * 3
+    events = _chain(http, chain_id)["prune_events"]  # the third request found two thinking turns: cleared one
+    assert [e["intervals"] for e in events] == [[[opens[0], opens[0] + block]]]
+    assert reports == [[("clear_thinking_20251015", 0, 0)], [("clear_thinking_20251015", 0, 0)],
+                       [("clear_thinking_20251015", 1, block)]]
+    later = claude.beta.messages.create(  # three thinking turns, the last kept: two cleared (turn 0's already)
+        model=model, max_tokens=2, messages=history, metadata=meta, betas=["context-management-2025-06-27"],
+        context_management=edit)
+    assert [(e.cleared_thinking_turns, e.cleared_input_tokens) for e in later.context_management.applied_edits] \
+        == [(2, 2 * block)]
+    assert [e["intervals"] for e in _chain(http, chain_id)["prune_events"]][1:] == [[[opens[1], opens[1] + block]]]
+    kept = claude.beta.messages.create(
+        model=model, max_tokens=2, messages=history, metadata=meta, betas=["context-management-2025-06-27"],
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]})
+    assert [(e.cleared_thinking_turns, e.cleared_input_tokens) for e in kept.context_management.applied_edits] \
+        == [(0, 0)]
+    assert len(_chain(http, chain_id)["prune_events"]) == 2  # nothing more; what was cleared stays cleared
