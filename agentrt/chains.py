@@ -347,7 +347,7 @@ class ChainService:
         appends only its new messages and the model attends as the template shows the conversation. Call
         holding the chain."""
         info = await self._chain_info(state.id)
-        if info is None:  # no KV here: the next turn computes the log (the blocks' prune events stay recorded)
+        if info is None:  # no KV here: the turn recomputes the whole log, blocks included (as any prune is lost)
             return state
         pruned = [(int(lo), int(hi)) for lo, hi in state.row.pruned_intervals or []]
         due = [(lo, min(hi, info.computed_tokens)) for lo, hi in spans
