@@ -126,10 +126,10 @@ def serve_local(config: ServerConfig, scale: ScaleOut, port: int, ray_address: s
         num_cpus = max(os.cpu_count() or 1, math.ceil(local_cpus(scale)))
     ray.init(address=ray_address, num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True)
     serve.start(http_options={"host": config.host, "port": port})
-    serve.run(build_application(config, scale), name=APP_NAME, route_prefix="/")
-    log.info("serving on http://%s:%d with %d engine replica(s), %d HTTP replica(s)", config.host, port,
-             scale.replicas, scale.http_replicas)
-    try:
+    try:  # an interrupt while Ray Serve still waits for every replica (the proxy already serves) stops cleanly too
+        serve.run(build_application(config, scale), name=APP_NAME, route_prefix="/")
+        log.info("serving on http://%s:%d with %d engine replica(s), %d HTTP replica(s)", config.host, port,
+                 scale.replicas, scale.http_replicas)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
