@@ -215,6 +215,9 @@ class ChainService:
             if key in self._method_chains and key not in self._retained:
                 await self._retain(key)  # not retained at start (the engine could not take it on then)
             params = self._sampling(data, state.row.tools)
+            if params.max_tokens != data.sampling.max_tokens:  # lowered (fit_max_tokens): recorded as it ran
+                data = msgspec.structs.replace(data, sampling=msgspec.structs.replace(data.sampling,
+                                                                                      max_tokens=params.max_tokens))
             messages = [message_dict(m) for m in data.messages]
             for m in messages:
                 if m["role"] == "tool" and m.get("name") is None:

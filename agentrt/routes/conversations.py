@@ -19,8 +19,12 @@ from agentrt.openapi import CREATES, REQUEST_EXAMPLES, openai_errors
 Tenant = NamedDependency[str]
 _UNKNOWN = "No conversation with this id for this tenant (another tenant's, deleted, or never made)"
 _ITEM = "No such conversation for this tenant, or no item with this id in it"
-# accepted, no effect: what OpenAI's `include` adds (logprobs, image urls, ...) this server does not keep
-Include = FromQuery[list[str] | None]
+# accepted, no effect: what OpenAI's `include` adds (logprobs, image urls, ...) this server does not keep; the
+# values are OpenAI's (another is a 400 naming `include`)
+Includable = Literal["file_search_call.results", "web_search_call.results", "web_search_call.action.sources",
+                     "message.input_image.image_url", "computer_call_output.output.image_url",
+                     "code_interpreter_call.outputs", "reasoning.encrypted_content", "message.output_text.logprobs"]
+Include = FromQuery[list[Includable] | None]
 _HELLO = {"type": "message", "role": "user", "content": "Hello!"}
 
 
