@@ -96,10 +96,11 @@ for step in "$@"; do
         ls -la "$OUT"/triton-cache.tgz 2>/dev/null || echo "no Triton cache saved" ;;
     tests)  # the kernel and engine tests on 8 workers (72 s on an H200, 2026-12-04); the backend tests are `backendtests`
         run tests 300 python -m pytest -v -n 8 --tb=short -rf --timeout 200 -p no:cacheprovider \
-            tests/test_triton_selection.py tests/test_quant_kernels.py tests/test_cluster_decode.py tests/test_moe_router.py \
-            tests/test_triton_kernels.py tests/test_decode_steps.py tests/test_asym_encode.py tests/test_fused_paths.py \
-            tests/test_decode_linear.py tests/test_fused_decode_linears.py tests/test_overlap_decode.py \
-            tests/test_mla_decode_kernel.py tests/test_mla_prefill_kernel.py tests/test_mla_backend.py ;;
+            tests/kernels/test_triton_selection.py tests/kernels/test_quant_kernels.py \
+            tests/kernels/test_cluster_decode.py tests/kernels/test_moe_router.py tests/kernels/test_triton_kernels.py \
+            tests/engine/test_decode_steps.py tests/kernels/test_asym_encode.py tests/kernels/test_fused_paths.py \
+            tests/kernels/test_decode_linear.py tests/engine/test_fused_decode_linears.py tests/engine/test_overlap_decode.py \
+            tests/kernels/test_mla_decode_kernel.py tests/kernels/test_mla_prefill_kernel.py tests/kernels/test_mla_backend.py ;;
     fused)  # the fused paths against the torch code they replace (KIVI encode, SnapKV vote, probe, RoPE+store)
         run fused 150 python -m benchmarks.fused_paths --json "$OUT/fused.json" ;;
     kernels)
@@ -153,7 +154,7 @@ for step in "$@"; do
     backendtests)  # every backend test in one process (on 8 workers, workers died while others JIT-built
         # flashinfer; one process got through half the file in 260 s with flashinfer's first build: most of a call)
         MAX_JOBS=${MAX_JOBS:-8} run backendtests 540 python -m pytest -v -p no:xdist --tb=short -rf --timeout 200 \
-            -p no:cacheprovider tests/test_gpu_backends.py ;;
+            -p no:cacheprovider tests/kernels/test_gpu_backends.py ;;
     moe)
         run moe 360 python -m benchmarks.throughput --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --json "$OUT/moe.json"

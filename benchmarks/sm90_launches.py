@@ -25,10 +25,11 @@ import subprocess
 import sys
 import tempfile
 
-DEFAULT_TESTS = ("tests/test_triton_kernels.py", "tests/test_triton_selection.py", "tests/test_quant_kernels.py",
-                 "tests/test_cluster_decode.py", "tests/test_palu.py", "tests/test_asym_encode.py",
-                 "tests/test_moe_router.py", "tests/test_decode_linear.py", "tests/test_mla_decode_kernel.py",
-                 "tests/test_mla_prefill_kernel.py", "tests/test_mla_backend.py")
+DEFAULT_TESTS = ("tests/kernels/test_triton_kernels.py", "tests/kernels/test_triton_selection.py",
+                 "tests/kernels/test_quant_kernels.py", "tests/kernels/test_cluster_decode.py",
+                 "tests/policies/test_palu.py", "tests/kernels/test_asym_encode.py", "tests/kernels/test_moe_router.py",
+                 "tests/kernels/test_decode_linear.py", "tests/kernels/test_mla_decode_kernel.py",
+                 "tests/kernels/test_mla_prefill_kernel.py", "tests/kernels/test_mla_backend.py")
 SM90_SHARED_BYTES = 232448  # an H100/H200 block's shared memory, opted in to the maximum
 SM90_REGISTERS = 65536  # registers per SM (and per block)
 _RECORD_ENV = "AGENTRT_RECORD_LAUNCHES"  # directory the recorder (loaded as a pytest plugin) writes into

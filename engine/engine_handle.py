@@ -3,7 +3,7 @@
 The server (agentrt) holds its engine as an ``EngineHandle`` and touches nothing else of it, so what the server
 depends on is written down in one place and an engine change that breaks it shows up as a type error, not as a
 missing attribute at run time. ``LLMEngine`` satisfies it structurally (it does not name it); the test
-tests/test_engine_handle.py keeps the two in step.
+tests/engine/test_engine_handle.py keeps the two in step.
 
 The methods run on the engine's worker thread (agentrt.engine_worker), or before that thread starts, and so do
 reads of ``pool`` and ``last_step``; the other attributes are fixed when the engine is built, and the event loop

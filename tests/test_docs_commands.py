@@ -36,19 +36,19 @@ FENCE = re.compile(r"^```(\w*)\s*$")
 NOT_RUN = {
     r"python3 -m venv": "the install line: CI runs it on a fresh machine (.ci/run)",
     "python -m pytest": "the test suite itself",
-    "createdb": "needs a PostgreSQL server; tests/test_postgres.py covers that setup",
-    "MSWEA_CONFIGURED=1 mini": "a model-driven agent; tests/test_mini_swe.py runs mini-swe-agent against a server",
+    "createdb": "needs a PostgreSQL server; tests/server/test_postgres.py covers that setup",
+    "MSWEA_CONFIGURED=1 mini": "a model-driven agent; tests/sdk/test_mini_swe.py runs mini-swe-agent against a server",
     r"PYTHONPATH=\$PWD python -m quality.eval --device cuda": "needs a GPU",
     "python -m quality.train": "trains for minutes; tests/test_quality.py trains a few steps",
     "python -m quality.eval": "evaluates for minutes; tests/test_quality.py runs the evaluation at a tiny size",
     "python -m benchmarks.sm90_launches": "compiles every kernel for sm_90a (minutes); its parser is checked",
     "agentrt eval": "evaluates for minutes; tests/test_quality.py runs the evaluation at a tiny size",
     "agentrt serve --method snapkv": "needs two ranks and PostgreSQL (its URL is elided)",
-    "agentrt serve --host 0.0.0.0": "binds every interface; the key flow runs in tests/test_auth.py",
+    "agentrt serve --host 0.0.0.0": "binds every interface; the key flow runs in tests/server/test_server_auth.py",
     "agentrt serve --db postgresql": "needs a PostgreSQL server",
     "agentrt keys create --tenant acme --db": "writes outside the test's folders",
     "curl -s localhost:8000/v1/chains -H": "needs the key of a server with auth on",
-    "agentrt serve --replicas": "starts Ray and serves until interrupted; tests/test_scaleout_cli.py runs it",
+    "agentrt serve --replicas": "starts Ray and serves until interrupted; tests/server/test_scaleout_cli.py runs it",
     "pip install 'agentrt\\[scaleout\\]'": "the test extra installs Ray Serve (.ci/run)",
 }
 # commands run as written (after the /tmp and port rewrites), by a regular expression matching their start
@@ -324,8 +324,9 @@ def test_adding_a_method_snippet_registers_a_method(tmp_path):
 
 # Python blocks that are not run (a document and a text the block holds), with the reason
 PYTHON_NOT_RUN = {
-    ("sdk.md", "DefaultAgent("): "a model-driven agent for up to 30 steps; tests/test_mini_swe.py runs the adapter",
-    ("server.md", "command.revision("): "writes a migration into the package; tests/test_migrations.py autogenerates",
+    ("sdk.md", "DefaultAgent("): "a model-driven agent for up to 30 steps; tests/sdk/test_mini_swe.py runs the adapter",
+    ("server.md", "command.revision("):
+        "writes a migration into the package; tests/server/test_migrations.py autogenerates",
 }
 
 

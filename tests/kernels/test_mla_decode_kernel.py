@@ -1,0 +1,241 @@
+"""The MLA paged decode kernel (``agentrt_kernels.triton.mla_decode``) against a dense torch computation: each
+request's latent rows gathered through its page table, softmax(q k^T * scale) in fp32, times the rows' first Dv
+channels. Runs compiled on a GPU, or in Triton's CPU interpreter (TRITON_INTERPRET=1) at tiny sizes."""
+
+import math
+import os
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from agentrt_kernels.triton.mla_decode import mla_num_splits, mla_paged_decode  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# (atol, rtol) for attention outputs of O(1) magnitude, as tests/kernels/test_triton_kernels.py's ATTN_TOL
+ATTN_TOL = {torch.float32: (2e-5, 1e-5), torch.float16: (3e-3, 3e-3), torch.bfloat16: (2.5e-2, 2e-2)}
+
+
+def _case(seed, dtype, batch_lens, hq, dk, page_size, extra_pages=3, pad_pages=0):
+    """q [B, Hq, Dk], latent [P, page_size, 1, Dk], block tables over shuffled pages (rows padded with other
+    valid page ids, which the kernel must not read past kv_len), kv_lens int32."""
+    g = torch.Generator().manual_seed(seed)
+    need = [math.ceil(max(n, 1) / page_size) for n in batch_lens]
+    num_pages = sum(need) + extra_pages
+    latent = torch.randn(num_pages, page_size, 1, dk, generator=g).to(dtype)
+    q = torch.randn(len(batch_lens), hq, dk, generator=g).to(dtype)
+    perm = torch.randperm(num_pages, generator=g)
+    max_pages = max(need) + pad_pages
+    bt = perm[torch.randint(0, num_pages, (len(batch_lens), max_pages), generator=g)]  # garbage padding
+    start = 0
+    for i, n in enumerate(need):
+        bt[i, :n] = perm[start:start + n]
+        start += n
+    kv_lens = torch.tensor(batch_lens, dtype=torch.int32)
+    return q.to(DEVICE), latent.to(DEVICE), bt.to(torch.int32).to(DEVICE), kv_lens.to(DEVICE)
+
+
+def _dense(q, latent, bt, kv_lens, scale, dv):
+    """[B, Hq, Dv] fp32: request b's rows gathered through bt, attended in fp32; a 0-length request gives 0."""
+    rows_all = latent.reshape(latent.shape[0], latent.shape[1], -1).float()
+    page_size = rows_all.shape[1]
+    out = torch.zeros(q.shape[0], q.shape[1], dv, dtype=torch.float32, device=q.device)
+    for b, n in enumerate(kv_lens.tolist()):
+        if n == 0:
+            continue
+        rows = rows_all[bt[b, : math.ceil(n / page_size)].long()].flatten(0, 1)[:n]  # [n, Dk]
+        probs = torch.softmax(q[b].float() @ rows.T * scale, dim=-1)
+        out[b] = probs @ rows[:, :dv]
+    return out
+
+
+def _close(got, want, dtype):
+    atol, rtol = ATTN_TOL[dtype]
+    torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
+
+
+CASES = [
+    # dtype, hq, dk, dv, page_size, num_splits, block_n: every dtype x page size x head count x split mode at a
+    # small latent (Dk 48 = 32 value channels + 16 rope channels) ...
+    (dtype, hq, 48, 32, page_size, num_splits, block_n)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    for page_size, block_n in ((16, 16), (64, None))
+    for hq in (16, 20)
+    for num_splits in (1, 3)
+] + [
+    # ... widths that are not powers of two (value part padded 40 -> 64, rope part 12 -> 16), no rope part,
+    # many heads (several head tiles), and the real DeepSeek-V3 / GLM-4.7-Flash latent (512 + 64)
+    (torch.float16, 20, 52, 40, 16, 2, 16),
+    (torch.bfloat16, 16, 40, 24, 64, 1, 32),
+    (torch.float32, 16, 32, 32, 16, 2, 16),
+    (torch.float16, 72, 48, 32, 16, 3, 16),
+    (torch.bfloat16, 20, 576, 512, 64, 2, None),
+    (torch.float16, 16, 576, 512, 16, 1, None),
+    (torch.float32, 20, 576, 512, 16, 3, 16),
+]
+
+
+@pytest.mark.parametrize("dtype,hq,dk,dv,page_size,num_splits,block_n", CASES)
+def test_mla_decode_matches_dense(dtype, hq, dk, dv, page_size, num_splits, block_n):
+    kv_lens = [1, 37, 150]  # 1, non-multiples of the page size, several pages, tiles and splits
+    q, latent, bt, lens = _case(zlib.crc32(f"{dtype}-{hq}-{dk}-{dv}-{page_size}".encode()), dtype, kv_lens, hq, dk,
+                                page_size, pad_pages=1)
+    scale = 192 ** -0.5  # DeepSeek's (qk_nope 128 + rope 64) ** -0.5
+    out = torch.full((len(kv_lens), hq, dv), float("nan"), dtype=dtype, device=DEVICE)
+    got = mla_paged_decode(q, latent, bt, lens, scale, dv, num_splits=num_splits, out=out, block_n=block_n)
+    assert got is out and got.shape == (len(kv_lens), hq, dv) and got.dtype == dtype
+    _close(got, _dense(q, latent, bt, lens, scale, dv), dtype)
+
+
+def test_three_dim_latent_strided_q_default_splits_and_empty_rows():
+    """latent given as [P, ps, Dk]; q a strided slice of a wider buffer; num_splits left to the default; a
+    kv_len 0 row (CUDA-graph padding) comes out as zeros."""
+    dtype, hq, dk, dv, page_size = torch.float16, 20, 48, 32, 16
+    kv_lens = [45, 0, 17]
+    q_wide, latent, bt, lens = _case(7, dtype, kv_lens, hq, dk + 16, page_size)
+    q = q_wide[..., :dk]
+    latent = latent[..., :dk].contiguous()[:, :, 0]
+    for splits in (None, 1, 5):
+        got = mla_paged_decode(q, latent, bt, lens, 0.2, dv, num_splits=splits, block_n=16)
+        assert torch.all(got[1] == 0)
+        _close(got, _dense(q, latent, bt, lens, 0.2, dv), dtype)
+
+
+def test_split_boundaries_and_mutations_matter():
+    """A request spanning many pages and all 4 splits matches the dense result, and the comparison is sharp:
+    a wrong scale, a context cut by one row, or a values slice shifted by one channel all miss it."""
+    dtype, hq, dk, dv, page_size = torch.float32, 16, 48, 32, 16
+    kv_lens = [200, 64]
+    q, latent, bt, lens = _case(11, dtype, kv_lens, hq, dk, page_size)
+    scale = dk ** -0.5
+    got = mla_paged_decode(q, latent, bt, lens, scale, dv, num_splits=4, block_n=16)
+    want = _dense(q, latent, bt, lens, scale, dv)
+    _close(got, want, dtype)
+    # splitting does not change the result beyond rounding
+    _close(mla_paged_decode(q, latent, bt, lens, scale, dv, num_splits=1, block_n=16), want, dtype)
+
+    def misses(other):
+        return (got.float() - other).abs().max().item() > 1e-3
+
+    assert misses(_dense(q, latent, bt, lens, scale * 1.1, dv))
+    assert misses(_dense(q, latent, bt, lens - 1, scale, dv))
+    shifted = _dense(q, torch.roll(latent, -1, dims=-1), bt, lens, scale, dv)  # values from channels 1..Dv
+    assert misses(shifted)
+    # and the kernel itself reacts to each input
+    cut = mla_paged_decode(q, latent, bt, lens - 1, scale, dv, num_splits=4, block_n=16)
+    _close(cut, _dense(q, latent, bt, lens - 1, scale, dv), dtype)
+    assert misses(cut.float())
+
+
+def test_a_grid_sized_for_long_contexts_serves_short_ones():
+    """As in a decode graph captured for the longest context: many splits with a minimum split length, most of
+    them empty for the short requests."""
+    dtype, hq, dk, dv, page_size = torch.bfloat16, 16, 48, 32, 16
+    kv_lens = [1, 40, 300]
+    q, latent, bt, lens = _case(3, dtype, kv_lens, hq, dk, page_size)
+    got = mla_paged_decode(q, latent, bt, lens, 0.15, dv, num_splits=16, block_n=16, min_split_tokens=64)
+    _close(got, _dense(q, latent, bt, lens, 0.15, dv), dtype)
+
+
+def test_mla_num_splits():
+    assert mla_num_splits(1024, 1, 4096, 132) == 1  # big batches already fill the GPU
+    assert mla_num_splits(1, 1, 32768, 132) == 64  # one long request: bounded by MAX_SPLITS
+    assert mla_num_splits(1, 4, 300, 132) == 1  # short contexts are not split below ~256 tokens a split
+    assert mla_num_splits(8, 1, 4096, 132) == 16  # 8 requests of 4096 rows: 16 splits of 256
+    assert mla_num_splits(32, 1, 8192, 132) == 16  # ~4 programs a SM
+
+
+def test_rejects_bad_shapes():
+    q, latent, bt, lens = _case(5, torch.float32, [5, 7], 16, 48, 16)
+    with pytest.raises(AssertionError):
+        mla_paged_decode(q, latent.expand(-1, -1, 2, -1), bt, lens, 0.1, 32)  # two KV heads
+    with pytest.raises(AssertionError):
+        mla_paged_decode(q, latent, bt, lens, 0.1, 64)  # value_dim > Dk
+    with pytest.raises(ValueError, match="kv_lens"):
+        mla_paged_decode(q, latent, bt, torch.stack([lens, lens], 1)[:, 0], 0.1, 32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_mla_decode_cuda_graph():
+    """Captured once, replayed with new q, page tables and kv lens written into the static inputs."""
+    dtype, hq, dk, dv, page_size, batch, max_pages = torch.bfloat16, 20, 576, 512, 64, 3, 6
+    q, latent, bt, lens = _case(21, dtype, [max_pages * page_size] * batch, hq, dk, page_size, extra_pages=8)
+    out = torch.empty(batch, hq, dv, dtype=dtype, device=DEVICE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mla_paged_decode(q, latent, bt, lens, 0.07, dv, out=out)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mla_paged_decode(q, latent, bt, lens, 0.07, dv, out=out)
+    for seed, kv_lens in ((1, [1, 100, 384]), (2, [383, 3, 64])):
+        q2, _, bt2, lens2 = _case(seed, dtype, [max_pages * page_size] * batch, hq, dk, page_size, extra_pages=8)
+        q.copy_(q2)
+        bt.copy_(bt2)
+        lens.copy_(torch.tensor(kv_lens, dtype=torch.int32))
+        graph.replay()
+        _close(out, _dense(q, latent, bt, lens, 0.07, dv), dtype)
+
+
+_SM90_SCRIPT = """
+import json, sys
+import torch
+import triton
+from benchmarks.kernel_resources import compile_sm90
+from agentrt_kernels.triton import mla_decode as m
+compile_options = {}
+triton_compile = triton.compile
+triton.compile = lambda src, target=None, options=None: triton_compile(src, target=target,
+                                                                      options={**options, **compile_options})
+rows = []
+for dtype, hq, splits in json.loads(sys.argv[1]):
+    tdtype = getattr(torch, dtype)
+    block_h = 16 if tdtype == torch.float32 else m.default_block_h(hq)
+    block_n, warps, stages, maxnreg = m._launch_defaults(block_h, 512, tdtype)
+    compile_options = {"maxnreg": maxnreg} if maxnreg and splits == 1 else {}
+    ty = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[dtype]
+    args = dict(q_ptr=ty, kv_ptr=ty, bt_ptr="*i32", lens_ptr="*i32", out_ptr=ty, mid_o_ptr="*fp32",
+                mid_lse_ptr="*fp32", scale_log2=0.1, num_heads=hq, stride_qb=hq * 576, stride_qh=576,
+                stride_kp=64 * 576, stride_ks=576, stride_btb=1037, stride_ob=hq * 512, stride_oh=512,
+                BLOCK_H=block_h, DV=512, BLOCK_DV=512, DK=576, BLOCK_DR=64, HAS_REST=True, PAGE_SIZE=64,
+                BLOCK_N=block_n, NUM_SPLITS=splits, MIN_SPLIT=0, UPCAST=False,
+                PRECISION="ieee" if dtype == "float32" else "tf32")
+    r = compile_sm90(m._mla_split_kernel, args, num_warps=warps, num_stages=stages)
+    rows.append(dict(dtype=dtype, hq=hq, splits=splits, block_h=block_h, **{k: r[k] for k in (
+        "registers", "spill_stores", "shared_bytes", "programs_per_sm", "LDGSTS")}))
+print(json.dumps(rows))
+"""
+
+
+def test_default_launches_compile_for_sm90_without_spills():
+    """The default tiles at the real latent (576 = 512 + 64, page 64) as compiled for an H100/H200 (no GPU
+    needed; Triton's bundled ptxas): no register spills, the latent tiles loaded through shared memory with
+    cp.async (LDGSTS), and for 16 / 32 head tiles two programs resident per SM (the one-split variant under a
+    128-register cap, which spills a few bytes outside the main loop). Compiled in a child process:
+    kernels imported under TRITON_INTERPRET=1 are interpreter objects that cannot be compiled."""
+    import json
+    import subprocess
+    import sys
+
+    import triton
+
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton's bundled ptxas is not installed")
+    cases = [("bfloat16", 16, 1), ("bfloat16", 16, 4), ("bfloat16", 20, 1), ("bfloat16", 20, 4), ("float16", 128, 2),
+             ("float32", 20, 2)]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, json.dumps(cases)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == len(cases)
+    for r in rows:
+        assert r["spill_stores"] <= 32 and r["LDGSTS"] > 0, r
+        assert r["programs_per_sm"] >= (2 if r["block_h"] <= 32 else 1), r

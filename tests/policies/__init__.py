@@ -1,0 +1,1 @@
+"""Sparse-attention methods, KV codecs and pruning scorers against references from their definitions."""

@@ -1,0 +1,1 @@
+"""The Python client (sdk): the client, the agent loop, adapters, examples."""
