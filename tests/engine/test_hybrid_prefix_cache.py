@@ -83,3 +83,21 @@ def test_a_batch_of_requests_sharing_a_prefix_equals_fresh_runs(model):
     engine = llm.engine
     assert all(engine.pool.ref_counts[p] == 0 for p in range(engine.pool.num_pages))  # published pages: free
     assert engine.cache.storage.free_states == engine.cache.spec.max_states
+
+
+def test_a_rewound_chain_resumes_from_its_last_checkpoint(model):
+    """A hybrid chain cannot be cut back (its state exists only at its end), so a rewind drops its table; its
+    published pages and checkpoints remain, and the next turn starts at the last checkpoint within the kept
+    history instead of recomputing it all."""
+    from tests.chain_helpers import run_chain_turn
+
+    llm, ref = _llm(model), _llm(model, enable_prefix_caching=False)
+    rng = random.Random(4)
+    first = random_tokens(rng, 50)  # chunks end at 16, 32, 48 (budget 18 on pages of 4): checkpoints there
+    run_chain_turn(llm.engine, "c", first, PARAMS)
+    llm.engine.rewind_chain("c", 40)
+    again = first[:40] + random_tokens(rng, 6)
+    out = run_chain_turn(llm.engine, "c", again, PARAMS)
+    assert out.num_cached_tokens == 32 and out.num_prefilled_tokens == len(again) - 32
+    expect = ref.generate([again], PARAMS)[0]
+    assert out.token_ids == expect.token_ids and out.logprobs == pytest.approx(expect.logprobs, abs=1e-5)
