@@ -512,8 +512,15 @@ class ChainService:
             raise bad_field("release", "release and prefetch exclude each other")
         if data.ttl_seconds is not None and data.clear_ttl:
             raise bad_field("clear_ttl", "ttl_seconds and clear_ttl exclude each other")
+        if data.release and data.pin:
+            raise bad_field("release", "a pinned chain is never released: leave one of pin and release out")
+        pinned_before = False
 
         def apply(e: EngineHandle) -> None:
+            nonlocal pinned_before
+            if data.release and data.pin is None and e.chain_info(chain_id).pinned:
+                pinned_before = True  # refused before any hint applies
+                return
             if data.pin is not None:
                 e.pin_chain(chain_id, data.pin)
             if data.priority is not None or data.ttl_seconds is not None or data.clear_ttl:
@@ -527,6 +534,8 @@ class ChainService:
             await self.worker.call(apply, chain=chain_id)
         except UnknownChainError:
             pass
+        if pinned_before:
+            raise bad_field("release", "the chain is pinned: unpin it (pin: false) to release it")
         return await self.read(chain_id, tenant=tenant)
 
     async def rewind(self, chain_id: str, data: RewindRequest, *, tenant: str) -> ChainRead:

@@ -75,6 +75,15 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA journal_mode=WAL")
     cursor.close()
+    dbapi_connection.isolation_level = None  # the driver emits no BEGIN of its own: ``_begin_immediate`` does
+
+
+def _begin_immediate(conn: Connection) -> None:
+    """Every transaction takes SQLite's write lock when it begins: a deferred one that read and then writes
+    while another connection has written meanwhile fails at once ("database is locked", no busy wait: WAL cannot
+    upgrade its stale snapshot), which replicas writing one file (chain leases read, then write) hit under load;
+    at BEGIN IMMEDIATE a writer waits up to the busy timeout instead."""
+    conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
 SQLITE_BUSY_TIMEOUT_S = 30.0
@@ -88,6 +97,7 @@ async def open_database(url: str) -> Database:
     engine = create_async_engine(url, **({"connect_args": {"timeout": SQLITE_BUSY_TIMEOUT_S}} if is_sqlite else {}))
     if engine.dialect.name == "sqlite":
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+        event.listen(engine.sync_engine, "begin", _begin_immediate)
     async with engine.begin() as conn:
         await conn.run_sync(upgrade)
     return Database(engine, async_sessionmaker(engine, expire_on_commit=False))

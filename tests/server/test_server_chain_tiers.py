@@ -69,8 +69,11 @@ def test_session_hints_through_the_chain_route(tmp_path):
         assert released.status_code == 200 and released.json()["kv"]["engine_status"] == "host"
         r = client.post(f"/v1/chains/{cid}/hints", json={"prefetch": True, "pin": True})
         assert r.json()["kv"]["engine_status"] == "idle" and r.json()["kv"]["pinned"] is True
-        refused = client.post(f"/v1/chains/{cid}/hints", json={"release": True})
-        assert refused.status_code == 422 and "pinned" in refused.text
+        refused = client.post(f"/v1/chains/{cid}/hints", json={"release": True, "priority": 5})
+        assert refused.status_code == 400 and "pinned" in refused.text and refused.json()["extra"][0]["key"] == "release"
+        assert client.get(f"/v1/chains/{cid}").json()["kv"]["engine_status"] == "idle"  # nothing applied
+        pin_and_release = client.post(f"/v1/chains/{cid}/hints", json={"release": True, "pin": True})
+        assert pin_and_release.status_code == 400 and pin_and_release.json()["extra"][0]["key"] == "release"
         both = client.post(f"/v1/chains/{cid}/hints", json={"release": True, "prefetch": True})
         assert both.status_code == 400 and "release" in both.text
         assert client.post(f"/v1/chains/{cid}/hints", json={"ttl_seconds": 0}).status_code == 400
