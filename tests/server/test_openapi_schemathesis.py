@@ -137,7 +137,6 @@ def test_server_matches_its_openapi_document(tmp_path):
             ("GET /v1/chains/{chain_id}", 200, "application/json"),
             ("DELETE /v1/chains/{chain_id}", 204, ""),
             ("POST /v1/chains", 401, "application/json"),
-            ("POST /v1/chains/{chain_id}/turns", 404, "application/json"),
             ("POST /v1/chains", 415, "application/json"),
             ("POST /v1/chat/completions", 400, "application/json"),
             ("POST /v1/completions", 200, "application/json"),
@@ -158,6 +157,10 @@ def test_server_matches_its_openapi_document(tmp_path):
             ("POST /v1/messages", 401, "application/json"),
             ("POST /v1/messages/count_tokens", 200, "application/json")]:
         assert run.answered(operation, status, media_type), (operation, status, media_type, run.statuses)
+    # a missing chain's 404 on a chain route: which route meets one first depends on the stateful phase's path,
+    # which follows the answers (a busy chain's 409, a slow turn), so it differs between a loaded and an idle machine
+    chain_routes = ("turns", "prune", "fork", "rewind", "hints")
+    assert any(run.answered(f"POST /v1/chains/{{chain_id}}/{route}", 404) for route in chain_routes), run.statuses
     print(f"schemathesis: {run.requests} requests, statuses "
           f"{dict(sorted(collections.Counter(k[1] for k in run.statuses.elements()).items()))}, "
           f"checks {dict(run.checks)}")
