@@ -31,7 +31,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 from litestar.datastructures import State
@@ -235,19 +235,16 @@ def check_tool_choice(choice: ToolChoice | None, tools: list[ToolParam] | None) 
     return True, {"tool_choice": "required", "parallel_tool_calls": not choice.disable_parallel_tool_use}
 
 
-def _clear_tool_uses(req: MessagesRequest) -> ClearToolUsesEdit | None:
+E = TypeVar("E", ClearToolUsesEdit, ClearThinkingEdit)
+
+
+def _edit(req: MessagesRequest, kind: type[E]) -> E | None:
+    """The request's ``context_management`` edit of ``kind`` (at most one of each: a 400 naming the second)."""
     if req.context_management is None:
         return None
-    edits = [(i, e) for i, e in enumerate(req.context_management.edits) if isinstance(e, ClearToolUsesEdit)]
-    for i, edit in edits[1:]:
-        raise bad_field(f"context_management.edits[{i}]", "give at most one clear_tool_uses_20250919 edit")
-    return edits[0][1] if edits else None
-
-
-def _clear_thinking_edit(req: MessagesRequest) -> ClearThinkingEdit | None:
-    edits = [(i, e) for i, e in enumerate(req.context_management.edits) if isinstance(e, ClearThinkingEdit)]
+    edits = [(i, e) for i, e in enumerate(req.context_management.edits) if isinstance(e, kind)]
     for i, _ in edits[1:]:
-        raise bad_field(f"context_management.edits[{i}]", "give at most one clear_thinking_20251015 edit")
+        raise bad_field(f"context_management.edits[{i}]", f"give at most one {kind.__struct_config__.tag} edit")
     return edits[0][1] if edits else None
 
 
@@ -465,7 +462,7 @@ class MessagesService:
         sampling = self._check(req)
         parse_calls, forced_calls = check_tool_choice(req.tool_choice, req.tools)
         sampling.update(forced_calls)
-        edit = _clear_tool_uses(req)
+        edit = _edit(req, ClearToolUsesEdit)
         renderer = self.chains.renderer.renderer
         conv = conversation(req, thinks=renderer.think is not None)
         session = req.metadata.user_id if req.metadata is not None else None
@@ -475,7 +472,7 @@ class MessagesService:
             if req.context_management is not None:
                 with template_kwargs(enable_thinking=enable_thinking(req.thinking)):
                     managed = await self._clear_tool_uses(tenant, resolved, edit, conv)
-                thinking_edit = _clear_thinking_edit(req)
+                thinking_edit = _edit(req, ClearThinkingEdit)
                 if thinking_edit is not None:
                     resolved.state, applied = await clear_thinking(self.chains, resolved.state, thinking_edit, tenant,
                                                                    self._intervals)
