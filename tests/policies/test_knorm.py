@@ -1,10 +1,7 @@
 """Knorm eviction against a reference written from its paper's definition.
 
-As in ``tests/policies/test_eviction_methods.py`` (whose dense replay this file reuses): a dense full-matrix
-forward replays the engine's schedule step by step under a per-(layer, KV head) visibility mask, records each row's
-q / k / attention probabilities, and applies the method's rule to them from its definition (python loops
-over heads and positions, not the policies' tensor code). Kept positions after every step, the greedy tokens,
-and the tokens of ``greedy_with_mask`` under the replayed mask must all agree with the engine.
+The reference is ``tests/policies/test_eviction_methods.py``'s dense replay (its module docstring says how) with
+the method's rule applied from its definition; kept positions, greedy tokens and masked greedy tokens must agree.
 """
 
 import pytest
