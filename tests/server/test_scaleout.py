@@ -222,8 +222,11 @@ def test_concurrent_turns_on_one_chain_through_both_http_replicas(ray_serve, tmp
             chain = (await c.get(f"/v1/chains/{cid}")).json()
             return codes, chain
     codes, chain = asyncio.run(main())
+    # A racer that starts after a round's winner finished also wins (gather does not make them simultaneous), so
+    # a round may have more than one 200; every 200 must be a turn of the chain's one history, every other a 409.
     for round_codes in codes:
-        assert round_codes.count(200) <= 1 and set(round_codes) <= {200, 409}, codes
+        assert round_codes.count(200) >= 1 and set(round_codes) <= {200, 409}, codes
+    assert sum(rc.count(409) for rc in codes) > 0, codes
     assert chain["num_turns"] == 1 + sum(rc.count(200) for rc in codes)
 
 
