@@ -16,6 +16,7 @@ code): they run Triton on every device, the interpreter on a CPU, and the caller
 from __future__ import annotations
 
 import importlib
+import itertools
 import sys
 from types import ModuleType
 
@@ -23,6 +24,7 @@ import torch
 
 from agentrt_kernels.torch_ref import activation as _activation_ref
 from agentrt_kernels.torch_ref import decode_logits as _decode_logits_ref
+from agentrt_kernels.torch_ref import gated_delta as _gated_delta_ref
 from agentrt_kernels.torch_ref import kv_store as _kv_store_ref
 from agentrt_kernels.torch_ref import moe as _moe_ref
 from agentrt_kernels.torch_ref import moe_router as _moe_router_ref
@@ -139,6 +141,46 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, to
     if uses_triton(x):
         return _kernels().fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
     return _moe_ref.fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids)
+
+
+def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        initial_states: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule (L2-normed q / k) over N sequences packed along the tokens, each from its own state:
+    q, k [T, Hk, Dk]; v [T, Hv, Dv]; g, beta [T, Hv]; initial_states [N, Hv, Dk, Dv]; ``lens`` the N lengths
+    (summing to T). Returns (out [T, Hv, Dv] in q.dtype, final states [N, Hv, Dk, Dv] fp32). On a GPU fla-core's
+    chunked kernel takes all N in one launch; elsewhere the reference runs each sequence."""
+    if _fla().available(q):
+        cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int64).to(q.device, non_blocking=True)
+        return _fla().chunk_varlen(q, k, v, g, beta, initial_states, cu)
+    out, finals, start = torch.empty_like(v), [], 0
+    for i, n in enumerate(lens):
+        end = start + n
+        out[start:end], final = _gated_delta_ref.chunk_gated_delta_rule(
+            q[start:end], k[start:end], v[start:end], g[start:end], beta[start:end], initial_states[i])
+        finals.append(final)
+        start = end
+    return out, torch.stack(finals)
+
+
+def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of each of B sequences: q, k [B, Hk, Dk]; v [B, Hv, Dv]; g, beta [B, Hv]; states
+    [B, Hv, Dk, Dv] -> (out [B, Hv, Dv] in q.dtype, new states fp32). fla-core's fused recurrent kernel on a
+    GPU; elsewhere the reference with the B sequences' heads stacked into one token's (heads are independent)."""
+    if _fla().available(q):
+        return _fla().recurrent_step(q, k, v, g, beta, states)
+    batch, nk, dk = k.shape
+    nv, dv = v.shape[1:]
+    out, new = _gated_delta_ref.recurrent_gated_delta_rule(
+        q.reshape(1, batch * nk, dk), k.reshape(1, batch * nk, dk), v.reshape(1, batch * nv, dv),
+        g.reshape(1, batch * nv), beta.reshape(1, batch * nv), states.reshape(batch * nv, dk, dv))
+    return out.view(batch, nv, dv), new.view(batch, nv, dk, dv)
+
+
+def _fla() -> ModuleType:
+    """``agentrt_kernels.fla_gated_delta``, imported on first use (as the Triton kernels are)."""
+    name = "agentrt_kernels.fla_gated_delta"
+    return sys.modules.get(name) or importlib.import_module(name)
 
 
 # --- methods ----------------------------------------------------------------------------------------------

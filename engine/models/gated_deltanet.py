@@ -50,12 +50,8 @@ from engine.parallel.layers import (
     check_divisible,
 )
 from engine.parallel.state import current_group
-from agentrt_kernels.torch_ref.gated_delta import (
-    causal_conv1d,
-    causal_conv1d_step,
-    chunk_gated_delta_rule,
-    recurrent_gated_delta_rule,
-)
+from agentrt_kernels.ops import gated_delta_decode, gated_delta_prefill
+from agentrt_kernels.torch_ref.gated_delta import causal_conv1d, causal_conv1d_step
 
 log = logging.getLogger(__name__)
 
@@ -226,17 +222,14 @@ class GatedDeltaNet(nn.Module):
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(num_tokens, nk, dk), k.view(num_tokens, nk, dk), v.view(num_tokens, nv, dv)
         core = hidden.new_empty(num_tokens, nv, dv)
-        if single:  # heads are independent: the requests' heads stacked into one token's
-            batch = len(single)
-            out, new = recurrent_gated_delta_rule(
-                q[rows].reshape(1, batch * nk, dk), k[rows].reshape(1, batch * nk, dk),
-                v[rows].reshape(1, batch * nv, dv), g[rows].reshape(1, batch * nv), beta[rows].reshape(1, batch * nv),
-                rec_in[idx].reshape(batch * nv, dk, dv))
-            core[rows] = out.view(batch, nv, dv)
-            rec_new[idx] = new.view(batch, nv, dk, dv)
-        for i in multi:
-            s, e = starts[i], starts[i + 1]
-            core[s:e], rec_new[i] = chunk_gated_delta_rule(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], rec_in[i])
+        if single:
+            core[rows], new = gated_delta_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], rec_in[idx])
+            rec_new[idx] = new
+        if multi:  # every longer segment in one call (one launch on a GPU), each from its request's state
+            seg = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in multi]).to(hidden.device)
+            many = torch.tensor(multi, dtype=torch.int64, device=hidden.device)
+            core[seg], rec_new[many] = gated_delta_prefill(q[seg], k[seg], v[seg], g[seg], beta[seg], rec_in[many],
+                                                           [lens[i] for i in multi])
         state.store(conv_new, rec_new.to(rec_in.dtype))
 
         out = self.norm(core, z.reshape(num_tokens, nv, dv)).reshape(num_tokens, self.value_dim)

@@ -1,0 +1,96 @@
+"""fla-core's gated delta rule kernels (the GPU path of ``agentrt_kernels.ops.gated_delta_prefill`` / ``_decode``)
+against the torch reference, and a hybrid model's engine on the GPU against the same engine on the CPU.
+
+GPU only: fla's kernels need a CUDA device even to autotune (the Triton interpreter cannot run them)."""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("fla-core's kernels need a CUDA device", allow_module_level=True)
+pytest.importorskip("fla")
+
+from agentrt_kernels import fla_gated_delta  # noqa: E402
+from agentrt_kernels.ops import gated_delta_decode, gated_delta_prefill  # noqa: E402
+from agentrt_kernels.torch_ref.gated_delta import chunk_gated_delta_rule, recurrent_gated_delta_rule  # noqa: E402
+
+CUDA = torch.device("cuda")
+# Qwen3-Next's ratio of value to key heads (2) at small sizes; Dk = Dv = 128 as in the released models
+HK, HV, DK, DV = 2, 4, 128, 128
+
+
+def inputs(num_tokens: int, batch: int, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(num_tokens, HK, DK, generator=g)
+    k = torch.randn(num_tokens, HK, DK, generator=g)
+    v = torch.randn(num_tokens, HV, DV, generator=g)
+    log_decay = -torch.rand(num_tokens, HV, generator=g) * 0.5  # g <= 0, as -exp(A_log) * softplus(.)
+    beta = torch.rand(num_tokens, HV, generator=g)
+    states = torch.randn(batch, HV, DK, DV, generator=g) * 0.1
+    return (q.to(CUDA, dtype), k.to(CUDA, dtype), v.to(CUDA, dtype), log_decay.to(CUDA), beta.to(CUDA, dtype),
+            states.to(CUDA))
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, rel: float) -> None:
+    err, scale = (got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
+    assert err <= rel * scale, f"max abs error {err} vs {rel} * {scale}"
+
+
+def test_the_gpu_path_is_fla():
+    x = torch.zeros(1, device=CUDA)
+    assert fla_gated_delta.available(x) and not fla_gated_delta.available(x.cpu())
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
+def test_packed_prefill_segments_each_from_its_state_equal_the_reference(dtype, rel):
+    lens = [3, 64, 130, 1, 257]  # under, at and across fla's 64-token chunks; a one-token segment
+    q, k, v, g, beta, states = inputs(sum(lens), len(lens), dtype, seed=0)
+    out, finals = gated_delta_prefill(q, k, v, g, beta, states, lens)
+    assert out.shape == v.shape and out.dtype == dtype and finals.shape == states.shape
+    assert finals.dtype == torch.float32
+    start = 0
+    for i, n in enumerate(lens):
+        ref, ref_state = chunk_gated_delta_rule(q[start:start + n].float(), k[start:start + n].float(),
+                                                v[start:start + n].float(), g[start:start + n],
+                                                beta[start:start + n].float(), states[i])
+        assert_close(out[start:start + n], ref, rel)
+        assert_close(finals[i], ref_state, rel)
+        start += n
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.float32, 2e-3), (torch.bfloat16, 2e-2)])
+def test_one_decode_token_per_sequence_equals_the_reference(dtype, rel):
+    batch = 7
+    q, k, v, g, beta, states = inputs(batch, batch, dtype, seed=1)
+    out, new = gated_delta_decode(q, k, v, g, beta, states)
+    for i in range(batch):
+        ref, ref_state = recurrent_gated_delta_rule(q[i:i + 1].float(), k[i:i + 1].float(), v[i:i + 1].float(),
+                                                    g[i:i + 1], beta[i:i + 1].float(), states[i])
+        assert_close(out[i], ref[0], rel)
+        assert_close(new[i], ref_state, rel)
+
+
+def test_a_hybrid_engine_on_the_gpu_gives_the_cpu_engines_tokens(tmp_path):
+    """Qwen3-Next tiny checkpoint, fp32: prompts of different lengths prefilled together in chunks (several
+    segments per fla launch), then decoded; greedy tokens and logprobs as the CPU engine's (torch reference)."""
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from engine.tiny_checkpoint import make_tiny_checkpoint
+
+    model = make_tiny_checkpoint(tmp_path / "qwen3_next", "qwen3_next", seed=13, hidden_size=128, num_heads=4,
+                                 num_kv_heads=2, intermediate_size=192, vocab_size=512, head_dim=32,
+                                 partial_rotary_factor=0.5, linear_key_head_dim=64, linear_value_head_dim=64,
+                                 max_position_embeddings=1024, initializer_range=0.1)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 500, (n,), generator=gen).tolist() for n in (7, 90, 200, 33)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True)
+    results = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(model, device=device, dtype="float32", max_num_batched_tokens=128, num_pages=64, page_size=16,
+                  enable_prefix_caching=False)
+        results[device] = llm.generate(prompts, params)
+        llm.close()
+    for cpu, gpu in zip(results["cpu"], results["cuda"]):
+        assert gpu.token_ids == cpu.token_ids
+        diff = max(abs(a - b) for a, b in zip(gpu.logprobs, cpu.logprobs))
+        assert diff < 1e-3, diff
