@@ -104,12 +104,20 @@ class LinearAttentionConfig:
     @property
     def conv_state_shape(self) -> tuple[int, int]:
         """One request's conv state: the last ``kernel - 1`` inputs of every channel (whole model, one rank)."""
-        return (self.conv_dim, self.linear_conv_kernel_dim - 1)
+        return self.rank_conv_state_shape(1)
 
     @property
     def recurrent_state_shape(self) -> tuple[int, int, int]:
         """One request's recurrent state: a ``[key_head_dim, value_head_dim]`` matrix per value head."""
-        return (self.linear_num_value_heads, self.linear_key_head_dim, self.linear_value_head_dim)
+        return self.rank_recurrent_state_shape(1)
+
+    def rank_conv_state_shape(self, world_size: int) -> tuple[int, int]:
+        """The conv state one of ``world_size`` tensor-parallel ranks holds: its key heads' q and k channels and
+        its value heads' v channels (each rank a key head's slice with its value heads)."""
+        return (self.conv_dim // world_size, self.linear_conv_kernel_dim - 1)
+
+    def rank_recurrent_state_shape(self, world_size: int) -> tuple[int, int, int]:
+        return (self.linear_num_value_heads // world_size, self.linear_key_head_dim, self.linear_value_head_dim)
 
     def is_linear(self, layer_idx: int) -> bool:
         return self.layer_types[layer_idx] == LINEAR_ATTENTION

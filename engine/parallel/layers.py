@@ -158,9 +158,6 @@ def check_model_shards(config, world_size: int) -> None:
         raise ConfigError(f"tensor_parallel_size must be a positive int, got {world_size!r}")
     if world_size == 1:
         return
-    if getattr(config, "linear", None) is not None:
-        raise ConfigError(f"tensor_parallel_size {world_size}: hybrid linear-attention models ({config.architecture}) "
-                          "run on one rank (their recurrent layers are not split yet)")
     latent = config.mla is not None  # every rank holds the one latent row whole, and a slice of the heads
     if world_size > config.num_kv_heads and not latent:
         raise ConfigError(f"tensor_parallel_size {world_size} exceeds the model's {config.num_kv_heads} KV heads "
@@ -169,6 +166,9 @@ def check_model_shards(config, world_size: int) -> None:
              ("the MLP intermediate size", config.intermediate_size)]
     if not latent:
         sizes.append(("the number of KV heads", config.num_kv_heads))
+    linear = getattr(config, "linear", None)
+    if linear is not None:  # each rank a slice of the DeltaNet's key heads, each with its value heads
+        sizes.append(("linear_num_key_heads", linear.linear_num_key_heads))
     if config.num_experts:
         sizes.append(("the expert intermediate size", config.moe_intermediate_size))
     if config.shared_expert_intermediate_size:

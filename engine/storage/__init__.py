@@ -48,15 +48,16 @@ def model_cache_spec(model_config, world_size: int, dtype: torch.dtype, device: 
                      page_size: int, max_running: int = 0, prefix_checkpoints: int = 0) -> CacheSpec:
     """What one token's KV looks like for a model (``engine.model_config.ModelConfig``) on one tensor-parallel
     rank: its KV heads' share of dense keys and values; for latent attention, the one latent row every rank
-    holds whole; for a hybrid model, dense KV of its full-attention layers plus a recurrent-state slot per
-    running request (``max_running`` of them) for its linear-attention layers, and ``prefix_checkpoints`` kept
+    holds whole; for a hybrid model, its share of the dense KV of its full-attention layers plus a state slot per
+    running request (``max_running`` of them) of its linear-attention heads, and ``prefix_checkpoints`` kept
     states for prefix reuse."""
     linear = getattr(model_config, "linear", None)
     if linear is not None:
-        return HybridCacheSpec(num_layers=model_config.kv_layers, num_kv_heads=model_config.num_kv_heads,
+        return HybridCacheSpec(num_layers=model_config.kv_layers, num_kv_heads=model_config.num_kv_heads // world_size,
                                head_dim=model_config.head_dim, dtype=dtype, device=device, page_size=page_size,
-                               linear_layers=model_config.linear_layers, conv_shape=linear.conv_state_shape,
-                               recurrent_shape=linear.recurrent_state_shape,
+                               linear_layers=model_config.linear_layers,
+                               conv_shape=linear.rank_conv_state_shape(world_size),
+                               recurrent_shape=linear.rank_recurrent_state_shape(world_size),
                                state_dtype=getattr(torch, linear.recurrent_dtype), max_states=max_running,
                                prefix_checkpoints=prefix_checkpoints)
     if model_config.mla is not None:

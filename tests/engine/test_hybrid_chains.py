@@ -105,11 +105,6 @@ def test_kvzip_and_the_probe_are_refused(tiny_dirs):
     assert engine.chain_info("c").compacted is False  # nothing changed
 
 
-def test_tensor_parallel_is_refused_before_any_process_starts(tiny_dirs):
-    with pytest.raises(ConfigError, match="hybrid linear-attention models"):
-        LLMEngine(EngineConfig(tiny_dirs["qwen3_next"], dtype="float32", device="cpu", tensor_parallel_size=2))
-
-
 def test_no_decode_graphs_are_captured_for_a_hybrid(tiny_dirs):
     import torch
 

@@ -234,3 +234,45 @@ def test_decode_windows_at_tp2_equal_single_steps_at_tp1(tiny_dirs):
     assert_gone(procs)
     assert_same_greedy(ref, got)
     assert max(windows) == 3
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_hybrid_tp2_equals_tp1_through_chunked_prefill_chain_turns_and_prefix_checkpoints(tiny_dirs, arch):
+    """Each rank holds a slice of the DeltaNet's key heads with their value heads (and half the attention
+    heads): its recurrent and conv states are that slice (asserted from rank 0's storage). Prompts in 16-token
+    chunks, a chain's second turn resuming the retained state (prefill = the new tokens), and a request that
+    starts from a prefix checkpoint give TP=1's tokens. Qwen3-Next loads the key-head-grouped projections,
+    Qwen3.5 the split ones."""
+    from engine.model_config import ModelConfig
+
+    lin = ModelConfig.from_dir(tiny_dirs[arch]).linear
+    def run(eng):
+        outs, resumed = generate(eng, PROMPTS)[0], []
+        for turn in range(2):  # the second turn: the first's history, its reply, then new tokens
+            prompt = PROMPTS[2] if turn == 0 else PROMPTS[2] + outs[-1][0] + [11, 12, 13, 14, 15]
+            rid = eng.add_request(prompt, GREEDY, chain_id="c")
+            while eng.has_unfinished():
+                for o in eng.step():
+                    if o.finished and o.request_id == rid:
+                        outs.append((o.token_ids, o.logprobs))
+                        resumed.append(o.num_resumed_tokens)
+        hit = eng.add_request(PROMPTS[1] + [9, 9, 9], GREEDY)  # PROMPTS[1]'s pages are cached with checkpoints
+        while eng.has_unfinished():
+            for o in eng.step():
+                if o.finished and o.request_id == hit:
+                    outs.append((o.token_ids, o.logprobs))
+                    resumed.append(o.num_cached_tokens)
+        return outs, resumed
+
+    ref, ref_resumed = run(engine(tiny_dirs[arch], 1))
+    with engine(tiny_dirs[arch], 2) as eng:
+        procs = worker_procs(eng)
+        spec = eng.cache.spec
+        assert spec.recurrent_shape == (lin.linear_num_value_heads // 2, lin.linear_key_head_dim,
+                                        lin.linear_value_head_dim)
+        assert spec.conv_shape[0] == lin.conv_dim // 2 and spec.num_kv_heads == 1
+        assert eng.cache.storage.recurrent.shape[-3:] == spec.recurrent_shape
+        got, resumed = run(eng)
+    assert_gone(procs)
+    assert resumed == ref_resumed and resumed[1] > 0 and resumed[2] > 0  # resumed turn; prefix from a checkpoint
+    assert_same_greedy(ref, got)
