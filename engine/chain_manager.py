@@ -23,6 +23,7 @@ from engine.contract.cache import CacheManager
 from engine.contract.scorer import ImportanceScorer, ScoreContext
 from engine.errors import InvalidRequestError, OutOfPagesError
 from engine.request import FinishReason, Request
+from engine.state_tree import flatten
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,8 @@ class ChainManager:
         for state in self.index.reclaim_order():
             if self.cache.pool.can_allocate(pages_needed):
                 break
-            entry = None if self.tiers is None else self.tiers.offload(state.chain_id, state.table, _info(state))
+            entry = None if self.tiers is None else self.tiers.offload(state.chain_id, state.table, _info(state),
+                                                                       state.method_state)
             self.cache.release_table(state.table)
             state.table, state.offloaded = None, entry
             if entry is None:
@@ -157,16 +159,16 @@ class ChainManager:
         """Write every idle chain's table to the disk tier (a server shutting down), so that the next process
         adopts them (``restore``) and their next turns load instead of recomputing; returns how many were
         written. Pinned chains are written too, and so are chains in the host tier; chains on disk already are
-        counted once their files are complete. Chains whose method keeps state of its own between turns are not
-        written (it is not saved)."""
+        counted once their files are complete. A chain's method state is written into its file (a method whose
+        state is not tensors, lists, dicts and scalars cannot be: such chains are not written)."""
         if self.tiers is None:
             return 0
         written = 0
         for state in self.index.states():
-            if not state.is_idle or state.method_state is not None:
+            if not state.is_idle or not _writable(state.method_state):
                 continue
             if state.table is not None:
-                entry = self.tiers.persist(state.chain_id, state.table, _info(state))
+                entry = self.tiers.persist(state.chain_id, state.table, _info(state), state.method_state)
                 if entry is not None:
                     self.cache.release_table(state.table)
                     state.table, state.offloaded = None, entry
@@ -237,6 +239,8 @@ class ChainManager:
             state.num_computed, state.method_state = 0, None
             return False
         state.table = table
+        if state.method_state is None:  # a chain adopted from a file: its method state came with its KV
+            state.method_state = entry.method_state
         return True
 
     # --- chain operations (idle chains only) ------------------------------------------------------
@@ -413,7 +417,8 @@ class ChainManager:
             return False
         if state.pinned:
             raise InvalidRequestError(f"chain {chain_id!r} is pinned: unpin it before releasing it")
-        entry = None if self.tiers is None else self.tiers.offload(chain_id, state.table, _info(state))
+        entry = None if self.tiers is None else self.tiers.offload(chain_id, state.table, _info(state),
+                                                                   state.method_state)
         self.cache.release_table(state.table)
         state.table, state.offloaded = None, entry
         if entry is None:
@@ -467,6 +472,15 @@ class ChainManager:
             status="busy" if not state.is_idle else ("idle" if state.table is not None else self._tier_of(state)),
             compacted=bool(compacted), pinned=state.pinned,
         )
+
+
+def _writable(method_state) -> bool:
+    """Whether a chain file can hold the method state (``engine.state_tree``)."""
+    try:
+        flatten(method_state)
+    except TypeError:
+        return False
+    return True
 
 
 def _info(state: ChainState) -> dict:

@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 
 from engine.contract.cache import CacheManager
 from engine.page_table import PageTable
+from engine.state_tree import flatten, unflatten
 
 log = logging.getLogger(__name__)
 HOST, DISK, DROPPED = "host", "disk", "dropped"
@@ -64,6 +65,13 @@ class OffloadedTable:
     info: dict[str, Any] | None = None  # what a restart needs to adopt the chain (tokens, method); see ``restore``
     writing: Future | None = None  # its file's write, while in flight (the host tensors are kept until it ends)
     cancelled: bool = False  # dropped or loaded while its file was being written: the file goes when written
+    # the chain's method state (``engine.state_tree``): skeleton (None: no state) and host tensors; after a load,
+    # ``method_state`` holds it again on the device. ``method_state_lost``: the method kept state no file can hold
+    # (a restart must not adopt the chain without it)
+    method_tree: Any = None
+    method_tensors: list[torch.Tensor] = field(default_factory=list)
+    method_state: Any = None
+    method_state_lost: bool = False
 
 
 @dataclass(slots=True)
@@ -99,17 +107,26 @@ class ChainTiers:
         self._writes: list[OffloadedTable] = []  # in flight, oldest first
 
     # --- down ---------------------------------------------------------------------------------------
-    def offload(self, chain_id: str, table: PageTable, info: dict[str, Any] | None = None) -> OffloadedTable | None:
+    def offload(self, chain_id: str, table: PageTable, info: dict[str, Any] | None = None,
+                method_state: Any = None) -> OffloadedTable | None:
         """Copy ``table`` (about to lose its pages) to the host tier, making room by moving older chains down;
         None when no tier can hold it (it is then recomputed later). ``info``: what a restart needs to adopt the
-        chain from its file (JSON-able)."""
+        chain from its file (JSON-able); ``method_state``: the chain's method state, written into its file."""
         self._reap()
         start = time.perf_counter()
         tensors = self.cache.storage.page_tensors()
         index = torch.tensor(table.pages, dtype=torch.int64, device=tensors[0][0].device)
         pages = [_host(t.index_select(dim, index)) for t, dim in tensors]
         state = [_host(x) for x in _state_tensors(table.state)]
-        nbytes = sum(p.numel() * p.element_size() for p in pages + state)
+        method_tree, method_tensors, lost = None, [], False
+        if method_state is not None:
+            try:
+                method_tree, method_tensors = flatten(method_state)
+                method_tensors = [_host(t) for t in method_tensors]
+            except TypeError as exc:
+                log.info("chain %s: %s; a restart recomputes it", chain_id, exc)
+                method_tree, method_tensors, lost = None, [], True
+        nbytes = sum(p.numel() * p.element_size() for p in pages + state + method_tensors)
         self.counters.seconds["offload"] += time.perf_counter() - start
         if not self._room(HOST, nbytes, chain_id):
             return None
@@ -117,7 +134,8 @@ class ChainTiers:
                                None if table.layer_lens is None else list(table.layer_lens),
                                None if table.kept_positions is None else [k.cpu() for k in table.kept_positions],
                                table.compacted_at, nbytes, pages=pages, state=state,
-                               state_type=None if table.state is None else type(table.state), info=info)
+                               state_type=None if table.state is None else type(table.state), info=info,
+                               method_tree=method_tree, method_tensors=method_tensors, method_state_lost=lost)
         self.entries[chain_id] = entry
         self.host_used += nbytes
         self.counters.offloaded_tokens += table.num_slots
@@ -152,9 +170,12 @@ class ChainTiers:
         tensors = {f"page{i}": p.contiguous() for i, p in enumerate(entry.pages)}
         tensors |= {f"state{i}": s.contiguous() for i, s in enumerate(entry.state)}
         tensors |= {f"kept{i}": k.contiguous() for i, k in enumerate(entry.kept_positions or [])}
+        tensors |= {f"mstate{i}": t.contiguous() for i, t in enumerate(entry.method_tensors)}
         state_type = None if entry.state_type is None else f"{entry.state_type.__module__}:{entry.state_type.__qualname__}"
         metadata = {"layout": json.dumps(_layout(entry)), "info": json.dumps(entry.info),
-                    "state_type": json.dumps(state_type), "nbytes": str(entry.nbytes)}
+                    "state_type": json.dumps(state_type), "nbytes": str(entry.nbytes),
+                    "method_state": json.dumps(entry.method_tree),
+                    "method_state_lost": json.dumps(entry.method_state_lost)}
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chain-tier-writer")
         self.host_used -= entry.nbytes
@@ -187,7 +208,7 @@ class ChainTiers:
                             entry.chain_id, error)
                 self.counters.failed_writes += 1
                 self.drop(entry)
-            entry.pages, entry.state = [], []
+            entry.pages, entry.state, entry.method_tensors = [], [], []
             if entry.kept_positions is not None:
                 entry.kept_positions = []  # read back from the file
 
@@ -212,7 +233,8 @@ class ChainTiers:
                 entry.cancelled = True  # ``_reap`` removes the file once written
             elif entry.path is not None:
                 entry.path.unlink(missing_ok=True)
-        entry.where, entry.pages, entry.state = DROPPED, [], []  # a write in flight holds its own references
+        # a write in flight holds its own references
+        entry.where, entry.pages, entry.state, entry.method_tensors = DROPPED, [], [], []
         if self.entries.get(entry.chain_id) is entry:
             del self.entries[entry.chain_id]
 
@@ -226,7 +248,7 @@ class ChainTiers:
         tier = entry.where
         start = time.perf_counter()
         try:
-            pages, state, kept = self._read(entry)
+            pages, state, kept, method_tensors = self._read(entry)
         except (OSError, SafetensorError, ValueError, KeyError) as exc:
             log.warning("chain %s: its offloaded KV could not be read (%s); recomputing it", entry.chain_id, exc)
             self.counters.failed_loads += 1
@@ -244,15 +266,18 @@ class ChainTiers:
                           kept_positions=None if kept is None else [k.to(self.cache.spec.device) for k in kept],
                           compacted_at=entry.compacted_at,
                           state=None if entry.state_type is None else entry.state_type(*state))
+        if entry.method_tree is not None:
+            entry.method_state = unflatten(entry.method_tree, method_tensors, self.cache.spec.device)
         self.counters.loads[tier] += 1
         self.counters.loaded_tokens[tier] += entry.num_slots
         self.counters.seconds[f"load_{tier}"] += time.perf_counter() - start
         self._forget(entry)
         return table
 
-    def _read(self, entry: OffloadedTable) -> tuple[list[torch.Tensor], list[torch.Tensor], list | None]:
+    def _read(self, entry: OffloadedTable) -> tuple[list[torch.Tensor], list[torch.Tensor], list | None,
+                                                    list[torch.Tensor]]:
         if entry.where == HOST or entry.writing is not None:  # its file is not written yet: the host copy
-            return entry.pages, entry.state, entry.kept_positions
+            return entry.pages, entry.state, entry.kept_positions, entry.method_tensors
         with safe_open(str(entry.path), framework="pt", device="cpu") as f:
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}
@@ -263,13 +288,16 @@ class ChainTiers:
         state = [tensors[f"state{i}"] for i in range(sum(1 for n in tensors if n.startswith("state")))]
         kept = None if entry.kept_positions is None else [
             tensors[f"kept{i}"] for i in range(sum(1 for n in tensors if n.startswith("kept")))]
-        return pages, state, kept
+        method_tensors = [tensors[f"mstate{i}"] for i in range(sum(1 for n in tensors if n.startswith("mstate")))]
+        return pages, state, kept, method_tensors
 
-    def persist(self, chain_id: str, table: PageTable, info: dict[str, Any]) -> OffloadedTable | None:
-        """Write ``table`` to the disk tier now (through the host tier), for a restart; None if it does not fit."""
+    def persist(self, chain_id: str, table: PageTable, info: dict[str, Any],
+                method_state: Any = None) -> OffloadedTable | None:
+        """Write ``table`` (and the chain's ``method_state``) to the disk tier now (through the host tier), for a
+        restart; None if it does not fit."""
         if self.disk_dir is None:
             return None
-        entry = self.offload(chain_id, table, info)
+        entry = self.offload(chain_id, table, info, method_state)
         if entry is not None and not self._spill(entry, wait=True):
             self.drop(entry)
             return None
@@ -325,17 +353,23 @@ class ChainTiers:
                 meta = f.metadata() or {}
             layout, info = json.loads(meta["layout"]), json.loads(meta.get("info", "null"))
             state_type = json.loads(meta.get("state_type", "null"))
+            method_tree = json.loads(meta.get("method_state", "null"))
+            lost = json.loads(meta.get("method_state_lost", "false"))
             nbytes = int(meta["nbytes"])
         except (OSError, SafetensorError, ValueError, KeyError) as exc:
             log.warning("chain file %s is unreadable (%s): removed", path.name, exc)
             path.unlink(missing_ok=True)
             return None
-        if info is None or not self._room(DISK, nbytes, layout["chain"]):
+        if lost:
+            log.info("chain file %s: its method's state could not be written; removed (recomputed when used)",
+                     path.name)
+        if info is None or lost or not self._room(DISK, nbytes, layout["chain"]):
             path.unlink(missing_ok=True)
             return None
         entry = OffloadedTable(layout["chain"], layout["pages"], layout["slots"], layout["layer_lens"],
                                None if layout["layer_lens"] is None else [], layout["compacted_at"], nbytes,
-                               where=DISK, path=path, info=info, state_type=_import(state_type))
+                               where=DISK, path=path, info=info, state_type=_import(state_type),
+                               method_tree=method_tree)
         self.entries[entry.chain_id] = entry
         self.disk_used += nbytes
         return entry

@@ -1,9 +1,10 @@
 """Shared helpers for chain tests: run one chain turn to completion, random token spans."""
 
 
-def run_chain_turn(engine, chain_id, prompt, params):
-    """Queue ``prompt`` as a turn of ``chain_id`` and step until it finishes; returns its final output."""
-    rid = engine.add_request(prompt, params, chain_id=chain_id)
+def run_chain_turn(engine, chain_id, prompt, params, **options):
+    """Queue ``prompt`` as a turn of ``chain_id`` (``options``: add_request's, e.g. a per-request method) and step
+    until it finishes; returns its final output."""
+    rid = engine.add_request(prompt, params, chain_id=chain_id, **options)
     final = None
     while engine.has_unfinished():
         for o in engine.step():

@@ -171,27 +171,59 @@ def test_under_pressure_the_scheduler_moves_chains_down_and_their_turns_load_the
 def test_a_restart_adopts_the_chains_written_at_shutdown_and_their_turns_load(tiny_dirs, tmp_path):
     """``persist_chains`` (a server's shutdown) writes the idle chains to the disk tier; an engine started on the
     same directory adopts them and their next turns load (only the new suffix is prefilled) with the tokens a
-    process that never stopped produces. A chain whose method keeps state between turns is not written."""
+    process that never stopped produces. Chains whose method keeps state between turns (H2O's accumulated
+    scores, SnapKV's stashed window queries) carry it in their files."""
     model_dir = tiny_dirs["qwen3"]
     tiers = dict(chain_host_bytes=64 * 2**20, chain_disk_dir=str(tmp_path), chain_disk_bytes=64 * 2**20)
+    methods = {"d": {}, "h2o": dict(method="h2o", method_config={"heavy_budget": 8, "recent_budget": 8}),
+               "snap": dict(method="snapkv", method_config={"budget": 16, "window": 4})}
     first, ref = engine(model_dir, 400, **tiers), engine(model_dir, 400)
-    hist, hist_ref = {"d": random_tokens(random.Random(10), 30)}, None
-    hist_ref = {"d": list(hist["d"])}
-    turns(first, hist, random.Random(11))
-    turns(ref, hist_ref, random.Random(11))
-    first.add_request(random_tokens(random.Random(12), 30), PARAMS, chain_id="h2o", method="h2o",
-                      method_config={"heavy_budget": 8, "recent_budget": 8})  # keeps scores between turns
-    while first.has_unfinished():
-        first.step()
-    assert first.persist_chains() == 1  # "d" only
-    assert len(list(tmp_path.glob("*.safetensors"))) == 1
+    hist = {c: random_tokens(random.Random(10 + i), 30) for i, c in enumerate(methods)}
+    hist_ref = {c: list(h) for c, h in hist.items()}
+    for c, options in methods.items():
+        for eng, h in ((first, hist), (ref, hist_ref)):
+            prompt = h[c] + random_tokens(random.Random(20), 12)
+            out = run_chain_turn(eng, c, prompt, PARAMS, **options)
+            h[c] = prompt + out.token_ids
+    assert first.chains.index.get("h2o").method_state is not None
+    assert first.persist_chains() == 3
+    assert len(list(tmp_path.glob("*.safetensors"))) == 3
     second = engine(model_dir, 400, **tiers)
-    assert "h2o" not in second.chains.index
-    assert second.chain_info("d").status == "disk" and second.chain_info("d").computed_tokens == len(hist["d"]) - 1
-    outs, outs_ref = turns(second, hist, random.Random(14)), turns(ref, hist_ref, random.Random(14))
-    assert outs["d"].resume_status == "loaded" and outs["d"].token_ids == outs_ref["d"].token_ids
-    assert outs["d"].num_prefilled_tokens == outs_ref["d"].num_prefilled_tokens
-    assert outs["d"].logprobs == outs_ref["d"].logprobs
+    for c in methods:
+        info = second.chain_info(c)
+        assert info.status == "disk" and info.computed_tokens == len(hist[c]) - 1
+    for c, options in methods.items():
+        outs = []
+        for eng, h in ((second, hist), (ref, hist_ref)):
+            prompt = h[c] + random_tokens(random.Random(30), 9)
+            outs.append(run_chain_turn(eng, c, prompt, PARAMS, **options))
+        got, want = outs
+        assert got.resume_status == "loaded" and want.resume_status == "resumed"
+        assert got.token_ids == want.token_ids and got.logprobs == want.logprobs, c
+        assert got.num_prefilled_tokens == want.num_prefilled_tokens
+
+
+def test_a_chain_whose_method_state_no_file_can_hold_is_not_adopted_after_a_restart(tiny_dirs, tmp_path,
+                                                                                       monkeypatch):
+    """A method state that is not tensors, lists, dicts and scalars cannot be written: the chain is not written
+    at shutdown, and a file spilled under pressure before is flagged and removed at the restart (adopting it
+    without its state would resume a different computation); it is recomputed."""
+    from policies.h2o import H2O
+
+    class Opaque:
+        pass
+
+    monkeypatch.setattr(H2O, "export_state", lambda self, req: Opaque())
+    model_dir = tiny_dirs["qwen3"]
+    tiers = dict(chain_host_bytes=64 * 2**20, chain_disk_dir=str(tmp_path), chain_disk_bytes=64 * 2**20)
+    first = engine(model_dir, 400, **tiers)
+    run_chain_turn(first, "h", random_tokens(random.Random(3), 30), PARAMS, method="h2o",
+                   method_config={"heavy_budget": 8, "recent_budget": 8})
+    assert first.persist_chains() == 0 and not list(tmp_path.glob("*.safetensors"))
+    assert first.release_chain("h") and first.chains.tiers.persist_entry(first.chains.index.get("h").offloaded)
+    assert len(list(tmp_path.glob("*.safetensors"))) == 1  # spilled, flagged
+    second = engine(model_dir, 400, **tiers)
+    assert "h" not in second.chains.index and not list(tmp_path.glob("*.safetensors"))
 
 
 def test_another_engine_adopts_a_handed_off_chain_replacing_its_older_copy(tiny_dirs, tmp_path):
