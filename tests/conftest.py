@@ -79,9 +79,18 @@ def tiny_dirs_hf_init(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_llms(tiny_dirs):
-    """A roomy engine on the tiny Qwen3 checkpoint (no chunking, no memory pressure) and its directory."""
+def make_llm(tiny_dirs):
+    """``make_llm(arch, **overrides)``: an LLM on ``arch``'s tiny checkpoint, in float32 on the CPU unless
+    ``overrides`` (any other LLM option: page size, pages, chunk, method, ...) say otherwise."""
     from engine import LLM
 
-    model_dir = tiny_dirs["qwen3"]
-    return LLM(model_dir, dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=4096), model_dir
+    def make(arch: str, **overrides):
+        return LLM(tiny_dirs[arch], **{"dtype": "float32", "device": "cpu", **overrides})
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llms(tiny_dirs, make_llm):
+    """A roomy engine on the tiny Qwen3 checkpoint (no chunking, no memory pressure) and its directory."""
+    return make_llm("qwen3", page_size=4, max_num_batched_tokens=4096), tiny_dirs["qwen3"]

@@ -1,7 +1,8 @@
-"""Shared pieces of the server tests: engine options, a reference engine loop, SSE parsing."""
+"""Shared pieces of the server tests: engine options, API keys, a reference engine loop, SSE parsing."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 ENGINE_OPTIONS = {"device": "cpu", "num_pages": 1024}
@@ -9,6 +10,26 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 TOOL_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def make_keys(db_url: str, *tenants: str) -> dict[str, str]:
+    """Keys created through the same service the CLI uses (``agentrt keys create``)."""
+    from agentrt.auth import KeyService
+    from agentrt.db import open_database
+
+    async def run() -> dict[str, str]:
+        db = await open_database(db_url)
+        try:
+            service = KeyService(db)
+            return {t: (await service.create(t)).key for t in tenants}
+        finally:
+            await db.dispose()
+
+    return asyncio.run(run())
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
 
 
 def make_engine(model_dir):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.chain_index import ChainBusyError, UnknownChainError
 from engine.errors import InvalidRequestError
 from tests.chain_helpers import random_tokens, run_chain_turn
@@ -17,13 +17,13 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def references(tiny_dirs):
+def references(make_llm):
     """A fresh engine per architecture (made on first use): prompt -> its greedy tokens."""
     engines = {}
 
     def reference_of(arch):
         if arch not in engines:
-            engines[arch] = LLM(tiny_dirs[arch], dtype="float32", device="cpu", enable_prefix_caching=False)
+            engines[arch] = make_llm(arch, enable_prefix_caching=False)
         return lambda prompt: engines[arch].generate([prompt], PARAMS)[0].token_ids
     return reference_of
 
@@ -38,9 +38,9 @@ def turn(engine, chain_id, prompt):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "deepseek_v3"])
-def test_each_turn_prefills_only_its_new_tokens_and_matches_a_fresh_run(tiny_dirs, references, arch):
+def test_each_turn_prefills_only_its_new_tokens_and_matches_a_fresh_run(make_llm, references, arch):
     reference = references(arch)
-    llm = LLM(tiny_dirs[arch], dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=16)
+    llm = make_llm(arch, page_size=PAGE, max_num_batched_tokens=16)
     engine, rng = llm.engine, random.Random(0)
     history = random_tokens(rng, 30)  # system prompt
     for i in range(7):
@@ -63,9 +63,8 @@ def test_each_turn_prefills_only_its_new_tokens_and_matches_a_fresh_run(tiny_dir
     assert engine.pool.num_free == engine.pool.num_pages
 
 
-def test_more_chains_than_memory_reclaims_lru_and_recomputes(tiny_dirs, reference):
-    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE, num_pages=40,
-              max_num_batched_tokens=32)
+def test_more_chains_than_memory_reclaims_lru_and_recomputes(make_llm, reference):
+    llm = make_llm("qwen3", page_size=PAGE, num_pages=40, max_num_batched_tokens=32)
     engine, rng = llm.engine, random.Random(1)
     histories = {f"c{i}": random_tokens(rng, 20) for i in range(6)}
     statuses = []
@@ -86,9 +85,8 @@ def test_more_chains_than_memory_reclaims_lru_and_recomputes(tiny_dirs, referenc
     assert engine.pool.num_free == engine.pool.num_pages
 
 
-def test_concurrent_chain_turns_batch_together_under_pressure(tiny_dirs, reference):
-    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE, num_pages=30,
-              max_num_batched_tokens=24)
+def test_concurrent_chain_turns_batch_together_under_pressure(make_llm, reference):
+    llm = make_llm("qwen3", page_size=PAGE, num_pages=30, max_num_batched_tokens=24)
     engine, rng = llm.engine, random.Random(2)
     histories = {f"c{i}": random_tokens(rng, 15) for i in range(4)}
     for _ in range(3):
@@ -105,9 +103,9 @@ def test_concurrent_chain_turns_batch_together_under_pressure(tiny_dirs, referen
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "glm4_moe_lite"])
-def test_fork_and_rewind_equal_building_the_history_from_scratch(tiny_dirs, references, arch):
+def test_fork_and_rewind_equal_building_the_history_from_scratch(make_llm, references, arch):
     reference = references(arch)
-    llm = LLM(tiny_dirs[arch], dtype="float32", device="cpu", page_size=PAGE)
+    llm = make_llm(arch, page_size=PAGE)
     engine, rng = llm.engine, random.Random(3)
     p1 = random_tokens(rng, 22)
     h = p1 + turn(engine, "a", p1).token_ids
@@ -133,8 +131,8 @@ def test_fork_and_rewind_equal_building_the_history_from_scratch(tiny_dirs, refe
     assert engine.pool.num_free == engine.pool.num_pages
 
 
-def test_a_diverging_turn_resumes_from_the_common_prefix(tiny_dirs, reference):
-    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE)
+def test_a_diverging_turn_resumes_from_the_common_prefix(make_llm, reference):
+    llm = make_llm("qwen3", page_size=PAGE)
     engine, rng = llm.engine, random.Random(4)
     p1 = random_tokens(rng, 25)
     turn(engine, "d", p1)
@@ -144,8 +142,8 @@ def test_a_diverging_turn_resumes_from_the_common_prefix(tiny_dirs, reference):
     assert out.resume_status == "resumed" and out.num_resumed_tokens == 13
 
 
-def test_busy_chain_and_abort_leave_the_chain_as_it_was(tiny_dirs, reference):
-    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE)
+def test_busy_chain_and_abort_leave_the_chain_as_it_was(make_llm, reference):
+    llm = make_llm("qwen3", page_size=PAGE)
     engine, rng = llm.engine, random.Random(5)
     p1 = random_tokens(rng, 18)
     h = p1 + turn(engine, "e", p1).token_ids

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.contract import Family, SparseMethod
 from engine.contract.method import DecodeCapabilities
 from engine.registry import register_method
@@ -62,9 +62,9 @@ def mask_from_kept(kept: list[torch.Tensor], prompt_len: int):
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_compacted_requests_decode_like_the_masked_dense_reference(arch, tiny_dirs):
-    llm = LLM(tiny_dirs[arch], dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=16,
-              method="test-keep-random", method_config={"budgets": (6, 9)})
+def test_compacted_requests_decode_like_the_masked_dense_reference(arch, make_llm):
+    llm = make_llm(arch, page_size=PAGE, max_num_batched_tokens=16, method="test-keep-random",
+                   method_config={"budgets": (6, 9)})
     prompts = [list(range(10, 40)), list(range(50, 63)), [7] * 21 + list(range(100, 120))]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     KeepRandom.kept = {}
@@ -78,15 +78,13 @@ def test_compacted_requests_decode_like_the_masked_dense_reference(arch, tiny_di
     assert all(r == 0 for r in llm.engine.pool.ref_counts)
 
 
-def test_compaction_never_overwrites_pages_shared_through_the_prefix_cache(tiny_dirs):
-    model_dir = tiny_dirs["qwen3"]
+def test_compaction_never_overwrites_pages_shared_through_the_prefix_cache(make_llm):
     prompt = list(range(10, 42))
-    dense = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE)
+    dense = make_llm("qwen3", page_size=PAGE)
     long_params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     short_params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 
-    llm = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE, method="test-keep-random",
-              method_config={"min_prompt": 40})
+    llm = make_llm("qwen3", page_size=PAGE, method="test-keep-random", method_config={"min_prompt": 40})
     engine, pool = llm.engine, llm.engine.pool
     a = engine.add_request(prompt, long_params)  # stays dense, holds the published prompt pages
     engine.step()

@@ -15,8 +15,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_dirs):
-    return LLM(tiny_dirs["llama"], dtype="float32", device="cpu", max_model_len=512, num_pages=24)
+def llm(make_llm):
+    return make_llm("llama", max_model_len=512, num_pages=24)
 
 
 def run_to_end(engine: LLMEngine) -> dict[str, list]:
@@ -168,11 +168,10 @@ def test_forced_decoding_emits_the_given_tokens_with_the_model_logprobs(llm, tin
         SamplingParams(forced_token_ids=[-1])
 
 
-def test_cached_page_rows_follow_the_tables_as_they_grow(tiny_dirs):
+def test_cached_page_rows_follow_the_tables_as_they_grow(make_llm):
     """The int32 page row a table caches for building block tables is extended, not rebuilt, when decode steps
     allocate pages; after every step it equals the table's page list (prefix hits and a fork included)."""
-    engine = LLM(tiny_dirs["llama"], dtype="float32", device="cpu", page_size=4, max_num_batched_tokens=32,
-                 num_pages=128).engine
+    engine = make_llm("llama", page_size=4, max_num_batched_tokens=32, num_pages=128).engine
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     base = list(range(10, 40))
     for prompt in (base, base + [7, 8, 9], list(range(50, 61))):

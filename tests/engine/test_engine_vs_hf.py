@@ -39,9 +39,9 @@ def assert_all_pages_free(llm: LLM) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_chunked_prefill_with_prefix_hits_matches_hf(arch, tiny_dirs):
+def test_chunked_prefill_with_prefix_hits_matches_hf(arch, tiny_dirs, make_llm):
     model_dir = tiny_dirs[arch]
-    llm = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE, max_num_batched_tokens=32)
+    llm = make_llm(arch, page_size=PAGE, max_num_batched_tokens=32)
     system, prompts = make_prompts(llm.engine.model_config.vocab_size, seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
     llm.generate([system + [5]], params)  # warm the prefix cache with the shared system prompt
@@ -63,10 +63,9 @@ def test_chunked_prefill_with_prefix_hits_matches_hf(arch, tiny_dirs):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_preemption_under_tiny_page_budget_matches_hf(arch, tiny_dirs):
+def test_preemption_under_tiny_page_budget_matches_hf(arch, tiny_dirs, make_llm):
     model_dir = tiny_dirs[arch]
-    llm = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE, num_pages=24,
-              max_num_batched_tokens=64, enable_prefix_caching=False)
+    llm = make_llm(arch, page_size=PAGE, num_pages=24, max_num_batched_tokens=64, enable_prefix_caching=False)
     _, prompts = make_prompts(llm.engine.model_config.vocab_size, seed=11)
     prompts = [p for p in prompts if len(p) < 200]
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
@@ -77,9 +76,8 @@ def test_preemption_under_tiny_page_budget_matches_hf(arch, tiny_dirs):
     assert llm.engine.pool.num_free == llm.engine.pool.num_pages
 
 
-def test_second_run_reuses_every_full_prompt_page(tiny_dirs):
-    model_dir = tiny_dirs["qwen3"]
-    llm = LLM(model_dir, dtype="float32", device="cpu", page_size=PAGE, num_pages=40, max_num_batched_tokens=64)
+def test_second_run_reuses_every_full_prompt_page(make_llm):
+    llm = make_llm("qwen3", page_size=PAGE, num_pages=40, max_num_batched_tokens=64)
     system, prompts = make_prompts(llm.engine.model_config.vocab_size, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
     shared = [p for p in prompts if p[:40] == system and len(p) < 300]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.contract import KVStorage, SparseMethod
 from engine.paged_cache import PagedCacheManager
 from engine.registry import METHODS, create_method
@@ -78,9 +78,8 @@ def prompts(vocab: int, seed: int) -> tuple[list[int], list[list[int]]]:
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
-def test_a_storage_of_its_own_matches_hf_with_prefix_hits(arch, tiny_dirs):
-    llm = LLM(tiny_dirs[arch], dtype="float32", device="cpu", page_size=8, max_num_batched_tokens=32,
-              method="test_separate_kv_dense")
+def test_a_storage_of_its_own_matches_hf_with_prefix_hits(arch, tiny_dirs, make_llm):
+    llm = make_llm(arch, page_size=8, max_num_batched_tokens=32, method="test_separate_kv_dense")
     system, ps = prompts(llm.engine.model_config.vocab_size, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8)
     llm.generate([system + [5]], params)  # publish the shared system prompt's pages
@@ -98,10 +97,9 @@ def test_a_storage_of_its_own_matches_hf_with_prefix_hits(arch, tiny_dirs):
     ("test_separate_kv_snapkv", "snapkv", {"budget": 24, "window": 8}),
 ])
 def test_a_storage_of_its_own_gives_the_builtin_outputs_with_chains_forks_and_compaction(method, builtin, config,
-                                                                                         tiny_dirs):
+                                                                                         make_llm):
     def run(name):
-        llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=8, max_num_batched_tokens=32,
-                  method=name, method_config=config)
+        llm = make_llm("qwen3", page_size=8, max_num_batched_tokens=32, method=name, method_config=config)
         ps = prompts(llm.engine.model_config.vocab_size, seed=5)[1]
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
         outs = [o.token_ids for o in llm.generate(ps, params)]

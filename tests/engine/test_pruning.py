@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import policies.knorm  # noqa: F401  (registers "knorm")
-from engine import LLM, SamplingParams
+from engine import SamplingParams
 from engine.errors import ConfigError, InvalidRequestError
 from tests.chain_helpers import run_chain_turn
 from tests.dense_reference import causal, greedy_with_mask
@@ -40,9 +40,9 @@ def pruned_visibility(kept, boundary):
     ("qwen3", "knorm", 0.2, None), ("qwen3", None, 0.0, None), ("qwen3", "knorm", 0.0, 13), ("qwen3", None, 0.0, 0),
     ("glm4_moe_lite", "knorm", 0.2, None), ("deepseek_v3", "knorm", 0.0, 13),
 ])
-def test_pruning_frees_exact_pages_and_the_next_turn_resumes_without_the_pruned_kv(tiny_dirs, arch, scorer,
+def test_pruning_frees_exact_pages_and_the_next_turn_resumes_without_the_pruned_kv(make_llm, arch, scorer,
                                                                                   keep_ratio, keep_tokens):
-    llm = LLM(tiny_dirs[arch], dtype="float32", device="cpu", page_size=PAGE)
+    llm = make_llm(arch, page_size=PAGE)
     engine, rng = llm.engine, random.Random(0)
     system, tool, user = ([rng.randrange(3, 500) for _ in range(n)] for n in (20, 40, 6))
     prompt = system + tool + user
@@ -75,11 +75,11 @@ def test_pruning_frees_exact_pages_and_the_next_turn_resumes_without_the_pruned_
     assert engine.pool.num_free == engine.pool.num_pages
 
 
-def test_keep_tokens_keeps_what_the_equal_keep_ratio_keeps(tiny_dirs):
+def test_keep_tokens_keeps_what_the_equal_keep_ratio_keeps(make_llm):
     """keep_tokens = k over an interval of n keeps the same slots as keep_ratio = k / n (one scorer ranking)."""
     kept = []
     for kw in ({"keep_ratio": 0.25}, {"keep_tokens": 10}):
-        llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE)
+        llm = make_llm("qwen3", page_size=PAGE)
         engine, rng = llm.engine, random.Random(5)
         prompt = [rng.randrange(3, 500) for _ in range(70)]
         turn(engine, "c", prompt)
@@ -89,8 +89,8 @@ def test_keep_tokens_keeps_what_the_equal_keep_ratio_keeps(tiny_dirs):
         assert torch.equal(a, b)
 
 
-def test_prune_rejects_bad_input_and_leaves_the_chain_unchanged(tiny_dirs):
-    llm = LLM(tiny_dirs["qwen3"], dtype="float32", device="cpu", page_size=PAGE)
+def test_prune_rejects_bad_input_and_leaves_the_chain_unchanged(make_llm):
+    llm = make_llm("qwen3", page_size=PAGE)
     engine = llm.engine
     prompt = list(range(10, 40))
     turn(engine, "c", prompt)

@@ -9,7 +9,7 @@ decode windows, serial and overlapped.
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, SamplingParams
 from engine.errors import InvalidSamplingParamsError
 from engine.sampler import Sampler, make_generator
 from tests.hf_reference import hf_model
@@ -118,8 +118,8 @@ def test_sampler_without_top_logprobs_returns_none():
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_dirs):
-    return LLM(tiny_dirs["llama"], dtype="float32", device="cpu", max_model_len=512, num_pages=48)
+def llm(make_llm):
+    return make_llm("llama", max_model_len=512, num_pages=48)
 
 
 def hf_log_softmax(model_dir, prompt_ids, output_ids):

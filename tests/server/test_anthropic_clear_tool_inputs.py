@@ -1,5 +1,6 @@
 """``clear_tool_inputs`` of Anthropic's ``clear_tool_uses_20250919`` context edit, through the official ``anthropic``
-package against a real uvicorn (the fixtures of tests/server/test_anthropic_messages.py: auth on, the embedded model).
+package against a real uvicorn (tests/tenant_servers.py's fixtures with tests/server/test_anthropic_messages.py's
+clients: auth on, the embedded model).
 
 A conversation of forced tool calls (``agentrt_forced_token_ids``: the model emits exactly the markup) of three
 tools; the edit runs on every request, as a client sends it. References, independent of the server's own
@@ -17,8 +18,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.tiny_checkpoint import embedded_model_dir
-from tests.server.test_anthropic_messages import (END, GREEDY, SEARCH, WEATHER, _chain, _returned, alice,  # noqa: F401
-                                                  db_url, http, keys, model, server, tokens)
+from tests.server.test_anthropic_messages import (END, GREEDY, SEARCH, WEATHER, _chain, _returned,  # noqa: F401
+                                                  alice, model)
+from tests.tenant_servers import db_url, http, keys, server, tokens  # noqa: F401 (fixtures)
 
 LOOKUP = {"name": "lookup", "description": "Look a record up",
           "input_schema": {"type": "object", "properties": {"id": {"type": "string"}}}}

@@ -24,21 +24,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import validate
-from transformers import AutoTokenizer
 
 from agentrt.anthropic_messages import BlockWriter, MessagesService, Pending
 from agentrt.anthropic_types import TextBlock, ToolUseBlock
-from agentrt.app import create_app
 from agentrt.chat import parse_tool_calls, strip_tool_calls
-from agentrt.config import ServerConfig
 from agentrt.engine_worker import EngineUnavailable
 from agentrt.implicit_chains import Resolved
-from agentrt.local_server import LocalServer
-from engine.tiny_checkpoint import embedded_model_dir
 from sdk.schema import TurnDelta
 from tests.live_servers import app_server
-from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, sse_events
-from tests.server.test_server_auth import bearer, make_keys
+from tests.server_helpers import TOOL_CALL, bearer, sse_events
+from tests.tenant_servers import db_url, http, keys, server, tokens  # noqa: F401 (fixtures)
 
 WEATHER = {"name": "get_weather", "description": "Current weather for a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -135,23 +130,7 @@ def _encode(message) -> bytes:
     return f"event: {message.event}\ndata: {message.data}\n\n".encode()
 
 
-# --- the server -----------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def db_url(tmp_path_factory):
-    return f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'anthropic.db'}"
-
-
-@pytest.fixture(scope="module")
-def keys(db_url):
-    return make_keys(db_url, "alice", "bob")
-
-
-@pytest.fixture(scope="module")
-def server(db_url, keys):
-    with app_server(db_url, require_auth=True) as s:
-        yield s
-
-
+# --- the server (tests.tenant_servers), its tenants on the anthropic client ----------------------------------
 @pytest.fixture(scope="module")
 def alice(server, keys):
     return anthropic.Anthropic(base_url=server.url, api_key=keys["alice"], max_retries=0)
@@ -163,20 +142,8 @@ def bob(server, keys):
 
 
 @pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def model():
     return "qwen3-tiny"  # the embedded model's name
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
 def _chain(http, key, chain_id) -> dict:
@@ -562,8 +529,7 @@ def test_a_restarted_server_finds_the_conversations_chain(alice, db_url, keys, m
     history: list = [{"role": "user", "content": "Survive a restart."}]
     message, cid, _ = _ask(alice, model, history, metadata={"user_id": "restart"})
     history += [_returned(message), {"role": "user", "content": "Still there?"}]
-    app = create_app(ServerConfig(db_url=db_url, engine_options=ENGINE_OPTIONS, require_auth=True))
-    with LocalServer(app) as restarted:  # a new process's index: rebuilt from the chains' metadata
+    with app_server(db_url, require_auth=True) as restarted:  # a new process's index: rebuilt from the chains' metadata
         client = anthropic.Anthropic(base_url=restarted.url, api_key=keys["alice"], max_retries=0)
         _, again, how = _ask(client, model, history, metadata={"user_id": "restart"})
         assert (again, how) == (cid, "resumed")

@@ -8,57 +8,18 @@ restart, and a thinking model's reasoning items read back as its responses retur
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tiny_checkpoint import embedded_model_dir
 from tests.live_servers import app_server, openai_client
-from tests.server.test_server_auth import bearer, make_keys
+from tests.server_helpers import bearer
+from tests.tenant_servers import alice, bob, db_url, http, keys, server, tokens  # noqa: F401 (fixtures)
 
 MODEL = "qwen3-tiny"  # the embedded model's name
 WEATHER = {"type": "function", "name": "get_weather", "description": "Current weather",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
-
-
-@pytest.fixture(scope="module")
-def db_url(tmp_path_factory):
-    return f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'conversations.db'}"
-
-
-@pytest.fixture(scope="module")
-def keys(db_url):
-    return make_keys(db_url, "alice", "bob")
-
-
-@pytest.fixture(scope="module")
-def server(db_url, keys):
-    with app_server(db_url, require_auth=True) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def alice(server, keys):
-    return openai_client(server.url).with_options(api_key=keys["alice"])
-
-
-@pytest.fixture(scope="module")
-def bob(server, keys):
-    return openai_client(server.url).with_options(api_key=keys["bob"])
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tokens():
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    return lambda text: tokenizer.encode(text, add_special_tokens=False)
 
 
 def _user(text: str) -> dict:

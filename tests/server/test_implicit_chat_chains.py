@@ -7,52 +7,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from agentrt.app import create_app
-from agentrt.config import ServerConfig
-from agentrt.local_server import LocalServer
-from tests.live_servers import app_server, ENGINE_OPTIONS, openai_client
-from tests.server.test_server_auth import bearer, make_keys
+from tests.live_servers import app_server, openai_client
+from tests.server_helpers import bearer
+from tests.tenant_servers import alice, bob, db_url, http, keys, server, tokens  # noqa: F401 (fixtures)
 
 MODEL = "qwen3-tiny"  # the embedded model's name
 GREEDY = {"temperature": 0, "max_tokens": 6}
 SYSTEM = {"role": "system", "content": "You are terse."}
-
-
-@pytest.fixture(scope="module")
-def db_url(tmp_path_factory):
-    return f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'implicit.db'}"
-
-
-@pytest.fixture(scope="module")
-def keys(db_url):
-    return make_keys(db_url, "alice", "bob")
-
-
-@pytest.fixture(scope="module")
-def server(db_url, keys):
-    with app_server(db_url, require_auth=True) as s:
-        yield s
-
-
-def _client(server, key):
-    client = openai_client(server.url)
-    return client.with_options(api_key=key)
-
-
-@pytest.fixture(scope="module")
-def alice(server, keys):
-    return _client(server, keys["alice"])
-
-
-@pytest.fixture(scope="module")
-def bob(server, keys):
-    return _client(server, keys["bob"])
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
 
 
 def _ask(client, messages, **kw):
@@ -100,14 +61,8 @@ def test_a_conversation_resent_in_full_resumes_one_chain(alice, http, keys):
         assert r.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_a_tool_calling_conversation_resumes_its_chain(alice, http, keys):
-    from transformers import AutoTokenizer
-
-    from engine.tiny_checkpoint import embedded_model_dir
-
-    tokenizer = AutoTokenizer.from_pretrained(embedded_model_dir())
-    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
-    forced = tokenizer.encode(call, add_special_tokens=False)
+def test_a_tool_calling_conversation_resumes_its_chain(alice, http, keys, tokens):
+    forced = tokens('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>')
     tools = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather",
                                                "parameters": {"type": "object",
                                                               "properties": {"city": {"type": "string"}}}}}]
@@ -188,9 +143,7 @@ def test_another_tenant_never_resumes_the_chain(alice, bob, http, keys):
 @pytest.mark.parametrize("option", [{"implicit_chains": False}, {"max_chains_per_tenant": 0}],
                          ids=["option-off", "no-room-for-a-chain"])
 def test_the_option_off_or_a_tenant_at_its_chain_limit_keeps_requests_stateless(tmp_path, option):
-    app = create_app(ServerConfig(db_url=f"sqlite+aiosqlite:///{tmp_path / 's.db'}", engine_options=ENGINE_OPTIONS,
-                                  **option))
-    with LocalServer(app) as s:
+    with app_server(f"sqlite+aiosqlite:///{tmp_path / 's.db'}", **option) as s:
         client = openai_client(s.url)
         history: list = [SYSTEM, {"role": "user", "content": "Stateless."}]
         r, cid = _ask(client, history)

@@ -17,7 +17,8 @@ from agentrt.chat import strip_tool_calls
 from agentrt.config import ServerConfig
 from engine.tiny_checkpoint import random_model_dir
 from tests.live_servers import client, model, server  # noqa: F401 (fixtures)
-from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, generate_direct, make_engine
+from tests.server_helpers import (ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, bearer, generate_direct, make_engine,
+                                  make_keys)
 
 SYSTEM = "Be brief."
 MAX_TOKENS = 5
@@ -156,8 +157,6 @@ def test_a_diverging_history_is_409_and_changes_nothing(http, client, model):
 
 def test_another_tenants_chain_is_404(tmp_path):
     from litestar.testing import TestClient
-
-    from tests.server.test_server_auth import bearer, make_keys
 
     db_url = f"sqlite+aiosqlite:///{tmp_path / 'tenants.db'}"
     keys = make_keys(db_url, "alice", "bob")

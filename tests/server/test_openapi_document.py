@@ -13,8 +13,7 @@ from litestar.testing import TestClient
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
 from engine.tiny_checkpoint import random_model_dir
-from tests.server_helpers import ENGINE_OPTIONS
-from tests.server.test_server_auth import bearer, make_keys
+from tests.server_helpers import ENGINE_OPTIONS, bearer, make_keys
 
 SCHEMAS = "#/components/schemas/"
 CHAIN = {"post /v1/chains": {201, 400, 401, 413, 415, 422, 429},

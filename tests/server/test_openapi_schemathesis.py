@@ -46,8 +46,7 @@ from schemathesis.python import asgi as schemathesis_asgi
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
 from engine.tiny_checkpoint import random_model_dir
-from tests.server_helpers import ENGINE_OPTIONS
-from tests.server.test_server_auth import bearer, make_keys
+from tests.server_helpers import ENGINE_OPTIONS, bearer, make_keys
 
 MAX_EXAMPLES = 10  # per operation, in the fuzzing phase; the coverage phase sends its own fixed set
 

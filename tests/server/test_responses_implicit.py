@@ -15,15 +15,11 @@ import json
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
-from agentrt.app import create_app
-from agentrt.config import ServerConfig
-from agentrt.local_server import LocalServer
 from agentrt.responses import responses_service
-from engine.tiny_checkpoint import embedded_model_dir
-from tests.live_servers import ENGINE_OPTIONS, app_server, openai_client
-from tests.server.test_server_auth import bearer, make_keys
+from tests.live_servers import app_server, openai_client
+from tests.server_helpers import bearer
+from tests.tenant_servers import alice, bob, db_url, http, keys, server, tokens  # noqa: F401 (fixtures)
 
 MODEL = "qwen3-tiny"  # the embedded model's name
 INSTRUCTIONS = "You are terse."
@@ -33,40 +29,8 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</
 
 
 @pytest.fixture(scope="module")
-def db_url(tmp_path_factory):
-    return f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('db') / 'responses_implicit.db'}"
-
-
-@pytest.fixture(scope="module")
-def keys(db_url):
-    return make_keys(db_url, "alice", "bob")
-
-
-@pytest.fixture(scope="module")
-def server(db_url, keys):
-    with app_server(db_url, require_auth=True) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def alice(server, keys):
-    return openai_client(server.url).with_options(api_key=keys["alice"])
-
-
-@pytest.fixture(scope="module")
-def bob(server, keys):
-    return openai_client(server.url).with_options(api_key=keys["bob"])
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.url, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def forced_call():
-    return AutoTokenizer.from_pretrained(embedded_model_dir()).encode(CALL, add_special_tokens=False)
+def forced_call(tokens):
+    return tokens(CALL)
 
 
 def _ask(client, input, stream=False, **kw):
@@ -215,12 +179,11 @@ def test_bad_items_are_a_400_naming_the_field_and_store_nothing(alice, server, h
 
 
 def test_implicit_chains_off_takes_the_history_into_a_new_chain(tmp_path, forced_call):
-    app = create_app(ServerConfig(db_url=f"sqlite+aiosqlite:///{tmp_path / 'off.db'}", engine_options=ENGINE_OPTIONS,
-                                  implicit_chains=False))
-    with LocalServer(app) as s, httpx.Client(base_url=s.url, timeout=120) as http:
+    with app_server(f"sqlite+aiosqlite:///{tmp_path / 'off.db'}", implicit_chains=False) as s, \
+            httpx.Client(base_url=s.url, timeout=120) as http:
         client = openai_client(s.url)
         sent = _conversation(client, forced_call, "Weather in Paris?", store=False, prompt_cache_key="off")
-        chains = [responses_service(app.state).records[r.id].chain_id for r in sent]
+        chains = [responses_service(s.app.state).records[r.id].chain_id for r in sent]
         assert len(set(chains)) == 4  # a new chain per request
         for n, (r, chain_id) in enumerate(zip(sent, chains)):
             chain = http.get(f"/v1/chains/{chain_id}").json()

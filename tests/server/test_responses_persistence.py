@@ -20,7 +20,7 @@ from agentrt.db import alembic_config, current_revision, head_revision
 from agentrt.responses import responses_service
 from tests.live_servers import app_server, openai_client
 from tests.server.test_migrations import _insert_first_revision_rows, on_sync, schema_diffs
-from tests.server.test_server_auth import bearer, make_keys
+from tests.server_helpers import bearer, make_keys
 
 N = 4  # max_output_tokens
 NUL_TOKEN = 188  # the embedded model's byte-0 token

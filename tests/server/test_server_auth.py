@@ -14,27 +14,10 @@ from agentrt.config import ConfigurationError, ServerConfig
 from agentrt.db import open_database
 from agentrt.models import ApiKeyRow
 from engine.tiny_checkpoint import random_model_dir
-from tests.server_helpers import ENGINE_OPTIONS, WEATHER_TOOL
+from tests.server_helpers import ENGINE_OPTIONS, WEATHER_TOOL, bearer, make_keys
 
 SAMPLING = {"temperature": 0.0, "max_tokens": 4}
 USER = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-def make_keys(db_url: str, *tenants: str) -> dict[str, str]:
-    """Keys created through the same service the CLI uses (``agentrt keys create``)."""
-    async def run() -> dict[str, str]:
-        db = await open_database(db_url)
-        try:
-            service = KeyService(db)
-            return {t: (await service.create(t)).key for t in tenants}
-        finally:
-            await db.dispose()
-
-    return asyncio.run(run())
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 @pytest.fixture(scope="module")

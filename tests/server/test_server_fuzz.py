@@ -13,8 +13,7 @@ from litestar.testing import TestClient
 from agentrt.app import create_app
 from agentrt.config import ServerConfig
 from engine.tiny_checkpoint import random_model_dir
-from tests.server_helpers import ENGINE_OPTIONS, WEATHER_TOOL
-from tests.server.test_server_auth import bearer, make_keys
+from tests.server_helpers import ENGINE_OPTIONS, WEATHER_TOOL, bearer, make_keys
 
 SEED = 20261201
 NUM_HTTP = 560

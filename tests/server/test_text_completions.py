@@ -19,8 +19,7 @@ from agentrt.app import create_app
 from agentrt.config import ServerConfig
 from engine.tiny_checkpoint import random_model_dir
 from tests.live_servers import client, model, server  # noqa: F401 (fixtures)
-from tests.server_helpers import ENGINE_OPTIONS, make_engine
-from tests.server.test_server_auth import bearer, make_keys
+from tests.server_helpers import ENGINE_OPTIONS, bearer, make_engine, make_keys
 
 PROMPT = "Once upon a time, in a land far away,"
 
