@@ -53,6 +53,8 @@
 #   replaypressure  32 sessions x 20 turns on a 24K-page pool: more KV than the pool holds for the stateless
 #              route (16 x 30 peaked at 37K pages), so its prefix cache must evict what it re-sends, while the
 #              chains' compacted state (SnapKV peaked at 4.2K pages) still fits
+#   resume32k  benchmarks.chain_resume: a 32K-token chain's next turn (256 new tokens) resumed on the device,
+#              loaded from host memory, from its disk file (page cache dropped), or recomputed
 #   serving32k  benchmarks.serving: 32K-token prompts, 1024 output tokens, closed loop at the largest
 #              concurrency the KV pool sustains, dense / SnapKV(4096) / Quest / OmniKV / SnapKV(4096) + fp8, each in
 #              its own process: request throughput, output tok/s, TTFT and TPOT with prefill and admission timed
@@ -232,6 +234,9 @@ for step in "$@"; do
             --shape llama-3.1-8b --load-format dummy "${load[@]}" --think-scale 0 \
             --max-num-batched-tokens 8192 --configs dense-prefix,snapkv-chain,dense-chain-lag \
             --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
+    resume32k)
+        run resume32k 300 python -m benchmarks.chain_resume --shape llama-3.1-8b --context 32768 --new-tokens 256 \
+            --drop-page-cache --json "$OUT/resume32k.json" ;;
     serving32k | serving128k)
         input=32768; [ "$step" = serving128k ] && input=114688
         run "$step" 580 python -m benchmarks.serving --shape llama-3.1-8b --input-len $input --output-lens 1024 \
