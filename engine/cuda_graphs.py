@@ -47,6 +47,10 @@ class DecodeGraphs:
             self.scratch_window = coded.scratch_window
             self.window_ids = torch.full((max_batch,), self.scratch_window, dtype=torch.int32, device=dev)
             self.quant_lens = torch.ones(layers, max_batch, dtype=torch.int32, device=dev)
+        # a hybrid model's rows' recurrent-state slots (padding rows: the storage's scratch slot)
+        self.scratch_state = storage.scratch_state if runner.cache.spec.recurrent_layers else None
+        self.state_slots = None if self.scratch_state is None else torch.full(
+            (max_batch,), self.scratch_state, dtype=torch.int64, device=dev)
         self.query_start_loc = torch.arange(max_batch + 1, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -66,6 +70,7 @@ class DecodeGraphs:
             input_ids=self.input_ids[:b], positions=self.positions[:b], slot_mapping=self.slot_mapping[:, :b],
             view=views[0], layer_views=views, logits_indices=self.query_start_loc[:b].long(),
             sample_requests=[], finished_prompt=[], cache=self.runner.cache, method=self.runner.method,
+            state_slots=None if self.state_slots is None else self.state_slots[:b],
         )
 
     def _static_view(self, layer: int, b: int) -> PagedView:
@@ -123,6 +128,8 @@ class DecodeGraphs:
         if self.windowed:
             self.window_ids[:n].copy_(batch.view.window_ids)
             self.quant_lens[:, :n].copy_(torch.stack([v.quant_lens for v in batch.layer_views]))
+        if self.state_slots is not None:
+            self.state_slots[:n].copy_(self.runner.cache.state_slots(batch.requests))
         if b > n:
             self.input_ids[n:b].zero_()
             self.positions[n:b].zero_()
@@ -132,6 +139,8 @@ class DecodeGraphs:
             if self.windowed:
                 self.window_ids[n:b].fill_(self.scratch_window)
                 self.quant_lens[:, n:b].fill_(1)
+            if self.state_slots is not None:
+                self.state_slots[n:b].fill_(self.scratch_state)
         return b
 
     def run(self, batch: ForwardBatch) -> torch.Tensor:

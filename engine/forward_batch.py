@@ -44,6 +44,9 @@ class ForwardBatch:
     probe: Any = None  # engine.probe.Prober: a method may probe a request's KV from a hook (between steps' forwards)
     method: Any = None
     groups: list[MethodGroup] | None = None
+    # a hybrid model's recurrent-state slots per row, as a device tensor: set by a decode graph's static batch
+    # (None: the runner takes them from the requests' tables)
+    state_slots: torch.Tensor | None = None
 
     def view_for(self, layer: int) -> PagedView:
         return self.view if self.layer_views is None else self.layer_views[layer]

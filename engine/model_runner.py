@@ -109,6 +109,8 @@ class ModelRunner:
     def linear_state(self, layer_idx: int):
         """The step's requests' recurrent state of linear-attention layer ``layer_idx`` (hybrid models)."""
         batch = self._batch
+        if batch.state_slots is not None:
+            return self.cache.storage.linear_state_at(batch.state_slots, layer_idx, batch.view.query_lens_cpu)
         return self.cache.linear_state(batch.requests, layer_idx, batch.view.query_lens_cpu)
 
     def end_layer(self, layer_idx: int, hidden: torch.Tensor) -> None:

@@ -213,6 +213,9 @@ class PagedCacheManager(CacheManager):
     def linear_state(self, reqs: list[Request], layer: int, query_lens: list[int]):
         return self.storage.linear_state(self._tables_of(reqs), layer, query_lens)
 
+    def state_slots(self, reqs: list[Request]) -> torch.Tensor:
+        return self.storage.state_slots(self._tables_of(reqs))
+
     def truncate_logical(self, t: PageTable, logical_len: int, lo: int, hi: int) -> int:
         """See ``CacheManager.truncate_logical``. A compacted table can lose only the tokens appended after its
         last compaction (every layer holds those in order, after its kept slots), if its storage can cut them;

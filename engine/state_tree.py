@@ -1,8 +1,8 @@
 """A method's per-chain state (``SparseMethod.export_state``) as tensors plus a JSON skeleton, so the chain tiers
 can write it into a chain's file beside its KV and a restarted engine can hand it back (``import_state``).
 
-The state may nest dicts (string keys), lists and tuples of tensors and JSON scalars (H2O's accumulated scores
-and their positions, SnapKV's stashed window queries); anything else (an object of a method's own) cannot be
+The state may nest dicts (string keys), lists and tuples of tensors and JSON scalars (accumulated attention
+scores and their positions, stashed window queries); anything else (an object of a method's own) cannot be
 written, and ``flatten`` raises ``TypeError`` naming it. No pickle: a chain file is data, never code.
 """
 

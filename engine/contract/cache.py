@@ -140,6 +140,11 @@ class CacheManager(ABC):
         (``engine.storage.recurrent.LinearState``); only caches of hybrid models have one."""
         raise NotImplementedError(f"{type(self).__name__} holds no recurrent state")
 
+    def state_slots(self, reqs: list[Request]) -> Any:
+        """The requests' recurrent-state slots, in order, as a device tensor (what a decode graph's static
+        buffer holds for them); only caches of hybrid models have them."""
+        raise NotImplementedError(f"{type(self).__name__} holds no recurrent state")
+
     def truncate_logical(self, table: TableHandle, logical_len: int, lo: int, hi: int) -> int:
         """Cut a table holding ``logical_len`` logical tokens back to the shortest length in ``[lo, hi]`` its
         state can be cut to, and return that length; 0 (table unchanged) if none. The default cuts

@@ -198,20 +198,37 @@ class GatedDeltaNet(nn.Module):
         lens = list(state.query_lens)
         if sum(lens) != num_tokens:
             raise ValueError(f"linear_state query_lens {lens} do not sum to the step's {num_tokens} tokens")
+        conv_in, rec_in = state.conv, state.recurrent
+        weight = self.conv1d.weight[:, 0]  # [C, K]
+        if all(n == 1 for n in lens):  # every request decodes one token: whole-batch ops, no host-built index
+            # (what a decode CUDA graph captures: its rows and state slots come from static buffers)
+            conv_out, conv_new = causal_conv1d_step(mixed, weight, conv_in)
+            q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            core, rec_new = gated_delta_decode(q.view(num_tokens, nk, dk), k.view(num_tokens, nk, dk),
+                                               v.view(num_tokens, nv, dv), g, beta, rec_in)
+            state.store(conv_new, rec_new)
+        else:
+            core = self._mixed_step(mixed, g, beta, lens, conv_in, rec_in, weight, state)
+        out = self.norm(core, z.reshape(num_tokens, nv, dv)).reshape(num_tokens, self.value_dim)
+        return self.out_proj(out)
+
+    def _mixed_step(self, mixed, g, beta, lens, conv_in, rec_in, weight, state) -> torch.Tensor:
+        """A step with prompt segments: the one-token rows in one batched call, the longer segments in another,
+        each request from its own state (a request with no tokens keeps it)."""
+        num_tokens = mixed.shape[0]
+        nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
-        conv_in, rec_in = state.conv, state.recurrent
         conv_new, rec_new = conv_in.clone(), rec_in.float().clone()  # a request with no tokens keeps its state
-        weight = self.conv1d.weight[:, 0]  # [C, K]
         single = [i for i, n in enumerate(lens) if n == 1]
         multi = [i for i, n in enumerate(lens) if n > 1]
 
         # the causal conv: one batched step for the one-token requests (decode), a pass per longer segment
         conv_out = torch.empty_like(mixed)
         if single:
-            idx = torch.tensor(single, dtype=torch.int64, device=hidden.device)
-            rows = torch.tensor([starts[i] for i in single], dtype=torch.int64, device=hidden.device)
+            idx = torch.tensor(single, dtype=torch.int64, device=mixed.device)
+            rows = torch.tensor([starts[i] for i in single], dtype=torch.int64, device=mixed.device)
             out, new = causal_conv1d_step(mixed[rows], weight, conv_in[idx])
             conv_out[rows], conv_new[idx] = out, new.to(conv_new.dtype)
         for i in multi:
@@ -221,19 +238,17 @@ class GatedDeltaNet(nn.Module):
 
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(num_tokens, nk, dk), k.view(num_tokens, nk, dk), v.view(num_tokens, nv, dv)
-        core = hidden.new_empty(num_tokens, nv, dv)
+        core = mixed.new_empty(num_tokens, nv, dv)
         if single:
             core[rows], new = gated_delta_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], rec_in[idx])
             rec_new[idx] = new
         if multi:  # every longer segment in one call (one launch on a GPU), each from its request's state
-            seg = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in multi]).to(hidden.device)
-            many = torch.tensor(multi, dtype=torch.int64, device=hidden.device)
+            seg = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in multi]).to(mixed.device)
+            many = torch.tensor(multi, dtype=torch.int64, device=mixed.device)
             core[seg], rec_new[many] = gated_delta_prefill(q[seg], k[seg], v[seg], g[seg], beta[seg], rec_in[many],
                                                            [lens[i] for i in multi])
         state.store(conv_new, rec_new.to(rec_in.dtype))
-
-        out = self.norm(core, z.reshape(num_tokens, nv, dv)).reshape(num_tokens, self.value_dim)
-        return self.out_proj(out)
+        return core
 
 
 class GatedAttention(nn.Module):
@@ -323,9 +338,9 @@ class HybridForCausalLM(DecoderForCausalLM):
     """The hybrid decoder; subclasses pick the MLP (``make_mlp``) and the DeltaNet checkpoint layout."""
 
     fused_decode_path = False  # DecoderLayer.forward_fused serves the plain decoder only
-    # the DeltaNet layers group a step's requests by length on the host (and the runner gathers their state
-    # slots from host lists): a decode CUDA graph would replay one step's grouping for every step
-    cuda_graph_safe = False
+    # a pure decode step runs the DeltaNet layers over the whole batch, their state slots read from a device
+    # tensor (a decode graph's static buffer), so nothing in it depends on the host
+    cuda_graph_safe = True
     checkpoint_layout: tuple[str, ...] = SPLIT_LAYOUT
 
     def __init__(self, config: ModelConfig) -> None:

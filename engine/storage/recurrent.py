@@ -178,7 +178,20 @@ class HybridKV(DenseKV):
         return 0, None
 
     def linear_state(self, tables: list[TableHandle], layer: int, query_lens: list[int]) -> LinearState:
+        return LinearState(self, layer, self.state_slots(tables), query_lens)
+
+    def state_slots(self, tables: list[TableHandle]) -> torch.Tensor:
+        """The tables' state slots, in order, as a device tensor (made once per step: every linear layer asks)."""
         key = tuple(t.window for t in tables)
         if self._slots is None or self._slots[0] != key:
             self._slots = key, torch.tensor(key, dtype=torch.int64, device=self.conv.device)
-        return LinearState(self, layer, self._slots[1], query_lens)
+        return self._slots[1]
+
+    @property
+    def scratch_state(self) -> int:
+        """The slot padding rows of a decode graph read and write (no table owns it)."""
+        return self.spec.max_states
+
+    def linear_state_at(self, slots: torch.Tensor, layer: int, query_lens: list[int]) -> LinearState:
+        """The state of rows whose slots a device tensor holds (a decode graph's static buffer)."""
+        return LinearState(self, layer, slots, query_lens)

@@ -135,3 +135,14 @@ def test_windows_of_decode_steps_replay_the_static_buffers(tiny_dirs, monkeypatc
                                              overlap=True)
         assert got_single == ref and len(replays_single) == len(single_replays)
         assert windows and set(windows) == {1}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_hybrid_decode_replays_read_the_state_slots_from_the_static_buffer(tiny_dirs, arch):
+    """A hybrid model's replayed decode step reads and writes each row's recurrent state through the slots in
+    the graph's static buffer (padding rows: the storage's scratch slot), so the greedy tokens equal eager ones
+    and a padded bucket leaves every request's state as an eager step would."""
+    ref, _, _ = _run(tiny_dirs[arch], "dense", {}, fake_graphs=False)
+    got, replays, _ = _run(tiny_dirs[arch], "dense", {}, fake_graphs=True)
+    assert got == ref
+    assert replays and 4 in replays

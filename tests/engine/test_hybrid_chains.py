@@ -4,7 +4,7 @@ state slots are accounted and given back.
 
 The reference for every output is a fresh engine (no chains, no prefix cache) run on the same full history,
 itself equal to HF transformers in test_engine_vs_hf. Methods on hybrid chains (SnapKV, H2O) are checked against
-a reference rebuilt from scratch in test_chain_eviction, Quest and OmniKV in test_selection_methods."""
+a reference rebuilt from scratch in test_chain_eviction, Quest and OmniKV in test_quest and test_omnikv."""
 
 import random
 
@@ -105,7 +105,9 @@ def test_kvzip_and_the_probe_are_refused(tiny_dirs):
     assert engine.chain_info("c").compacted is False  # nothing changed
 
 
-def test_no_decode_graphs_are_captured_for_a_hybrid(tiny_dirs):
+def test_a_hybrid_model_is_no_reason_against_decode_graphs(tiny_dirs):
+    """Its pure decode steps read the state slots from a device tensor (tests/engine/test_decode_graph_buffers.py
+    replays them over the static buffers): only the CPU device here speaks against graphs."""
     import torch
 
     from engine.decode_speedups import reasons_against_graphs
@@ -113,4 +115,4 @@ def test_no_decode_graphs_are_captured_for_a_hybrid(tiny_dirs):
     engine = LLM(tiny_dirs["qwen3_next"], dtype="float32", device="cpu").engine
     reasons = reasons_against_graphs(engine.config, torch.device("cuda"), engine.backend, engine.method, 1,
                                      engine.model, engine.model_config.architecture)
-    assert "Qwen3NextForCausalLM forward syncs with the host" in reasons
+    assert not any("Qwen3NextForCausalLM" in r for r in reasons)
