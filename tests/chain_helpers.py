@@ -1,4 +1,4 @@
-"""Shared helpers for chain tests: run one chain turn to completion, random token spans."""
+"""Shared helpers for chain tests: run one chain turn to completion, random token spans, a chain's kept positions."""
 
 
 def run_chain_turn(engine, chain_id, prompt, params, **options):
@@ -15,3 +15,8 @@ def run_chain_turn(engine, chain_id, prompt, params, **options):
 
 def random_tokens(rng, n):
     return [rng.randrange(3, 500) for _ in range(n)]
+
+
+def kept_positions(engine, chain_id):
+    table = engine.chains.index.get(chain_id).table
+    return [engine.cache.table_positions(table, layer).clone() for layer in range(engine.model_config.num_layers)]

@@ -27,6 +27,28 @@ class MaskedDenseRunner:
         pass
 
 
+class RecordingRunner:
+    """Full-matrix attention under ``visible(layer, T)`` ([Hkv, T, T] bool); records the probabilities."""
+
+    wants_layer_output = True  # the model calls end_layer (LayerRunner)
+
+    def __init__(self, visible):
+        self.visible = visible
+        self.probs = {}
+
+    def attention(self, layer, q, k, v):
+        T, hq, d = q.shape
+        group = hq // k.shape[1]
+        mask = self.visible(layer, T).repeat_interleave(group, dim=0)
+        logits = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(group, 1)) * d**-0.5
+        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
+        self.probs[layer] = probs  # [Hq, T, T]
+        return torch.einsum("hqk,khd->qhd", probs, v.float().repeat_interleave(group, 1)).to(q.dtype)
+
+    def end_layer(self, layer, hidden):
+        pass
+
+
 class FreshLinearState:
     """A hybrid model's linear-attention state for one sequence computed from its first token: zeros before the
     pass; what the layer stores after it is dropped (the next pass starts from scratch again)."""
@@ -62,3 +84,15 @@ def greedy_with_mask(model, prompt: list[int], max_new: int, visible: Visibility
         hidden = model(x, torch.arange(len(ids)), from_scratch(MaskedDenseRunner(visible), model, len(ids)))
         ids.append(int(model.compute_logits(hidden[-1:]).argmax(-1)))
     return ids[len(prompt):]
+
+
+def pruned_visibility(kept, boundary):
+    """Queries at or after ``boundary`` (computed after the pruning) see only the kept KV before it."""
+    def visible(layer, T):
+        m = causal(kept[layer].shape[0], T).clone()
+        for h, positions in enumerate(kept[layer]):
+            row = torch.zeros(boundary, dtype=torch.bool)
+            row[positions[positions < boundary]] = True
+            m[h, boundary:, :boundary] &= row
+        return m
+    return visible

@@ -10,31 +10,10 @@ import policies.knorm  # noqa: F401  (registers "knorm")
 from engine import LLM, SamplingParams
 from engine.errors import InvalidRequestError
 from tests.chain_helpers import random_tokens, run_chain_turn
+from tests.dense_reference import RecordingRunner
 
 PAGE = 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-
-
-class RecordingRunner:
-    """Full-matrix attention under ``visible(layer, T)`` ([Hkv, T, T] bool); records the probabilities."""
-
-    wants_layer_output = True  # the model calls end_layer (LayerRunner)
-
-    def __init__(self, visible):
-        self.visible = visible
-        self.probs = {}
-
-    def attention(self, layer, q, k, v):
-        T, hq, d = q.shape
-        group = hq // k.shape[1]
-        mask = self.visible(layer, T).repeat_interleave(group, dim=0)
-        logits = torch.einsum("qhd,khd->hqk", q.float(), k.float().repeat_interleave(group, 1)) * d**-0.5
-        probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1)
-        self.probs[layer] = probs  # [Hq, T, T]
-        return torch.einsum("hqk,khd->qhd", probs, v.float().repeat_interleave(group, 1)).to(q.dtype)
-
-    def end_layer(self, layer, hidden):
-        pass
 
 
 def dense_probe_reference(model, history, probe, kept, start, reduce):

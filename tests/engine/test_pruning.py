@@ -8,8 +8,8 @@ import torch
 import policies.knorm  # noqa: F401  (registers "knorm")
 from engine import SamplingParams
 from engine.errors import ConfigError, InvalidRequestError
-from tests.chain_helpers import run_chain_turn
-from tests.dense_reference import causal, greedy_with_mask
+from tests.chain_helpers import kept_positions, run_chain_turn
+from tests.dense_reference import greedy_with_mask, pruned_visibility
 
 PAGE = 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
@@ -17,23 +17,6 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 def turn(engine, chain_id, prompt):
     return run_chain_turn(engine, chain_id, prompt, PARAMS)
-
-
-def kept_positions(engine, chain_id):
-    table = engine.chains.index.get(chain_id).table
-    return [engine.cache.table_positions(table, layer).clone() for layer in range(engine.model_config.num_layers)]
-
-
-def pruned_visibility(kept, boundary):
-    """Queries at or after ``boundary`` (computed after the pruning) see only the kept KV before it."""
-    def visible(layer, T):
-        m = causal(kept[layer].shape[0], T).clone()
-        for h, positions in enumerate(kept[layer]):
-            row = torch.zeros(boundary, dtype=torch.bool)
-            row[positions[positions < boundary]] = True
-            m[h, boundary:, :boundary] &= row
-        return m
-    return visible
 
 
 @pytest.mark.parametrize("arch,scorer,keep_ratio,keep_tokens", [

@@ -1,6 +1,7 @@
 """TOVA, Knorm and R-KV together: a budget covering the sequence reproduces dense, invalid knobs, registration,
 and admission under a bounded method. Each method against the reference written from its paper's definition:
-tests/policies/test_tova.py, test_knorm.py, test_rkv.py.
+tests/policies/test_tova.py, test_knorm.py, test_rkv.py; StreamingLLM, SnapKV, PyramidKV and H2O together:
+test_eviction_shared.py.
 """
 
 from importlib.metadata import entry_points
@@ -16,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.contract import Family
 from engine.errors import ConfigError
 from engine.registry import create_method
-from tests.policies.test_eviction_methods import (
+from tests.eviction_reference import (
     PROMPT_LENS,
     make_llm,
     make_prompts,

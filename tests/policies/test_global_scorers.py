@@ -11,10 +11,8 @@ import policies.snapkv_global
 from engine import LLM, SamplingParams
 from engine.chain_index import ChainBusyError
 from policies.kvzip import DEFAULT_REPEAT_PROMPT
-from tests.chain_helpers import random_tokens, run_chain_turn
-from tests.dense_reference import greedy_with_mask
-from tests.engine.test_probe import RecordingRunner
-from tests.engine.test_pruning import kept_positions, pruned_visibility
+from tests.chain_helpers import kept_positions, random_tokens, run_chain_turn
+from tests.dense_reference import RecordingRunner, greedy_with_mask, pruned_visibility
 
 PAGE = 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)

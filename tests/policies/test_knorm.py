@@ -1,7 +1,7 @@
 """Knorm eviction against a reference written from its paper's definition.
 
-The reference is ``tests/policies/test_eviction_methods.py``'s dense replay (its module docstring says how) with
-the method's rule applied from its definition; kept positions, greedy tokens and masked greedy tokens must agree.
+The reference is ``tests/eviction_reference.py``'s dense replay (its module docstring says how) with the method's
+rule applied from its definition; kept positions, greedy tokens and masked greedy tokens must agree.
 """
 
 import pytest
@@ -9,7 +9,7 @@ import torch
 
 import policies.knorm_eviction  # noqa: F401
 from engine.errors import ConfigError
-from tests.policies.test_eviction_methods import (
+from tests.eviction_reference import (
     PROMPT_LENS,
     check_against_reference,
     make_llm,

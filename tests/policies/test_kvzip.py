@@ -17,8 +17,7 @@ from engine import LLM, SamplingParams
 from engine.errors import ConfigError
 from policies.kvzip import DEFAULT_REPEAT_PROMPT
 from tests.chain_helpers import random_tokens, run_chain_turn
-from tests.dense_reference import greedy_with_mask
-from tests.engine.test_probe import RecordingRunner
+from tests.dense_reference import RecordingRunner, greedy_with_mask
 
 PAGE = 4
 MAX_NEW = 6

@@ -1,7 +1,7 @@
 """R-KV eviction against a reference written from its paper's definition.
 
-The reference is ``tests/policies/test_eviction_methods.py``'s dense replay (its module docstring says how) with
-the method's rule applied from its definition; kept positions, greedy tokens and masked greedy tokens must agree.
+The reference is ``tests/eviction_reference.py``'s dense replay (its module docstring says how) with the method's
+rule applied from its definition; kept positions, greedy tokens and masked greedy tokens must agree.
 """
 
 import math
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import policies.rkv  # noqa: F401
-from tests.policies.test_eviction_methods import (
+from tests.eviction_reference import (
     check_against_reference,
     make_llm,
     make_prompts,
