@@ -15,7 +15,7 @@ import torch
 from engine.contract.view import PagedView, SelectedSlotsView, backend_can_read
 from engine.contract.codec import KVCodec, decode_pages
 from engine.contract.method import SparseMethod
-from engine.contract.view import QuantizedPagesView
+from engine.contract.view import QuantizedLatentView, QuantizedPagesView
 from engine.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -74,20 +74,31 @@ class AttentionBackend:
                     value_dim: int | None = None) -> list[str]:
         """Why this backend cannot serve ``method`` on a KV cache of ``dtype`` and ``head_dim`` stored by
         ``codec`` (empty when it can); ``value_dim`` below ``head_dim``: a latent cache (values a slice of keys)."""
-        view_types = method.view_types if codec is None else (QuantizedPagesView,)
-        reasons = [f"the {self.name} backend cannot read {t.__name__}" for t in view_types
-                   if not backend_can_read(t, self.accepted_views)]
-        if codec is not None and not reasons and not self.reads_codec(codec, head_dim):
+        latent = head_dim is not None and value_dim is not None and value_dim != head_dim
+        if codec is None:
+            view_types = method.view_types
+        else:
+            view_types = (QuantizedLatentView,) if latent else (QuantizedPagesView,)
+        reasons = []
+        for t in view_types:
+            if backend_can_read(t, self.accepted_views):
+                continue
+            if t is QuantizedLatentView:
+                reasons.append(f"the {self.name} backend does not read latent (MLA) rows coded by kv_storage "
+                               f"{codec.name!r} (kv_lora_rank {value_dim} + qk_rope_head_dim {head_dim - value_dim}"
+                               f" channels a row; attention_backend 'torch' reads them)")
+            else:
+                reasons.append(f"the {self.name} backend cannot read {t.__name__}")
+        if codec is not None and not latent and not reasons and not self.reads_codec(codec, head_dim):
             at = "" if head_dim is None else f" at head_dim {head_dim}"
             reasons.append(f"the {self.name} backend has no kernel for kv_storage {codec.name!r}{at}")
         if dtype is not None and dtype not in self.dtypes:
             reasons.append(f"the {self.name} backend does not run {dtype} (it runs {list(self.dtypes)})")
-        latent = head_dim is not None and value_dim is not None and value_dim != head_dim
-        if latent and self.latent_dims is not None and (value_dim > self.latent_dims[0]
-                                                        or head_dim - value_dim > self.latent_dims[1]):
-            reasons.append(f"the {self.name} backend's MLA kernels run kv_lora_rank <= {self.latent_dims[0]} and "
-                           f"qk_rope_head_dim <= {self.latent_dims[1]} (this model: kv_lora_rank {value_dim}, "
-                           f"qk_rope_head_dim {head_dim - value_dim})")
+        if latent and self.latent_dims is not None:
+            if value_dim > self.latent_dims[0] or head_dim - value_dim > self.latent_dims[1]:
+                reasons.append(f"the {self.name} backend's MLA kernels run kv_lora_rank <= {self.latent_dims[0]} and "
+                               f"qk_rope_head_dim <= {self.latent_dims[1]} (this model: kv_lora_rank {value_dim}, "
+                               f"qk_rope_head_dim {head_dim - value_dim})")
         elif head_dim is not None and self.head_dims is not None and head_dim not in self.head_dims:
             reasons.append(f"the {self.name} backend does not run head_dim {head_dim} (it runs {list(self.head_dims)})")
         if method.needs.attention_scores and not self.supports_scores:
@@ -97,7 +108,7 @@ class AttentionBackend:
 
 class TorchReferenceBackend(AttentionBackend):
     name = "torch"
-    accepted_views = (PagedView, SelectedSlotsView, QuantizedPagesView)
+    accepted_views = (PagedView, SelectedSlotsView, QuantizedPagesView, QuantizedLatentView)
     supports_scores = True
 
     def forward(self, q, k_cache, v_cache, view, scale, return_scores=False):
@@ -121,6 +132,8 @@ def quantized_forward(q, view: QuantizedPagesView, scale: float, return_scores: 
     """The torch reference over a codec's pages (decoded a block of pages at a time)."""
     from agentrt_kernels.torch_ref.quantized_attention import quantized_paged_attention
 
+    if isinstance(view, QuantizedLatentView):
+        return latent_quantized_forward(q, view, scale, return_scores)
     codec, d = view.codec, q.shape[-1]
     return quantized_paged_attention(
         q, lambda pages: decode_pages(codec.layer_codec(view.layer, "k"), view.k_fields, pages, d),
@@ -129,6 +142,27 @@ def quantized_forward(q, view: QuantizedPagesView, scale: float, return_scores: 
         window_k=view.window_k, window_v=view.window_v, window_ids=view.window_ids_cpu, causal=view.causal,
         return_scores=return_scores,
     )
+
+
+def latent_quantized_forward(q, view: QuantizedLatentView, scale: float, return_scores: bool = False):
+    """The torch reference over coded latent rows: each block of pages is decoded once and read as the keys and
+    as the values. The reference's accumulator is as wide as the query (the whole row), so it sums whole rows and
+    the output keeps their first ``value_dim`` channels: a softmax-weighted sum is taken channel by channel, so
+    this is attention over the values, for ``rope / value_dim`` more multiply-adds and no second decode."""
+    from agentrt_kernels.torch_ref.quantized_attention import quantized_paged_attention
+
+    row, d = view.row_codec, q.shape[-1]
+    last: list = [None, None]  # (page ids, their rows): the reference asks for a block's keys, then its values
+
+    def decode(pages: torch.Tensor) -> torch.Tensor:
+        if last[0] is not pages:
+            last[0], last[1] = pages, decode_pages(row, view.k_fields, pages, d)
+        return last[1]
+
+    out, scores = quantized_paged_attention(
+        q, decode, decode, view.block_tables, view.page_size, view.kv_lens_cpu, view.quant_lens_cpu,
+        view.query_lens_cpu, scale, causal=view.causal, return_scores=return_scores)
+    return out[..., : view.value_dim].contiguous(), scores
 
 
 def _construct(name: str, device: torch.device) -> AttentionBackend:

@@ -168,7 +168,8 @@ def _sub_view(view: QuantizedPagesView, reqs: list[int]) -> QuantizedPagesView:
 
 
 class FlashInferBackend(AttentionBackend):
-    """flashinfer's paged decode (tensor cores, the faster GQA configuration) and paged prefill wrappers.
+    """flashinfer's paged decode (tensor cores, the faster GQA configuration) and paged prefill wrappers, and its
+    MLA wrapper for latent caches.
 
     ``plan`` runs once per view (once per step when every layer reads the same view) and ``run`` per layer.
     """
@@ -176,6 +177,7 @@ class FlashInferBackend(AttentionBackend):
     name = "flashinfer"  # cuda_graph_safe stays False: it plans on the host every step
     dtypes = (torch.float16, torch.bfloat16)
     head_dims = (64, 128, 256)  # its prefill kernels fail at run time on others ("Invalid configuration")
+    latent_dims = (512, 64)  # its MLA kernels are built for DeepSeek's latent and rope sizes
     WORKSPACE_BYTES = 256 * 2**20
 
     def __init__(self, device: torch.device) -> None:
@@ -184,17 +186,34 @@ class FlashInferBackend(AttentionBackend):
         workspace = torch.empty(self.WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        self._mla = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
         self._planned_view: PagedView | None = None  # held, so its id cannot be reused by a later view
+        self._planned_mla_view: PagedView | None = None
+
+    def unsupported(self, method, dtype=None, codec=None, head_dim=None, value_dim=None) -> list[str]:
+        reasons = super().unsupported(method, dtype, codec, head_dim, value_dim)
+        if (head_dim is not None and value_dim is not None and value_dim != head_dim
+                and (value_dim, head_dim - value_dim) != self.latent_dims):
+            reasons.append(f"the {self.name} backend's MLA wrapper runs kv_lora_rank {self.latent_dims[0]} with "
+                           f"qk_rope_head_dim {self.latent_dims[1]} only (this model: kv_lora_rank {value_dim}, "
+                           f"qk_rope_head_dim {head_dim - value_dim})")
+        return reasons
+
+    @staticmethod
+    def _pages(view: PagedView, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(indptr [B + 1], indices): each request's pages, concatenated, as flashinfer's wrappers take them."""
+        pages_per = [-(-n // page_size) for n in view.kv_lens_cpu]
+        indices = torch.cat([view.block_tables[i, :n] for i, n in enumerate(pages_per)])
+        indptr = torch.tensor([0] + list(torch.tensor(pages_per).cumsum(0).tolist()), dtype=torch.int32,
+                              device=device)
+        return indptr, indices
 
     def _plan(self, q, k_cache, view: PagedView, scale: float) -> bool:
         decode = view.is_pure_decode
         if self._planned_view is view:
             return decode
         page_size = k_cache.shape[1]
-        pages_per = [-(-n // page_size) for n in view.kv_lens_cpu]
-        indices = torch.cat([view.block_tables[i, :n] for i, n in enumerate(pages_per)])
-        indptr = torch.tensor([0] + list(torch.tensor(pages_per).cumsum(0).tolist()), dtype=torch.int32,
-                              device=q.device)
+        indptr, indices = self._pages(view, page_size, q.device)
         last = torch.tensor([(n - 1) % page_size + 1 for n in view.kv_lens_cpu], dtype=torch.int32, device=q.device)
         hq, hkv, d = q.shape[1], k_cache.shape[2], q.shape[2]
         if decode:
@@ -208,9 +227,26 @@ class FlashInferBackend(AttentionBackend):
 
     def forward(self, q, k_cache, v_cache, view: PagedView, scale: float, return_scores: bool = False):
         assert not return_scores, "methods that need scores run on the torch backend (checked at configuration)"
+        if v_cache.shape[-1] != k_cache.shape[-1]:
+            return self._latent(q, k_cache, v_cache.shape[-1], view, scale), None
         decode = self._plan(q, k_cache, view, scale)
         wrapper = self._decode if decode else self._prefill
         return wrapper.run(q, (k_cache, v_cache)), None
+
+    def _latent(self, q, latent, value_dim: int, view: PagedView, scale: float) -> torch.Tensor:
+        """A latent (MLA) cache through flashinfer's MLA wrapper: the rows' first ``value_dim`` channels are its
+        compressed KV, the rest its rope keys (two strided views of the one row, nothing copied); decode rows,
+        prompt chunks and mixed steps in one plan per view (causal, queries at their rows' ends)."""
+        page_size = latent.shape[1]
+        if self._planned_mla_view is not view:
+            indptr, indices = self._pages(view, page_size, q.device)
+            self._mla.plan(view.query_start_loc, indptr, indices, view.kv_lens, q.shape[1], value_dim,
+                           latent.shape[-1] - value_dim, page_size, causal=view.causal and not view.is_pure_decode,
+                           sm_scale=scale, q_data_type=q.dtype, kv_data_type=latent.dtype)
+            self._planned_mla_view = view
+        rows = latent[:, :, 0]
+        return self._mla.run(q[..., :value_dim].contiguous(), q[..., value_dim:].contiguous(), rows[..., :value_dim],
+                             rows[..., value_dim:])
 
 
 

@@ -22,8 +22,7 @@ from engine.chain_index import ChainInfo
 from engine.chain_manager import ChainManager, PruneResult
 from engine.chain_tiers import ChainTiers
 from engine.config import DTYPES, EngineConfig
-from engine.contract.cache import CacheSpec
-from engine.contract.codec import CodedCacheSpec, check_composes
+from engine.contract.codec import check_composes
 from engine.decode_speedups import fuse_decode_linears, reasons_against_graphs
 from engine.decode_window import DecodeWindows
 from engine.detokenizer import decoder_for
@@ -46,7 +45,7 @@ from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_timing import StepTiming, prefill_tokens
-from engine.storage import model_cache_spec
+from engine.storage import coded_cache_spec, model_cache_spec
 from engine.structured_output import StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -83,19 +82,16 @@ class LLMEngine:
         if config.resolved_fused_decode_linears(self.device, self.tp.world_size):
             fuse_decode_linears(self.model, mc.architecture, self.device, asked=config.fused_decode_linears is True)
         self.tokenizer = load_tokenizer(config.model)
-        if self.codec is not None:
-            self.codec.bind_model(self.model)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         spec = model_cache_spec(mc, self.tp.world_size, next(self.model.parameters()).dtype, self.device,
                                 config.page_size, config.max_num_seqs, config.prefix_checkpoints)
-        if self.codec is not None:
-            if type(spec) is not CacheSpec:
-                raise ConfigError(f"kv_storage {self.codec.name!r} codes dense keys and values; "
+        if self.codec is not None:  # the model's KV in the codec's coded form (refused before the codec binds)
+            coded = coded_cache_spec(spec, self.codec, config.max_num_seqs)
+            if coded is None:
+                raise ConfigError(f"kv_storage {self.codec.name!r} codes dense keys and values or latent rows; "
                                   f"{mc.architecture} caches {type(spec).__name__} rows")
-            self.codec.check(spec)
-            windows = config.max_num_seqs if self.codec.has_window else 0
-            spec = CodedCacheSpec(**{f: getattr(spec, f) for f in CacheSpec.__dataclass_fields__},
-                                  codec=self.codec, max_windows=windows)
+            spec = coded
+            self.codec.bind_model(self.model)
         num_pages = kv_pool_pages(config, spec, self.device)
         if config.num_pages is None:
             num_pages = self._tp_link.agree_min(num_pages)  # every rank's pool the same size: the same schedule

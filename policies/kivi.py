@@ -148,6 +148,9 @@ class KiviConfig:
 class Kivi(KVCodec):
     name = "kivi"
     Config = KiviConfig
+    latent_refusal = ("its keys are quantized per channel over groups of tokens and its values per token over "
+                      "groups of channels, so a latent row, which is both the key and (its first channels) the "
+                      "value, would need both codes: stored twice")
 
     def __init__(self, config=None):
         super().__init__(config)

@@ -120,6 +120,9 @@ class Palu(KVCodec):
     name = "palu"
     Config = PaluConfig
     kernel_format = "lowrank-latent-rope"
+    latent_refusal = ("it factors each layer's per-head key and value projections; a latent (MLA) model caches "
+                      "the output of one shared low-rank projection (kv_a_proj_with_mqa) instead, with no per-head "
+                      "K and V to project")
 
     def __init__(self, config=None):
         super().__init__(config)

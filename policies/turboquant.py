@@ -101,6 +101,9 @@ class TurboQuantConfig:
 class TurboQuant(KVCodec):
     name = "turboquant"
     Config = TurboQuantConfig
+    latent_refusal = ("it rotates and normalizes each vector whole, so in a latent row the rotary channels' error "
+                      "would follow the RMS-normed latent's norm (or the reverse), and the values, the row's first "
+                      "channels, are no slice of its rotated codes (its kernel attends in the rotated basis)")
 
     def __init__(self, config=None):
         super().__init__(config)

@@ -12,6 +12,10 @@ A codec whose groups span tokens, or that keeps recent tokens in full precision 
 codes for older slots. The codes of every slot are kept valid at all times (an incomplete group is encoded
 with the statistics of the tokens it has and re-encoded as it fills), so pages can be shared, published and
 read without the ring.
+
+A latent (MLA) cache holds one row per token whose first channels are also the values; a format that can code
+such a row once returns a tensor codec for it from ``KVCodec.latent_codec`` (token-local, no window); the others
+refuse with their reason.
 """
 
 from __future__ import annotations
@@ -159,6 +163,17 @@ class KVCodec:
         a codebook and a rotation, or a layer's own bases); none by default. Called at every decode step (and
         captured into CUDA graphs): return the same tensors each time."""
         return {}
+
+    # why the format cannot store a latent (MLA) row once, for the ConfigError ``latent_codec`` raises
+    latent_refusal: ClassVar[str] = "it codes dense keys and values per KV head"
+
+    def latent_codec(self, head_dim: int, value_dim: int) -> TensorCodec:
+        """The tensor codec of a latent (MLA) cache's rows: each token's one row of ``head_dim`` channels, the
+        latent (its first ``value_dim`` channels, also the values) then the rotary key, coded once
+        (``engine.storage.coded_latent``; values are read as the decoded row's first ``value_dim`` channels, so
+        nothing is stored twice). It must be token-local (``token_group`` 1) and the codec windowless. A format
+        that cannot store a row once raises ConfigError with its ``latent_refusal`` (the default)."""
+        raise ConfigError(f"kv_storage {self.name!r} cannot code latent (MLA) rows: {self.latent_refusal}")
 
     def check(self, spec: CacheSpec) -> None:
         """Raise ConfigError if this codec cannot store ``spec``'s KV."""

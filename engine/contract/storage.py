@@ -7,10 +7,11 @@ hands the storage slots, tables and lengths; the storage knows nothing of reques
 
 Built-in storages (``engine.storage``): ``DenseKV`` (k and v in the model dtype), ``CodedStorage`` (a codec's
 fields per token group, plus a full-precision window per running request), ``LatentKV`` (one latent row per token
-whose values are a slice of it) and ``HybridKV`` (dense pages for full-attention layers plus a recurrent-state slot
-per running request). A storage is chosen by the type of its ``CacheSpec`` (``engine.storage.register_storage``),
-and the spec's ``bytes_per_page`` sizes the pool, so a new representation is a spec subclass, a storage class and
-one registration: no page logic changes (docs/architecture.md, "KV storage representations").
+whose values are a slice of it), ``CodedLatentKV`` (that row coded once by a codec) and ``HybridKV`` (dense pages
+for full-attention layers plus a recurrent-state slot per running request). A storage is chosen by the type of
+its ``CacheSpec`` (``engine.storage.register_storage``), and the spec's ``bytes_per_page`` sizes the pool, so a new
+representation is a spec subclass, a storage class and one registration: no page logic changes
+(docs/architecture.md, "KV storage representations").
 """
 
 from __future__ import annotations

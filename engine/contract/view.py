@@ -130,3 +130,18 @@ class QuantizedPagesView(PagedView):
     parent_readable: ClassVar[bool] = False
     per_request: ClassVar[tuple[str, ...]] = PagedView.per_request + (
         "quant_lens", "quant_lens_cpu", "window_ids", "window_ids_cpu")
+
+
+@dataclass(slots=True)
+class QuantizedLatentView(QuantizedPagesView):
+    """A latent (MLA) cache stored by a codec, for one layer: one KV head whose row of each slot is coded once
+    by ``row_codec`` (a ``TensorCodec``; its fields are ``k_fields``, and ``v_fields`` is the same dict), keys the
+    decoded rows and values their first ``value_dim`` channels. Every slot is read from codes (no window).
+
+    Not readable as a ``QuantizedPagesView``: a backend's per-head codec kernels would read values as wide as
+    the keys and decode them with the codec's per-head format."""
+
+    row_codec: object = field(kw_only=True)
+    value_dim: int = field(kw_only=True)
+
+    parent_readable: ClassVar[bool] = False

@@ -2,6 +2,10 @@
 
 A new representation registers its storage for its own ``CacheSpec`` subclass (whose ``bytes_per_page``
 sizes the pool): ``register_storage(MySpec)(MyStorage)``, in its own module imported below.
+
+Under a KV codec (``kv_storage``) the model's spec is replaced by its coded form: ``register_coded_spec(MySpec)``
+names the function that builds it from the spec and the codec (dense keys and values: ``CodedCacheSpec``; latent
+rows: ``CodedLatentCacheSpec``); a spec type without one cannot be coded (``coded_cache_spec`` returns None).
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ from collections.abc import Callable
 import torch
 
 from engine.contract.cache import CacheSpec
-from engine.contract.codec import CodedCacheSpec
+from engine.contract.codec import CodedCacheSpec, KVCodec
 from engine.contract.storage import KVStorage
 from engine.storage.coded import CodedStorage
+from engine.storage.coded_latent import CodedLatentCacheSpec, CodedLatentKV, coded_latent_spec
 from engine.storage.dense import DenseKV
 from engine.storage.latent import LatentCacheSpec, LatentKV
 from engine.storage.recurrent import HybridCacheSpec, HybridKV
@@ -41,7 +46,38 @@ def make_storage(spec: CacheSpec, num_pages: int) -> KVStorage:
 register_storage(CacheSpec)(DenseKV)
 register_storage(CodedCacheSpec)(CodedStorage)
 register_storage(LatentCacheSpec)(LatentKV)
+register_storage(CodedLatentCacheSpec)(CodedLatentKV)
 register_storage(HybridCacheSpec)(HybridKV)
+
+CodedSpecBuilder = Callable[[CacheSpec, KVCodec, int], CacheSpec]
+_CODED_SPEC_BY_SPEC: dict[type[CacheSpec], CodedSpecBuilder] = {}
+
+
+def register_coded_spec(spec_type: type[CacheSpec]) -> Callable[[CodedSpecBuilder], CodedSpecBuilder]:
+    """``build(spec, codec, max_running)`` gives the coded form of a ``spec_type`` spec (ConfigError where the codec
+    cannot store it; ``max_running``: the running requests a codec's full-precision windows are kept for)."""
+    def register(build: CodedSpecBuilder) -> CodedSpecBuilder:
+        _CODED_SPEC_BY_SPEC[spec_type] = build
+        return build
+
+    return register
+
+
+def coded_cache_spec(spec: CacheSpec, codec: KVCodec, max_running: int) -> CacheSpec | None:
+    """``spec`` stored by ``codec``; None where no coded form of ``spec``'s type is registered. The type must match
+    exactly: a subclass (a hybrid model's spec) holds state that a base type's coded form would not carry."""
+    build = _CODED_SPEC_BY_SPEC.get(type(spec))
+    return None if build is None else build(spec, codec, max_running)
+
+
+@register_coded_spec(CacheSpec)
+def coded_dense_spec(spec: CacheSpec, codec: KVCodec, max_running: int) -> CodedCacheSpec:
+    codec.check(spec)
+    return CodedCacheSpec(**{f: getattr(spec, f) for f in CacheSpec.__dataclass_fields__}, codec=codec,
+                          max_windows=max_running if codec.has_window else 0)
+
+
+register_coded_spec(LatentCacheSpec)(coded_latent_spec)
 
 
 def model_cache_spec(model_config, world_size: int, dtype: torch.dtype, device: torch.device,
@@ -67,6 +103,6 @@ def model_cache_spec(model_config, world_size: int, dtype: torch.dtype, device: 
                      head_dim=model_config.head_dim, dtype=dtype, device=device, page_size=page_size)
 
 
-__all__ = ["CodedStorage", "DenseKV", "HybridCacheSpec", "HybridKV", "KVStorage", "LatentCacheSpec", "LatentKV",
-           "make_storage",
-           "model_cache_spec", "register_storage"]
+__all__ = ["CodedLatentCacheSpec", "CodedLatentKV", "CodedStorage", "DenseKV", "HybridCacheSpec", "HybridKV",
+           "KVStorage", "LatentCacheSpec", "LatentKV", "coded_cache_spec", "make_storage", "model_cache_spec",
+           "register_coded_spec", "register_storage"]

@@ -122,7 +122,7 @@ class FakeGraph:
 
 
 def cpu_graphs(buckets_up_to: int = 4) -> DecodeGraphs:
-    cache = SimpleNamespace(spec=SimpleNamespace(num_layers=2), storage=None)  # dense: no codec's storage
+    cache = SimpleNamespace(spec=SimpleNamespace(num_layers=2, recurrent_layers=0), storage=None)  # dense: no codec or state
     runner = SimpleNamespace(device=torch.device("cpu"), cache=cache)
     g = DecodeGraphs(runner, max_batch=buckets_up_to, max_pages=8, scratch_page=0, page_size=16)
     for b in g.buckets:

@@ -21,6 +21,9 @@ CASES = {  # name: (arch, options)
     "compacted": ("llama", {"method": "snapkv", "method_config": {"budget": 16, "window": 4}}),
     "fp8": ("qwen3", {"kv_storage": "fp8"}),
     "latent": ("deepseek_v3", {}),
+    "latent-fp8": ("glm4_moe_lite", {"kv_storage": "fp8"}),
+    "latent-fp8-compacted": ("deepseek_v3", {"kv_storage": "fp8", "method": "snapkv",
+                                             "method_config": {"budget": 16, "window": 4}}),
     "hybrid": ("qwen3_next", {}),
 }
 

@@ -2,7 +2,8 @@
 
 The engine-level greedy parity (chunked prefill, prefix hits, preemption) is in test_engine_vs_hf; here: the
 forward's logits against HF's on the same random checkpoints, the latent storage's exact layout, the
-configurations the code refuses, the multi-token-prediction layer skipped at load, and tensor parallel."""
+configurations the code refuses, the multi-token-prediction layer skipped at load, and tensor parallel (latent rows
+under a KV codec: test_mla_fp8)."""
 
 import json
 import logging
@@ -11,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, SamplingParams
 from engine.errors import CheckpointError, ConfigError
 from engine.loader import load_model
 from engine.model_config import ModelConfig
@@ -98,12 +99,6 @@ def test_a_multi_token_prediction_layer_is_skipped_with_a_log_line(mla_dirs, tmp
     assert [r.message for r in caplog.records].count(
         "skipping checkpoint layer 2 and beyond (multi-token prediction, not run)") == 1
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), reference.state_dict().values()))
-
-
-def test_kv_codecs_are_refused_for_latent_rows(mla_dirs):
-    with pytest.raises(ConfigError, match="kv_storage 'fp8' codes dense keys and values; DeepseekV3ForCausalLM "
-                                          "caches LatentCacheSpec rows"):
-        LLMEngine(EngineConfig(mla_dirs["deepseek_v3"], dtype="float32", device="cpu", kv_storage="fp8"))
 
 
 @pytest.mark.parametrize("arch,method,config", [
