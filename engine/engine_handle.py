@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:  # annotations only: naming the engine's types must not load the model stack (engine.llm_engine)
     from engine.chain_index import ChainInfo
-    from engine.chain_manager import PruneResult
+    from engine.chain_prune import PruneResult
     from engine.config import EngineConfig
     from engine.contract.method import SparseMethod
     from engine.llm_engine import StepTiming

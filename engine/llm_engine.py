@@ -19,7 +19,8 @@ from pathlib import Path
 
 from engine.attention_backend import make_backend
 from engine.chain_index import ChainInfo
-from engine.chain_manager import ChainManager, PruneResult
+from engine.chain_manager import ChainManager
+from engine.chain_prune import PruneResult
 from engine.chain_tiers import ChainTiers
 from engine.config import DTYPES, EngineConfig
 from engine.contract.codec import check_composes

@@ -137,12 +137,12 @@ def test_a_prune_of_a_busy_chain_is_deferred_and_equals_pruning_it_idle(tiny_dir
 
 def test_deferred_prune_outcomes_are_kept_for_the_last_ones_only(monkeypatch):
     """A long-lived engine keeps the outcomes of the last MAX_PRUNE_RESULTS prunes, and every one still deferred."""
-    from engine import chain_manager
-    from engine.chain_manager import ChainManager, PruneResult
+    from engine import chain_prune
+    from engine.chain_prune import ChainPruner, PruneResult
 
-    monkeypatch.setattr(chain_manager, "MAX_PRUNE_RESULTS", 3)
-    manager = ChainManager(cache=None, num_layers=1)
+    monkeypatch.setattr(chain_prune, "MAX_PRUNE_RESULTS", 3)
+    pruner = ChainPruner(cache=None, num_layers=1, load=None)
     statuses = ["applied", "deferred", "failed", "applied", "deferred", "applied"]
-    manager._prune_results = {i: PruneResult(0, 0, 0, status=s, prune_id=i) for i, s in enumerate(statuses)}
-    manager._apply_deferred(type("State", (), {"chain_id": "none"})())  # nothing queued: only the bound runs
-    assert list(manager._prune_results) == [1, 4, 5]
+    pruner.results = {i: PruneResult(0, 0, 0, status=s, prune_id=i) for i, s in enumerate(statuses)}
+    pruner.apply_deferred(type("State", (), {"chain_id": "none"})())  # nothing queued: only the bound runs
+    assert list(pruner.results) == [1, 4, 5]

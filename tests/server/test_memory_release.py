@@ -36,7 +36,7 @@ def _held(engine, app) -> dict[str, int]:
     """Everything the server keeps per chain or per request, by container."""
     state = app.state
     return {"engine chains": len(engine.chains.index), "engine requests": len(engine._requests),
-            "detokenizers": len(engine._detokenizers), "deferred prunes": len(engine.chains._deferred),
+            "detokenizers": len(engine._detokenizers), "deferred prunes": len(engine.chains.pruner.deferred),
             "cache tables": len(engine.cache._tables), "scheduler running": len(engine.scheduler.running),
             "scheduler waiting": len(engine.scheduler.waiting),
             "pages used": engine.pool.num_pages - engine.pool.num_free,
