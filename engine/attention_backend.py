@@ -7,7 +7,9 @@ against the method at configuration time, never mid-step.
 
 from __future__ import annotations
 
+import importlib
 import logging
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -20,7 +22,6 @@ from engine.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "torch", "triton", "flashinfer", "triton+flashinfer")
 RECEIVED_REDUCTIONS = ("sum", "max")  # how ``forward_received`` folds probabilities over queries and query heads
 
 
@@ -31,6 +32,9 @@ class AttentionBackend:
     accepted_views: ClassVar[tuple[type, ...]] = (PagedView,)
     supports_scores: ClassVar[bool] = False  # can return per-request probabilities for methods that need them
     cuda_graph_safe: ClassVar[bool] = False  # forward does no host work, so decode steps may replay graphs
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        """Every backend is built from the engine's device (``BACKENDS``); most need nothing of it."""
 
     def forward(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, view: PagedView, scale: float,
@@ -165,21 +169,38 @@ def latent_quantized_forward(q, view: QuantizedLatentView, scale: float, return_
     return out[..., : view.value_dim].contiguous(), scores
 
 
-def _construct(name: str, device: torch.device) -> AttentionBackend:
-    if name == "torch":
-        return TorchReferenceBackend()
-    if device.type != "cuda":
-        raise ConfigError(f"attention_backend {name!r} needs a CUDA device; the engine runs on {device}")
-    from engine import gpu_backends
+@dataclass(slots=True, frozen=True)
+class BackendEntry:
+    """A backend by name: its class as ``module:QualName`` (imported when first built, so a CPU engine never
+    imports triton), whether it needs a CUDA device, and the package it needs (named in the error)."""
 
-    if name == "triton":
-        return gpu_backends.TritonBackend()
+    target: str
+    cuda: bool = True
+    needs: str | None = None
+
+
+# every attention backend, by the name ``attention_backend`` takes; a new backend adds its entry
+BACKENDS: dict[str, BackendEntry] = {
+    "torch": BackendEntry("engine.attention_backend:TorchReferenceBackend", cuda=False),
+    "triton": BackendEntry("engine.gpu_backends:TritonBackend"),
+    "flashinfer": BackendEntry("engine.gpu_backends:FlashInferBackend", needs="flashinfer-python"),
+    "triton+flashinfer": BackendEntry("engine.gpu_backends:TritonFlashInferBackend", needs="flashinfer-python"),
+}
+
+
+BACKEND_NAMES = ("auto", *BACKENDS)
+
+
+def _construct(name: str, device: torch.device) -> AttentionBackend:
+    entry = BACKENDS[name]
+    if entry.cuda and device.type != "cuda":
+        raise ConfigError(f"attention_backend {name!r} needs a CUDA device; the engine runs on {device}")
+    module, _, qualname = entry.target.partition(":")
+    cls = getattr(importlib.import_module(module), qualname)
     try:
-        if name == "triton+flashinfer":
-            return gpu_backends.TritonFlashInferBackend(device)
-        return gpu_backends.FlashInferBackend(device)
+        return cls(device)
     except ImportError as exc:
-        raise ConfigError(f"attention_backend {name!r} needs flashinfer-python installed: {exc}") from exc
+        raise ConfigError(f"attention_backend {name!r} needs {entry.needs} installed: {exc}") from exc
 
 
 def auto_candidates(device: torch.device, flashinfer_installed: bool) -> list[str]:
@@ -196,8 +217,8 @@ def make_backend(
     codec: KVCodec | None = None, head_dim: int | None = None, value_dim: int | None = None,
 ) -> AttentionBackend:
     """The backend by name; ``auto`` takes the first of ``auto_candidates`` that serves ``method``."""
-    if name not in BACKEND_NAMES:
-        raise ConfigError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name != "auto" and name not in BACKENDS:
+        raise ConfigError(f"attention_backend must be one of {('auto', *BACKENDS)}, got {name!r}")
     if name != "auto":
         backend = _construct(name, device)
         reasons = backend.unsupported(method, dtype, codec, head_dim, value_dim)

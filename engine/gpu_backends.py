@@ -57,7 +57,7 @@ class TritonBackend(AttentionBackend):
                 out[torch.tensor(qrows, device=q.device)] = o
         return out, None
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         from agentrt_kernels.triton import paged_decode_attention, paged_decode_logits, paged_prefill_attention
 
         self._decode = paged_decode_attention
@@ -259,7 +259,7 @@ class TritonFlashInferBackend(TritonBackend):
     name = "triton+flashinfer"
 
     def __init__(self, device: torch.device) -> None:
-        super().__init__()
+        super().__init__(device)
         self._flashinfer = FlashInferBackend(device)
 
     def forward(self, q, k_cache, v_cache, view: PagedView, scale: float, return_scores: bool = False):

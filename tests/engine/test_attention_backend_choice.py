@@ -34,3 +34,24 @@ def test_auto_prefers_flashinfers_prefill_on_a_gpu_when_installed():
     assert auto_candidates(torch.device("cpu"), True) == ["torch"]
     assert auto_candidates(torch.device("cuda"), True) == ["triton+flashinfer", "triton", "torch"]
     assert auto_candidates(torch.device("cuda"), False) == ["triton", "torch"]
+
+
+def test_a_backend_registered_by_name_is_built_and_checked_like_the_others(tiny_dirs, monkeypatch):
+    """``BACKENDS`` is the one list of backends: an entry added there (its class by ``module:QualName``) is what
+    ``attention_backend`` names, built from the engine's device and checked against the method."""
+    from engine import attention_backend as ab
+
+    class Recording(ab.TorchReferenceBackend):
+        name = "recording"
+        built_on = None
+
+        def __init__(self, device=None):
+            Recording.built_on = device
+
+    monkeypatch.setattr(ab, "Recording", Recording, raising=False)
+    monkeypatch.setitem(ab.BACKENDS, "recording", ab.BackendEntry("engine.attention_backend:Recording", cuda=False))
+    engine = LLMEngine(EngineConfig(tiny_dirs["qwen3"], device="cpu", dtype="float32", attention_backend="recording"))
+    assert type(engine.backend) is Recording and Recording.built_on == torch.device("cpu")
+    monkeypatch.setattr(Recording, "dtypes", (torch.bfloat16,))
+    with pytest.raises(ConfigError, match="cannot run on attention_backend 'recording'.*does not run torch.float32"):
+        LLMEngine(EngineConfig(tiny_dirs["qwen3"], device="cpu", dtype="float32", attention_backend="recording"))
