@@ -47,17 +47,9 @@ class E4M3LatentRow(TensorCodec):
 
     Why two scales: the latent is RMS-normed while the rotary key is not, and in trained checkpoints the rotary
     channels can be much larger; under one scale per row the latent's small elements then fall below E4M3's
-    normal range (2^-6 of the scale) and lose their relative precision or flush to zero. Measured on the tiny
-    random checkpoints of the tests (both layers, 127 tokens): at their own magnitudes (rotary amax 0.6-0.9 of the
-    latent's) the rotary part's mean relative error is 2.4-2.6e-2 with one scale, 1.8-1.9e-2 with two (the latent
-    part 2.3e-2 either way); with the rotary part scaled up 10 / 100 / 1000 / 10000x (DeepSeek-V3's rows) the
-    latent's mean relative error under one scale grows to 2.58 / 2.63 / 2.63 / 2.87e-2 and its worst element's to
-    0.06 / 0.73 / 1.0 / 1.0 (flushed), under two it stays 2.3e-2 (worst 0.06). End to end (30 forced tokens
-    after 60, the checkpoint rescaled so its rotary keys are 1-3000x larger and its queries' rotary part as much
-    smaller: the same logits) both stay close to the uncoded cache (max |d logprob| 0.067-0.080 one scale vs 0.076
-    two on DeepSeek-V3, 0.038-0.046 vs 0.030 on GLM): the elements one scale loses are the small ones. Two scales
-    are never worse on the rows and keep the latent's precision independent of the rotary magnitude, for 4 bytes a
-    row (576 + 8 vs 576 + 4 bytes at DeepSeek-V3's 512 + 64 channels, 0.7%)."""
+    normal range (2^-6 of the scale) and lose their relative precision or flush to zero. Two scales keep the
+    latent's precision independent of the rotary magnitude, for 4 bytes a row (docs/methods.md gives the
+    measured errors both ways)."""
 
     def __init__(self, latent_dim: int):
         self.latent_dim = latent_dim
