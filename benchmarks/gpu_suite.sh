@@ -25,7 +25,8 @@
 #              our norm + cuBLAS, over launch configurations), then the 4K cases with them in the engine
 #   overlap    overlapped decode windows vs not (--overlap-decode both): MoE bs8 / bs32 @ 4K, dense bs4 @ 32K
 #   splits     our paged decode kernel over split counts beside flashinfer's (TC on / off)
-#   backendtests  every backend-agreement and per-layer-length graph test, in one process (most of a call)
+#   backendtests  every backend-agreement and per-layer-length graph test, and flashinfer's MLA wrapper against
+#              the torch backend, in one process (most of a call)
 #   mla        GLM-4.7-Flash shape decode roofline at bs8 / bs32 @ 4K (latent attention, MoE)
 #   mlasnap128k  SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, largest batches, decode only
 #   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid) decode at bs8 @ 4K
@@ -157,7 +158,7 @@ for step in "$@"; do
     backendtests)  # every backend test in one process (on 8 workers, workers died while others JIT-built
         # flashinfer; one process got through half the file in 260 s with flashinfer's first build: most of a call)
         MAX_JOBS=${MAX_JOBS:-8} run backendtests 540 python -m pytest -v -p no:xdist --tb=short -rf --timeout 200 \
-            -p no:cacheprovider tests/kernels/test_gpu_backends.py ;;
+            -p no:cacheprovider tests/kernels/test_gpu_backends.py tests/kernels/test_flashinfer_mla.py ;;
     moe)
         run moe 360 python -m benchmarks.throughput --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --json "$OUT/moe.json"
