@@ -117,11 +117,11 @@ class LLMEngine:
             tiers = ChainTiers(self.cache, config.chain_host_bytes, config.chain_disk_dir, config.chain_disk_bytes)
         self.chains = ChainManager(self.cache, spec.num_layers, tiers)
         if tiers is not None and tiers.disk_dir is not None:  # chains an earlier process wrote at its shutdown
-            adopted = self.chains.restore(self.methods.resolve)
+            adopted = self.chains.memory.restore(self.methods.resolve)
             if adopted:
                 log.info("adopted %d chain(s) from %s: their next turns load their KV", adopted, tiers.disk_dir)
         self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
-                                   on_preempt=self._on_preempt, reclaim=self.chains.reclaim)
+                                   on_preempt=self._on_preempt, reclaim=self.chains.memory.reclaim)
         self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)
         self.runner.prober = self.chains.prober = Prober(
             self.model, self.cache, mc.head_dim**-0.5, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
@@ -263,7 +263,7 @@ class LLMEngine:
             return outputs
         t0 = time.perf_counter()
         self.last_step = None
-        self.chains.expire(time.monotonic())
+        self.chains.memory.expire(time.monotonic())
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
@@ -327,23 +327,23 @@ class LLMEngine:
 
     @mirrored
     def pin_chain(self, chain_id: str, pinned: bool = True) -> None:
-        self.chains.set_pinned(chain_id, pinned)
+        self.chains.memory.set_pinned(chain_id, pinned)
 
     @mirrored
     def chain_hints(self, chain_id: str, *, priority: int | None = None, ttl_s: float | None = None,
                     clear_ttl: bool = False) -> None:
         """Session hints: retention ``priority`` and ``ttl_s`` (``ChainManager.set_hints``)."""
-        self.chains.set_hints(chain_id, priority=priority, ttl_s=ttl_s, clear_ttl=clear_ttl)
+        self.chains.memory.set_hints(chain_id, priority=priority, ttl_s=ttl_s, clear_ttl=clear_ttl)
 
     @mirrored
     def release_chain(self, chain_id: str) -> bool:
         """Take an idle chain's KV off the device now (to the host tier, else dropped)."""
-        return self.chains.release(chain_id)
+        return self.chains.memory.release(chain_id)
 
     @mirrored
     def prefetch_chain(self, chain_id: str) -> bool:
         """Load an idle chain's offloaded KV back to the device now."""
-        return self.chains.prefetch(chain_id)
+        return self.chains.memory.prefetch(chain_id)
 
     def chain_info(self, chain_id: str) -> ChainInfo:
         state = self.chains.index.get(chain_id)
@@ -362,7 +362,7 @@ class LLMEngine:
     def persist_chains(self) -> int:
         """Write every idle chain's KV to the disk tier (``chain_disk_dir``), for the next process started on the
         same directory; returns how many (0 without a disk tier). A server calls it when it shuts down."""
-        return self.chains.persist()
+        return self.chains.memory.persist()
 
     # --- cache ----------------------------------------------------------------------------------
     @mirrored

@@ -62,14 +62,14 @@ def test_an_offloaded_chain_loads_back_byte_identical_and_its_next_turn_equals_o
     before = table_bytes(eng, a.table)
     layout = (a.table.num_slots, a.table.layer_lens, a.table.compacted_at)
     state = None if a.table.state is None else [x.clone() for x in (a.table.state.conv, a.table.state.recurrent)]
-    eng.chains.reclaim(eng.pool.num_pages)  # pressure: every idle chain moves to the host tier
+    eng.chains.memory.reclaim(eng.pool.num_pages)  # pressure: every idle chain moves to the host tier
     assert a.table is None and eng.chain_info("a").status == "host" and eng.pool.num_free == eng.pool.num_pages
-    assert eng.chains._load(a)  # noqa: SLF001 -- what a turn does first
+    assert eng.chains.memory.load(a)  # what a turn does first
     assert all(torch.equal(x, y) for x, y in zip(before, table_bytes(eng, a.table)))
     assert (a.table.num_slots, a.table.layer_lens, a.table.compacted_at) == layout
     if state is not None:
         assert torch.equal(a.table.state.conv, state[0]) and torch.equal(a.table.state.recurrent, state[1])
-    eng.chains.reclaim(eng.pool.num_pages)
+    eng.chains.memory.reclaim(eng.pool.num_pages)
     outs_ref, outs = turns(ref, hist_ref, rng_ref), turns(eng, hist, rng)
     for cid in hist:
         assert outs[cid].resume_status == "loaded" and outs_ref[cid].resume_status == "resumed"
@@ -275,7 +275,7 @@ def test_session_hints_pin_release_prefetch_priority_and_ttl(tiny_dirs):
         eng.release_chain("b")
     eng.chain_hints("a", priority=5)
     pages = eng.chain_info("c").pages_held
-    eng.chains.reclaim(eng.pool.num_free + pages)  # room for one more chain's pages: "c" (priority 0) goes
+    eng.chains.memory.reclaim(eng.pool.num_free + pages)  # room for one more chain's pages: "c" (priority 0) goes
     assert [eng.chain_info(c).status for c in "abc"] == ["idle", "idle", "host"]
     outs, outs_ref = turns(eng, hist, rng), turns(ref, hist_ref, rng_ref)
     assert [outs[c].resume_status for c in "abc"] == ["resumed", "resumed", "loaded"]
@@ -287,7 +287,7 @@ def test_session_hints_pin_release_prefetch_priority_and_ttl(tiny_dirs):
     import time
 
     time.sleep(0.01)
-    assert eng.chains.expire(time.monotonic()) == 2
+    assert eng.chains.memory.expire(time.monotonic()) == 2
     assert eng.chain_info("a").status == "reclaimed" and eng.chain_info("c").status == "reclaimed"
     assert eng.chains.tiers.host_used == 0
     outs = turns(eng, hist, rng)
