@@ -160,3 +160,12 @@ def record_steps(llm):
 
     llm.engine.method.end_step = end_step
     return steps
+
+
+# a small-budget configuration of every eviction method, for the tests that run each over coded KV
+EVICTION_CONFIGS = {
+    "streaming_llm": {"sink_tokens": 2, "window": 14, "slack": 2}, "snapkv": {"budget": 24, "window": 8},
+    "pyramidkv": {"budget": 24, "window": 8}, "h2o": {"heavy_budget": 8, "recent_budget": 8},
+    "tova": {"budget": 16}, "knorm": {"budget": 16}, "rkv": {"budget": 16, "buffer": 8, "alpha": 4},
+    "kvzip": {"budget": 16, "window": 4, "chunk_size": 16},
+}

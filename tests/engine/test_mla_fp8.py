@@ -18,6 +18,7 @@ import torch
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.errors import ConfigError
 from tests.chain_helpers import random_tokens, run_chain_turn
+from tests.codec_reference import EVICTION_CONFIGS
 
 ARCHS = ["deepseek_v3", "glm4_moe_lite"]
 LATENT, ROPE = 32, 8  # the tiny checkpoints' kv_lora_rank and qk_rope_head_dim (tests/conftest.py)
@@ -277,10 +278,7 @@ def test_compaction_moves_coded_rows_exactly_and_attention_reads_their_latent_ch
     assert all(r == 0 for r in eng.pool.ref_counts)
 
 
-EVICTION = {"streaming_llm": {"sink_tokens": 2, "window": 14, "slack": 2}, "snapkv": {"budget": 24, "window": 8},
-            "pyramidkv": {"budget": 24, "window": 8}, "h2o": {"heavy_budget": 8, "recent_budget": 8},
-            "tova": {"budget": 16}, "knorm": {"budget": 16}, "rkv": {"budget": 16, "buffer": 8, "alpha": 4},
-            "kvzip": {"budget": 16, "window": 4, "chunk_size": 16}}
+EVICTION = EVICTION_CONFIGS
 
 
 @pytest.mark.parametrize("method", list(EVICTION))

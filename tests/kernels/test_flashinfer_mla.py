@@ -12,30 +12,16 @@ pytest.importorskip("flashinfer")
 
 from engine.attention_backend import TorchReferenceBackend  # noqa: E402
 from engine.contract.method import SparseMethod  # noqa: E402
-from engine.contract.view import PagedView  # noqa: E402
 from engine.gpu_backends import FlashInferBackend  # noqa: E402
+from tests.latent_views import latent_view as latent_rows_view  # noqa: E402
 
 CUDA = torch.device("cuda")
 RANK, ROPE, HQ = 512, 64, 16  # DeepSeek's latent sizes; GLM-4.7-Flash has 20 query heads, V3 128
 
 
 def latent_view(kv_lens, query_lens, page, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    pages_per = [-(-n // page) for n in kv_lens]
-    num_pages = sum(pages_per) + 3
-    order = torch.randperm(num_pages, generator=g).tolist()
-    table = torch.zeros(len(kv_lens), max(pages_per), dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(pages_per):
-        table[i, :n] = torch.tensor(order[at:at + n])
-        at += n
-    latent = (torch.randn(num_pages, page, 1, RANK + ROPE, generator=g) * 0.5).to(CUDA, torch.bfloat16)
-    q = (torch.randn(sum(query_lens), HQ, RANK + ROPE, generator=g) * 0.5).to(CUDA, torch.bfloat16)
-    starts = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
-    view = PagedView(block_tables=table.to(CUDA), kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=CUDA),
-                     query_start_loc=starts.to(CUDA), page_size=page, kv_lens_cpu=list(kv_lens),
-                     query_lens_cpu=list(query_lens))
-    return q, latent, view
+    return latent_rows_view(kv_lens, query_lens, page=page, width=RANK + ROPE, heads=HQ, device=CUDA,
+                            dtype=torch.bfloat16, scale=0.5, seed=seed)
 
 
 @pytest.mark.parametrize("page", [16, 64])

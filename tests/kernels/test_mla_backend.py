@@ -14,30 +14,16 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from engine.attention_backend import TorchReferenceBackend  # noqa: E402
-from engine.contract.view import PagedView, SelectedSlotsView  # noqa: E402
+from engine.contract.view import SelectedSlotsView  # noqa: E402
 from engine.gpu_backends import TritonBackend  # noqa: E402
+from tests.latent_views import latent_view as latent_rows_view  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DK, DV, HQ, PAGE = 48, 32, 16, 16
 
 
 def latent_view(kv_lens, query_lens, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    pages_per = [-(-n // PAGE) for n in kv_lens]
-    num_pages = sum(pages_per) + 2
-    order = torch.randperm(num_pages, generator=g).tolist()
-    table = torch.zeros(len(kv_lens), max(pages_per), dtype=torch.int32)
-    at = 0
-    for i, n in enumerate(pages_per):
-        table[i, :n] = torch.tensor(order[at:at + n])
-        at += n
-    latent = torch.randn(num_pages, PAGE, 1, DK, generator=g).to(DEVICE)
-    q = torch.randn(sum(query_lens), HQ, DK, generator=g).to(DEVICE)
-    starts = torch.tensor([0] + query_lens).cumsum(0).to(torch.int32)
-    view = PagedView(block_tables=table.to(DEVICE), kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=DEVICE),
-                     query_start_loc=starts.to(DEVICE), page_size=PAGE, kv_lens_cpu=list(kv_lens),
-                     query_lens_cpu=list(query_lens))
-    return q, latent, view
+    return latent_rows_view(kv_lens, query_lens, page=PAGE, width=DK, heads=HQ, device=DEVICE, seed=seed)
 
 
 @pytest.mark.parametrize("query_lens", [[1, 1, 1], [1, 9, 1]])

@@ -16,7 +16,7 @@ from engine.contract.codec import CodedCacheSpec
 from engine.errors import ConfigError
 from engine.page_table import physical_slots
 from engine.registry import create_kv_storage
-from tests.codec_reference import KIVI, PAGE, DenseRunner, kivi_keys, make_llm, prompts
+from tests.codec_reference import EVICTION_CONFIGS, KIVI, PAGE, DenseRunner, kivi_keys, make_llm, prompts
 
 
 # --- configuration --------------------------------------------------------------------------------------------
@@ -188,9 +188,7 @@ def test_compaction_moves_codes_with_their_scales(name, cfg, tiny_dirs):
     assert all(r == 0 for r in eng.pool.ref_counts)
 
 
-EVICTION = {"streaming_llm": {"sink_tokens": 2, "window": 14, "slack": 2}, "snapkv": {"budget": 24, "window": 8},
-            "pyramidkv": {"budget": 24, "window": 8}, "h2o": {"heavy_budget": 8, "recent_budget": 8},
-            "tova": {"budget": 16}, "knorm": {"budget": 16}, "rkv": {"budget": 16, "buffer": 8, "alpha": 4}}
+EVICTION = {m: cfg for m, cfg in EVICTION_CONFIGS.items() if m != "kvzip"}  # the eviction methods without a probe
 
 
 @pytest.mark.parametrize("method", list(EVICTION))
