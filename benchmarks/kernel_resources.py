@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -48,7 +50,7 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> dic
         v = args[name]
         if isinstance(v, str) and v.startswith("*"):
             sig[name], attrs[(i,)] = v, [["tt.divisibility", 16]]
-        elif name.isupper():
+        elif name.isupper() or v is None:
             sig[name], consts[name] = "constexpr", v
         elif isinstance(v, float):
             sig[name] = "fp32"
@@ -71,6 +73,36 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> dic
                                    SMEM_PER_SM // kernel.metadata.shared if kernel.metadata.shared else 32),
             "instructions": sum(ops.values()),
             "loop_instructions": main_loop_length(report["sass"]), **{op: ops.get(op, 0) for op in WATCH}}
+
+
+_POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
+            torch.int64: "*i64", torch.uint8: "*u8", torch.int8: "*i8", torch.float8_e4m3fn: "*fp8e4nv"}
+
+
+@contextlib.contextmanager
+def captured_launches():
+    """Inside the block, launching a Triton kernel records what the launch would compile -- (kernel, args as
+    ``compile_sm90`` takes them, options) -- instead of running it, so a wrapper's own choice of tiles for a
+    shape can be compiled for sm_90a on any machine (its tensors may live on the CPU). Not under
+    TRITON_INTERPRET=1, whose kernels are interpreter objects."""
+    from triton.runtime.jit import JITFunction
+
+    launches, run = [], JITFunction.run
+
+    def record(self, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        values = dict(zip(self.arg_names, args)) | kwargs
+        for param in self.params:
+            if param.name not in values:
+                values[param.name] = param.default
+        launches.append((self, {name: _POINTER[v.dtype] if isinstance(v, torch.Tensor) else v
+                                for name, v in values.items()}, options))
+
+    JITFunction.run = record
+    try:
+        yield launches
+    finally:
+        JITFunction.run = run
 
 
 def main_loop_length(sass: str) -> int:

@@ -127,3 +127,10 @@ def num_sms(device: torch.device) -> int:
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")
+
+
+def head_tile(head_dim: int) -> int:
+    """Channels of q and k one dot takes: the whole (power-of-two padded) head up to 256; wider heads (MLA's
+    512 + 64 latent) in 64-channel slices, since a [BLOCK_N, 1024] key tile and its query rows need more
+    shared memory than an H100 / H200 block has (227 KiB)."""
+    return max(16, next_pow2(head_dim)) if head_dim <= 256 else 64

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2
+from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, head_tile, next_pow2
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def _decode_logits_kernel(
     stride_btb,
     stride_ob, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -46,17 +46,21 @@ def _decode_logits_kernel(
     tok = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     head = kvh * GROUP + offs_g
     g_mask = offs_g < GROUP
-    d_mask = offs_d < HEAD_DIM
     n_mask = tok < kv_len
 
     dot_ty = tl.float32 if UPCAST else k_ptr.dtype.element_ty
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh + offs_d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
+    q_at = q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh
     page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     in_page = (tok % PAGE_SIZE).to(tl.int64)
-    k = tl.load(k_ptr + kvh.to(tl.int64) * stride_kh + (page * stride_kp + in_page * stride_ks)[:, None]
-                + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0)
-    s = tl.dot(q, tl.trans(k.to(dot_ty)), input_precision=PRECISION) * scale
+    k_at = k_ptr + kvh.to(tl.int64) * stride_kh + (page * stride_kp + in_page * stride_ks)[:, None]
+    s = tl.zeros([BLOCK_G, BLOCK_N], dtype=tl.float32)
+    for c in range(NUM_D):  # one slice unless the head is wider than 256 channels (a 576-channel latent)
+        offs_c = c * BLOCK_D + offs_d
+        c_mask = offs_c < HEAD_DIM
+        q = tl.load(q_at + offs_c[None, :], mask=g_mask[:, None] & c_mask[None, :], other=0.0).to(dot_ty)
+        k = tl.load(k_at + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
+        s += tl.dot(q, tl.trans(k.to(dot_ty)), input_precision=PRECISION)
+    s = s * scale
     s = tl.where(n_mask[None, :], s, float("-inf"))
     out = out_ptr + b.to(tl.int64) * stride_ob + head[:, None].to(tl.int64) * stride_oh + tok[None, :]
     tl.store(out, s, mask=g_mask[:, None])
@@ -78,6 +82,7 @@ def paged_decode_logits(
     out = torch.empty(batch, num_q_heads, tiles * block_n, dtype=torch.float32, device=q.device)
     if batch:
         upcast, precision = dot_args(_decode_logits_kernel, q.dtype)
+        block_d = head_tile(head_dim)
         _decode_logits_kernel[(batch, num_kv_heads, tiles)](
             q, k_cache, block_tables, kv_lens, out, scale,
             q.stride(0), q.stride(1),
@@ -85,7 +90,7 @@ def paged_decode_logits(
             block_tables.stride(0),
             out.stride(0), out.stride(1),
             GROUP=group, BLOCK_G=max(16, next_pow2(group)),
-            HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_D=cdiv(head_dim, block_d),
             PAGE_SIZE=page_size, BLOCK_N=block_n, UPCAST=upcast, PRECISION=precision,
         )
     return out[:, :, :width]

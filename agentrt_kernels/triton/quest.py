@@ -72,6 +72,13 @@ def _quest_scores_kernel(
     tl.store(out_ptr + s.to(tl.int64) * stride_os + kvh * stride_oh + offs_p, agg, mask=p_mask)
 
 
+def pages_per_program(head_dim: int) -> int:
+    """Pages one program scores: its [BLOCK_P, BLOCK_D] fp32 bounds (two of them) stay in registers, 4096
+    values each -- 32 pages of a 128-channel head, 4 of a 576-channel latent (padded to 1024), where 32 pages
+    would spill most of the bounds to local memory."""
+    return max(1, min(32, 4096 // max(16, next_pow2(head_dim))))
+
+
 def _check_scoring_args(q: torch.Tensor, kmin: torch.Tensor, aggregate: str, **tensors: torch.Tensor) -> int:
     """Validates a scoring call (``aggregate``, contiguous last dims, GQA head counts); returns the group."""
     if aggregate not in AGGREGATES:
@@ -85,9 +92,10 @@ def _check_scoring_args(q: torch.Tensor, kmin: torch.Tensor, aggregate: str, **t
 
 
 def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor,
-                      aggregate: str = "max", block_p: int = 32) -> torch.Tensor:
+                      aggregate: str = "max", block_p: int | None = None) -> torch.Tensor:
     group = _check_scoring_args(q, kmin, aggregate, kmax=kmax, pages=pages)
     rows, _, head_dim = q.shape
+    block_p = block_p or pages_per_program(head_dim)
     num_kv_heads = kmin.shape[1]
     width = pages.shape[1]
     partial = torch.empty(rows, num_kv_heads, width, dtype=torch.float32, device=q.device)
@@ -158,13 +166,14 @@ def _quest_decode_scores_kernel(
 
 def quest_decode_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k_cache: torch.Tensor,
                         block_tables: torch.Tensor, kv_lens: torch.Tensor, page_size: int, aggregate: str = "max",
-                        block_p: int = 32) -> torch.Tensor:
+                        block_p: int | None = None) -> torch.Tensor:
     """One decode query per row ``q`` [B, Hq, D] whose key was just written at slot ``kv_lens - 1``: widens
     that slot's page bounds in ``kmin``/``kmax`` [num_pages, Hkv, D] in place from ``k_cache`` [num_pages,
     page_size, Hkv, D] and returns [B, W] fp32 scores of every column of ``block_tables`` [B, W] before the
     row's last page (the rest -inf), aggregated over all query heads."""
     group = _check_scoring_args(q, kmin, aggregate, kmax=kmax, k_cache=k_cache, block_tables=block_tables)
     rows, _, head_dim = q.shape
+    block_p = block_p or pages_per_program(head_dim)
     num_kv_heads = kmin.shape[1]
     width = block_tables.shape[1]
     out = torch.empty(rows, width, dtype=torch.float32, device=q.device)

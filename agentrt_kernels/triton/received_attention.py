@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2
+from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, head_tile, next_pow2
 
 _LOG2E = 1.4426950408889634
 
@@ -43,7 +43,7 @@ def _key_tile_kernel(
     stride_btb,
     stride_ob, stride_oh, stride_mt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_D: tl.constexpr, PAGE_SIZE: tl.constexpr, CAUSAL: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, MODE: tl.constexpr,
 ):
     """One BLOCK_N-slot key tile of one KV head against every query tile of its request that sees it.
@@ -68,8 +68,9 @@ def _key_tile_kernel(
         dot_ty = tl.float32 if UPCAST else k_ptr.dtype.element_ty
         page = tl.load(bt_ptr + b.to(tl.int64) * stride_btb + offs_n // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
         in_page = (offs_n % PAGE_SIZE).to(tl.int64)
-        k = tl.load(k_ptr + kvh.to(tl.int64) * stride_kh + (page * stride_kp + in_page * stride_ks)[:, None]
-                    + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
+        k_rows = k_ptr + kvh.to(tl.int64) * stride_kh + (page * stride_kp + in_page * stride_ks)[:, None]
+        if NUM_D == 1:  # the whole key tile held across the query tiles
+            k = tl.load(k_rows + offs_d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
         head = kvh * GROUP + offs_m % GROUP
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         first = 0
@@ -79,9 +80,19 @@ def _key_tile_kernel(
             tok_q = q0 + offs_m // GROUP
             row_mask = (offs_m < BLOCK_Q * GROUP) & (tok_q < q_len)
             q_rows = (q_start + tok_q).to(tl.int64)
-            q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                        mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+            q_at = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
+            if NUM_D == 1:
+                q = tl.load(q_at + offs_d[None, :], mask=row_mask[:, None] & d_mask[None, :], other=0.0).to(dot_ty)
+                s = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            else:  # wide heads (a latent of 576): BLOCK_D-channel slices of q and k, the key slices re-read
+                s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for c in range(NUM_D):
+                    offs_c = c * BLOCK_D + offs_d
+                    c_mask = offs_c < HEAD_DIM
+                    kc = tl.load(k_rows + offs_c[None, :], mask=n_mask[:, None] & c_mask[None, :], other=0.0)
+                    qc = tl.load(q_at + offs_c[None, :], mask=row_mask[:, None] & c_mask[None, :], other=0.0)
+                    s += tl.dot(qc.to(dot_ty), tl.trans(kc.to(dot_ty)), input_precision=PRECISION)
+            s = s * scale_log2
             visible = row_mask[:, None] & n_mask[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] < ctx + tok_q[:, None] + 1)
@@ -117,6 +128,7 @@ def _launch(mode: tl.constexpr, q, k_cache, block_tables, kv_lens, query_start_l
     group = num_q_heads // num_kv_heads
     block_m = max(16, min(64, next_pow2(max(max_query_len, 1) * group)), next_pow2(group))
     upcast, precision = dot_args(_key_tile_kernel, q.dtype)
+    block_d = head_tile(head_dim)
     dummy = out if out is not None else m  # the outputs this mode does not write
     _key_tile_kernel[(triton.cdiv(width, block_n), batch, num_kv_heads)](
         q, k_cache, block_tables, kv_lens, query_start_loc, dummy if lse is None else lse,
@@ -128,7 +140,7 @@ def _launch(mode: tl.constexpr, q, k_cache, block_tables, kv_lens, query_start_l
         out.stride(0) if out is not None else 0, out.stride(1) if out is not None else 0,
         m.stride(0) if m is not None else 0,
         GROUP=group, BLOCK_Q=block_m // group, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)), PAGE_SIZE=page_size, CAUSAL=causal,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_D=triton.cdiv(head_dim, block_d), PAGE_SIZE=page_size, CAUSAL=causal,
         UPCAST=upcast, PRECISION=precision, MODE=mode.value,
     )
 

@@ -56,12 +56,17 @@ def _close(a, b, tol):
     torch.testing.assert_close(a.float(), b.float(), atol=tol[0], rtol=tol[1])
 
 
-@pytest.mark.parametrize("dtype,group,page_size,block_n", [
-    (torch.float32, 1, 4, 16), (torch.float16, 4, 16, 16), (torch.float16, 3, 1, 32), (torch.float32, 2, 8, 64)])
-def test_decode_logits_match_reference(dtype, group, page_size, block_n):
-    _seed("logits", dtype, group, page_size)
+# WIDE: a head wider than 256 channels, taken in 64-channel slices (an MLA latent is 576), the last one partial
+WIDE = 288
+
+
+@pytest.mark.parametrize("dtype,group,page_size,block_n,d", [
+    (torch.float32, 1, 4, 16, 64), (torch.float16, 4, 16, 16, 64), (torch.float16, 3, 1, 32, 64),
+    (torch.float32, 2, 8, 64, 64), (torch.float32, 4, 8, 16, WIDE), (torch.float16, 2, 16, 32, WIDE)])
+def test_decode_logits_match_reference(dtype, group, page_size, block_n, d):
+    _seed("logits", dtype, group, page_size, d)
     kv_lens = [1, 37, 16, 70]
-    q, k, _, view = _setup(kv_lens, page_size, 2, group, 64, dtype)
+    q, k, _, view = _setup(kv_lens, page_size, 2, group, d, dtype)
     got = paged_decode_logits(q, k, view.block_tables, view.kv_lens, 0.125, width=80, block_n=block_n)
     ref = ref_logits(q, k, view.block_tables, kv_lens, 0.125, width=80)
     assert got.shape == ref.shape == (4, 2 * group, 80)
@@ -126,15 +131,15 @@ def test_triton_backend_matches_torch_backend(dtype, query_lens, selected):
             _close(p, r, (1e-4, 1e-3) if dtype == torch.float16 else (1e-6, 1e-5))
 
 
-@pytest.mark.parametrize("dtype,group,aggregate,block_p", [
-    (torch.float32, 1, "max", 16), (torch.float16, 4, "sum", 32), (torch.float16, 3, "max", 8),
-    (torch.float32, 2, "sum", 64)])
-def test_quest_page_scores_match_reference(dtype, group, aggregate, block_p):
+@pytest.mark.parametrize("dtype,group,aggregate,block_p,d", [
+    (torch.float32, 1, "max", 16, 64), (torch.float16, 4, "sum", 32, 64), (torch.float16, 3, "max", 8, 64),
+    (torch.float32, 2, "sum", 64, 64), (torch.float32, 2, "max", None, WIDE)])
+def test_quest_page_scores_match_reference(dtype, group, aggregate, block_p, d):
     from agentrt_kernels.torch_ref import quest_page_scores as ref_scores
     from agentrt_kernels.triton import quest_page_scores
 
-    _seed("quest", dtype, group, aggregate)
-    num_pages, hkv, d = 40, 2, 64
+    _seed("quest", dtype, group, aggregate, d)
+    num_pages, hkv = 40, 2
     kmin = torch.randn(num_pages, hkv, d, device=DEVICE).to(dtype)
     kmax = kmin + torch.rand(num_pages, hkv, d, device=DEVICE).to(dtype)
     q = torch.randn(3, hkv * group, d, device=DEVICE).to(dtype)
@@ -225,15 +230,16 @@ def test_probe_through_the_triton_backend_equals_the_reference_probe(tiny_dirs, 
         _close(g, w, (1e-4, 1e-6))
 
 
-@pytest.mark.parametrize("dtype,group,page_size,causal", [
-    (torch.float32, 2, 4, True), (torch.float16, 4, 16, True), (torch.float32, 1, 8, False)])
-def test_key_split_lse_matches_logsumexp(dtype, group, page_size, causal):
+@pytest.mark.parametrize("dtype,group,page_size,causal,d", [
+    (torch.float32, 2, 4, True, 64), (torch.float16, 4, 16, True, 64), (torch.float32, 1, 8, False, 64),
+    (torch.float32, 3, 8, True, WIDE)])
+def test_key_split_lse_matches_logsumexp(dtype, group, page_size, causal, d):
     """``paged_lse`` (partial max / sum per key tile, merged) equals torch's log-sum-exp of the same logits."""
     from agentrt_kernels.triton.received_attention import paged_lse
 
-    _seed("lse", dtype, group, page_size, causal)
+    _seed("lse", dtype, group, page_size, causal, d)
     kv_lens, query_lens = [37, 16, 70, 9], [3, 5, 32, 1]
-    q, k, _, view = _setup(kv_lens, page_size, 2, group, 64, dtype, query_lens)
+    q, k, _, view = _setup(kv_lens, page_size, 2, group, d, dtype, query_lens)
     got = paged_lse(q, k, view.block_tables, view.kv_lens, view.query_start_loc, 0.125, max(kv_lens),
                     max(query_lens), causal=causal, block_n=16)
     start = 0
@@ -249,19 +255,20 @@ def test_key_split_lse_matches_logsumexp(dtype, group, page_size, causal):
         start += m
 
 
-@pytest.mark.parametrize("dtype,group,page_size,n,w", [
-    (torch.float32, 2, 4, 70, 8), (torch.float16, 4, 16, 100, 32), (torch.float32, 3, 8, 9, 9)])
-def test_window_votes_kernels_equal_the_reference(dtype, group, page_size, n, w):
+@pytest.mark.parametrize("dtype,group,page_size,n,w,d", [
+    (torch.float32, 2, 4, 70, 8, 64), (torch.float16, 4, 16, 100, 32, 64), (torch.float32, 3, 8, 9, 9, 64),
+    (torch.float32, 4, 8, 70, 16, WIDE), (torch.float16, 2, 16, 40, 8, WIDE)])
+def test_window_votes_kernels_equal_the_reference(dtype, group, page_size, n, w, d):
     """SnapKV's window vote over paged keys: the Triton kernels equal the chunked torch reference, and both equal
     the observation-window definition (``policies.scoring.window_scores``) times the group size."""
     from agentrt_kernels.ops import window_votes
     from policies.scoring import window_scores
 
-    _seed("votes", dtype, group, page_size, n, w)
-    q, k, _, view = _setup([n], page_size, 2, group, 64, dtype, [w])
+    _seed("votes", dtype, group, page_size, n, w, d)
+    q, k, _, view = _setup([n], page_size, 2, group, d, dtype, [w])
     pages = view.block_tables[0, : -(-n // page_size)]
-    got = window_votes(q, k, pages, n, 64 ** -0.5, use_triton=True)
-    ref = window_votes(q, k, pages, n, 64 ** -0.5, use_triton=False)
+    got = window_votes(q, k, pages, n, d ** -0.5, use_triton=True)
+    ref = window_votes(q, k, pages, n, d ** -0.5, use_triton=False)
     keys = k[pages.long()].flatten(0, 1)[:n]
     positions = torch.arange(n, device=DEVICE)
     definition = window_scores(q, keys, positions[n - w:], positions.expand(2, n)) * group
@@ -269,16 +276,17 @@ def test_window_votes_kernels_equal_the_reference(dtype, group, page_size, n, w)
     _close(got, ref, (1e-5, 1e-5) if dtype == torch.float32 else (2e-3, 2e-3))
 
 
-@pytest.mark.parametrize("dtype,group,page_size,budget,aggregate", [
-    (torch.float32, 2, 4, 18, "max"), (torch.float16, 4, 8, 40, "sum"), (torch.float32, 1, 16, 16, "max")])
-def test_quest_fused_decode_selection_equals_the_torch_ops(dtype, group, page_size, budget, aggregate):
+@pytest.mark.parametrize("dtype,group,page_size,budget,aggregate,d", [
+    (torch.float32, 2, 4, 18, "max", 32), (torch.float16, 4, 8, 40, "sum", 32), (torch.float32, 1, 16, 16, "max", 32),
+    (torch.float32, 2, 4, 18, "sum", WIDE)])
+def test_quest_fused_decode_selection_equals_the_torch_ops(dtype, group, page_size, budget, aggregate, d):
     """A pure-decode step's Quest selection in two Triton launches (bounds update + scores, selected table)
     equals the torch ops it replaces: the same table, lengths and updated page bounds. Rows: shorter than
     the budget, a new key opening a page (bounds reset) and mid-page, rows of unequal widths."""
     from engine.registry import create_method
 
-    _seed("quest-fused", dtype, group, page_size)
-    hkv, d = 2, 32
+    _seed("quest-fused", dtype, group, page_size, d)
+    hkv = 2
     kv_lens = [budget - 3, 5 * page_size + 1, 9 * page_size - 2, 13 * page_size + page_size // 2]
     q, k_cache, _, view = _setup(kv_lens, page_size, hkv, group, d, dtype)[:4]
     num_pages = k_cache.shape[0]
