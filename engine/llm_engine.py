@@ -1,11 +1,12 @@
 """LLMEngine: the step-level API the server drives (add a request, run one step, collect outputs, abort).
 
 One step is ``schedule -> prepare -> execute -> update -> end_step -> append samples``; see
-docs/architecture.md for who owns what. The engine wires the parts and runs the plain step; each other concern
-is a module of its own: pool sizing (``engine.kv_pool_sizing``), decode graphs and fused linears
-(``engine.decode_speedups``), the methods it serves (``engine.method_set``), a new request's checks
-(``engine.request_checks``), stop handling and outputs (``engine.output_processor``), decode windows and their
-overlap (``engine.decode_window``), chains (``engine.chain_manager``) and step timing (``engine.step_timing``).
+docs/architecture.md for who owns what. The engine runs the plain step; each other concern is a module of its
+own: building its parts from an ``EngineConfig`` (``engine.engine_wiring``), pool sizing
+(``engine.kv_pool_sizing``), decode graphs and fused linears (``engine.decode_speedups``), the methods it serves
+(``engine.method_set``), a new request's checks (``engine.request_checks``), stop handling and outputs
+(``engine.output_processor``), decode windows and their overlap (``engine.decode_window``), chains
+(``engine.chain_manager``) and step timing (``engine.step_timing``).
 """
 
 from __future__ import annotations
@@ -14,149 +15,60 @@ import dataclasses
 import itertools
 import logging
 import time
-import weakref
 from pathlib import Path
 
-from engine.attention_backend import make_backend
 from engine.chain_index import ChainInfo
-from engine.chain_manager import ChainManager
 from engine.chain_prune import PruneResult
-from engine.chain_tiers import ChainTiers
-from engine.config import DTYPES, EngineConfig
-from engine.contract.codec import check_composes
-from engine.decode_speedups import fuse_decode_linears, reasons_against_graphs
-from engine.decode_window import DecodeWindows
-from engine.detokenizer import decoder_for
-from engine.errors import CheckpointError, ConfigError, InvalidRequestError
-from engine.kv_pool_sizing import kv_pool_pages
-from engine.loader import load_model
-from engine.method_set import MethodSet, take_on
-from engine.model_runner import ModelRunner
-from engine.output_processor import OutputProcessor
+from engine.config import EngineConfig
+from engine.engine_wiring import load_tokenizer, wire_engine
+from engine.errors import InvalidRequestError
 from engine.outputs import RequestOutput
-from engine.page_pool import PagePool
-from engine.paged_cache import PagedCacheManager
 from engine.parallel.workers import mirrored
-from engine.parallel.workers import start as start_tensor_parallel
-from engine.probe import Prober
-from engine.registry import create_kv_storage, create_method, create_scorer
+from engine.registry import create_scorer
 from engine.request import Request
-from engine.request_checks import RequestChecks
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from engine.step_timing import StepTiming, prefill_tokens
-from engine.storage import coded_cache_spec, model_cache_spec
 from engine.structured_output import StructuredOutputs
 
+__all__ = ["LLMEngine", "StepTiming", "load_tokenizer"]  # the server and tools import these from here
+
 log = logging.getLogger(__name__)
-
-
-def load_tokenizer(model_dir: str | Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as exc:  # transformers raises many types for a bad tokenizer dir
-        raise CheckpointError(f"cannot load the tokenizer from {model_dir}: {exc}") from exc
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, _tp=None):
         """``_tp``: (group, link) when built as a tensor-parallel rank > 0 (engine.parallel.workers)."""
         self.config = config
-        self.device = config.resolved_device()
-        self.method = create_method(config.method, config.method_config)  # bad knobs fail before the load
-        self.codec = None
-        if config.kv_storage is not None:
-            self.codec = create_kv_storage(config.kv_storage, config.kv_storage_config)
-            check_composes(self.codec, self.method.name, self.method.view_types)
-        self.tp, self._tp_link, self.device = start_tensor_parallel(config, self.device, _tp)
-        self._close = weakref.finalize(self, self._tp_link.close)  # stops the other ranks (also at exit)
-        dtype = None if config.dtype == "auto" else DTYPES[config.dtype]
-        self.model, self.model_config = load_model(
-            config.model, dtype=dtype, device=self.device, load_format=config.load_format, tp=self.tp
-        )
-        mc = self.model_config
-        if mc.mla is not None and self.tp.world_size > 1:  # the ranks share the latent row, split its query heads
-            self.tp = dataclasses.replace(self.tp, kv_heads_shared=True)
-        if config.resolved_fused_decode_linears(self.device, self.tp.world_size):
-            fuse_decode_linears(self.model, mc.architecture, self.device, asked=config.fused_decode_linears is True)
-        self.tokenizer = load_tokenizer(config.model)
-        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-        spec = model_cache_spec(mc, self.tp.world_size, next(self.model.parameters()).dtype, self.device,
-                                config.page_size, config.max_num_seqs, config.prefix_checkpoints)
-        if self.codec is not None:  # the model's KV in the codec's coded form (refused before the codec binds)
-            coded = coded_cache_spec(spec, self.codec, config.max_num_seqs)
-            if coded is None:
-                raise ConfigError(f"kv_storage {self.codec.name!r} codes dense keys and values or latent rows; "
-                                  f"{mc.architecture} caches {type(spec).__name__} rows")
-            spec = coded
-            self.codec.bind_model(self.model)
-        num_pages = kv_pool_pages(config, spec, self.device)
-        if config.num_pages is None:
-            num_pages = self._tp_link.agree_min(num_pages)  # every rank's pool the same size: the same schedule
-        self.pool = PagePool(num_pages)
-        self.method.validate(spec)
-        prefix_caching = config.enable_prefix_caching and spec.prefix_reusable
-        if config.enable_prefix_caching and not prefix_caching:
-            log.info("prefix caching off: %s keeps per-request recurrent state that published pages do not hold "
-                     "(prefix_checkpoints 0)", mc.architecture)
-        self.cache = (self.method.make_cache(spec, self.pool, prefix_caching)
-                      or PagedCacheManager(spec, self.pool, enable_prefix_caching=prefix_caching))
-        if self.codec is not None and self.cache.storage.codec is not self.codec:
-            raise ConfigError(f"method {self.method.name!r} builds a cache that does not store through "
-                              f"kv_storage {self.codec.name!r}")
-        self.method.bind(self.cache)
-        self.backend = make_backend(config.attention_backend, self.device, self.method, spec.dtype, self.codec,
-                                    spec.head_dim, spec.v_head_dim)
-        self.methods = MethodSet(self.method, lambda m: take_on(m, self.codec, self.backend, spec, self.cache),
-                                 config.max_methods)
-        tiers = None
-        if config.chain_host_bytes:
-            tiers = ChainTiers(self.cache, config.chain_host_bytes, config.chain_disk_dir, config.chain_disk_bytes)
-        self.chains = ChainManager(self.cache, spec.num_layers, tiers)
-        if tiers is not None and tiers.disk_dir is not None:  # chains an earlier process wrote at its shutdown
-            adopted = self.chains.memory.restore(self.methods.resolve)
-            if adopted:
-                log.info("adopted %d chain(s) from %s: their next turns load their KV", adopted, tiers.disk_dir)
-        self.scheduler = Scheduler(self.cache, config.max_num_batched_tokens, config.max_num_seqs,
-                                   on_preempt=self._on_preempt, reclaim=self.chains.memory.reclaim)
-        self.runner = ModelRunner(self.model, self.cache, self.method, self.backend, mc.head_dim**-0.5, self.device)
-        self.runner.prober = self.chains.prober = Prober(
-            self.model, self.cache, mc.head_dim**-0.5, lambda text: self.tokenizer.encode(text, add_special_tokens=False),
-            self.backend)
-        self._maybe_capture_graphs()
-        self.checks = RequestChecks(self.tokenizer, mc.vocab_size, self.max_model_len, config.page_size,
-                                    config.max_num_batched_tokens, self.pool)
-        self.output_processor = OutputProcessor(self.tokenizer, decoder_for(self.tokenizer), self.scheduler,
-                                                self.chains, self.methods)
+        parts = wire_engine(config, self, _tp)
+        self.device = parts.device
+        self.method = parts.method
+        self.codec = parts.codec
+        self.tp = parts.tp
+        self._tp_link = parts.tp_link
+        self._close = parts.close  # stops the other ranks (also at exit)
+        self.model = parts.model
+        self.model_config = parts.model_config
+        self.tokenizer = parts.tokenizer
+        self.max_model_len = parts.max_model_len
+        self.pool = parts.pool
+        self.cache = parts.cache
+        self.backend = parts.backend
+        self.methods = parts.methods
+        self.chains = parts.chains
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.checks = parts.checks
+        self.output_processor = parts.output_processor
+        self.windows = parts.windows
         self._requests = self.output_processor.requests  # live requests by id (benchmarks read them)
         self._detokenizers = self.output_processor.detokenizers
         self._ids = itertools.count()
         self.last_step: StepTiming | None = None
-        overlap = config.resolved_overlap_decode(self.device, self.tp.world_size)
-        self.windows = DecodeWindows(config, self.scheduler, self.cache, self.runner, self.output_processor,
-                                     self.tp, self.device, overlap)
         self._structured: StructuredOutputs | None = None  # made by the first request with a grammar
-        self._tp_link.wait_ready()
-        log.info("engine ready: %s, %d pages of %d tokens, method %s, decode windows of %d%s", mc.architecture,
-                 self.pool.num_pages, config.page_size, self.method.name, config.decode_steps,
-                 " (overlapped)" if self.windows.overlap else "")
-
-    def _maybe_capture_graphs(self) -> None:
-        reasons = reasons_against_graphs(self.config, self.device, self.backend, self.method, self.tp.world_size,
-                                         self.model, self.model_config.architecture)
-        if reasons:
-            log.info("decode CUDA graphs off: %s", "; ".join(reasons))
-            return
-        max_batch = self.config.cuda_graph_max_batch or self.config.max_num_seqs
-        max_pages = -(-self.max_model_len // self.config.page_size)
-        self.runner.capture_decode_graphs(max_batch, max_pages)
-
-    def _on_preempt(self, req: Request) -> None:
-        req.method.release(req)
-        self.chains.on_preempt(req)
+        log.info("engine ready: %s, %d pages of %d tokens, method %s, decode windows of %d%s",
+                 self.model_config.architecture, self.pool.num_pages, config.page_size, self.method.name,
+                 config.decode_steps, " (overlapped)" if self.windows.overlap else "")
 
     # --- requests -------------------------------------------------------------------------------
     @mirrored
