@@ -29,7 +29,7 @@
 #              the torch backend, in one process (most of a call)
 #   mla        GLM-4.7-Flash shape decode roofline at bs8 / bs32 @ 4K (latent attention, MoE)
 #   mlasnap128k  SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, largest batches, decode only
-#   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid) decode at bs8 @ 4K
+#   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid, fla-core) decode at bs8 @ 4K
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
 #   profilesteps  whole decode steps under torch.profiler (MoE bs8@4K, dense bs1@4K): device busy / idle
@@ -165,14 +165,14 @@ for step in "$@"; do
         run moe8 360 python -m benchmarks.throughput --shape qwen3-30b-a3b --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/moe8.json" ;;
     mla)  # GLM-4.7-Flash shape (latent attention, 64 experts): decode roofline at bs8 / bs32 @ 4K (weights read:
-        # dense layer, routed and shared experts; plus latent KV), 8 decode steps per schedule; never run yet
+        # dense layer, routed and shared experts; plus latent KV), 8 decode steps per schedule (70 s on an H200)
         run mla 560 python -m benchmarks.throughput --shape glm-4.7-flash --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/mla.json" ;;
     mlasnap128k)  # SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, each at its largest batch (decode only)
         run mlasnap128k 560 python -m benchmarks.sparse_decode --shape glm-4.7-flash --decode-steps 16 \
             --context 128000 --max-batch 256 --admit-group 16 --methods 'dense;snapkv:{"budget":4096}' \
             --json "$OUT/mlasnap128k.json" ;;
-    hybrid)  # Qwen3.6-27B shape (3 of 4 layers gated DeltaNet, torch ops on the GPU: no fused kernel yet) bs8 @ 4K
+    hybrid)  # Qwen3.6-27B shape (3 of 4 layers gated DeltaNet on fla-core's kernels) bs8 @ 4K (150 s on an H200)
         run hybrid 560 python -m benchmarks.throughput --shape qwen3.6-27b --cases 8@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --json "$OUT/hybrid.json" ;;
     profilesteps)  # device busy vs idle time across whole engine steps, and device time per kernel, for the two
