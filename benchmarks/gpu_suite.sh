@@ -34,6 +34,7 @@
 #              the same with --decode-steps 8
 #   profilesteps  whole decode steps under torch.profiler (MoE bs8@4K, dense bs1@4K): device busy / idle
 #              time per step, what the host was doing in the longest idle gaps, device time per kernel
+#   profilenew the same for the hybrid (Qwen3.6-27B bs8 @ 4K) and MLA (GLM-4.7-Flash bs8 @ 4K, bs4 @ 128K) shapes
 #   select     Quest / OmniKV vs dense at 128K, matched batch (decode graphs capture the selection)
 #   selectwin  the same with --decode-window 8 (8 decode steps per schedule) for all three
 #   evict      KVzip / R-KV vs dense at 4K, matched batch 32
@@ -184,6 +185,14 @@ for step in "$@"; do
         # windows of 8 decode steps, overlapped (the default on a GPU): what idle time is left between them
         run profile_dense8w 150 python benchmarks/profile_decode.py --shape llama-3.1-8b --batch 8 --context 4096 \
             --steps 8 --decode-steps 8 --json "$OUT/profile_dense8w.json" ;;
+    profilenew)  # device time per kernel of the two new families' decode steps (hybrid 0.50, MLA 0.43 of the copy
+        # rate on 2026-12-06), and of MLA decode at 128K (0.25 by its bytes)
+        run profile_hybrid8 200 python benchmarks/profile_decode.py --shape qwen3.6-27b --batch 8 --context 4096 \
+            --steps 8 --json "$OUT/profile_hybrid8.json"
+        run profile_mla8 150 python benchmarks/profile_decode.py --shape glm-4.7-flash --batch 8 --context 4096 \
+            --steps 8 --decode-steps 8 --json "$OUT/profile_mla8.json"
+        run profile_mla128k 200 python benchmarks/profile_decode.py --shape glm-4.7-flash --batch 4 --context 128000 \
+            --steps 8 --json "$OUT/profile_mla128k.json" ;;
     select)
         run select 300 $SPARSE --context 128000 --max-batch 16 \
             --methods 'dense;quest:{"token_budget":4096};omnikv:{"token_budget":4096}' --json "$OUT/select.json" ;;
