@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from engine.contract.view import PagedView, SelectedSlotsView, backend_can_read
-from engine.contract.codec import KVCodec, decode_pages
+from engine.contract.codec import KVCodec, TensorCodec, decode_pages
 from engine.contract.method import SparseMethod
 from engine.contract.view import QuantizedLatentView, QuantizedPagesView
 from engine.errors import ConfigError
@@ -73,6 +73,11 @@ class AttentionBackend:
         reference reads every codec)."""
         return True
 
+    def reads_latent_rows(self, row_codec: TensorCodec) -> bool:
+        """Whether ``QuantizedLatentView``s of rows coded by ``row_codec`` are read (asked only of backends that
+        accept the view type): the torch reference decodes any codec's rows."""
+        return True
+
     def unsupported(self, method: SparseMethod, dtype: torch.dtype | None = None,
                     codec: KVCodec | None = None, head_dim: int | None = None,
                     value_dim: int | None = None) -> list[str]:
@@ -93,6 +98,10 @@ class AttentionBackend:
                                f" channels a row; attention_backend 'torch' reads them)")
             else:
                 reasons.append(f"the {self.name} backend cannot read {t.__name__}")
+        if (codec is not None and latent and not reasons
+                and not self.reads_latent_rows(codec.latent_codec(head_dim, value_dim))):
+            reasons.append(f"the {self.name} backend has no kernel for latent (MLA) rows coded by kv_storage "
+                           f"{codec.name!r}; attention_backend 'torch' reads them")
         if codec is not None and not latent and not reasons and not self.reads_codec(codec, head_dim):
             at = "" if head_dim is None else f" at head_dim {head_dim}"
             reasons.append(f"the {self.name} backend has no kernel for kv_storage {codec.name!r}{at}")

@@ -11,8 +11,8 @@ import dataclasses
 
 import torch
 
-from engine.attention_backend import RECEIVED_REDUCTIONS, AttentionBackend, quantized_forward
-from engine.contract.view import PagedView, QuantizedPagesView, SelectedSlotsView
+from engine.attention_backend import RECEIVED_REDUCTIONS, AttentionBackend, latent_quantized_forward, quantized_forward
+from engine.contract.view import PagedView, QuantizedLatentView, QuantizedPagesView, SelectedSlotsView
 
 
 class TritonBackend(AttentionBackend):
@@ -21,7 +21,7 @@ class TritonBackend(AttentionBackend):
     at decode steps and from the torch reference ops (on the GPU) for prefill chunks."""
 
     name = "triton"
-    accepted_views = (PagedView, SelectedSlotsView, QuantizedPagesView)
+    accepted_views = (PagedView, SelectedSlotsView, QuantizedPagesView, QuantizedLatentView)
     supports_scores = True
     cuda_graph_safe = True
     latent_dims = (512, 64)  # the MLA decode / prefill tiles compiled for sm_90a without spills (their tests)
@@ -31,6 +31,30 @@ class TritonBackend(AttentionBackend):
 
         fmt = codec.kernel_format
         return fmt in FORMATS and (head_dim is None or unsupported_shape(fmt, head_dim) is None)
+
+    def reads_latent_rows(self, row_codec) -> bool:
+        from agentrt_kernels.triton.mla_decode import LATENT_ROW_FORMATS
+
+        return row_codec.kernel_format in LATENT_ROW_FORMATS
+
+    def _coded_latent(self, q, view: QuantizedLatentView, scale: float, return_scores: bool):
+        """Latent rows stored by a codec: decode rows read the codes in the MLA decode kernel; prompt chunks and
+        mixed steps attend over the step's pages decoded to q's dtype (once per layer, then the MLA prefill
+        kernel); scores come from the torch reference."""
+        if return_scores:
+            return latent_quantized_forward(q, view, scale, True)
+        if view.is_pure_decode:
+            from agentrt_kernels.triton.mla_decode import coded_rows, mla_paged_decode
+
+            codes, row_scales = coded_rows(view.row_codec.kernel_format, view.k_fields)
+            return mla_paged_decode(q, codes, view.block_tables, view.kv_lens, scale, view.value_dim,
+                                    row_scales=row_scales), None
+        from agentrt_kernels.triton.mla_prefill import mla_paged_prefill
+
+        pages, table = torch.unique(view.block_tables, return_inverse=True)
+        rows = view.row_codec.decode({name: f[pages.long()] for name, f in view.k_fields.items()}, q.shape[-1])
+        return mla_paged_prefill(q, rows.to(q.dtype), table.to(torch.int32), view.kv_lens, view.query_start_loc,
+                                 scale, view.value_dim, causal=view.causal, max_query_len=view.max_query_len), None
 
     def _quantized(self, q, view: QuantizedPagesView, scale: float, return_scores: bool):
         """Decode rows: the fused dequantizing kernel; prefill chunks and scores: the torch reference."""
@@ -66,6 +90,8 @@ class TritonBackend(AttentionBackend):
         self._slot_table: tuple[SelectedSlotsView, torch.Tensor] | None = None  # per view: layers share it
 
     def forward(self, q, k_cache, v_cache, view: PagedView, scale: float, return_scores: bool = False):
+        if isinstance(view, QuantizedLatentView):
+            return self._coded_latent(q, view, scale, return_scores)
         if isinstance(view, QuantizedPagesView):
             return self._quantized(q, view, scale, return_scores)
         if v_cache.shape[-1] != k_cache.shape[-1] and not (return_scores and not view.is_pure_decode):

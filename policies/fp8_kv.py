@@ -51,6 +51,8 @@ class E4M3LatentRow(TensorCodec):
     latent's precision independent of the rotary magnitude, for 4 bytes a row (docs/methods.md gives the
     measured errors both ways)."""
 
+    kernel_format = "e4m3-latent-row"  # the Triton MLA decode kernel reads these codes and scales
+
     def __init__(self, latent_dim: int):
         self.latent_dim = latent_dim
 

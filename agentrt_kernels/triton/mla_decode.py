@@ -62,16 +62,17 @@ MLA_SPLIT_PROGRAMS_PER_SM = 4
 
 @triton.jit
 def _mla_split_kernel(
-    q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, sv_ptr, sr_ptr,
     scale_log2, num_heads,
     stride_qb, stride_qh,
     stride_kp, stride_ks,
+    stride_sp, stride_ss,
     stride_btb,
     stride_ob, stride_oh,
     BLOCK_H: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, DK: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_REST: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -92,7 +93,7 @@ def _mla_split_kernel(
     v_mask = offs_v < DV
     r_mask = offs_r < DK
 
-    dot_ty = tl.float32 if UPCAST else kv_ptr.dtype.element_ty
+    dot_ty = tl.float32 if UPCAST else q_ptr.dtype.element_ty
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh
     q_v = tl.load(q_rows + offs_v[None, :], mask=h_mask[:, None] & v_mask[None, :], other=0.0).to(dot_ty)
     if HAS_REST:
@@ -106,18 +107,32 @@ def _mla_split_kernel(
         tok = n0 + offs_n
         n_mask = tok < end
         page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        rows = kv_ptr + page * stride_kp + (tok % PAGE_SIZE).to(tl.int64) * stride_ks  # [BLOCK_N] row starts
+        slot = (tok % PAGE_SIZE).to(tl.int64)
+        rows = kv_ptr + page * stride_kp + slot * stride_ks  # [BLOCK_N] row starts
         # the value channels: K's first DV channels and all of V, read once
-        kv = tl.load(rows[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0.0).to(dot_ty)
+        kv = tl.load(rows[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0)
+        if CODED:  # E4M3 codes, exact in fp16 / bf16; each row's scales applied to its logits and probabilities
+            kv = kv.to(tl.float8e4nv, bitcast=True)
+            sv = tl.load(sv_ptr + page * stride_sp + slot * stride_ss, mask=n_mask, other=0.0)
+        kv = kv.to(dot_ty)
         qk = tl.dot(q_v, tl.trans(kv), input_precision=PRECISION)
+        if CODED:
+            qk = qk * sv[None, :]
         if HAS_REST:
-            kr = tl.load(rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0.0)
-            qk += tl.dot(q_r, tl.trans(kr.to(dot_ty)), input_precision=PRECISION)
+            kr = tl.load(rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0)
+            if CODED:
+                sr = tl.load(sr_ptr + page * stride_sp + slot * stride_ss, mask=n_mask, other=0.0)
+                qk += tl.dot(q_r, tl.trans(kr.to(tl.float8e4nv, bitcast=True).to(dot_ty)),
+                             input_precision=PRECISION) * sr[None, :]
+            else:
+                qk += tl.dot(q_r, tl.trans(kr.to(dot_ty)), input_precision=PRECISION)
         qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if CODED:
+            p = p * sv[None, :]  # l_i summed the probabilities themselves; the values' scale rides on p
         acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), kv, input_precision=PRECISION)
         m_i = m_new
 
@@ -157,6 +172,18 @@ def _mla_combine_kernel(
         acc += tl.load(mid_o_ptr + (row + s) * DV + offs_v, mask=v_mask, other=0.0) * w
     tl.store(out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_v, (acc / denom).to(out_ptr.dtype.element_ty),
              mask=v_mask)
+
+
+# Latent row codes the decode kernel reads (``TensorCodec.kernel_format``): E4M3 codes, one fp32 scale for the
+# latent channels and one for the rotary key
+LATENT_ROW_FORMATS = ("e4m3-latent-row",)
+
+
+def coded_rows(fmt: str, fields: dict[str, torch.Tensor]) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """(codes, row_scales) for ``mla_paged_decode`` from a latent row codec's fields in format ``fmt``."""
+    if fmt not in LATENT_ROW_FORMATS:
+        raise ValueError(f"no MLA decode kernel reads latent rows in format {fmt!r} (it reads {LATENT_ROW_FORMATS})")
+    return fields["codes"], (fields["scale"], fields["rope_scale"])
 
 
 def default_block_h(num_heads: int) -> int:
@@ -210,9 +237,15 @@ def mla_paged_decode(
     num_warps: int | None = None,
     num_stages: int | None = None,
     min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
+    row_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, Dk] attends to the first kv_lens[b] latent rows of request b's pages (keys: the whole row,
-    values: its first ``value_dim`` channels) -> [B, Hq, value_dim]."""
+    values: its first ``value_dim`` channels) -> [B, Hq, value_dim].
+
+    ``row_scales`` (scale, rope_scale), each [num_pages, page_size(, 1, 1)] fp32: the rows are E4M3 codes
+    (``latent`` uint8, ``LATENT_ROW_FORMATS``), row value = code * scale over [0, value_dim) and code *
+    rope_scale over the rest. The codes are converted to q's dtype (exactly, for fp16 / bf16) and the scales
+    applied to the logits and the probabilities, so the kernel reads one byte a channel."""
     batch, num_heads, dk = q.shape
     if latent.dim() == 4:
         assert latent.shape[2] == 1, f"MLA latent cache has one KV head, got {tuple(latent.shape)}"
@@ -221,7 +254,15 @@ def mla_paged_decode(
     page_size = latent.shape[1]
     dv = int(value_dim)
     assert 0 < dv <= dk, (value_dim, dk)
-    assert latent.dtype == q.dtype, (q.dtype, latent.dtype)
+    if row_scales is None:
+        assert latent.dtype == q.dtype, (q.dtype, latent.dtype)
+        sv = sr = q  # not read
+        stride_sp = stride_ss = 0
+    else:
+        assert latent.dtype == torch.uint8, latent.dtype
+        sv, sr = (t.reshape(latent.shape[0], latent.shape[1]) for t in row_scales)
+        assert sv.dtype == sr.dtype == torch.float32 and sv.stride() == sr.stride(), (sv.dtype, sr.dtype)
+        stride_sp, stride_ss = sv.stride()
     assert block_tables.shape[0] == batch and kv_lens.shape == (batch,), (block_tables.shape, kv_lens.shape)
     for name, t in (("q", q), ("latent", latent), ("block_tables", block_tables), ("kv_lens", kv_lens)):
         check_last_dim_contiguous(name, t)
@@ -234,13 +275,15 @@ def mla_paged_decode(
         return out
     if block_h is None:  # fp32 tiles of more than 16 heads spill (fp32 dots hold their operands in registers)
         block_h = 16 if q.dtype == torch.float32 else default_block_h(num_heads)
+        if row_scales is not None:  # codes converted in registers: 64-head tiles spill, 32 do not (255 registers)
+            block_h = min(block_h, 32)
     block_h = max(16, next_pow2(block_h))
     head_tiles = -(-num_heads // block_h)
     block_dv = next_pow2(dv)
     block_dr = max(16, next_pow2(dk - dv))
     default_n, default_warps, default_stages, maxnreg = _launch_defaults(block_h, block_dv, q.dtype)
-    if (block_n, num_warps, num_stages) != (None, None, None):
-        maxnreg = None  # the register cap belongs to the default tile
+    if (block_n, num_warps, num_stages) != (None, None, None) or row_scales is not None:
+        maxnreg = None  # the register cap belongs to the default uncoded tile (the coded one spills under it)
     block_n = block_n or default_n
     num_warps = num_warps or default_warps
     num_stages = num_stages or default_stages
@@ -251,15 +294,16 @@ def mla_paged_decode(
     launch = {"maxnreg": maxnreg} if maxnreg and num_splits == 1 else {}
     upcast, precision = dot_args(_mla_split_kernel, q.dtype)
     _mla_split_kernel[(head_tiles, num_splits, batch)](
-        q, latent, block_tables, kv_lens, out, mid_o, mid_lse,
+        q, latent, block_tables, kv_lens, out, mid_o, mid_lse, sv, sr,
         scale * _LOG2E, num_heads,
         q.stride(0), q.stride(1),
         latent.stride(0), latent.stride(1),
+        stride_sp, stride_ss,
         block_tables.stride(0),
         out.stride(0), out.stride(1),
         BLOCK_H=block_h, DV=dv, BLOCK_DV=block_dv, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
-        UPCAST=upcast, PRECISION=precision,
+        UPCAST=upcast, PRECISION=precision, CODED=row_scales is not None,
         num_warps=num_warps, num_stages=num_stages, **launch,
     )
     if num_splits > 1:

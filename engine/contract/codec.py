@@ -47,6 +47,9 @@ class TensorCodec(ABC):
 
     token_group: int = 1  # slots sharing the per-group fields
     needs_positions: ClassVar[bool] = False  # ``encode`` takes the slots' logical positions (e.g. to undo RoPE)
+    # the layout a GPU kernel reads this codec's fields in (a latent row codec's, e.g. "e4m3-latent-row"; None:
+    # attention reads the decoded rows through the torch reference)
+    kernel_format: ClassVar[str | None] = None
 
     @abstractmethod
     def fields(self, head_dim: int) -> dict[str, FieldSpec]: ...

@@ -393,23 +393,26 @@ def test_codecs_that_cannot_code_a_row_once_are_refused_naming_the_field(name, w
     assert f"kv_storage {name!r} cannot code latent (MLA) rows: " in str(exc.value) and why in str(exc.value)
 
 
-def test_the_triton_backend_refuses_coded_rows_naming_the_fields_and_auto_takes_torch(mla_dirs, monkeypatch,
-                                                                                        caplog):
+def test_the_triton_backend_reads_e4m3_rows_and_refuses_a_row_format_it_has_no_kernel_for(mla_dirs, monkeypatch,
+                                                                                           caplog):
     pytest.importorskip("triton")
     import engine.attention_backend as ab
     from engine.contract.method import SparseMethod
     from engine.gpu_backends import TritonBackend
     from engine.registry import create_kv_storage
+    from policies.fp8_kv import E4M3LatentRow
 
     codec = create_kv_storage("fp8")
     triton = TritonBackend.__new__(TritonBackend)  # its reasons are class-level: no kernels are loaded
-    (reason,) = triton.unsupported(SparseMethod(), torch.bfloat16, codec, head_dim=576, value_dim=512)
-    assert reason == ("the triton backend does not read latent (MLA) rows coded by kv_storage 'fp8' (kv_lora_rank "
-                      "512 + qk_rope_head_dim 64 channels a row; attention_backend 'torch' reads them)")
+    assert triton.unsupported(SparseMethod(), torch.bfloat16, codec, head_dim=576, value_dim=512) == []
     assert triton.unsupported(SparseMethod(), torch.bfloat16, None, head_dim=576, value_dim=512) == []
     assert triton.unsupported(SparseMethod(), torch.bfloat16, codec, head_dim=128) == []  # dense heads: its kernel
+    # a latent row format no kernel reads: refused naming the codec; auto on a GPU takes torch after Triton
+    monkeypatch.setattr(E4M3LatentRow, "kernel_format", None)
+    (reason,) = triton.unsupported(SparseMethod(), torch.bfloat16, codec, head_dim=576, value_dim=512)
+    assert reason == ("the triton backend has no kernel for latent (MLA) rows coded by kv_storage 'fp8'; "
+                      "attention_backend 'torch' reads them")
     assert ab.TorchReferenceBackend().unsupported(SparseMethod(), torch.bfloat16, codec, 576, 512) == []
-    # auto on a GPU: Triton first, then torch
     monkeypatch.setattr(ab, "auto_candidates", lambda device, flashinfer: ["triton", "torch"])
     real = ab._construct
     monkeypatch.setattr(ab, "_construct", lambda name, device: triton if name == "triton" else real(name, device))
@@ -422,7 +425,7 @@ def test_the_triton_backend_refuses_coded_rows_naming_the_fields_and_auto_takes_
         ab.make_backend("triton", torch.device("cpu"), SparseMethod(), torch.bfloat16, codec, 576, 512)
 
 
-def test_an_engine_on_coded_rows_serves_the_torch_backend_only(mla_dirs):
+def test_an_engine_on_coded_rows_on_the_cpu_serves_the_torch_backend(mla_dirs):
     llm = make_llm(mla_dirs["glm4_moe_lite"])
     assert llm.engine.backend.name == "torch"
     assert type(llm.engine.cache.storage).__name__ == "CodedLatentKV"

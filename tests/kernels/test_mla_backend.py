@@ -64,3 +64,27 @@ def test_a_latent_width_its_kernels_do_not_tile_is_refused_naming_the_field():
     (reason,) = backend.unsupported(SparseMethod(), torch.bfloat16, None, head_dim=512 + 128, value_dim=512)
     assert "qk_rope_head_dim 128" in reason
     assert TorchReferenceBackend().unsupported(SparseMethod(), torch.bfloat16, None, 1024 + 64, 1024) == []
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
+def test_an_engine_on_e4m3_latent_rows_gives_the_torch_backends_tokens(arch, mla_dirs):
+    """``kv_storage="fp8"`` on an MLA model with the Triton backend: decode steps read the codes in the MLA
+    decode kernel, prompt chunks and mixed steps the decoded pages in the MLA prefill kernel; greedy tokens and
+    logprobs equal the torch backend's, which decodes the same codes (prompts prefilled in chunks beside
+    decoding requests)."""
+    from engine import LLM, SamplingParams
+
+    prompts = [torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 41, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
+    outs = []
+    for triton_backend in (False, True):
+        llm = LLM(mla_dirs[arch], device=str(DEVICE), dtype="float32", attention_backend="torch", kv_storage="fp8",
+                  max_num_batched_tokens=32, enforce_eager=True, num_pages=128, page_size=8)
+        engine = llm.engine
+        if triton_backend:
+            engine.backend = engine.runner.backend = TritonBackend()
+        outs.append(llm.generate(prompts, params))
+        assert type(engine.cache.storage).__name__ == "CodedLatentKV"
+    for ref, got in zip(*outs):
+        assert got.token_ids == ref.token_ids
+        assert max(abs(a - b) for a, b in zip(got.logprobs, ref.logprobs)) < 1e-4

@@ -92,6 +92,33 @@ def test_mla_decode_matches_dense(dtype, hq, dk, dv, page_size, num_splits, bloc
     _close(got, _dense(q, latent, bt, lens, scale, dv), dtype)
 
 
+@pytest.mark.parametrize("dtype,hq,dk,dv,page_size,num_splits", [
+    (torch.float32, 16, 48, 32, 16, 1), (torch.float32, 20, 48, 32, 16, 3), (torch.float16, 20, 52, 40, 16, 2),
+    (torch.bfloat16, 16, 576, 512, 64, 2)])
+def test_e4m3_latent_rows_equal_attention_over_their_decoded_rows(dtype, hq, dk, dv, page_size, num_splits):
+    """Rows stored as E4M3 codes with a latent and a rotary scale (``kv_storage="fp8"`` on an MLA model): the
+    kernel reading the codes equals dense attention over the rows the codec decodes (the rotary channels made
+    10x larger, so the two scales differ). A kernel that ignored either scale, or applied the latent scale to
+    the rotary channels, would not."""
+    from policies.fp8_kv import E4M3LatentRow
+
+    kv_lens = [1, 37, 150]
+    q, latent, bt, lens = _case(zlib.crc32(f"e4m3-{dtype}-{hq}-{dk}".encode()), torch.float32, kv_lens, hq, dk,
+                                page_size, pad_pages=1)
+    latent[..., dv:] *= 10.0
+    row = E4M3LatentRow(dv)
+    fields = row.encode(latent)
+    decoded = row.decode(fields, dk)
+    assert fields["codes"].dtype == torch.uint8 and not torch.equal(fields["scale"], fields["rope_scale"])
+    scale = 192 ** -0.5
+    q = q.to(dtype)
+    got = mla_paged_decode(q, fields["codes"], bt, lens, scale, dv, num_splits=num_splits,
+                           row_scales=(fields["scale"], fields["rope_scale"]))
+    assert got.shape == (len(kv_lens), hq, dv) and got.dtype == dtype
+    want = _dense(q, decoded.to(DEVICE), bt, lens, scale, dv)
+    _close(got, want, dtype)
+
+
 def test_three_dim_latent_strided_q_default_splits_and_empty_rows():
     """latent given as [P, ps, Dk]; q a strided slice of a wider buffer; num_splits left to the default; a
     kv_len 0 row (CUDA-graph padding) comes out as zeros."""
@@ -194,20 +221,23 @@ triton_compile = triton.compile
 triton.compile = lambda src, target=None, options=None: triton_compile(src, target=target,
                                                                       options={**options, **compile_options})
 rows = []
-for dtype, hq, splits in json.loads(sys.argv[1]):
+for dtype, hq, splits, coded in json.loads(sys.argv[1]):
     tdtype = getattr(torch, dtype)
     block_h = 16 if tdtype == torch.float32 else m.default_block_h(hq)
+    block_h = min(block_h, 32) if coded else block_h
     block_n, warps, stages, maxnreg = m._launch_defaults(block_h, 512, tdtype)
-    compile_options = {"maxnreg": maxnreg} if maxnreg and splits == 1 else {}
+    compile_options = {"maxnreg": maxnreg} if maxnreg and splits == 1 and not coded else {}
     ty = {"bfloat16": "*bf16", "float16": "*fp16", "float32": "*fp32"}[dtype]
-    args = dict(q_ptr=ty, kv_ptr=ty, bt_ptr="*i32", lens_ptr="*i32", out_ptr=ty, mid_o_ptr="*fp32",
-                mid_lse_ptr="*fp32", scale_log2=0.1, num_heads=hq, stride_qb=hq * 576, stride_qh=576,
-                stride_kp=64 * 576, stride_ks=576, stride_btb=1037, stride_ob=hq * 512, stride_oh=512,
+    args = dict(q_ptr=ty, kv_ptr="*u8" if coded else ty, bt_ptr="*i32", lens_ptr="*i32", out_ptr=ty,
+                mid_o_ptr="*fp32", mid_lse_ptr="*fp32", sv_ptr="*fp32", sr_ptr="*fp32", scale_log2=0.1,
+                num_heads=hq, stride_qb=hq * 576, stride_qh=576, stride_kp=64 * 576, stride_ks=576,
+                stride_sp=64 if coded else 0, stride_ss=1 if coded else 0, stride_btb=1037, stride_ob=hq * 512,
+                stride_oh=512, CODED=coded,
                 BLOCK_H=block_h, DV=512, BLOCK_DV=512, DK=576, BLOCK_DR=64, HAS_REST=True, PAGE_SIZE=64,
                 BLOCK_N=block_n, NUM_SPLITS=splits, MIN_SPLIT=0, UPCAST=False,
                 PRECISION="ieee" if dtype == "float32" else "tf32")
     r = compile_sm90(m._mla_split_kernel, args, num_warps=warps, num_stages=stages)
-    rows.append(dict(dtype=dtype, hq=hq, splits=splits, block_h=block_h, **{k: r[k] for k in (
+    rows.append(dict(dtype=dtype, hq=hq, splits=splits, coded=coded, block_h=block_h, **{k: r[k] for k in (
         "registers", "spill_stores", "shared_bytes", "programs_per_sm", "LDGSTS")}))
 print(json.dumps(rows))
 """
@@ -227,8 +257,9 @@ def test_default_launches_compile_for_sm90_without_spills():
 
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("triton's bundled ptxas is not installed")
-    cases = [("bfloat16", 16, 1), ("bfloat16", 16, 4), ("bfloat16", 20, 1), ("bfloat16", 20, 4), ("float16", 128, 2),
-             ("float32", 20, 2)]
+    cases = [("bfloat16", 16, 1, False), ("bfloat16", 16, 4, False), ("bfloat16", 20, 1, False),
+             ("bfloat16", 20, 4, False), ("float16", 128, 2, False), ("float32", 20, 2, False),
+             ("bfloat16", 20, 4, True), ("bfloat16", 20, 1, True), ("bfloat16", 128, 2, True)]  # coded: E4M3 rows
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     done = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, json.dumps(cases)], env=env, cwd=root,
@@ -237,5 +268,8 @@ def test_default_launches_compile_for_sm90_without_spills():
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(rows) == len(cases)
     for r in rows:
+        if r["coded"]:  # the codes' conversion holds a bf16 tile in registers: one program a SM, no spills
+            assert r["spill_stores"] == 0 and r["LDGSTS"] > 0 and r["programs_per_sm"] >= 1, r
+            continue
         assert r["spill_stores"] <= 32 and r["LDGSTS"] > 0, r
         assert r["programs_per_sm"] >= (2 if r["block_h"] <= 32 else 1), r
