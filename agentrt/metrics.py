@@ -44,12 +44,22 @@ class Metrics:
             seconds.labels(move).set_function(lambda move=move: 0 if worker.snapshot.tiers is None
                                               else worker.snapshot.tiers.seconds[move])
         loads = Gauge("agentrt_chain_tier_loads", "chain loads by outcome: from host, from disk, failed (recomputed), "
-                      "copies dropped, disk writes failed (recomputed)", ["outcome"], registry=r)
+                      "copies dropped, disk writes failed (recomputed), disk copies dropped because recomputing "
+                      "was estimated faster than reading them (recomputed_by_cost, also counted in dropped)",
+                      ["outcome"], registry=r)
         for outcome, read in (("host", lambda c: c.loads["host"]), ("disk", lambda c: c.loads["disk"]),
                               ("failed", lambda c: c.failed_loads), ("dropped", lambda c: c.dropped),
-                              ("failed_writes", lambda c: c.failed_writes)):
+                              ("failed_writes", lambda c: c.failed_writes),
+                              ("recomputed_by_cost", lambda c: c.recomputed_by_cost)):
             loads.labels(outcome).set_function(lambda read=read: 0 if worker.snapshot.tiers is None
                                                else read(worker.snapshot.tiers))
+        # the measured rates a turn weighs to read its chain from disk or recompute it (engine.tier_cost)
+        Gauge("agentrt_chain_tier_disk_read_bytes_per_second", "measured read rate of chain files from the disk tier "
+              "(recent loads; 0 until one is measured)", registry=r).set_function(
+            lambda: 0 if worker.snapshot.tiers is None else worker.snapshot.tiers.disk_read_bytes_per_s)
+        Gauge("agentrt_chain_tier_prefill_tokens_per_second", "measured prefill rate: prompt tokens per second of the "
+              "recent steps that ran them (0 until measured)", registry=r).set_function(
+            lambda: 0 if worker.snapshot.tiers is None else worker.snapshot.tiers.prefill_tokens_per_s)
         self.tokens_prefilled = Counter("agentrt_tokens_prefilled", "prompt tokens computed", registry=r)
         self.tokens_resumed = Counter("agentrt_tokens_resumed", "prompt tokens re-attached from a chain", registry=r)
         self.tokens_cached = Counter("agentrt_tokens_prefix_cached", "prompt tokens from the prefix cache", registry=r)

@@ -66,7 +66,7 @@ class ChainManager:
         if state.table is not None and state.method is not req.method:
             self.cache.release_table(state.table)  # retained by another method: its state does not carry over
             state.table, state.num_computed, state.method_state = None, 0, None
-        loaded = self.memory.load(state, keep=state.method is req.method)
+        loaded = self.memory.load(state, keep=state.method is req.method, turn=True)
         if state.table is None:
             status = ResumeStatus.RECOMPUTED if state.token_ids else ResumeStatus.CREATED
         else:

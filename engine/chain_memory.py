@@ -117,12 +117,16 @@ class ChainMemory:
         entry = state.offloaded
         return entry.where if entry is not None and entry.where in ("host", "disk") else "reclaimed"
 
-    def load(self, state: ChainState, keep: bool = True) -> bool:
+    def load(self, state: ChainState, keep: bool = True, turn: bool = False) -> bool:
         """Bring an offloaded chain's table back to the device (making room as ``reclaim`` does); True if it is
-        resident again. ``keep`` False: the offloaded copy is dropped instead (it cannot serve the turn)."""
+        resident again. ``keep`` False: the offloaded copy is dropped instead (it cannot serve the turn). ``turn``:
+        for a turn, which recomputes a chain on disk instead when that is estimated faster than reading its file
+        (``ChainTiers.recompute_instead``); a fork, rewind, prune or prefetch needs the KV itself and loads."""
         entry, state.offloaded = state.offloaded, None
         if entry is None or self.tiers is None:
             return False
+        if turn and keep and self.tiers.recompute_instead(entry, state.num_computed):
+            keep = False
         table = self.tiers.load(entry) if keep else None
         if table is None and keep and entry.where != "dropped":
             self.reclaim(entry.num_pages)
@@ -135,6 +139,12 @@ class ChainMemory:
         if state.method_state is None:  # a chain adopted from a file: its method state came with its KV
             state.method_state = entry.method_state
         return True
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step ran ``tokens`` prompt tokens in ``seconds`` (``Scheduler.step_observers``): the prefill rate a
+        turn weighs against reading its chain's file from disk."""
+        if self.tiers is not None:
+            self.tiers.observe_prefill(tokens, seconds)
 
     # --- session hints ------------------------------------------------------------------------------
     def set_pinned(self, chain_id: str, pinned: bool) -> None:

@@ -18,6 +18,11 @@ host tensors until its file is complete, so no engine step waits on a file (a ch
 from those tensors and its file removed when written). Host memory held by writes in flight is bounded by the
 host tier's size: a spill beyond it waits for the oldest write. ``flush`` waits for all of them (a shutdown's
 ``persist``, an adoption).
+
+A turn whose chain is on disk reads its file only when that is not estimated slower than recomputing the chain's
+history (``engine.tier_cost``): the tier measures its read rate from its own file loads, the engine its prefill
+rate (``observe_prefill``), and a chain whose read is estimated slower by more than the margin is dropped and
+recomputed (``recompute_instead``: logged, counted in ``TierCounters.recomputed_by_cost``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from safetensors.torch import save_file
 from engine.contract.cache import CacheManager
 from engine.page_table import PageTable
 from engine.state_tree import flatten, unflatten
+from engine.tier_cost import TierRates, read_seconds, recompute_seconds
 
 log = logging.getLogger(__name__)
 HOST, DISK, DROPPED = "host", "disk", "dropped"
@@ -88,6 +94,11 @@ class TierCounters:
     # wall seconds of each move: device -> host copies, host -> disk writes (on the writer thread), loads back
     seconds: dict[str, float] = field(default_factory=lambda: {"offload": 0.0, "spill": 0.0, "load_host": 0.0,
                                                                "load_disk": 0.0})
+    recomputed_by_cost: int = 0  # turns that dropped their chain's file to recompute it (estimated faster)
+    # the rates that choice reads (``engine.tier_cost``), 0.0 until measured: reading and checking chain files
+    # (bytes per second) and prefill (prompt tokens per second of the steps that ran them)
+    disk_read_bytes_per_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
 
 
 class ChainTiers:
@@ -105,6 +116,8 @@ class ChainTiers:
         self.counters = TierCounters()
         self._writer: ThreadPoolExecutor | None = None
         self._writes: list[OffloadedTable] = []  # in flight, oldest first
+        self.rates = TierRates()  # measured: file reads here, prefill by ``observe_prefill``
+        self.cost_aware = True  # False: a turn always loads its chain's file (a benchmark timing disk loads)
 
     # --- down ---------------------------------------------------------------------------------------
     def offload(self, chain_id: str, table: PageTable, info: dict[str, Any] | None = None,
@@ -246,14 +259,19 @@ class ChainTiers:
         if entry.where == DROPPED:
             return None
         tier = entry.where
+        from_file = tier == DISK and entry.writing is None  # else its host copy, its file not yet written
         start = time.perf_counter()
         try:
+            file_bytes = _file_bytes(entry) if from_file else 0
             pages, state, kept, method_tensors = self._read(entry)
         except (OSError, SafetensorError, ValueError, KeyError) as exc:
             log.warning("chain %s: its offloaded KV could not be read (%s); recomputing it", entry.chain_id, exc)
             self.counters.failed_loads += 1
             self.drop(entry)
             return None
+        if from_file:
+            self.rates.disk_read.observe(file_bytes, time.perf_counter() - start)
+            self.counters.disk_read_bytes_per_s = self.rates.disk_read.per_second or 0.0
         pool = self.cache.pool
         if not pool.can_allocate(entry.num_pages):
             return None  # kept where it is: the caller may make room and try again
@@ -273,6 +291,32 @@ class ChainTiers:
         self.counters.seconds[f"load_{tier}"] += time.perf_counter() - start
         self._forget(entry)
         return table
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """A step that ran ``tokens`` prompt tokens in ``seconds`` (the prefill rate ``recompute_instead`` reads)."""
+        self.rates.prefill.observe(tokens, seconds)
+        self.counters.prefill_tokens_per_s = self.rates.prefill.per_second or 0.0
+
+    def recompute_instead(self, entry: OffloadedTable, history_tokens: int) -> bool:
+        """Whether a turn should drop ``entry`` and recompute its chain's ``history_tokens`` rather than read the
+        entry's file (``engine.tier_cost.recompute_instead`` on the measured rates); counted and logged when so.
+        Only a written file is weighed: a host copy (or a file still being written, served from its host copy)
+        loads."""
+        if not self.cost_aware or entry.where != DISK or entry.writing is not None:
+            return False
+        try:
+            file_bytes = _file_bytes(entry)
+        except OSError:
+            return False  # the load finds out, and recomputes
+        if not self.rates.recompute_instead(file_bytes, history_tokens):
+            return False
+        read_rate, prefill_rate = self.rates.disk_read.per_second, self.rates.prefill.per_second
+        log.info("chain %s: recomputing its %d tokens instead of reading its file from disk: reading %d bytes at "
+                 "%.3g MB/s is estimated at %.3g s, recomputing at %.3g tokens/s at %.3g s", entry.chain_id,
+                 history_tokens, file_bytes, read_rate / 1e6, read_seconds(file_bytes, read_rate),
+                 prefill_rate, recompute_seconds(history_tokens, prefill_rate))
+        self.counters.recomputed_by_cost += 1
+        return True
 
     def _read(self, entry: OffloadedTable) -> tuple[list[torch.Tensor], list[torch.Tensor], list | None,
                                                     list[torch.Tensor]]:
@@ -391,6 +435,11 @@ def file_chain_id(path: Path) -> str | None:
             return json.loads((f.metadata() or {})["layout"])["chain"]
     except (OSError, SafetensorError, ValueError, KeyError):
         return None
+
+
+def _file_bytes(entry: OffloadedTable) -> int:
+    """The size of an entry's file (what reading it reads)."""
+    return entry.path.stat().st_size
 
 
 def _import(qualified: str | None) -> Any:

@@ -146,6 +146,8 @@ def wire_engine(config: EngineConfig, owner: object, worker=None) -> EngineParts
 
     scheduler = Scheduler(cache, config.max_num_batched_tokens, config.max_num_seqs, on_preempt=on_preempt,
                           reclaim=chains.memory.reclaim)
+    # the prefill rate a turn weighs against reading its chain from disk (engine.tier_cost)
+    scheduler.step_observers.append(chains.memory.observe_prefill)
     runner = ModelRunner(model, cache, method, backend, mc.head_dim**-0.5, device)
     runner.prober = chains.prober = Prober(
         model, cache, mc.head_dim**-0.5, lambda text: tokenizer.encode(text, add_special_tokens=False), backend)

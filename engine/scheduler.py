@@ -7,6 +7,7 @@ preempted (its pages freed, it is recomputed later from its tokens). Waiting req
 budget, ``max_num_seqs`` and the pool allow, after reusing whatever prefix the cache manager can match.
 """
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,6 +45,10 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # told of every step that ran prompt tokens: (those tokens, seconds from the plan to its update, i.e. the
+        # step's prepare and execute); the chain tiers' prefill rate (``ChainMemory.observe_prefill``)
+        self.step_observers: list[Callable[[int, float], None]] = []
+        self._planned_at: float | None = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -71,6 +76,7 @@ class Scheduler:
                 budget -= n
                 i += 1
         if plan.preempted:
+            self._planned_at = time.perf_counter()
             return plan  # memory is short: do not admit anyone this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
@@ -91,6 +97,7 @@ class Scheduler:
             plan.requests.append(req)
             plan.num_new_tokens.append(n)
             budget -= n
+        self._planned_at = time.perf_counter()
         return plan
 
     def _chunk(self, start: int, end: int, budget: int) -> int:
@@ -134,11 +141,19 @@ class Scheduler:
 
     def update(self, plan: StepPlan) -> None:
         """Advance computed counts for what the step ran; publish full pages."""
+        prefilled = 0
         for req, n in zip(plan.requests, plan.num_new_tokens):
             start = req.num_computed_tokens
-            req.num_prefilled_tokens += max(0, min(start + n, req.num_prompt_tokens) - start)
+            prompt = max(0, min(start + n, req.num_prompt_tokens) - start)
+            req.num_prefilled_tokens += prompt
+            prefilled += prompt
             req.num_computed_tokens += n
             self.cache.commit(req, n)
+        if prefilled and self._planned_at is not None:
+            seconds = time.perf_counter() - self._planned_at
+            for observe in self.step_observers:
+                observe(prefilled, seconds)
+        self._planned_at = None
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         if req.status is RequestStatus.RUNNING:

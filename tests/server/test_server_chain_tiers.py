@@ -37,6 +37,10 @@ def test_pressure_moves_idle_chains_to_host_and_their_turns_load(tmp_path):
         assert metric(text, 'agentrt_chain_tier_loads{outcome="failed"}') == 0
         assert metric(text, 'agentrt_chain_tier_seconds{move="offload"}') > 0
         assert metric(text, 'agentrt_chain_tier_seconds{move="load_host"}') > 0
+        # the rates a turn weighs to read a chain from disk or recompute it: prefill measured, no disk read yet
+        assert metric(text, "agentrt_chain_tier_prefill_tokens_per_second") > 0
+        assert metric(text, "agentrt_chain_tier_disk_read_bytes_per_second") == 0
+        assert metric(text, 'agentrt_chain_tier_loads{outcome="recomputed_by_cost"}') == 0
 
 
 def test_a_restarted_server_loads_the_chains_it_wrote_at_shutdown(tmp_path):
@@ -55,6 +59,7 @@ def test_a_restarted_server_loads_the_chains_it_wrote_at_shutdown(tmp_path):
         body = r.json()
         assert body["resume_status"] == "loaded"
         assert body["usage"]["prefilled_tokens"] < body["usage"]["prompt_tokens"] // 2
+        assert metric(client.get("/metrics").text, "agentrt_chain_tier_disk_read_bytes_per_second") > 0
 
 
 def test_session_hints_through_the_chain_route(tmp_path):
