@@ -1,11 +1,12 @@
 """ModelConfig: the engine's normalized view of a Hugging Face ``config.json``.
 
 Accepts both the pre-5 transformers layout (``rope_theta``/``rope_scaling``, ``num_experts``) and the
-transformers-5 layout (``rope_parameters``, ``num_local_experts``, ``dtype``).
+transformers-5 layout (``rope_parameters``, ``num_local_experts``, ``dtype``). The latent-attention (MLA) and
+hybrid linear-attention sub-configs are read by ``engine.model_config_mla`` and ``engine.model_config_linear``;
+their names are importable from here too.
 """
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,18 @@ from typing import Any
 import torch
 
 from engine.errors import CheckpointError, EngineError
+from engine.model_config_linear import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    LinearAttentionConfig,
+    hybrid_fields,
+    text_config,
+)
+from engine.model_config_mla import LatentAttentionConfig, deepseek_moe_fields, latent_attention
 from engine.models.registry import check_supported
+
+# the sub-configs and layer kinds are imported from here by the models, tests and tools
+__all__ = ["FULL_ATTENTION", "LINEAR_ATTENTION", "LatentAttentionConfig", "LinearAttentionConfig", "ModelConfig"]
 
 _ARCHITECTURE_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -29,104 +41,7 @@ _ARCHITECTURE_BY_MODEL_TYPE = {
     "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
-# Multi-head latent attention (MLA) architectures and the dense MLP layers each puts first by default
-_MLA_FIRST_DENSE = {"DeepseekV3ForCausalLM": 3, "Glm4MoeLiteForCausalLM": 1}
 _DEFAULT_ROPE_THETA = 10000.0
-# Hybrid linear-attention architectures (gated DeltaNet + gated full attention), with their MoE layout: "dense" (every
-# layer a SwiGLU MLP), "sparse" (every layer the softmax top-k MoE with a sigmoid-gated shared expert, top-k weights
-# always renormalized), "config" (Qwen3-Next: the MoE block where num_experts / decoder_sparse_step / mlp_only_layers
-# put it, norm_topk_prob defaulting to true). The ConditionalGeneration ones are the text model of a vision-language
-# checkpoint: config.json nests it under ``text_config``.
-_HYBRID_MOE_LAYOUT = {
-    "Qwen3NextForCausalLM": "config",
-    "Qwen3_5ForCausalLM": "dense",
-    "Qwen3_5ForConditionalGeneration": "dense",
-    "Qwen3_5MoeForCausalLM": "sparse",
-    "Qwen3_5MoeForConditionalGeneration": "sparse",
-}
-LINEAR_ATTENTION = "linear_attention"
-FULL_ATTENTION = "full_attention"
-# Keys of a nested config.json read from the top level rather than ``text_config`` (transformers ties the output
-# embedding by the top-level config's ``tie_word_embeddings``)
-_TOP_LEVEL_KEYS = ("architectures", "tie_word_embeddings", "quantization_config")
-
-
-@dataclass(slots=True, frozen=True)
-class LatentAttentionConfig:
-    """Multi-head latent attention (DeepSeek-V2/V3, GLM-4.7-Flash): per token one latent row of
-    ``kv_lora_rank`` values (normed, no RoPE) and ``qk_rope_head_dim`` shared rotary key values; per head a query
-    of ``qk_nope_head_dim + qk_rope_head_dim``, keys and values expanded from the latent by ``kv_b_proj``."""
-
-    kv_lora_rank: int
-    q_lora_rank: int | None
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool
-    softmax_scale: float  # (nope + rope) ** -0.5, times YaRN's mscale squared where the config sets mscale_all_dim
-
-    @property
-    def cache_dim(self) -> int:
-        """Values cached per token and layer: the latent, then the rotated shared key."""
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-@dataclass(slots=True, frozen=True)
-class LinearAttentionConfig:
-    """Hybrid models (Qwen3-Next, Qwen3.5): ``layer_types[i]`` is ``"linear_attention"`` (a gated DeltaNet: no KV
-    cache, a fixed-size state per request) or ``"full_attention"`` (gated attention over the KV cache). A linear
-    layer projects ``linear_num_key_heads`` query/key heads of ``linear_key_head_dim`` and ``linear_num_value_heads``
-    value heads of ``linear_value_head_dim``; q, k and v pass a causal depthwise conv of ``linear_conv_kernel_dim``
-    taps. Per request and linear layer it keeps a conv state ``conv_state_shape`` (model dtype) and a recurrent
-    state ``recurrent_state_shape`` (``recurrent_dtype``)."""
-
-    layer_types: tuple[str, ...]
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    recurrent_dtype: str = "float32"  # config.json's ``mamba_ssm_dtype`` where it names one (transformers: fp32)
-
-    @property
-    def key_dim(self) -> int:
-        return self.linear_num_key_heads * self.linear_key_head_dim
-
-    @property
-    def value_dim(self) -> int:
-        return self.linear_num_value_heads * self.linear_value_head_dim
-
-    @property
-    def conv_dim(self) -> int:
-        """Channels of the causal conv: q, k, then v."""
-        return 2 * self.key_dim + self.value_dim
-
-    @property
-    def conv_state_shape(self) -> tuple[int, int]:
-        """One request's conv state: the last ``kernel - 1`` inputs of every channel (whole model, one rank)."""
-        return self.rank_conv_state_shape(1)
-
-    @property
-    def recurrent_state_shape(self) -> tuple[int, int, int]:
-        """One request's recurrent state: a ``[key_head_dim, value_head_dim]`` matrix per value head."""
-        return self.rank_recurrent_state_shape(1)
-
-    def rank_conv_state_shape(self, world_size: int) -> tuple[int, int]:
-        """The conv state one of ``world_size`` tensor-parallel ranks holds: its key heads' q and k channels and
-        its value heads' v channels (each rank a key head's slice with its value heads)."""
-        return (self.conv_dim // world_size, self.linear_conv_kernel_dim - 1)
-
-    def rank_recurrent_state_shape(self, world_size: int) -> tuple[int, int, int]:
-        return (self.linear_num_value_heads // world_size, self.linear_key_head_dim, self.linear_value_head_dim)
-
-    def is_linear(self, layer_idx: int) -> bool:
-        return self.layer_types[layer_idx] == LINEAR_ATTENTION
-
-    def kind_index(self, layer_idx: int) -> int:
-        """The layer's ordinal among the layers of its kind: its KV-cache layer for a full-attention layer, its
-        state index (``LayerRunner.linear_state``) for a linear one."""
-        kind = self.layer_types[layer_idx]
-        return sum(1 for t in self.layer_types[:layer_idx] if t == kind)
 
 
 @dataclass(slots=True, frozen=True)
@@ -263,7 +178,7 @@ def _read_json(path: Path, required: bool) -> dict[str, Any]:
 def _parse(cls: type[ModelConfig], d: dict[str, Any], generation_config: dict[str, Any]) -> ModelConfig:
     architecture = _architecture(d)
     check_supported(architecture)
-    d = _text_config(architecture, d)
+    d = text_config(architecture, d)
     if d.get("hidden_act", "silu") != "silu":
         raise CheckpointError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
     if d.get("use_sliding_window"):
@@ -276,9 +191,9 @@ def _parse(cls: type[ModelConfig], d: dict[str, Any], generation_config: dict[st
     rope_theta, rope_scaling = _rope(d)
     attention_bias, o_proj_bias, qk_norm = _attention_flags(architecture, d)
     bos_token_id = d.get("bos_token_id", generation_config.get("bos_token_id"))
-    mla = _latent_attention(architecture, d, rope_scaling)
-    moe_layout = _deepseek_moe(architecture, d) if mla is not None else {}
-    moe_layout |= _hybrid(architecture, d, rope_scaling)
+    mla = latent_attention(architecture, d, rope_scaling)
+    moe_layout = deepseek_moe_fields(architecture, d) if mla is not None else {}
+    moe_layout |= hybrid_fields(architecture, d, rope_scaling)
     fields = dict(
         architecture=architecture,
         model_type=str(d.get("model_type", "")),
@@ -321,138 +236,6 @@ def _architecture(d: dict[str, Any]) -> str:
     if model_type in _ARCHITECTURE_BY_MODEL_TYPE:
         return _ARCHITECTURE_BY_MODEL_TYPE[model_type]
     raise CheckpointError(f"config.json names no architecture (model_type {model_type!r})")
-
-
-def _latent_attention(
-    architecture: str, d: dict[str, Any], rope_scaling: dict[str, Any] | None
-) -> LatentAttentionConfig | None:
-    if architecture not in _MLA_FIRST_DENSE:
-        return None
-    sizes = {k: int(d[k]) for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
-    for name, size in sizes.items():
-        if size <= 0:
-            raise CheckpointError(f"config.json: {name} must be positive, got {size}")
-    if sizes["qk_rope_head_dim"] % 2:
-        raise CheckpointError(f"config.json: qk_rope_head_dim must be even, got {sizes['qk_rope_head_dim']}")
-    q_lora_rank = d.get("q_lora_rank")
-    if q_lora_rank is not None and int(q_lora_rank) <= 0:
-        raise CheckpointError(f"config.json: q_lora_rank must be positive or null, got {q_lora_rank}")
-    scale = (sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]) ** -0.5
-    mscale_all_dim = (rope_scaling or {}).get("mscale_all_dim")
-    if rope_scaling is not None and mscale_all_dim:
-        factor = float(rope_scaling["factor"])
-        mscale = 1.0 if factor <= 1 else 0.1 * float(mscale_all_dim) * math.log(factor) + 1.0
-        scale *= mscale * mscale
-    return LatentAttentionConfig(q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
-                                 rope_interleave=bool(d.get("rope_interleave", True)), softmax_scale=scale, **sizes)
-
-
-def _deepseek_moe(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
-    """The DeepSeek MoE block's fields: which layers are dense, the grouped sigmoid routing, shared experts."""
-    if d.get("scoring_func", "sigmoid") != "sigmoid":
-        raise CheckpointError(f"config.json: scoring_func {d['scoring_func']!r} is not supported (only 'sigmoid')")
-    if d.get("topk_method", "noaux_tc") != "noaux_tc":
-        raise CheckpointError(f"config.json: topk_method {d['topk_method']!r} is not supported (only 'noaux_tc')")
-    if int(d.get("moe_layer_freq") or 1) != 1:
-        raise CheckpointError(f"config.json: moe_layer_freq {d['moe_layer_freq']} is not supported (only 1)")
-    num_layers = int(d["num_hidden_layers"])
-    layer_types = d.get("mlp_layer_types")
-    if layer_types is not None:
-        if len(layer_types) != num_layers or set(layer_types) - {"dense", "sparse"}:
-            raise CheckpointError("config.json: mlp_layer_types must name 'dense' or 'sparse' for every layer")
-        dense = tuple(i for i, kind in enumerate(layer_types) if kind == "dense")
-    else:
-        first_dense = d.get("first_k_dense_replace")
-        dense = tuple(range(int(_MLA_FIRST_DENSE[architecture] if first_dense is None else first_dense)))
-    experts, groups = int(d.get("n_routed_experts") or 0), int(d.get("n_group") or 1)
-    topk_groups = int(d.get("topk_group") or 1)
-    if experts and (experts % groups or not 0 < topk_groups <= groups):
-        raise CheckpointError(f"config.json: n_group {groups} must divide n_routed_experts {experts} and topk_group "
-                              f"{topk_groups} lie in [1, n_group]")
-    return dict(mlp_only_layers=dense, norm_topk_prob=bool(d.get("norm_topk_prob", True)), expert_scoring="sigmoid", expert_groups=groups,
-                topk_groups=topk_groups, routed_scaling_factor=float(d.get("routed_scaling_factor") or 1.0),
-                shared_expert_intermediate_size=int(d.get("moe_intermediate_size") or 0)
-                * int(d.get("n_shared_experts") or 0))
-
-
-def _text_config(architecture: str, d: dict[str, Any]) -> dict[str, Any]:
-    """A hybrid vision-language checkpoint's config.json nests the text model under ``text_config``: that, with
-    the keys transformers reads from the top level, is the model the engine runs (the vision tower is not)."""
-    text = d.get("text_config")
-    if architecture not in _HYBRID_MOE_LAYOUT or not isinstance(text, dict):
-        return d
-    merged = dict(text)
-    for key in _TOP_LEVEL_KEYS:
-        if key in d:
-            merged[key] = d[key]
-    for key in ("dtype", "torch_dtype", "eos_token_id", "bos_token_id"):
-        if merged.get(key) is None and d.get(key) is not None:
-            merged[key] = d[key]
-    return merged
-
-
-def _hybrid(architecture: str, d: dict[str, Any], rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
-    """Qwen3-Next / Qwen3.5 (-MoE): the layer kinds (``layer_types``, else every ``full_attention_interval``-th
-    layer full attention), the gated DeltaNet's sizes, partial rotary and the MoE layout (``_HYBRID_MOE_LAYOUT``).
-
-    RoPE: Qwen3.5 configs carry ``mrope_section`` (multimodal RoPE: the rotary frequencies split into temporal /
-    height / width sections, each rotated by its own position id). For text, transformers gives all three
-    sections the same 1-D position (``Qwen3_5TextModel.forward`` expands 2-D position ids to identical rows, and
-    ``Qwen3_5Model.compute_3d_position_ids`` leaves them None without image / video grids), so the recomposed
-    cos / sin are plain RoPE over ``rotary_dim``: the mrope keys are dropped here."""
-    layout = _HYBRID_MOE_LAYOUT.get(architecture)
-    if layout is None:
-        return {}
-    num_layers = int(d["num_hidden_layers"])
-    layer_types = d.get("layer_types")
-    if layer_types is None:
-        interval = int(d.get("full_attention_interval") or 4)
-        if interval <= 0:
-            raise CheckpointError(f"config.json: full_attention_interval must be positive, got {interval}")
-        layer_types = [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION for i in range(num_layers)]
-    if len(layer_types) != num_layers:
-        raise CheckpointError(f"config.json: layer_types names {len(layer_types)} layers, num_hidden_layers is "
-                              f"{num_layers}")
-    for i, kind in enumerate(layer_types):
-        if kind not in (LINEAR_ATTENTION, FULL_ATTENTION):
-            raise CheckpointError(f"config.json: layer_types[{i}] {kind!r} is not supported (only "
-                                  f"{LINEAR_ATTENTION!r} / {FULL_ATTENTION!r})")
-    sizes = dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-                 linear_value_head_dim=128, linear_conv_kernel_dim=4)  # transformers' defaults
-    sizes = {k: int(d[k]) if d.get(k) is not None else v for k, v in sizes.items()}
-    for name, size in sizes.items():
-        if size <= 0:
-            raise CheckpointError(f"config.json: {name} must be positive, got {size}")
-    if sizes["linear_num_value_heads"] % sizes["linear_num_key_heads"]:
-        raise CheckpointError(f"config.json: linear_num_value_heads {sizes['linear_num_value_heads']} is not a "
-                              f"multiple of linear_num_key_heads {sizes['linear_num_key_heads']}")
-    recurrent_dtype = str(d.get("mamba_ssm_dtype") or "float32").removeprefix("torch.")
-    if recurrent_dtype not in ("float32", "bfloat16", "float16"):
-        raise CheckpointError(f"config.json: mamba_ssm_dtype {recurrent_dtype!r} is not supported")
-    linear = LinearAttentionConfig(layer_types=tuple(layer_types), recurrent_dtype=recurrent_dtype, **sizes)
-
-    rope_params = d.get("rope_parameters") or d.get("rope_scaling") or {}
-    factor = rope_params.get("partial_rotary_factor", d.get("partial_rotary_factor"))
-    factor = 0.25 if factor is None else float(factor)  # transformers' default for these configs
-    num_heads = int(d["num_attention_heads"])
-    head_dim = int(d.get("head_dim") or 256)
-    rotary_dim = int(head_dim * factor)
-    if not 0 < factor <= 1 or rotary_dim % 2:
-        raise CheckpointError(f"config.json: partial_rotary_factor {factor} must give an even rotary dim in "
-                              f"(0, head_dim {head_dim}], got {rotary_dim}")
-    if rope_scaling is not None:
-        rope_scaling = {k: v for k, v in rope_scaling.items()
-                        if k not in ("partial_rotary_factor", "mrope_section", "mrope_interleaved")}
-    fields: dict[str, Any] = dict(linear=linear, partial_rotary_factor=factor, head_dim=head_dim,
-                                  rope_scaling=rope_scaling, qk_norm=True, num_kv_heads=int(
-                                      d.get("num_key_value_heads") or num_heads))
-    if layout == "dense":
-        fields.update(num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0)
-    elif layout == "sparse":
-        fields.update(norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=())
-    else:
-        fields.update(norm_topk_prob=bool(d.get("norm_topk_prob", True)))
-    return fields
 
 
 def _attention_flags(architecture: str, d: dict[str, Any]) -> tuple[bool, bool, bool]:

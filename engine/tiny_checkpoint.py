@@ -2,14 +2,15 @@
 
 ``embedded_model_dir()`` is the default model of every command: a tiny Qwen3 trained on long-context
 retrieval, shipped as package data (docs/quality.md). Random checkpoints are built locally: a byte-level BPE
-tokenizer trained on an embedded corpus, a ChatML chat template with tool calling (Qwen2.5 style), and a
-model of one of the supported architectures whose weights depend only on the arguments.
+tokenizer trained on an embedded corpus with a ChatML chat template with tool calling (``engine.tiny_tokenizer``),
+and a model of one of the supported architectures whose weights depend only on the arguments
+(``engine.tiny_configs``). This module writes them, caches the test checkpoint, and is the ``agentrt make-tiny``
+command; the tokenizer's and the architectures' names are importable from here too.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import hashlib
 import json
 import os
@@ -20,23 +21,40 @@ from typing import Any
 
 from engine.cli_args import CommandLineParser, json_object, positive_int, usage_error
 from engine.errors import ConfigError
+from engine.tiny_configs import (
+    HYBRID_ARCHS,
+    HYBRID_MODEL_TYPES,
+    HYBRID_NUM_LAYERS,
+    MLA_ARCHS,
+    SUPPORTED_ARCHS,
+    SUPPORTED_DTYPES,
+    build_config,
+    instantiate_seeded,
+    rope_parameters,
+    validate_shape,
+)
+from engine.tiny_tokenizer import (
+    CHAT_TEMPLATE,
+    ENDOFTEXT,
+    EXTRA_ADDED_TOKENS,
+    IM_END,
+    IM_START,
+    SPECIAL_TOKENS,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    TRAINING_CORPUS,
+    train_tokenizer,
+)
 
-ENDOFTEXT = "<|endoftext|>"
-IM_START = "<|im_start|>"
-IM_END = "<|im_end|>"
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
-SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
-EXTRA_ADDED_TOKENS = (TOOL_CALL_START, TOOL_CALL_END)
+# the tokenizer's and the architectures' names are imported from here by tests, tools and the trained model
+__all__ = [
+    "CHAT_TEMPLATE", "DEFAULT_MODEL_ARGS", "DEFAULT_MODEL_NAME", "EMBEDDED_MODEL_DIR", "ENDOFTEXT",
+    "EXTRA_ADDED_TOKENS", "HYBRID_ARCHS", "HYBRID_MODEL_TYPES", "HYBRID_NUM_LAYERS", "IM_END", "IM_START", "MLA_ARCHS",
+    "SPECIAL_TOKENS", "SUPPORTED_ARCHS", "SUPPORTED_DTYPES", "TOOL_CALL_END", "TOOL_CALL_START", "TRAINING_CORPUS",
+    "cached_checkpoint_dir", "embedded_model_dir", "main", "make_tiny_checkpoint", "random_model_dir",
+    "train_tokenizer",
+]
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3_moe", "deepseek_v3", "glm4_moe_lite", "qwen3_5", "qwen3_5_moe",
-                   "qwen3_next")
-MLA_ARCHS = ("deepseek_v3", "glm4_moe_lite")  # latent attention with the DeepSeek MoE block
-# gated DeltaNet (linear attention) layers with gated full-attention ones every ``full_attention_interval`` layers
-HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
-HYBRID_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next")
-HYBRID_NUM_LAYERS = 4  # default depth of a hybrid checkpoint: linear and full-attention layers both repeat
-SUPPORTED_DTYPES = ("float32", "float16", "bfloat16")
 VOCAB_PAD_MULTIPLE = 64
 CHECKPOINT_FORMAT_VERSION = 1
 
@@ -58,232 +76,6 @@ DEFAULT_MODEL_ARGS: dict[str, Any] = {
     "rope_theta": 1000000.0,
 }
 
-CHAT_TEMPLATE = """\
-{%- set default_system = 'You are a helpful assistant.' -%}
-{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- default_system }}
-    {%- endif %}
-    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\\n' + default_system + '<|im_end|>\\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant' and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\\n' + (message.content or '') + '<|im_end|>\\n' }}
-    {%- elif message.role == 'assistant' %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\\n<tool_call>\\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {%- if tool_call.arguments is string %}
-                {{- tool_call.arguments }}
-            {%- else %}
-                {{- tool_call.arguments | tojson }}
-            {%- endif %}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == 'tool' %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' }}
-        {{- message.content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
-
-_PROSE = """\
-The quick brown fox jumps over the lazy dog. A language model reads text as a sequence of tokens and
-predicts the next one, one step at a time. When the request arrives, the scheduler decides which
-sequences run in the next batch, how many pages of the key and value cache each one needs, and when a
-finished sequence gives its memory back to the pool.
-It was a bright cold day in April, and the clocks were striking thirteen. The river ran fast under the
-old stone bridge, and the children counted the boats as they passed: one, two, three, four, five.
-In the morning the baker opened the shop at six o'clock; by noon the bread was gone and the shelves
-were empty again. People said the weather would change before the weekend, but nobody knew for sure.
-Science is a way of thinking much more than it is a body of knowledge. Good inquiries matter as much as
-good answers, and a careful experiment is worth more than a thousand confident opinions.
-Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 100 1024 2048 4096 3.14159 2.71828 -1 1e-6 50% $19.99 #1 @home
-Punctuation and symbols: ( ) [ ] { } < > ! ? , . ; : ' " ` ~ + - * / = % & | ^ _ \\ @ # $
-Unicode: café naïve résumé façade über straße 東京 北京 こんにちは 안녕하세요 Привет мир γειά σου 🙂 🚀 ✓ → ∑ π
-"""
-
-_CODE = '''\
-import json
-import math
-from dataclasses import dataclass, field
-from typing import Iterable, Optional
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    max_tokens: int = 16
-    temperature: float = 1.0
-    output_token_ids: list[int] = field(default_factory=list)
-
-    def is_finished(self, eos_token_id: int) -> bool:
-        if len(self.output_token_ids) >= self.max_tokens:
-            return True
-        return bool(self.output_token_ids) and self.output_token_ids[-1] == eos_token_id
-
-
-def softmax(values: Iterable[float]) -> list[float]:
-    values = list(values)
-    top = max(values)
-    exps = [math.exp(v - top) for v in values]
-    total = sum(exps)
-    return [e / total for e in exps]
-
-
-class PagePool:
-    def __init__(self, num_pages: int, page_size: int) -> None:
-        self.page_size = page_size
-        self.free_pages = list(range(num_pages))
-
-    def allocate(self, count: int) -> Optional[list[int]]:
-        if count > len(self.free_pages):
-            return None
-        pages, self.free_pages = self.free_pages[:count], self.free_pages[count:]
-        return pages
-
-    def release(self, pages: list[int]) -> None:
-        self.free_pages.extend(pages)
-
-
-def main() -> None:
-    pool = PagePool(num_pages=128, page_size=16)
-    for index in range(10):
-        pages = pool.allocate(index + 1)
-        print(f"request {index}: pages={pages}")
-    print(json.dumps({"status": "ok", "free": len(pool.free_pages)}, indent=2))
-
-
-if __name__ == "__main__":
-    main()
-'''
-
-_CHAT = """\
-<|im_start|>system
-You are a helpful assistant.<|im_end|>
-<|im_start|>user
-What is the capital of France?<|im_end|>
-<|im_start|>assistant
-The capital of France is Paris.<|im_end|>
-<|im_start|>user
-What's the weather like in Tokyo today?<|im_end|>
-<|im_start|>assistant
-<tool_call>
-{"name": "get_weather", "arguments": {"city": "Tokyo", "unit": "celsius"}}
-</tool_call><|im_end|>
-<|im_start|>user
-<tool_response>
-{"temperature": 21, "condition": "sunny", "humidity": 0.4}
-</tool_response><|im_end|>
-<|im_start|>assistant
-It is sunny in Tokyo, about 21 degrees Celsius with low humidity.<|im_end|>
-<|im_start|>user
-Can you write a function that reverses a string in Python?<|im_end|>
-<|im_start|>assistant
-Sure! Here is a simple version:
-
-```python
-def reverse(text: str) -> str:
-    return text[::-1]
-```
-
-You can call it like `reverse("hello")`, which returns `"olleh"`.<|im_end|>
-<|im_start|>user
-Search the web for the latest release notes, please.<|im_end|>
-<|im_start|>assistant
-<tool_call>
-{"name": "web_search", "arguments": {"query": "latest release notes", "max_results": 3}}
-</tool_call><|im_end|>
-<|im_start|>user
-Thanks, that's all for now.<|im_end|>
-<|im_start|>assistant
-You're welcome! Let me know if you need anything else.<|im_end|>
-<|endoftext|>
-"""
-
-TRAINING_CORPUS = "\n".join([_PROSE, _CODE, _CHAT])
-
-
-def _training_lines() -> list[str]:
-    return [line + "\n" for line in TRAINING_CORPUS.splitlines()]
-
-
-@functools.lru_cache(maxsize=None)
-def _tokenizer_json(vocab_size: int) -> str:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    added_count = len(SPECIAL_TOKENS) + len(EXTRA_ADDED_TOKENS)
-    base_alphabet = len(pre_tokenizers.ByteLevel.alphabet())
-    if vocab_size < base_alphabet + added_count:
-        raise ConfigError(f"vocab_size must be at least {base_alphabet + added_count}, got {vocab_size}")
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - added_count,
-        min_frequency=1,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(_training_lines(), trainer=trainer)
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in EXTRA_ADDED_TOKENS])
-    return tokenizer.to_str()
-
-
-def train_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer with ChatML special tokens; identical for the same vocab_size.
-
-    Training is memoized per process; every call returns a fresh object, so callers may mutate it.
-    """
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_tokenizer_json(vocab_size)),
-        eos_token=IM_END,
-        pad_token=ENDOFTEXT,
-        bos_token=None,
-        unk_token=None,
-        chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-        add_prefix_space=False,
-    )
-
 
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
@@ -295,107 +87,8 @@ def _model_vocab_size(requested: int, tokenizer_length: int) -> int:
     return _round_up(tokenizer_length, VOCAB_PAD_MULTIPLE)
 
 
-def _rope_parameters(rope_theta: float, rope_scaling: dict | None) -> dict:
-    scaling = dict(rope_scaling or {})
-    if "type" in scaling and "rope_type" not in scaling:
-        scaling["rope_type"] = scaling.pop("type")
-    scaling.setdefault("rope_type", "default")
-    return {"rope_theta": float(rope_theta), **scaling}
-
-
-def _validate_shape(arch: str, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int | None, dtype: str) -> int:
-    if arch not in SUPPORTED_ARCHS:
-        raise ConfigError(f"unknown arch {arch!r}; supported: {', '.join(SUPPORTED_ARCHS)}")
-    if dtype not in SUPPORTED_DTYPES:
-        raise ConfigError(f"unknown dtype {dtype!r}; supported: {', '.join(SUPPORTED_DTYPES)}")
-    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
-        raise ConfigError(f"num_heads ({num_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
-    resolved_head_dim = head_dim if head_dim is not None else hidden_size // num_heads
-    if resolved_head_dim <= 0 or resolved_head_dim % 2:
-        raise ConfigError(f"head_dim must be a positive even number, got {resolved_head_dim}")
-    if arch == "qwen2" and resolved_head_dim * num_heads != hidden_size:
-        raise ConfigError("qwen2 requires head_dim == hidden_size // num_heads")
-    return resolved_head_dim
-
-
-def _hybrid_config(arch: str, common: dict[str, Any], moe: dict[str, Any], head_dim: int, hybrid: dict[str, Any]):
-    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
-
-    hybrid = dict(hybrid)
-    if hybrid.get("layer_types") is None:
-        hybrid.pop("layer_types", None)
-    else:
-        hybrid.pop("full_attention_interval")
-    factor = hybrid.pop("partial_rotary_factor")
-    shared = hybrid.pop("shared_expert_intermediate_size")
-    common = {**common, "rope_parameters": {**common["rope_parameters"], "partial_rotary_factor": factor}}
-    if arch == "qwen3_5":
-        return Qwen3_5TextConfig(**common, **hybrid, head_dim=head_dim, architectures=["Qwen3_5ForCausalLM"])
-    moe = {k: v for k, v in moe.items() if arch == "qwen3_next" or k != "norm_topk_prob"}  # 3.5: always renormalized
-    if arch == "qwen3_5_moe":
-        common = {k: v for k, v in common.items() if k != "intermediate_size"}
-        return Qwen3_5MoeTextConfig(**common, **moe, **hybrid, head_dim=head_dim,
-                                    shared_expert_intermediate_size=shared, architectures=["Qwen3_5MoeForCausalLM"])
-    return Qwen3NextConfig(**common, **moe, **hybrid, head_dim=head_dim, shared_expert_intermediate_size=shared,
-                           architectures=["Qwen3NextForCausalLM"])
-
-
-def _perturb_hybrid(model) -> None:
-    """transformers starts the zero-centred norms at 0 (a scale of 1), the DeltaNet's gated norm at 1 and dt_bias at
-    1: random values around those make the checkpoint exercise every scale, as a trained one does."""
-    import torch
-
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
-                param.normal_(1.0, 0.2)
-            elif name.endswith("norm.weight"):
-                param.normal_(0.0, 0.2)
-
-
-def _build_config(arch: str, common: dict[str, Any], moe: dict[str, Any], head_dim: int,
-                  mla: dict[str, Any] | None = None, hybrid: dict[str, Any] | None = None):
-    from transformers import DeepseekV3Config, Glm4MoeLiteConfig, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
-
-    if arch in HYBRID_ARCHS:
-        assert hybrid is not None
-        return _hybrid_config(arch, common, moe, head_dim, hybrid)
-    if arch == "llama":
-        return LlamaConfig(**common, head_dim=head_dim, architectures=["LlamaForCausalLM"])
-    if arch == "qwen2":
-        return Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])
-    if arch == "qwen3":
-        return Qwen3Config(**common, head_dim=head_dim, architectures=["Qwen3ForCausalLM"])
-    if arch == "qwen3_moe":
-        return Qwen3MoeConfig(**common, **moe, head_dim=head_dim, architectures=["Qwen3MoeForCausalLM"])
-    assert mla is not None
-    deepseek_moe = dict(n_routed_experts=moe["num_experts"], num_experts_per_tok=moe["num_experts_per_tok"],
-                        moe_intermediate_size=moe["moe_intermediate_size"], norm_topk_prob=moe["norm_topk_prob"])
-    common = {k: v for k, v in common.items() if k != "num_key_value_heads"}  # one latent row, not KV heads
-    if arch == "deepseek_v3":
-        return DeepseekV3Config(**common, **deepseek_moe, **mla, architectures=["DeepseekV3ForCausalLM"])
-    mla = {k: v for k, v in mla.items() if k != "first_k_dense_replace"}
-    return Glm4MoeLiteConfig(**common, **deepseek_moe, **mla, architectures=["Glm4MoeLiteForCausalLM"])
-
-
 def _special_token_ids(tokenizer) -> dict[str, int]:
     return {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS + EXTRA_ADDED_TOKENS}
-
-
-def _instantiate_seeded(config, seed: int, dtype: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        # HF starts DeepSeek routers' correction bias at zero; random values make it choose experts, as trained
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.5)
-        if getattr(config, "model_type", None) in HYBRID_MODEL_TYPES:
-            _perturb_hybrid(model)
-    return model.to(getattr(torch, dtype)).eval()
 
 
 def _write_generation_config(out_dir: Path, ids: dict[str, int]) -> None:
@@ -461,7 +154,7 @@ def make_tiny_checkpoint(
         num_layers = HYBRID_NUM_LAYERS if arch in HYBRID_ARCHS else 2
     if arch in MLA_ARCHS:
         num_kv_heads = num_heads
-    resolved_head_dim = _validate_shape(arch, hidden_size, num_heads, num_kv_heads, head_dim, dtype)
+    resolved_head_dim = validate_shape(arch, hidden_size, num_heads, num_kv_heads, head_dim, dtype)
     if arch in HYBRID_ARCHS and (linear_num_value_heads % linear_num_key_heads or full_attention_interval <= 0):
         raise ConfigError(f"linear_num_value_heads ({linear_num_value_heads}) must be a multiple of "
                           f"linear_num_key_heads ({linear_num_key_heads}) and full_attention_interval positive")
@@ -480,7 +173,7 @@ def make_tiny_checkpoint(
         "max_position_embeddings": max_position_embeddings,
         "initializer_range": initializer_range,
         "tie_word_embeddings": tie_word_embeddings,
-        "rope_parameters": _rope_parameters(rope_theta, rope_scaling),
+        "rope_parameters": rope_parameters(rope_theta, rope_scaling),
         "bos_token_id": ids[ENDOFTEXT],
         "eos_token_id": ids[IM_END],
         "pad_token_id": ids[ENDOFTEXT],
@@ -500,8 +193,8 @@ def make_tiny_checkpoint(
                   linear_key_head_dim=linear_key_head_dim, linear_value_head_dim=linear_value_head_dim,
                   linear_conv_kernel_dim=linear_conv_kernel_dim, partial_rotary_factor=partial_rotary_factor,
                   shared_expert_intermediate_size=shared_expert_intermediate_size)
-    config = _build_config(arch, common, moe, resolved_head_dim, mla, hybrid)
-    model = _instantiate_seeded(config, seed, dtype)
+    config = build_config(arch, common, moe, resolved_head_dim, mla, hybrid)
+    model = instantiate_seeded(config, seed, dtype)
     out_path = Path(out_dir)
     out_path.mkdir(parents=True, exist_ok=True)
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}

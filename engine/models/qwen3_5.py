@@ -3,8 +3,8 @@ attention layers) with a SwiGLU MLP on every layer. Read from transformers' ``mo
 
 ``Qwen3_5ForConditionalGeneration`` is the vision-language checkpoint: its config.json nests the text model under
 ``text_config`` (ModelConfig reads it from there) and its weights under ``model.language_model.*``; the engine
-runs the text model alone (text-only positions: multimodal RoPE is plain RoPE, see ``model_config._hybrid``), and
-the vision tower ``model.visual.*`` is skipped at load with a log line.
+runs the text model alone (text-only positions: multimodal RoPE is plain RoPE, see
+``model_config_linear.hybrid_fields``), and the vision tower ``model.visual.*`` is skipped at load with a log line.
 """
 
 from engine.models.gated_deltanet import SPLIT_LAYOUT, HybridForCausalLM
