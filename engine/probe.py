@@ -118,7 +118,7 @@ class Prober:
     def __init__(self, model: torch.nn.Module, cache: Any, scale: float, encode: Callable[[str], list[int]],
                  backend: Any = None):
         self.model = model
-        self.backend = backend if getattr(backend, "supports_scores", False) else None
+        self.backend = backend if backend is not None and backend.supports_scores else None
         self.cache = cache
         self.scale = scale
         self.encode = encode

@@ -123,7 +123,7 @@ class HybridKV(DenseKV):
         if not self._free:
             return False
         slot = self._free.pop()
-        saved = getattr(table, "state", None)
+        saved = table.state
         if saved is not None:
             self.conv[:, slot] = saved.conv
             self.recurrent[:, slot] = saved.recurrent
@@ -152,7 +152,7 @@ class HybridKV(DenseKV):
         table.state = None
 
     def fork_table_state(self, src: TableHandle, dst: TableHandle) -> None:
-        saved = getattr(src, "state", None)
+        saved = src.state
         if saved is not None:
             dst.state = SavedState(saved.conv.clone(), saved.recurrent.clone())
 
