@@ -9,9 +9,9 @@ which are then recomputed from their tokens as before. A chain's next turn loads
 What moves is representation-blind: the table's pages across every tensor its storage lists
 (``KVStorage.page_tensors``: dense K/V, latent rows, a codec's fields), the table's layout (slots, per-layer
 lengths and kept positions of a compacted table) and the state a storage keeps with a stopped table (a hybrid
-model's recurrent state). A file is written under a temporary name and renamed when complete, with a digest of
-its bytes in its header, so a partial or corrupted file is never loaded: the chain is recomputed and the reason
-logged.
+model's recurrent state). This module decides where a chain goes and accounts for it; the file it writes, and
+what makes a partial or corrupted one never load (the chain is then recomputed and the reason logged), is
+``engine.chain_files``; the record of a table off the device, ``engine.offloaded_table``.
 
 Writes to disk run on a writer thread: a spill moves the entry to the disk tier's accounts at once and keeps its
 host tensors until its file is complete, so no engine step waits on a file (a chain loaded meanwhile is served
@@ -27,57 +27,32 @@ recomputed (``recompute_instead``: logged, counted in ``TierCounters.recomputed_
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import shutil
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
+# the writer thread's saver, looked up here at each spill: replacing it here replaces every write's
 from safetensors.torch import save_file
 
+from engine.chain_files import (chain_file_name, claim_file, file_bytes, file_chain_id, file_contents, read_file,
+                                read_header, remove_partial_files, write_file)
 from engine.contract.cache import CacheManager
+from engine.offloaded_table import DISK, DROPPED, HOST, OffloadedTable
 from engine.page_table import PageTable
 from engine.state_tree import flatten, unflatten
 from engine.tier_cost import TierRates, read_seconds, recompute_seconds
 
+# names other modules import from here (the chain memory and manager, the scale-out replica)
+__all__ = ["DISK", "DROPPED", "HOST", "ChainTiers", "OffloadedTable", "TierCounters", "chain_file_name",
+           "file_chain_id"]
+
 log = logging.getLogger(__name__)
-HOST, DISK, DROPPED = "host", "disk", "dropped"
-
-
-@dataclass(slots=True, eq=False)
-class OffloadedTable:
-    """A chain table off the device: where it is, its layout, and its bytes (host tensors, or a file)."""
-
-    chain_id: str
-    num_pages: int
-    num_slots: int
-    layer_lens: list[int] | None
-    kept_positions: list[torch.Tensor] | None
-    compacted_at: int
-    nbytes: int
-    where: str = HOST
-    pages: list[torch.Tensor] = field(default_factory=list)  # per storage tensor, its pages (host)
-    state: list[torch.Tensor] = field(default_factory=list)  # a storage's per-table state (host)
-    state_type: Any = None
-    path: Path | None = None
-    info: dict[str, Any] | None = None  # what a restart needs to adopt the chain (tokens, method); see ``restore``
-    writing: Future | None = None  # its file's write, while in flight (the host tensors are kept until it ends)
-    cancelled: bool = False  # dropped or loaded while its file was being written: the file goes when written
-    # the chain's method state (``engine.state_tree``): skeleton (None: no state) and host tensors; after a load,
-    # ``method_state`` holds it again on the device. ``method_state_lost``: the method kept state no file can hold
-    # (a restart must not adopt the chain without it)
-    method_tree: Any = None
-    method_tensors: list[torch.Tensor] = field(default_factory=list)
-    method_state: Any = None
-    method_state_lost: bool = False
 
 
 @dataclass(slots=True)
@@ -109,8 +84,7 @@ class ChainTiers:
         self.disk_dir = None if disk_dir is None else Path(disk_dir)
         if self.disk_dir is not None:
             self.disk_dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.disk_dir.glob("*.tmp"):  # a write cut short by a crash
-                stale.unlink(missing_ok=True)
+            remove_partial_files(self.disk_dir)
         self.entries: OrderedDict[str, OffloadedTable] = OrderedDict()  # least recently offloaded first
         self.host_used = self.disk_used = 0
         self.counters = TierCounters()
@@ -180,21 +154,13 @@ class ChainTiers:
                 break
             self._writes[0].writing.exception()
             self._reap()
-        tensors = {f"page{i}": p.contiguous() for i, p in enumerate(entry.pages)}
-        tensors |= {f"state{i}": s.contiguous() for i, s in enumerate(entry.state)}
-        tensors |= {f"kept{i}": k.contiguous() for i, k in enumerate(entry.kept_positions or [])}
-        tensors |= {f"mstate{i}": t.contiguous() for i, t in enumerate(entry.method_tensors)}
-        state_type = None if entry.state_type is None else f"{entry.state_type.__module__}:{entry.state_type.__qualname__}"
-        metadata = {"layout": json.dumps(_layout(entry)), "info": json.dumps(entry.info),
-                    "state_type": json.dumps(state_type), "nbytes": str(entry.nbytes),
-                    "method_state": json.dumps(entry.method_tree),
-                    "method_state_lost": json.dumps(entry.method_state_lost)}
+        tensors, metadata = file_contents(entry)
         if self._writer is None:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chain-tier-writer")
         self.host_used -= entry.nbytes
         self.disk_used += entry.nbytes
         entry.where, entry.path = DISK, path
-        entry.writing = self._writer.submit(_write_file, path, tensors, metadata)
+        entry.writing = self._writer.submit(write_file, path, tensors, metadata, save_file)
         self._writes.append(entry)
         self.counters.spilled_tokens += entry.num_slots
         if wait:
@@ -262,7 +228,7 @@ class ChainTiers:
         from_file = tier == DISK and entry.writing is None  # else its host copy, its file not yet written
         start = time.perf_counter()
         try:
-            file_bytes = _file_bytes(entry) if from_file else 0
+            size = file_bytes(entry) if from_file else 0
             pages, state, kept, method_tensors = self._read(entry)
         except (OSError, SafetensorError, ValueError, KeyError) as exc:
             log.warning("chain %s: its offloaded KV could not be read (%s); recomputing it", entry.chain_id, exc)
@@ -270,7 +236,7 @@ class ChainTiers:
             self.drop(entry)
             return None
         if from_file:
-            self.rates.disk_read.observe(file_bytes, time.perf_counter() - start)
+            self.rates.disk_read.observe(size, time.perf_counter() - start)
             self.counters.disk_read_bytes_per_s = self.rates.disk_read.per_second or 0.0
         pool = self.cache.pool
         if not pool.can_allocate(entry.num_pages):
@@ -305,15 +271,15 @@ class ChainTiers:
         if not self.cost_aware or entry.where != DISK or entry.writing is not None:
             return False
         try:
-            file_bytes = _file_bytes(entry)
+            size = file_bytes(entry)
         except OSError:
             return False  # the load finds out, and recomputes
-        if not self.rates.recompute_instead(file_bytes, history_tokens):
+        if not self.rates.recompute_instead(size, history_tokens):
             return False
         read_rate, prefill_rate = self.rates.disk_read.per_second, self.rates.prefill.per_second
         log.info("chain %s: recomputing its %d tokens instead of reading its file from disk: reading %d bytes at "
                  "%.3g MB/s is estimated at %.3g s, recomputing at %.3g tokens/s at %.3g s", entry.chain_id,
-                 history_tokens, file_bytes, read_rate / 1e6, read_seconds(file_bytes, read_rate),
+                 history_tokens, size, read_rate / 1e6, read_seconds(size, read_rate),
                  prefill_rate, recompute_seconds(history_tokens, prefill_rate))
         self.counters.recomputed_by_cost += 1
         return True
@@ -322,18 +288,7 @@ class ChainTiers:
                                                     list[torch.Tensor]]:
         if entry.where == HOST or entry.writing is not None:  # its file is not written yet: the host copy
             return entry.pages, entry.state, entry.kept_positions, entry.method_tensors
-        with safe_open(str(entry.path), framework="pt", device="cpu") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in f.keys()}
-        if meta.get("digest") != _digest(tensors) or json.loads(meta.get("layout", "{}")) != _layout(entry):
-            raise ValueError("its digest or layout does not match (a corrupted or foreign file)")
-        count = len(self.cache.storage.page_tensors())
-        pages = [tensors[f"page{i}"] for i in range(count)]
-        state = [tensors[f"state{i}"] for i in range(sum(1 for n in tensors if n.startswith("state")))]
-        kept = None if entry.kept_positions is None else [
-            tensors[f"kept{i}"] for i in range(sum(1 for n in tensors if n.startswith("kept")))]
-        method_tensors = [tensors[f"mstate{i}"] for i in range(sum(1 for n in tensors if n.startswith("mstate")))]
-        return pages, state, kept, method_tensors
+        return read_file(entry, len(self.cache.storage.page_tensors()))
 
     def persist(self, chain_id: str, table: PageTable, info: dict[str, Any],
                 method_state: Any = None) -> OffloadedTable | None:
@@ -373,96 +328,33 @@ class ChainTiers:
         if self.disk_dir is None:
             return None
         self.flush()  # a write of this chain's own file in flight would land over the adopted one
-        target = self.disk_dir / path.name
-        try:
-            os.replace(path, target)  # atomic on one file system: the claim
-        except FileNotFoundError:
-            return None
-        except OSError:  # another file system: copy under a temporary name, then claim by removing the source
-            tmp = target.with_suffix(".tmp")
-            try:
-                shutil.copyfile(path, tmp)
-                path.unlink()
-            except FileNotFoundError:
-                tmp.unlink(missing_ok=True)
-                return None
-            os.replace(tmp, target)
-        return self._entry(target)
+        target = claim_file(path, self.disk_dir)
+        return None if target is None else self._entry(target)
 
     def _entry(self, path: Path) -> OffloadedTable | None:
         """The disk entry of a chain file (header read, bytes checked when loaded); a file without what a
         restart needs, or that does not fit the disk budget, is removed."""
         try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                meta = f.metadata() or {}
-            layout, info = json.loads(meta["layout"]), json.loads(meta.get("info", "null"))
-            state_type = json.loads(meta.get("state_type", "null"))
-            method_tree = json.loads(meta.get("method_state", "null"))
-            lost = json.loads(meta.get("method_state_lost", "false"))
-            nbytes = int(meta["nbytes"])
+            header = read_header(path)
         except (OSError, SafetensorError, ValueError, KeyError) as exc:
             log.warning("chain file %s is unreadable (%s): removed", path.name, exc)
             path.unlink(missing_ok=True)
             return None
+        lost = header.method_state_lost
         if lost:
             log.info("chain file %s: its method's state could not be written; removed (recomputed when used)",
                      path.name)
-        if info is None or lost or not self._room(DISK, nbytes, layout["chain"]):
+        if header.info is None or lost or not self._room(DISK, header.nbytes, header.chain_id):
             path.unlink(missing_ok=True)
             return None
-        entry = OffloadedTable(layout["chain"], layout["pages"], layout["slots"], layout["layer_lens"],
-                               None if layout["layer_lens"] is None else [], layout["compacted_at"], nbytes,
-                               where=DISK, path=path, info=info, state_type=_import(state_type),
-                               method_tree=method_tree)
+        entry = header.entry(path)
         self.entries[entry.chain_id] = entry
-        self.disk_used += nbytes
+        self.disk_used += entry.nbytes
         return entry
 
     def where(self, chain_id: str) -> str | None:
         entry = self.entries.get(chain_id)
         return None if entry is None else entry.where
-
-
-def chain_file_name(chain_id: str) -> str:
-    """The disk tier's file of a chain (the same in every engine, so another can find a chain it hands off)."""
-    return f"{hashlib.sha256(chain_id.encode()).hexdigest()[:32]}.safetensors"
-
-
-def file_chain_id(path: Path) -> str | None:
-    """The chain a chain file holds (None for a file that is missing or unreadable)."""
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            return json.loads((f.metadata() or {})["layout"])["chain"]
-    except (OSError, SafetensorError, ValueError, KeyError):
-        return None
-
-
-def _file_bytes(entry: OffloadedTable) -> int:
-    """The size of an entry's file (what reading it reads)."""
-    return entry.path.stat().st_size
-
-
-def _import(qualified: str | None) -> Any:
-    """A class from ``module:QualName`` (a storage's per-table state type), None for None."""
-    if qualified is None:
-        return None
-    import importlib
-
-    module, _, name = qualified.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def _write_file(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> float:
-    """Write a chain file (on the writer thread): under a temporary name, then renamed; returns the seconds."""
-    start = time.perf_counter()
-    tmp = path.with_suffix(".tmp")
-    try:
-        save_file(tensors, str(tmp), metadata={"digest": _digest(tensors), **metadata})
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return time.perf_counter() - start
 
 
 def _host(x: torch.Tensor) -> torch.Tensor:
@@ -479,18 +371,3 @@ def _state_tensors(state: Any) -> list[torch.Tensor]:
         return []
     return [getattr(state, name) for name in state.__dataclass_fields__]
 
-
-def _layout(entry: OffloadedTable) -> dict[str, Any]:
-    return {"chain": entry.chain_id, "pages": entry.num_pages, "slots": entry.num_slots,
-            "layer_lens": entry.layer_lens, "compacted_at": entry.compacted_at}
-
-
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
-    for name in sorted(tensors):
-        t = tensors[name]
-        h.update(name.encode())
-        h.update(str(t.dtype).encode())
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
