@@ -127,6 +127,8 @@ class ChainManager:
         state.idle_since = time.monotonic()
         self.index.touch(state)
         self.pruner.apply_deferred(state)
+        if reason is not FinishReason.ABORT:
+            self.memory.copy_down(state)
 
     # --- chain operations (idle chains only) ------------------------------------------------------
     def adopt(self, path: Path, resolve_method) -> bool:
@@ -146,6 +148,7 @@ class ChainManager:
         if state.offloaded is not None:
             self.tiers.drop(state.offloaded)
         if state.table is not None:
+            self.memory.forget(chain_id)
             self.cache.release_table(state.table)
         self.index.pop(chain_id)
 

@@ -122,6 +122,8 @@ class ChainMemory:
         resident again. ``keep`` False: the offloaded copy is dropped instead (it cannot serve the turn). ``turn``:
         for a turn, which recomputes a chain on disk instead when that is estimated faster than reading its file
         (``ChainTiers.recompute_instead``); a fork, rewind, prune or prefetch needs the KV itself and loads."""
+        if self.tiers is not None:  # what follows changes the table or needs it on the device: no copy stands
+            self.tiers.copies.discard(state.chain_id)
         entry, state.offloaded = state.offloaded, None
         if entry is None or self.tiers is None:
             return False
@@ -139,6 +141,16 @@ class ChainMemory:
         if state.method_state is None:  # a chain adopted from a file: its method state came with its KV
             state.method_state = entry.method_state
         return True
+
+    def copy_down(self, state: ChainState) -> None:
+        """A turn of the chain ended: start the host copy a reclaim of it would otherwise make on a step's path."""
+        if self.tiers is not None and state.table is not None:
+            self.tiers.copy_down(state.chain_id, state.table)
+
+    def forget(self, chain_id: str) -> None:
+        """The chain's table is released (deleted, expired): its host copy goes too."""
+        if self.tiers is not None:
+            self.tiers.copies.discard(chain_id)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A step ran ``tokens`` prompt tokens in ``seconds`` (``Scheduler.step_observers``): the prefill rate a
@@ -206,6 +218,7 @@ class ChainMemory:
                 self.tiers.drop(state.offloaded)
                 state.offloaded = None
             if state.table is not None:
+                self.forget(chain_id)
                 self.cache.release_table(state.table)
                 state.table = None
             state.num_computed, state.method_state = 0, None

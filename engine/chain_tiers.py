@@ -43,6 +43,7 @@ from safetensors.torch import save_file
 from engine.chain_files import (chain_file_name, claim_file, file_bytes, file_chain_id, file_contents, read_file,
                                 read_header, remove_partial_files, write_file)
 from engine.contract.cache import CacheManager
+from engine.host_copies import HostCopies
 from engine.offloaded_table import DISK, DROPPED, HOST, OffloadedTable
 from engine.page_table import PageTable
 from engine.state_tree import flatten, unflatten
@@ -92,8 +93,16 @@ class ChainTiers:
         self._writes: list[OffloadedTable] = []  # in flight, oldest first
         self.rates = TierRates()  # measured: file reads here, prefill by ``observe_prefill``
         self.cost_aware = True  # False: a turn always loads its chain's file (a benchmark timing disk loads)
+        # pages copied down at a turn's end, which a reclaim then takes instead of copying on the step's path
+        self.copies = HostCopies(cache, enabled=cache.spec.device.type == "cuda")
 
     # --- down ---------------------------------------------------------------------------------------
+    def copy_down(self, chain_id: str, table: PageTable) -> bool:
+        """A chain's turn ended: start the host copy of its pages that a later reclaim takes
+        (``engine.host_copies``), where the host tier has room for it beside its chains."""
+        self.copies.discard(chain_id)
+        return self.copies.make(chain_id, table, self.host_bytes - self.host_used - self.copies.nbytes)
+
     def offload(self, chain_id: str, table: PageTable, info: dict[str, Any] | None = None,
                 method_state: Any = None) -> OffloadedTable | None:
         """Copy ``table`` (about to lose its pages) to the host tier, making room by moving older chains down;
@@ -102,8 +111,10 @@ class ChainTiers:
         self._reap()
         start = time.perf_counter()
         tensors = self.cache.storage.page_tensors()
-        index = torch.tensor(table.pages, dtype=torch.int64, device=tensors[0][0].device)
-        pages = [_host(t.index_select(dim, index)) for t, dim in tensors]
+        pages = self.copies.take(chain_id, table)  # made at the turn's end, if the table is as it was then
+        if pages is None:
+            index = torch.tensor(table.pages, dtype=torch.int64, device=tensors[0][0].device)
+            pages = [_host(t.index_select(dim, index)) for t, dim in tensors]
         state = [_host(x) for x in _state_tensors(table.state)]
         method_tree, method_tensors, lost = None, [], False
         if method_state is not None:
@@ -133,6 +144,8 @@ class ChainTiers:
         capacity = self.host_bytes if tier == HOST else self.disk_bytes
         if capacity is None or nbytes > capacity:
             return False
+        if tier == HOST:  # turn-end copies are speculative: they leave first
+            self.copies.make_room(max(0, capacity - self.host_used - nbytes), keep=chain_id)
         for victim in [e for e in self.entries.values() if e.where == tier and e.chain_id != chain_id]:
             if (self.host_used if tier == HOST else self.disk_used) + nbytes <= capacity:
                 break
