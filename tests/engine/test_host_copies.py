@@ -39,8 +39,8 @@ def turn(eng, ref, rng, new=6):
 
 def pages_of(eng, chain_id):
     table = eng.chains.index.get(chain_id).table
-    index = torch.tensor(table.pages)
-    return [t.index_select(dim, index).clone() for t, dim in eng.cache.storage.page_tensors()]
+    return [t.index_select(dim, torch.tensor(table.pages, device=t.device)).clone()
+            for t, dim in eng.cache.storage.page_tensors()]
 
 
 def test_a_reclaim_takes_the_copy_made_at_the_turns_end(engines):
@@ -111,3 +111,24 @@ def test_copies_take_only_room_the_host_tier_has_and_leave_first(tiny_dirs):
     assert "b" in tiers.copies.copies
     eng.delete_chain("b")
     assert not tiers.copies.copies and tiers.copies.nbytes == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream copy needs a GPU")
+def test_on_a_gpu_the_copy_runs_on_a_side_stream_and_a_reclaim_takes_it(tiny_dirs):
+    """The default on a GPU: copies made at a turn's end (pinned host memory, recorded on an event); the chain
+    released, then its next turn loaded, gives the tokens of a chain that never left the device."""
+    def gpu_engine(**options):
+        return LLMEngine(EngineConfig(tiny_dirs["qwen3"], dtype="float32", device="cuda", page_size=16,
+                                      num_pages=256, max_num_batched_tokens=64, **options))
+
+    eng, ref = gpu_engine(chain_host_bytes=64 * 2**20), gpu_engine()
+    copies, rng = eng.chains.tiers.copies, random.Random(4)
+    assert copies.enabled
+    for e in (eng, ref):
+        run_chain_turn(e, "c", random_tokens(random.Random(1), 50), PARAMS)
+    copy = copies.copies["c"]
+    assert copy.done is not None and all(p.is_pinned() for p in copy.pages)
+    want = [p.cpu() for p in pages_of(eng, "c")]
+    assert eng.release_chain("c") and copies.used == 1
+    assert all(torch.equal(a, b) for a, b in zip(eng.chains.index.get("c").offloaded.pages, want))
+    assert turn(eng, ref, rng).resume_status == "loaded"
