@@ -3,10 +3,10 @@
 A turn whose chain is in the disk tier can read the chain's file back, or drop it and prefill the chain's whole
 history again. Which is faster depends on the machine: a slow disk can take several times longer to read a long
 chain's KV than the GPU takes to recompute it (docs/benchmarks.md, chain resume at 32K), NVMe reads it faster,
-and a compacted chain has fewer bytes to read but the same history to recompute. So nothing here is configured: the disk tier measures its read rate
-from its own completed file loads (bytes per second), the scheduler its prefill rate (prompt tokens per second
-of the steps that ran them), and a turn recomputes only when both are known and the estimated read is slower than
-the estimated recompute by more than ``MARGIN``. Before any measurement exists it loads, which measures the disk.
+and a compacted chain has fewer bytes to read but the same history to recompute. So nothing here is
+configured: the disk tier measures its read rate from its own completed file loads (bytes per second), the
+scheduler its prefill rate (prompt tokens per second of the steps that ran them), and a turn recomputes only when
+both are known and the estimated read is slower than the estimated recompute by more than ``MARGIN``. Before any measurement exists it loads, which measures the disk.
 """
 
 from __future__ import annotations

@@ -28,8 +28,8 @@ def test_the_rule_recomputes_only_when_the_read_is_slower_by_more_than_the_margi
 
 
 def test_the_measured_numbers_recompute_a_full_chain_on_a_slow_disk_and_load_a_compacted_one():
-    """The H200 machine's numbers (docs/benchmarks.md, chain resume at 32K): 4 GiB read in 6.836 s, 32K tokens recomputed
-    in 1.283 s; a compacted chain of 4096 kept tokens has 8x fewer bytes and the same history."""
+    """The H200 machine's numbers (docs/benchmarks.md, chain resume at 32K): 4 GiB read in 6.836 s, 32K tokens
+    recomputed in 1.283 s; a compacted chain of 4096 kept tokens has 8x fewer bytes and the same history."""
     gib4, tokens = 4 * 2**30, 32768
     read_rate, prefill_rate = gib4 / 6.836, tokens / 1.283
     assert recompute_instead(gib4, tokens, read_rate, prefill_rate)
