@@ -53,6 +53,12 @@ class Metrics:
                               ("recomputed_by_cost", lambda c: c.recomputed_by_cost)):
             loads.labels(outcome).set_function(lambda read=read: 0 if worker.snapshot.tiers is None
                                                else read(worker.snapshot.tiers))
+        copies = Gauge("agentrt_chain_tier_host_copies", "host copies of chains' pages made at their turns' ends "
+                       "(made), and those a reclaim took instead of copying on a step's path (taken)", ["outcome"],
+                       registry=r)
+        for outcome, read in (("made", lambda c: c.copies_made), ("taken", lambda c: c.copies_taken)):
+            copies.labels(outcome).set_function(lambda read=read: 0 if worker.snapshot.tiers is None
+                                                else read(worker.snapshot.tiers))
         # the measured rates a turn weighs to read its chain from disk or recompute it (engine.tier_cost)
         Gauge("agentrt_chain_tier_disk_read_bytes_per_second", "measured read rate of chain files from the disk tier "
               "(recent loads; 0 until one is measured)", registry=r).set_function(

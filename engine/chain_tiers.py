@@ -75,6 +75,9 @@ class TierCounters:
     # (bytes per second) and prefill (prompt tokens per second of the steps that ran them)
     disk_read_bytes_per_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
+    # host copies made at turns' ends, and those a reclaim took instead of copying on the step's path
+    copies_made: int = 0
+    copies_taken: int = 0
 
 
 class ChainTiers:
@@ -101,7 +104,9 @@ class ChainTiers:
         """A chain's turn ended: start the host copy of its pages that a later reclaim takes
         (``engine.host_copies``), where the host tier has room for it beside its chains."""
         self.copies.discard(chain_id)
-        return self.copies.make(chain_id, table, self.host_bytes - self.host_used - self.copies.nbytes)
+        made = self.copies.make(chain_id, table, self.host_bytes - self.host_used - self.copies.nbytes)
+        self.counters.copies_made += made
+        return made
 
     def offload(self, chain_id: str, table: PageTable, info: dict[str, Any] | None = None,
                 method_state: Any = None) -> OffloadedTable | None:
@@ -112,6 +117,7 @@ class ChainTiers:
         start = time.perf_counter()
         tensors = self.cache.storage.page_tensors()
         pages = self.copies.take(chain_id, table)  # made at the turn's end, if the table is as it was then
+        self.counters.copies_taken += pages is not None
         if pages is None:
             index = torch.tensor(table.pages, dtype=torch.int64, device=tensors[0][0].device)
             pages = [_host(t.index_select(dim, index)) for t, dim in tensors]

@@ -53,6 +53,7 @@ def test_a_reclaim_takes_the_copy_made_at_the_turns_end(engines):
     assert all(torch.equal(a, b) for a, b in zip(copies.copies["c"].pages, want))
     assert eng.release_chain("c") and eng.chain_info("c").status == "host"  # what pressure does
     assert copies.used == 1 and not copies.copies and copies.nbytes == 0
+    assert (eng.chains.tiers.counters.copies_made, eng.chains.tiers.counters.copies_taken) == (1, 1)
     entry = eng.chains.index.get("c").offloaded
     assert all(torch.equal(a, b) for a, b in zip(entry.pages, want))
     out = turn(eng, ref, rng)

@@ -41,6 +41,9 @@ def test_pressure_moves_idle_chains_to_host_and_their_turns_load(tmp_path):
         assert metric(text, "agentrt_chain_tier_prefill_tokens_per_second") > 0
         assert metric(text, "agentrt_chain_tier_disk_read_bytes_per_second") == 0
         assert metric(text, 'agentrt_chain_tier_loads{outcome="recomputed_by_cost"}') == 0
+        # turn-end host copies are a GPU's (engine.host_copies): none here
+        assert metric(text, 'agentrt_chain_tier_host_copies{outcome="made"}') == 0
+        assert metric(text, 'agentrt_chain_tier_host_copies{outcome="taken"}') == 0
 
 
 def test_a_restarted_server_loads_the_chains_it_wrote_at_shutdown(tmp_path):
