@@ -2,7 +2,7 @@
 
 A chain holds a conversation of ``num_rounds`` lookup rounds (`quality.tasks.tool_round_messages`). After the
 history is computed, the lag policy prunes the tool results of every round ``r <= newest - lag``
-(`agentrt.chains` applies the same rule), keeping ``keep_ratio`` of each result's KV by the ``knorm`` scorer
+(`agentrt.chain_pruning` applies the same rule), keeping ``keep_ratio`` of each result's KV by the ``knorm`` scorer
 (none at 0, all at 1) through ``LLMEngine.prune_chain``; then the last user turn asks for the code of one
 round. ``distance`` = rounds from the end (1 = the newest round), so the asked round is pruned iff
 ``distance > lag``.

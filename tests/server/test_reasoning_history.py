@@ -1,7 +1,7 @@
 """A chat template that drops earlier replies' reasoning (Qwen3's: every think block before the last user
 message, and in a tool loop the empty ones) no longer breaks a chain's next turn: the turn appends only its new
 messages and the dropped think blocks leave the chain's KV as a prune (agentrt.chat, agentrt.reasoning.ThinkLog,
-``ChainService._drop_reasoning``).
+``ChainPruner.drop_reasoning`` in agentrt.chain_pruning).
 
 The template here follows Qwen3's published rules for assistant messages (written for this test on the tiny
 test template: the reasoning split off at ``</think>``, rendered with its block only after the last user message
