@@ -9,12 +9,7 @@ compiled for sm_90a with Triton's bundled ptxas: no GPU needed. The values these
 are checked against their references in tests/kernels/test_triton_selection.py (``WIDE``).
 """
 
-import json
-import os
-import subprocess
-import sys
-
-import pytest
+from tests.kernels.sm90_compile import compiled_rows
 
 _SCRIPT = """
 import json, sys
@@ -59,17 +54,8 @@ SM90_BLOCK_SHARED_BYTES = 232448
 def test_method_kernels_at_the_latent_width_fit_an_sm90_block():
     """16 (DeepSeek-V3 at TP 8), 20 (GLM-4.7-Flash) and 128 query heads (DeepSeek-V3): every launch fits a
     block's shared memory and keeps its values in registers (no spill stores)."""
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton's bundled ptxas is not installed")
     heads = [16, 20, 128]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, json.dumps(heads)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = compiled_rows(_SCRIPT, heads, timeout=600)
     assert len(rows) == 5 * len(heads)
     for r in rows:
         print(r)

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from agentrt_kernels.triton.mla_decode import mla_num_splits, mla_paged_decode  # noqa: E402
+from tests.kernels.sm90_compile import compiled_rows  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (atol, rtol) for attention outputs of O(1) magnitude, as tests/kernels/test_triton_kernels.py's ATTN_TOL
@@ -249,23 +250,10 @@ def test_default_launches_compile_for_sm90_without_spills():
     cp.async (LDGSTS), and for 16 / 32 head tiles two programs resident per SM (the one-split variant under a
     128-register cap, which spills a few bytes outside the main loop). Compiled in a child process:
     kernels imported under TRITON_INTERPRET=1 are interpreter objects that cannot be compiled."""
-    import json
-    import subprocess
-    import sys
-
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton's bundled ptxas is not installed")
     cases = [("bfloat16", 16, 1, False), ("bfloat16", 16, 4, False), ("bfloat16", 20, 1, False),
              ("bfloat16", 20, 4, False), ("float16", 128, 2, False), ("float32", 20, 2, False),
              ("bfloat16", 20, 4, True), ("bfloat16", 20, 1, True), ("bfloat16", 128, 2, True)]  # coded: E4M3 rows
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, json.dumps(cases)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = compiled_rows(_SM90_SCRIPT, cases)
     assert len(rows) == len(cases)
     for r in rows:
         if r["coded"]:  # the codes' conversion holds a bf16 tile in registers: one program a SM, no spills

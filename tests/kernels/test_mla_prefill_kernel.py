@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from agentrt_kernels.triton.mla_prefill import launch_config, mla_paged_prefill  # noqa: E402
+from tests.kernels.sm90_compile import compiled_rows  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (atol, rtol) for attention outputs of O(1) magnitude, as tests/kernels/test_mla_decode_kernel.py's
@@ -253,22 +254,9 @@ def test_default_launches_compile_for_sm90_without_spills():
     cp.async (LDGSTS), for 16 (DeepSeek-V3 at TP 8), 20 (GLM-4.7-Flash) and 128 heads, long prompts and
     decode-like batches (smaller row tiles), fp32 too. Compiled in a child process: kernels imported under
     TRITON_INTERPRET=1 are interpreter objects that cannot be compiled."""
-    import json
-    import subprocess
-    import sys
-
-    import triton
-
-    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
-        pytest.skip("triton's bundled ptxas is not installed")
     cases = [("bfloat16", 16, 4096), ("bfloat16", 20, 4096), ("bfloat16", 128, 4096), ("float16", 16, 4096),
              ("bfloat16", 16, 1), ("bfloat16", 20, 1), ("bfloat16", 16, 2), ("float32", 20, 4096)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", _SM90_SCRIPT, json.dumps(cases)], env=env, cwd=root,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    rows = compiled_rows(_SM90_SCRIPT, cases)
     assert len(rows) == len(cases)
     for r in rows:
         print(r)
