@@ -46,13 +46,11 @@ class HostCopies:
         self.enabled = enabled  # on by default on a GPU (``ChainTiers``)
         self.copies: OrderedDict[str, HostCopy] = OrderedDict()  # oldest first
         self.nbytes = 0
-        self.made = self.used = 0  # copies made, and taken by a reclaim
         self._stream = None
 
     def make(self, chain_id: str, table: PageTable, room: int) -> bool:
-        """Start copying ``table``'s pages for ``chain_id`` (replacing an earlier copy) if ``room`` host bytes
-        hold it; False when not made."""
-        self.discard(chain_id)
+        """Start copying ``table``'s pages for ``chain_id`` (which has no copy: ``discard`` it first) if ``room``
+        host bytes hold it; False when not made."""
         if not self.enabled or not table.pages:
             return False
         tensors = self.cache.storage.page_tensors()
@@ -80,7 +78,6 @@ class HostCopies:
             pages = [t.index_select(dim, index).clone() for t, dim in tensors]
         self.copies[chain_id] = HostCopy(signature(table), pages, nbytes, done)
         self.nbytes += nbytes
-        self.made += 1
         return True
 
     def take(self, chain_id: str, table: PageTable) -> list[torch.Tensor] | None:
@@ -89,7 +86,6 @@ class HostCopies:
         copy = self._pop(chain_id)
         if copy is None or copy.signature != signature(table):
             return None
-        self.used += 1
         return copy.pages
 
     def discard(self, chain_id: str) -> None:

@@ -48,17 +48,16 @@ def test_a_reclaim_takes_the_copy_made_at_the_turns_end(engines):
     copies, rng = eng.chains.tiers.copies, random.Random(3)
     for e in (eng, ref):
         run_chain_turn(e, "c", random_tokens(rng.__class__(1), 30), PARAMS)
-    assert "c" in copies.copies and copies.made == 1 and copies.nbytes > 0
+    assert "c" in copies.copies and eng.chains.tiers.counters.copies_made == 1 and copies.nbytes > 0
     want = pages_of(eng, "c")
     assert all(torch.equal(a, b) for a, b in zip(copies.copies["c"].pages, want))
     assert eng.release_chain("c") and eng.chain_info("c").status == "host"  # what pressure does
-    assert copies.used == 1 and not copies.copies and copies.nbytes == 0
-    assert (eng.chains.tiers.counters.copies_made, eng.chains.tiers.counters.copies_taken) == (1, 1)
+    assert eng.chains.tiers.counters.copies_taken == 1 and not copies.copies and copies.nbytes == 0
     entry = eng.chains.index.get("c").offloaded
     assert all(torch.equal(a, b) for a, b in zip(entry.pages, want))
     out = turn(eng, ref, rng)
     assert out.resume_status == "loaded"
-    assert "c" in copies.copies and copies.made == 2  # this turn's end copied again
+    assert "c" in copies.copies and eng.chains.tiers.counters.copies_made == 2  # this turn's end copied again
 
 
 @pytest.mark.parametrize("change", ["turn", "rewind", "prune"])
@@ -85,7 +84,7 @@ def test_a_copy_of_a_table_that_changed_since_is_not_taken(engines, change):
     assert stale.signature != signature(eng.chains.index.get("c").table)
     want = pages_of(eng, "c")
     assert eng.release_chain("c")
-    assert copies.used == 0  # the stale copy was not taken: the pages were copied afresh
+    assert eng.chains.tiers.counters.copies_taken == 0  # the stale copy was not taken: the pages were copied afresh
     entry = eng.chains.index.get("c").offloaded
     assert all(torch.equal(a, b) for a, b in zip(entry.pages, want))
     assert turn(eng, ref, rng).resume_status == "loaded"
@@ -105,7 +104,7 @@ def test_copies_take_only_room_the_host_tier_has_and_leave_first(tiny_dirs):
     assert set(tiers.copies.copies) == {"a", "b"}
     per_chain = tiers.copies.copies["a"].nbytes
     tiers.host_bytes = tiers.host_used + per_chain + per_chain // 2  # a's entry fits, b's copy beside it does not
-    assert eng.release_chain("a") and tiers.copies.used == 1  # a's copy taken; b's discarded to make room
+    assert eng.release_chain("a") and tiers.counters.copies_taken == 1  # a's copy taken; b's discarded to make room
     assert "b" not in tiers.copies.copies and tiers.copies.nbytes == 0
     eng.delete_chain("a")
     run_chain_turn(eng, "b", eng.chains.index.get("b").token_ids + [5, 6], PARAMS)
@@ -130,6 +129,6 @@ def test_on_a_gpu_the_copy_runs_on_a_side_stream_and_a_reclaim_takes_it(tiny_dir
     copy = copies.copies["c"]
     assert copy.done is not None and all(p.is_pinned() for p in copy.pages)
     want = [p.cpu() for p in pages_of(eng, "c")]
-    assert eng.release_chain("c") and copies.used == 1
+    assert eng.release_chain("c") and eng.chains.tiers.counters.copies_taken == 1
     assert all(torch.equal(a, b) for a, b in zip(eng.chains.index.get("c").offloaded.pages, want))
     assert turn(eng, ref, rng).resume_status == "loaded"
