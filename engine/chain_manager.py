@@ -62,6 +62,35 @@ class ChainManager:
         self.check_bindable(chain_id)
         state = self.index.get_or_create(chain_id)
         req.chain_id = chain_id
+        if self._wait_for_room(req, state):
+            return
+        self._resume(req, state)
+
+    def _wait_for_room(self, req: Request, state) -> bool:
+        """An offloaded chain whose KV has no room on the device now (running turns hold the pages) stays where
+        it is and its turn is parked: the scheduler loads it when it admits the turn, instead of it being
+        dropped here and recomputed."""
+        entry = state.offloaded
+        if entry is None or state.method is not req.method or self.memory.room_for(entry.num_pages):
+            return False
+        req.parked = True
+        state.busy_request = req.request_id
+        self.index.touch(state)
+        return True
+
+    def unpark(self, req: Request, must: bool) -> bool:
+        """A parked turn (``ChainMemory.park``) is admitted: bind it to its chain again, loading the KV it gave
+        up. False, and still parked, when the pool has no room for that KV now, unless ``must`` (nothing else
+        runs to free pages): then the turn recomputes."""
+        state = self.index.get(req.chain_id)
+        entry = state.offloaded
+        if entry is not None and not must and not self.memory.room_for(entry.num_pages):
+            return False
+        req.parked = False
+        self._resume(req, state)
+        return True
+
+    def _resume(self, req: Request, state) -> None:
         resumed = 0
         if state.table is not None and state.method is not req.method:
             self.cache.release_table(state.table)  # retained by another method: its state does not carry over
@@ -102,14 +131,14 @@ class ChainManager:
     def retain(self, req: Request, reason: FinishReason) -> None:
         """The turn ended: give its KV back to the chain (or, on abort, what the chain had before it)."""
         state = self.index.get(req.chain_id)
-        exported = None if reason is FinishReason.ABORT else req.method.export_state(req)
+        exported = None if reason is FinishReason.ABORT or req.parked else req.method.export_state(req)
         table = self.cache.detach(req)
         if reason is FinishReason.ABORT:
             if (table is not None and table.num_slots >= state.num_computed > 0
                     and self.cache.can_truncate(table, state.num_computed)):
                 self.cache.truncate_table(table, state.num_computed)
                 state.table = table
-            else:
+            elif not req.parked:  # a parked turn's chain keeps the KV the turn gave back (state.offloaded)
                 if table is not None:
                     self.cache.release_table(table)
                 state.num_computed = 0
@@ -121,7 +150,9 @@ class ChainManager:
             state.table = table
             state.method_state = exported
             state.method = req.method
-        if state.table is None:
+        if req.parked and reason is not FinishReason.ABORT:
+            self.memory.drop_offloaded(state)
+        if state.table is None and state.offloaded is None:
             state.num_computed, state.method_state = 0, None
         state.busy_request = None
         state.idle_since = time.monotonic()

@@ -4,7 +4,7 @@
 Pressure (``reclaim``: least recently used idle chains leave the device first, to the host tier when there is
 one), session hints (pin, priority, TTL, release now, prefetch now), loading an offloaded chain back before
 its turn, fork, rewind or prune (``load``), and restarts (``persist`` at shutdown, ``restore`` at start,
-``adopt_file`` for a handed-off chain). ``ChainManager`` owns the chains' semantics and asks this for their KV.
+``adopt_file`` for a handed-off chain), and a queued turn's KV moved down under pressure (``park``). ``ChainManager`` owns the chains' semantics and asks this for their KV.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from engine.chain_index import ChainBusyError, ChainIndex, ChainState
 from engine.chain_tiers import ChainTiers, OffloadedTable
 from engine.contract.cache import CacheManager
 from engine.errors import InvalidRequestError
+from engine.request import Request
 from engine.state_tree import flatten
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,35 @@ class ChainMemory:
             state.num_reclaims += 1
             freed = True
         return freed
+
+    def park(self, req: Request) -> bool:
+        """Memory is short and ``req``, a queued chain turn that has not run yet, holds its chain's KV: with tiers
+        that KV moves down as an idle chain's would (``state.offloaded``) and the turn binds to its chain again
+        when it is admitted (``ChainManager.unpark``) instead of recomputing its history. False without tiers or
+        chain KV to move (the scheduler then frees what the request holds)."""
+        if self.tiers is None or req.chain_id is None or not self.cache.holds(req):
+            return False
+        state = self.index.get(req.chain_id)
+        table = self.cache.detach(req)  # the chain's table as the turn's bind left it (state.num_computed slots)
+        entry = self.tiers.offload(state.chain_id, table, _info(state), state.method_state)
+        self.cache.release_table(table)
+        req.method.release(req)
+        req.num_computed_tokens = 0
+        state.offloaded, state.num_reclaims = entry, state.num_reclaims + 1
+        if entry is None:
+            state.num_computed, state.method_state = 0, None
+        req.parked = entry is not None
+        return True
+
+    def room_for(self, pages: int) -> bool:
+        """Whether ``pages`` pages are free, after reclaiming idle chains for them."""
+        self.reclaim(pages)
+        return self.cache.pool.can_allocate(pages)
+
+    def drop_offloaded(self, state: ChainState) -> None:
+        if state.offloaded is not None:
+            self.tiers.drop(state.offloaded)
+            state.offloaded = None
 
     def persist(self) -> int:
         """Write every idle chain's table to the disk tier (a server shutting down), so that the next process

@@ -145,7 +145,7 @@ def wire_engine(config: EngineConfig, owner: object, worker=None) -> EngineParts
         chains.on_preempt(req)
 
     scheduler = Scheduler(cache, config.max_num_batched_tokens, config.max_num_seqs, on_preempt=on_preempt,
-                          reclaim=chains.memory.reclaim)
+                          reclaim=chains.memory.reclaim, park=chains.memory.park, unpark=chains.unpark)
     # the prefill rate a turn weighs against reading its chain from disk (engine.tier_cost)
     scheduler.step_observers.append(chains.memory.observe_prefill)
     runner = ModelRunner(model, cache, method, backend, mc.head_dim**-0.5, device)

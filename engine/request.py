@@ -47,6 +47,7 @@ class Request:
     chain_id: str | None = None
     resume_status: "ResumeStatus | None" = None  # for chain turns
     num_resumed_tokens: int = 0  # tokens whose KV came from the chain
+    parked: bool = False  # a queued chain turn whose chain KV moved to a tier under pressure (ChainMemory.park)
     num_prefilled_tokens: int = 0  # prompt tokens this request computed (recomputation after preemption too)
     method: Any = None  # the SparseMethod serving it (engine.method_set); set by the engine
     prefix_namespace: bytes | None = None  # its method's prefix-cache key space (None: the engine's method)

@@ -36,10 +36,15 @@ class Scheduler:
         self, cache: CacheManager, max_num_batched_tokens: int, max_num_seqs: int,
         on_preempt: Callable[[Request], None] | None = None,
         reclaim: Callable[[int], bool] | None = None,
+        park: Callable[[Request], bool] | None = None,
+        unpark: Callable[[Request, bool], bool] | None = None,
     ):
         self.cache = cache
         self.on_preempt = on_preempt
         self.reclaim = reclaim  # frees idle retained state (chains) for n pages; True if it freed any
+        # a queued turn's held KV moved down under pressure instead of freed (True if it was), and back when the
+        # turn is admitted (False: no room yet; the bool: nothing else runs, so recompute rather than wait)
+        self.park, self.unpark = park, unpark
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -80,6 +85,8 @@ class Scheduler:
             return plan  # memory is short: do not admit anyone this step
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            if req.parked and not self.unpark(req, not (self.running or plan.requests)):
+                break
             attached = self.cache.holds(req)  # a chain turn arrives with its KV attached
             cached = req.num_computed_tokens if attached else self.cache.match_prefix(req)
             n = self._chunk(cached, req.num_tokens, budget)
@@ -119,9 +126,12 @@ class Scheduler:
 
     def _drop_waiting_holdings(self, keep: Request) -> bool:
         """Queued chain turns hold their chains' KV; when memory is short, the ones queued furthest back
-        give it up (they will recompute). True if any did."""
+        give it up: to a chain tier when there is one (``park``), else freed (they will recompute). True if any
+        did."""
         for req in reversed(self.waiting):
             if req is not keep and self.cache.holds(req):
+                if self.park is not None and self.park(req):
+                    return True
                 self.cache.free(req)
                 req.num_computed_tokens = 0
                 if self.on_preempt is not None:
