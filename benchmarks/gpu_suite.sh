@@ -29,7 +29,9 @@
 #              the torch backend, in one process (most of a call)
 #   mla        GLM-4.7-Flash shape decode roofline at bs8 / bs32 @ 4K (latent attention, MoE)
 #   mlasnap128k  SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, largest batches, decode only
+#   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
 #   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid, fla-core) decode at bs8 @ 4K
+#   gputests   the GPU cases of the host-copy and MLA decode kernel tests alone
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
 #   profilesteps  whole decode steps under torch.profiler (MoE bs8@4K, dense bs1@4K): device busy / idle
@@ -52,9 +54,10 @@
 #   snapwin    SnapKV(4096) vs dense at 128K, each at its largest batch, with --decode-window 8
 #   retro      RetroInfer (cluster-gather kernel) vs dense at 32K, matched batch
 #   replay     16 agent sessions x 30 turns: dense + prefix cache, SnapKV + Chain Cache, dense + lag pruning
-#   replaypressure  32 sessions x 20 turns on a 24K-page pool: more KV than the pool holds for the stateless
-#              route (16 x 30 peaked at 37K pages), so its prefix cache must evict what it re-sends, while the
-#              chains' compacted state (SnapKV peaked at 4.2K pages) still fits
+#   replaypressure  12 sessions x 12 turns with the traces' think times on a 6000-page pool: more KV than the
+#              pool holds for the stateless route (its prefix cache must evict what it re-sends) and for dense
+#              chains (idle ones move to the host tier), while SnapKV's compacted chains mostly fit:
+#              dense + prefix cache, SnapKV + Chain Cache + tiers, dense + Chain Cache + tiers
 #   resume32k  benchmarks.chain_resume: a 32K-token chain's next turn (256 new tokens) resumed on the device,
 #              loaded from host memory, from its disk file (page cache dropped), or recomputed
 #   serving32k  benchmarks.serving: 32K-token prompts, 1024 output tokens, closed loop at the largest
@@ -170,9 +173,11 @@ for step in "$@"; do
         run mla 560 python -m benchmarks.throughput --shape glm-4.7-flash --cases 8@4096,32@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/mla.json" ;;
     mlasnap128k)  # SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, each at its largest batch (decode only)
+        # one request admitted at a time (each holds its 128K latent rows, ~7 GB, until SnapKV compacts it), one
+        # timed window each (what a call holds on a card whose weights leave ~15 GB of KV)
         run mlasnap128k 560 python -m benchmarks.sparse_decode --shape glm-4.7-flash --decode-steps 16 \
-            --context 128000 --max-batch 256 --admit-group 16 --methods 'dense;snapkv:{"budget":4096}' \
-            --json "$OUT/mlasnap128k.json" ;;
+            --context 128000 --max-batch 128 --admit-group 1 --admit-time-limit 300 --repeats 1 \
+            --methods 'dense;snapkv:{"budget":4096}' --json "$OUT/mlasnap128k.json" ;;
     hybrid)  # Qwen3.6-27B shape (3 of 4 layers gated DeltaNet on fla-core's kernels) bs8 @ 4K (150 s on an H200)
         run hybrid 560 python -m benchmarks.throughput --shape qwen3.6-27b --cases 8@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --json "$OUT/hybrid.json" ;;
@@ -237,13 +242,24 @@ for step in "$@"; do
     retro)
         run retro 300 $SPARSE --context 32768 --max-batch 8 \
             --methods 'dense;retroinfer:{}' --json "$OUT/retro.json" ;;
-    replay | replaypressure)  # pressure: twice the sessions, 20 turns, a 24K-page pool (not yet run on a GPU)
-        load=(--sessions 16 --turns 30,30)
-        [ "$step" = replaypressure ] && load=(--sessions 32 --turns 20,20 --num-pages 24000)
-        run "$step" 560 python -c 'import sys; from agentrt.cli import main; sys.exit(main())' replay run \
-            --shape llama-3.1-8b --load-format dummy "${load[@]}" --think-scale 0 \
+    replay)
+        run replay 560 python -c 'import sys; from agentrt.cli import main; sys.exit(main())' replay run \
+            --shape llama-3.1-8b --load-format dummy --sessions 16 --turns 30,30 --think-scale 0 \
             --max-num-batched-tokens 8192 --configs dense-prefix,snapkv-chain,dense-chain-lag \
             --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
+    replaypressure)  # more KV than the pool holds: 12 sessions x 12 turns (~26K tokens each at the end, 311K in
+        # all) over a 6000-page pool (96K tokens), with the traces' think times; the tiers' host copy is 64 GiB
+        run replaypressure 560 python -c 'import sys; from agentrt.cli import main; sys.exit(main())' replay run \
+            --shape llama-3.1-8b --load-format dummy --sessions 12 --turns 12,12 --num-pages 6000 \
+            --think-scale 1 --max-num-batched-tokens 8192 \
+            --configs dense-prefix,snapkv-chain-tiers,dense-chain-tiers \
+            --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
+    gputests)  # the GPU cases added since the last `tests` run: host copies on a side stream, fp8 latent decode
+        run gputests 200 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \
+            tests/engine/test_host_copies.py tests/kernels/test_mla_decode_kernel.py ;;
+    mlafp8)  # the Triton MLA decode kernel over fp8 latent rows against bf16 rows, GLM-4.7-Flash shape, 4K
+        run mlafp8 300 python -m benchmarks.sparse_decode --shape glm-4.7-flash --decode-steps 16 --context 4096 --max-batch 32 --admit-group 32 \
+            --methods 'dense;dense+fp8' --repeats 3 --json "$OUT/mlafp8.json" ;;
     resume32k)
         run resume32k 300 python -m benchmarks.chain_resume --shape llama-3.1-8b --context 32768 --new-tokens 256 \
             --drop-page-cache --json "$OUT/resume32k.json" ;;
