@@ -290,7 +290,7 @@ class TextBlock(Struct, kw_only=True, tag_field="type", tag="text"):
 
 class ThinkingBlock(Struct, kw_only=True, tag_field="type", tag="thinking"):
     """A thinking model's think block (agentrt.reasoning), before the text. ``signature`` is a constant
-    (agentrt.anthropic_messages.THINKING_SIGNATURE): nothing is verified when a client sends the block back."""
+    (agentrt.anthropic_events.THINKING_SIGNATURE): nothing is verified when a client sends the block back."""
 
     thinking: str
     signature: str

@@ -21,7 +21,8 @@ chain's metadata, under ``agentrt_conversation`` (which also marks the chain as 
 
 The items are read from the chain's turns on every request: per turn its messages (a user message a ``message``
 item, a tool message a ``function_call_output``) and then its output, split as the response returned it (a
-``reasoning`` item, a ``message``, one ``function_call`` per call: agentrt.responses). A pending item is
+``reasoning`` item, a ``message``, one ``function_call`` per call: agentrt.responses; the items and their ids:
+agentrt.conversations_items; the request bodies and returned objects: agentrt.conversations_types). A pending item is
 consumed once a turn the chain holds lists its id. Nothing is kept in this process but a lock and the set of
 conversations whose turn is being started.
 
@@ -34,234 +35,29 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import hashlib
-import json
-import re
 import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from litestar.datastructures import State
-from litestar.exceptions import NotFoundException
-from msgspec import Meta, Struct
 
 from agentrt.chain_state import ChainState
 from agentrt.chains import no_nul
-from agentrt.chat import Message, calls_in, without_calls
+from agentrt.chat import Message, without_calls
+from agentrt.conversations_items import (call_item_id, call_output_item, chain_id_of, check_order, check_pending,
+                                         content_text, conversation_id_of, digest, history, item_text, message_item,
+                                         new_item_id, output_ids, parse_item, stored_item, turn_output)
+from agentrt.conversations_types import (ConversationCreate, ConversationItemList, ConversationNotFound,
+                                         ConversationObject, ConversationUpdate, ItemNotFound)
 from agentrt.errors import ChainBusy, ChainNotFound, bad_field
 from agentrt.models import TurnRow
-from agentrt.reasoning import split_reasoning
-from agentrt.responses_types import (FunctionCallItem, FunctionCallOutputItem, InputItem, MessageItem,
-                                     OutputFunctionCall, OutputMessage, OutputReasoning, OutputText, OutputTextPart,
-                                     ReasoningItem, ReasoningTextPart)
-from sdk.schema import ChainCreate, TurnMessage
+from agentrt.responses_types import FunctionCallItem, InputItem, MessageItem, ReasoningItem
+from sdk.schema import ChainCreate
 
 KEY = "agentrt_conversation"  # the chain metadata that makes a chain a conversation
-ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
-MAX_ITEMS = 20  # per request, as OpenAI's
-_HEX = re.compile(r"[0-9a-f]{32}")
 
 
-class _In(Struct, forbid_unknown_fields=True, kw_only=True):
-    pass
-
-
-# OpenAI's metadata: at most 16 pairs, keys up to 64 characters, values up to 512
-Metadata = Annotated[dict[Annotated[str, Meta(max_length=64)], Annotated[str, Meta(max_length=512)]],
-                     Meta(max_length=16)]
-
-
-class ConversationCreate(_In):
-    items: Annotated[list[dict[str, Any]], Meta(max_length=MAX_ITEMS)] | None = None
-    metadata: Metadata | None = None
-    safety_identifier: str | None = None  # accepted, no effect
-
-
-class ConversationUpdate(_In):
-    metadata: Metadata | None  # required (OpenAI's); null clears it
-
-
-class ItemsCreate(_In):
-    items: Annotated[list[dict[str, Any]], Meta(min_length=1, max_length=MAX_ITEMS)]
-
-
-class ConversationObject(Struct, kw_only=True):
-    id: str
-    created_at: int
-    metadata: dict[str, str]
-    object: str = "conversation"
-
-
-class ConversationDeleted(Struct, kw_only=True):
-    id: str
-    deleted: bool = True
-    object: str = "conversation.deleted"
-
-
-class ConversationItemList(Struct, kw_only=True):
-    """A page of a conversation's items (OpenAI's ``ConversationItemList``; ``first_id`` / ``last_id`` null on an
-    empty page)."""
-
-    data: list[dict[str, Any]]
-    first_id: str | None
-    last_id: str | None
-    has_more: bool = False
-    object: str = "list"
-
-
-class ConversationNotFound(NotFoundException):
-    def __init__(self, conversation_id: str):
-        super().__init__(detail=f"no conversation with the id {conversation_id!r}")
-
-
-class ItemNotFound(NotFoundException):
-    def __init__(self, item_id: str, conversation_id: str):
-        super().__init__(detail=f"no item with the id {item_id!r} in the conversation {conversation_id!r}")
-
-
-# --- ids ----------------------------------------------------------------------------------------------------
-def chain_id_of(conversation_id: str) -> str | None:
-    hex_ = conversation_id.removeprefix("conv_")
-    return f"chain_{hex_}" if conversation_id.startswith("conv_") and _HEX.fullmatch(hex_) else None
-
-
-def conversation_id_of(chain_id: str) -> str:
-    return f"conv_{chain_id.removeprefix('chain_')}"
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex}"
-
-
-def output_ids(key: str) -> tuple[str, str]:
-    """The ids of a response turn's reasoning and message items (its calls': ``call_item_id``)."""
-    return f"rs_{key}", f"msg_{key}"
-
-
-def call_item_id(key: str, j: int) -> str:
-    return f"fc_{key}_{j}"
-
-
-def digest(messages: Sequence[Message]) -> str:
-    """What identifies a turn's messages (user and tool messages: role, content, call id)."""
-    rows = [[m["role"], m["content"], m.get("tool_call_id")] for m in messages]
-    return hashlib.sha256(json.dumps(rows, ensure_ascii=False).encode("utf-8", "surrogatepass")).hexdigest()[:24]
-
-
-# --- items --------------------------------------------------------------------------------------------------
-def _text(content: str | list[Any]) -> str:
-    return content if isinstance(content, str) else "".join(p.text for p in content)
-
-
-def _message(item_id: str, role: str, text: str) -> dict[str, Any]:
-    if role == "assistant":
-        return msgspec.to_builtins(OutputMessage(id=item_id, content=[OutputTextPart(text=text)]))
-    return {"id": item_id, "type": "message", "role": role, "status": "completed",
-            "content": [{"type": "input_text", "text": text}]}
-
-
-def _call(item_id: str, call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    return msgspec.to_builtins(OutputFunctionCall(id=item_id, call_id=call_id, name=name, arguments=arguments))
-
-
-def _call_output(item_id: str, call_id: str, output: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call_output", "call_id": call_id, "output": output,
-            "status": "completed"}
-
-
-def parse_item(raw: dict[str, Any], key: str) -> InputItem:
-    """An input item as the Responses route reads one (400 naming ``key`` or its field)."""
-    kind = raw.get("type", "message")
-    if kind not in ITEM_TYPES:
-        raise bad_field(f"{key}.type", f"{kind!r} is not an item this server takes (one of {', '.join(ITEM_TYPES)})")
-    try:
-        return msgspec.convert({"type": "message", **raw}, InputItem)
-    except msgspec.ValidationError as exc:
-        raise bad_field(key, str(exc)) from None
-
-
-def stored_item(item: InputItem, key: str, item_id: str) -> dict[str, Any] | None:
-    """``item`` as the conversation lists it, with ``item_id`` (None: a ``reasoning`` item, which is skipped: the
-    chain holds the reasoning as generated)."""
-    if isinstance(item, ReasoningItem):
-        return None
-    if isinstance(item, FunctionCallItem):
-        return _call(item_id, item.call_id, item.name, item.arguments)
-    if isinstance(item, FunctionCallOutputItem):
-        message = {"role": "tool", "content": _text(item.output), "tool_call_id": item.call_id}
-        _check_message(message, key)
-        return _call_output(item_id, item.call_id, message["content"])
-    if item.role != "assistant" and not isinstance(item.content, str) \
-            and any(isinstance(p, OutputText) for p in item.content):
-        raise bad_field(f"{key}.content", f"a {item.role} message takes input_text parts")
-    if item.role == "user":
-        _check_message({"role": "user", "content": _text(item.content)}, key)
-    return _message(item_id, item.role, _text(item.content))
-
-
-def _check_message(message: Message, key: str) -> None:
-    try:
-        msgspec.convert(message, TurnMessage)  # the turn's limits, named here
-    except msgspec.ValidationError as exc:
-        raise bad_field(key, str(exc)) from None
-
-
-def _text_of(item: dict[str, Any]) -> str:
-    return "".join(p.get("text", "") for p in item.get("content") or [])
-
-
-@dataclass(slots=True)
-class History:
-    """Items (as stored) as the chain routes' messages: consecutive assistant ``message`` / ``function_call``
-    items are one assistant message; per message the ids of its items and the field to name in an error."""
-
-    messages: list[Message] = field(default_factory=list)
-    ids: list[list[str]] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
-    calls: list[list[tuple[str, str]]] = field(default_factory=list)  # an assistant message's (item id, call id)
-
-
-def history(items: Sequence[tuple[dict[str, Any], str]]) -> History:
-    out = History()
-    called: dict[str, str] = {}  # call id -> name, of the function_call items among ``items``
-    for item, name in items:
-        assistant = item["type"] == "function_call" or (item["type"] == "message" and item["role"] == "assistant")
-        if assistant:
-            if not out.messages or out.messages[-1]["role"] != "assistant":
-                out.messages.append({"role": "assistant", "content": ""})
-                out.ids.append([])
-                out.names.append(name)
-                out.calls.append([])
-            message = out.messages[-1]
-            if item["type"] == "function_call":
-                message.setdefault("tool_calls", []).append(
-                    {"id": item["call_id"], "type": "function",
-                     "function": {"name": item["name"], "arguments": item["arguments"]}})
-                called[item["call_id"]] = item["name"]
-                out.calls[-1].append((item["id"], item["call_id"]))
-            else:
-                message["content"] += _text_of(item)
-            out.ids[-1].append(item["id"])
-            continue
-        if item["type"] == "function_call_output":
-            message = {"role": "tool", "content": item["output"], "tool_call_id": item["call_id"]}
-            if item["call_id"] in called:
-                message["name"] = called[item["call_id"]]
-        elif item["role"] in ("system", "developer"):
-            raise bad_field(f"{name}.role", "system and developer messages may only open a conversation (in "
-                                            "`items` of POST /v1/conversations): the chain's system prompt is fixed")
-        else:
-            message = {"role": "user", "content": _text_of(item)}
-        out.messages.append(message)
-        out.ids.append([item["id"]])
-        out.names.append(name)
-        out.calls.append([])
-    return out
-
-
-# --- the service ----------------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class TurnPlan:
     """The next turn(s) of a conversation, checked and not yet started: ``messages[:offset]`` are imported
@@ -325,13 +121,13 @@ class ConversationService:
                 if pending:
                     raise bad_field(f"{key}.role", "system and developer messages may only open the conversation "
                                                    "(they become its chain's system prompt)")
-                no_nul(_text(item.content), f"{key}.content")
-            stored = stored_item(item, key, _new_id(_prefix(item)))
+                no_nul(content_text(item.content), f"{key}.content")
+            stored = stored_item(item, key, new_item_id(item))
             assert stored is not None
             (system if stored.get("role") in ("system", "developer") else pending).append(stored)
-        _check_pending([(p, f"items[{len(system) + i}]") for i, p in enumerate(pending)])
+        check_pending([(p, f"items[{len(system) + i}]") for i, p in enumerate(pending)])
         conv = {"metadata": data.metadata or {}, "system": system, "pending": pending, "turns": {}}
-        system_prompt = "\n".join(_text_of(s) for s in system) if system else None
+        system_prompt = "\n".join(item_text(s) for s in system) if system else None
         try:
             request = msgspec.convert({"system_prompt": system_prompt, "metadata": {KEY: conv}}, ChainCreate)
         except msgspec.ValidationError as exc:
@@ -379,9 +175,9 @@ class ConversationService:
         items = []
         for k, m in enumerate(row.messages):
             if m["role"] == "tool":
-                items.append(_call_output(ids[k] if ids else f"fco_{where}_{k}", m["tool_call_id"], m["content"]))
+                items.append(call_output_item(ids[k] if ids else f"fco_{where}_{k}", m["tool_call_id"], m["content"]))
             else:
-                items.append(_message(ids[k] if ids else f"msg_{where}_{k}", "user", m["content"]))
+                items.append(message_item(ids[k] if ids else f"msg_{where}_{k}", "user", m["content"]))
         key = (entry or {}).get("key") or where
         renderer = self.chains.renderer.renderer
         thinking = None
@@ -432,13 +228,13 @@ class ConversationService:
                 raise bad_field(f"{key}.role", "system and developer messages may only open a conversation (in "
                                                "`items` of POST /v1/conversations): its chain's system prompt is "
                                                "fixed")
-            stored = stored_item(item, key, _new_id(_prefix(item)))
+            stored = stored_item(item, key, new_item_id(item))
             assert stored is not None
             added.append(stored)
         async with self._lock:
             state = await self.state(conversation_id, tenant)
             _, pending, _ = await self._items(state)
-            _check_pending([(p, "conversation") for p in pending] + [(a, f"items[{i}]") for i, a in enumerate(added)])
+            check_pending([(p, "conversation") for p in pending] + [(a, f"items[{i}]") for i, a in enumerate(added)])
             conv = copy.deepcopy(state.row.meta[KEY])
             conv["pending"] = pending + added
             await self._write(state, conv)
@@ -498,7 +294,7 @@ class ConversationService:
                 if (item.call_id if isinstance(item, FunctionCallItem) else item.id) in known:
                     input_ids.append(None)
                     continue
-            stored = stored_item(item, key, _new_id(_prefix(item)))
+            stored = stored_item(item, key, new_item_id(item))
             input_ids.append(None if stored is None else stored["id"])
             if stored is not None:
                 given.append((stored, key))
@@ -506,7 +302,7 @@ class ConversationService:
         if not hist.messages or hist.messages[-1]["role"] == "assistant":
             raise bad_field("input", "must end with a user message or function_call_output items (after the "
                                      "conversation's pending items): the response follows them")
-        _check_order(hist)
+        check_order(hist)
         entries: dict[str, dict[str, Any]] = {}
         turn, first = state.num_turns, 0
         for i, message in enumerate(hist.messages):
@@ -524,7 +320,7 @@ class ConversationService:
                               "in": [x for ids in hist.ids[first:] for x in ids], "key": key, "calls": parse_calls}
         return TurnPlan(conversation_id=conversation_id, state=state, messages=hist.messages, names=hist.names,
                         offset=first, entries=entries, key=key, input_ids=input_ids,
-                        system_texts=[_text_of(s) for s in conv.get("system") or []],
+                        system_texts=[item_text(s) for s in conv.get("system") or []],
                         instructions=conv.get("instructions"))
 
     async def record(self, plan: TurnPlan, first: bool, instructions: str | None, **row: Any) -> None:
@@ -541,54 +337,12 @@ class ConversationService:
         self.starting.discard(plan.state.id)
 
 
-def _prefix(item: InputItem) -> str:
-    return "fc" if isinstance(item, FunctionCallItem) else "fco" if isinstance(item, FunctionCallOutputItem) \
-        else "msg"
-
-
 def _entry(conv: dict[str, Any], row: TurnRow) -> dict[str, Any] | None:
     entry = (conv.get("turns") or {}).get(str(row.index))
     if not isinstance(entry, dict) or entry.get("h") != digest(row.messages) \
             or len(entry.get("in") or []) != len(row.messages):
         return None
     return entry
-
-
-def _check_order(hist: History) -> None:
-    """An assistant message must follow a user message or tool results (the conversation's chain ends with the
-    assistant's turn)."""
-    for i, message in enumerate(hist.messages):
-        if message["role"] == "assistant" and (i == 0 or hist.messages[i - 1]["role"] == "assistant"):
-            raise bad_field(hist.names[i], "an assistant item must follow a user message or function_call_output "
-                                           "(the conversation's last turn is the assistant's)")
-
-
-def _check_pending(items: list[tuple[dict[str, Any], str]]) -> None:
-    if items:
-        _check_order(history(items))
-
-
-def turn_output(content: str, tool_calls: list[dict[str, Any]], thinking: bool | None, parse_calls: bool,
-                rs_id: str, msg_id: str, call_ids: Any) -> list[dict[str, Any]]:
-    """A chain turn's output as the response returned it (agentrt.responses: a ``reasoning`` item, a ``message``
-    without the tool-call markup, a ``function_call`` per call). ``call_ids(j)``: (item id, call id or None: the
-    chain's) of the j-th call."""
-    thought, text = "", content
-    if thinking is not None:
-        thought, text = split_reasoning(text, thinking)
-    calls: list[dict[str, Any]] = []
-    if parse_calls:
-        calls = tool_calls[len(tool_calls) - min(len(calls_in(text)), len(tool_calls)):]
-        text = without_calls(text)
-    out: list[dict[str, Any]] = []
-    if thought:
-        out.append(msgspec.to_builtins(OutputReasoning(id=rs_id, content=[ReasoningTextPart(text=thought)])))
-    if text:
-        out.append(_message(msg_id, "assistant", text))
-    for j, c in enumerate(calls):
-        item_id, call_id = call_ids(j)
-        out.append(_call(item_id, call_id or c["id"], c["function"]["name"], c["function"]["arguments"]))
-    return out
 
 
 def conversations_service(state: State) -> ConversationService:

@@ -25,7 +25,7 @@ class TextPart(_Strict, tag_field="type", tag="text", kw_only=True):
     prompt_cache_breakpoint: Any = None  # no effect: prefix caching here is automatic
 
 
-# image, audio and file parts are refused by type (agentrt.completions): decoded whole, so that the 400 names it
+# image, audio and file parts are refused by type (agentrt.completions_input): decoded whole, so that the 400 names it
 class ImagePart(_Strict, tag_field="type", tag="image_url", kw_only=True):
     image_url: Any = None
     prompt_cache_breakpoint: Any = None
@@ -125,7 +125,7 @@ class ChatCompletionRequest(_Strict, kw_only=True):
     messages: Annotated[list[Message], Meta(min_length=1)]
     # honored
     tools: list[Tool] | None = None
-    # "none", "auto", "required", {"type": "function", "function": {"name": ...}}: agentrt.completions.structured_spec
+    # "none", "auto", "required", {"type": "function", "function": {"name": ...}}: agentrt.structured_spec
     tool_choice: str | dict[str, Any] | None = None
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
     top_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None  # 0: the most likely token only (greedy)

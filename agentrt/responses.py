@@ -49,8 +49,9 @@ from litestar.response import ServerSentEventMessage
 from agentrt.anthropic_messages import ChainMoved
 from agentrt.chains import no_nul
 from agentrt.chat import template_kwargs
-from agentrt.completions import REASONING_EFFORTS
-from agentrt.conversations import ConversationService, TurnPlan, conversations_service, output_ids
+from agentrt.completions_input import REASONING_EFFORTS
+from agentrt.conversations import ConversationService, TurnPlan, conversations_service
+from agentrt.conversations_items import output_ids
 from agentrt.errors import ModelNotFound, bad_field
 from agentrt.implicit_chains import implicit_chains_for
 from agentrt.models import ResponseRow

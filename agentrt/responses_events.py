@@ -23,7 +23,7 @@ import msgspec
 from litestar.response import ServerSentEventMessage
 
 from agentrt.chat import calls_in, without_calls
-from agentrt.conversations import call_item_id
+from agentrt.conversations_items import call_item_id
 from agentrt.errors import openai_error_body
 from agentrt.reasoning import ReasoningParser, split_reasoning
 from agentrt.reasoning import parser as reasoning_parser
@@ -46,7 +46,7 @@ class Pending:
     input_items: list[dict[str, Any]] = field(default_factory=list)  # as input_items lists them; [] unless stored
     thinking: bool | None = None  # None: the model does not think; else the prompt left a think block open
     imported: list[TurnResult] = field(default_factory=list)  # history turns this request appended first
-    item_key: str | None = None  # a conversation's turn: its output item ids (agentrt.conversations.output_ids)
+    item_key: str | None = None  # a conversation's turn: its output item ids (agentrt.conversations_items.output_ids)
     message_id: str = ""  # the output's message / reasoning item ids
     reasoning_id: str = ""
     done: ResponseObject | None = None  # the finished response, made when the turn commits

@@ -29,7 +29,8 @@ import msgspec
 from litestar.datastructures import State
 from litestar.exceptions import HTTPException
 
-from agentrt.completions import TokenText, checked_forced_tokens, finished_output, sampling_knobs
+from agentrt.completions_input import checked_forced_tokens, sampling_knobs
+from agentrt.completions_output import TokenText, finished_output
 from agentrt.config import ServerConfig
 from agentrt.engine_worker import EngineWorker, RequestStream
 from agentrt.errors import ModelNotFound, bad_field, openai_error_body

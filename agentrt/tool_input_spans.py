@@ -1,5 +1,5 @@
 """Where a tool call's arguments lie among the tokens of the assistant turn that made it: the token spans that
-Anthropic's ``clear_tool_inputs`` prunes from a chain's KV (agentrt.anthropic_messages), and interval helpers over
+Anthropic's ``clear_tool_inputs`` prunes from a chain's KV (agentrt.clear_tool_uses), and interval helpers over
 such spans. Text offsets come from decoding the tokens; no tokenizer offsets are needed."""
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from agentrt.completions import structured_spec
 from agentrt.errors import bad_field
+from agentrt.structured_spec import structured_spec
 from engine.sampling_params import SamplingParams
 from sdk.schema import TurnCreate
 

@@ -11,8 +11,9 @@ from litestar.datastructures import State
 from litestar.di import NamedDependency
 from litestar.params import FromPath, FromQuery, JSONBody, QueryParameter
 
-from agentrt.conversations import (ConversationCreate, ConversationDeleted, ConversationItemList, ConversationObject,
-                                   ConversationUpdate, ItemsCreate, conversations_service)
+from agentrt.conversations import conversations_service
+from agentrt.conversations_types import (ConversationCreate, ConversationDeleted, ConversationItemList,
+                                         ConversationObject, ConversationUpdate, ItemsCreate)
 from agentrt.errors import OPENAI_EXCEPTION_HANDLERS
 from agentrt.openapi import CREATES, REQUEST_EXAMPLES, openai_errors
 

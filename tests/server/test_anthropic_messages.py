@@ -25,7 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jsonschema import validate
 
-from agentrt.anthropic_messages import BlockWriter, MessagesService, Pending
+from agentrt.anthropic_events import BlockWriter, Pending
+from agentrt.anthropic_messages import MessagesService
 from agentrt.anthropic_types import TextBlock, ToolUseBlock
 from agentrt.chat import parse_tool_calls, strip_tool_calls
 from agentrt.engine_worker import EngineUnavailable
@@ -551,7 +552,7 @@ def test_the_routers_own_errors_keep_each_apis_shape(server):
 def test_opening_system_messages_join_the_system_prompt():
     """Anthropic's ``role: "system"`` messages: those that open the conversation follow ``system`` in the system
     prompt, in order (the reference: the conversation as the chat template renders it)."""
-    from agentrt.anthropic_messages import conversation
+    from agentrt.anthropic_input import conversation
     import msgspec
 
     from agentrt.anthropic_types import MessagesRequest

@@ -6,7 +6,7 @@ streamed.
 
 The embedded model is tiny and trained on a small corpus: nothing here checks what it says. The first turn forces
 a tool call (``ModelSettings(tool_choice="required")``; the SDK resets it to auto after the call, as it does by
-default), which the server constrains to the declared tools (agentrt.completions.structured_spec). Checked: the
+default), which the server constrains to the declared tools (agentrt.structured_spec). Checked: the
 run completes; every call the model made names a declared tool and its arguments parse against that tool's JSON
 schema, and the tool ran with them; the tool's result went back to the server (the next request holds the
 ``function_call_output`` item / the ``tool`` message with the call's id and the tool's output)."""

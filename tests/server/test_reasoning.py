@@ -22,7 +22,7 @@ import httpx
 import msgspec
 import pytest
 
-from agentrt.anthropic_messages import THINKING_SIGNATURE, BlockWriter
+from agentrt.anthropic_events import THINKING_SIGNATURE, BlockWriter
 from agentrt.anthropic_types import ThinkingBlock, ToolUseBlock
 from agentrt.chat import ChatRenderer, parse_tool_calls, strip_tool_calls, template_kwargs
 from agentrt.reasoning import ReasoningParser, ThinkTokens, opens_think, split_reasoning, think_tokens
