@@ -133,7 +133,8 @@ def wire_engine(config: EngineConfig, owner: object, worker=None) -> EngineParts
     methods = MethodSet(method, lambda m: take_on(m, codec, backend, spec, cache), config.max_methods)
     tiers = None
     if config.chain_host_bytes:
-        tiers = ChainTiers(cache, config.chain_host_bytes, config.chain_disk_dir, config.chain_disk_bytes)
+        tiers = ChainTiers(cache, config.chain_host_bytes, config.chain_disk_dir, config.chain_disk_bytes,
+                           config.chain_host_copies)
     chains = ChainManager(cache, spec.num_layers, tiers)
     if tiers is not None and tiers.disk_dir is not None:  # chains an earlier process wrote at its shutdown
         adopted = chains.memory.restore(methods.resolve)

@@ -59,13 +59,15 @@ class HostCopies:
         if nbytes > room:
             return False
         device = tensors[0][0].device
-        index = torch.tensor(table.pages, dtype=torch.int64, device=device)
         done = None
         if device.type == "cuda":
             if self._stream is None:
                 self._stream = torch.cuda.Stream(device)
             self._stream.wait_stream(torch.cuda.current_stream(device))  # the step that wrote the pages
             with torch.cuda.stream(self._stream):
+                # made on the side stream, so the allocator never hands its memory to the step's stream while
+                # the copy still reads it
+                index = torch.tensor(table.pages, dtype=torch.int64, device=device)
                 pages = []
                 for t, dim in tensors:
                     gathered = t.index_select(dim, index)
@@ -75,6 +77,7 @@ class HostCopies:
                 done = torch.cuda.Event()
                 done.record(self._stream)
         else:
+            index = torch.tensor(table.pages, dtype=torch.int64)
             pages = [t.index_select(dim, index).clone() for t, dim in tensors]
         self.copies[chain_id] = HostCopy(signature(table), pages, nbytes, done)
         self.nbytes += nbytes
