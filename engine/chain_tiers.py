@@ -82,7 +82,7 @@ class TierCounters:
 
 class ChainTiers:
     def __init__(self, cache: CacheManager, host_bytes: int, disk_dir: str | Path | None = None,
-                 disk_bytes: int | None = None, host_copies: bool | None = None):
+                 disk_bytes: int | None = None, host_copies: bool = False):
         self.cache = cache
         self.host_bytes, self.disk_bytes = host_bytes, disk_bytes
         self.disk_dir = None if disk_dir is None else Path(disk_dir)
@@ -97,8 +97,7 @@ class ChainTiers:
         self.rates = TierRates()  # measured: file reads here, prefill by ``observe_prefill``
         self.cost_aware = True  # False: a turn always loads its chain's file (a benchmark timing disk loads)
         # pages copied down at a turn's end, which a reclaim then takes instead of copying on the step's path
-        self.copies = HostCopies(cache, enabled=cache.spec.device.type == "cuda" if host_copies is None
-                                 else host_copies)
+        self.copies = HostCopies(cache, enabled=bool(host_copies))
 
     # --- down ---------------------------------------------------------------------------------------
     def copy_down(self, chain_id: str, table: PageTable) -> bool:

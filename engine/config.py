@@ -55,8 +55,8 @@ class EngineConfig:
     chain_disk_dir: str | Path | None = None
     chain_disk_bytes: int | None = None
     # a chain's pages copied to host memory when its turn ends (a side stream), so that reclaiming it later frees
-    # its pages without a copy on the step's path (engine.host_copies); None: on a GPU
-    chain_host_copies: bool | None = None
+    # its pages without a copy on the step's path (engine.host_copies); off by default: docs/configuration.md
+    chain_host_copies: bool = False
     # hybrid models (recurrent layers): prefill chunks end on page boundaries and the recurrent state there is kept
     # (host memory, least recently used dropped) for this many prefixes, so a request sharing a prefix resumes at
     # its last kept boundary; 0: no prefix caching for hybrid models (their state exists only at a table's end)
@@ -79,8 +79,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
-        if self.chain_host_copies is not None and not isinstance(self.chain_host_copies, bool):
-            raise ConfigError(f"chain_host_copies must be true, false or None, got {self.chain_host_copies!r}")
+        if not isinstance(self.chain_host_copies, bool):
+            raise ConfigError(f"chain_host_copies must be true or false, got {self.chain_host_copies!r}")
         if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
             raise ConfigError(f"overlap_decode must be true, false or None, got {self.overlap_decode!r}")
         if self.overlap_decode and self.tensor_parallel_size > 1:

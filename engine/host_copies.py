@@ -9,8 +9,9 @@ A copy is speculative: it takes host memory only where the host tier has room fo
 moves a chain down to make room, and is discarded first when the tier needs room), and it is used only for the
 table it was made from, unchanged: the chain's next turn, a fork / rewind / prune, a delete or a release discards
 it, and the table's signature (its pages, slots, per-layer lengths and compaction) must still match when a reclaim
-takes it. On a CPU the device is host memory and nothing is gained, so copies are made only when asked for
-(``enabled``; tests).
+takes it. Copies are made only when asked for (``EngineConfig.chain_host_copies``): on a CPU the device is host
+memory and nothing is gained, and on a GPU they are off by default until a failure seen under an agent replay
+with SnapKV chains is understood (docs/configuration.md).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def signature(table: PageTable) -> tuple:
 class HostCopies:
     def __init__(self, cache: CacheManager, enabled: bool):
         self.cache = cache
-        self.enabled = enabled  # on by default on a GPU (``ChainTiers``)
+        self.enabled = enabled  # EngineConfig.chain_host_copies
         self.copies: OrderedDict[str, HostCopy] = OrderedDict()  # oldest first
         self.nbytes = 0
         self._stream = None

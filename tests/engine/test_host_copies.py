@@ -115,13 +115,14 @@ def test_copies_take_only_room_the_host_tier_has_and_leave_first(tiny_dirs):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream copy needs a GPU")
 def test_on_a_gpu_the_copy_runs_on_a_side_stream_and_a_reclaim_takes_it(tiny_dirs):
-    """The default on a GPU: copies made at a turn's end (pinned host memory, recorded on an event); the chain
-    released, then its next turn loaded, gives the tokens of a chain that never left the device."""
+    """Copies turned on (``chain_host_copies``) on a GPU: made at a turn's end (pinned host memory, recorded on
+    an event); the chain released, then its next turn loaded, gives the tokens of a chain that never left the
+    device."""
     def gpu_engine(**options):
         return LLMEngine(EngineConfig(tiny_dirs["qwen3"], dtype="float32", device="cuda", page_size=16,
                                       num_pages=256, max_num_batched_tokens=64, **options))
 
-    eng, ref = gpu_engine(chain_host_bytes=64 * 2**20), gpu_engine()
+    eng, ref = gpu_engine(chain_host_bytes=64 * 2**20, chain_host_copies=True), gpu_engine()
     copies, rng = eng.chains.tiers.copies, random.Random(4)
     assert copies.enabled
     for e in (eng, ref):
