@@ -7,7 +7,8 @@ own row of lengths and slots, so steps whose layers hold different physical leng
 per-layer budgets) replay too; the page tables are the same for every layer. Python does not run during
 replay, so no per-layer hook runs on a replayed step: only steps whose methods allow it replay
 (``DecodeCapabilities.replay``; work a method declares ``graph_hooks`` is part of the capture). Under a KV
-storage codec the static views are the layers' ``QuantizedPagesView`` s over the codec's side tensors; a codec
+storage codec the static views are the layers' ``QuantizedPagesView`` s over the codec's side tensors (a coded
+latent storage's ``QuantizedLatentView`` s, which hold no per-request fields); a codec
 with a full-precision window also gets each row's window id and codes length in static buffers, and its
 writes (the new row into the ring, the open group re-encoded) are planned on the device from the static
 buffers inside the graph (``CodedStorage.plan_decode``).
@@ -18,11 +19,15 @@ from __future__ import annotations
 import torch
 from tqdm.auto import tqdm
 
-from engine.contract.view import PagedView, QuantizedPagesView
+from engine.contract.view import PagedView, QuantizedLatentView, QuantizedPagesView
 from engine.forward_batch import ForwardBatch
 from engine.storage.coded import CodedStorage
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+
+
+# the views a replay's static buffers stand for (a coded latent view reads its codes in place, as eager steps do)
+_STATIC_VIEWS = (PagedView, QuantizedPagesView, QuantizedLatentView)
 
 
 class DecodeGraphs:
@@ -79,8 +84,8 @@ class DecodeGraphs:
                       kv_lens_cpu=[1] * b, query_lens_cpu=[1] * b)
         storage = self.runner.cache.storage
         coded = storage if isinstance(storage, CodedStorage) else None
-        if coded is None:
-            return PagedView(**common)
+        if coded is None:  # the storage's own view over the static fields (a coded latent's, a plain one)
+            return storage.view(common, [], [1] * b, layer)
         fields = dict(codec=coded.codec, layer=layer, k_fields={k: f[layer] for k, f in coded.fields["k"].items()},
                       v_fields={k: f[layer] for k, f in coded.fields["v"].items()}, quant_lens_cpu=[1] * b)
         if not self.windowed:  # every slot from codes: quant lengths = lengths
@@ -158,7 +163,7 @@ class DecodeGraphs:
         every layer (and, with a codec's windows, one window per request)."""
         views = batch.layer_views
         if views is None:
-            return type(batch.view) is PagedView
+            return type(batch.view) in _STATIC_VIEWS
         first = views[0].block_tables
-        return all((type(v) is PagedView or type(v) is QuantizedPagesView)
+        return all(type(v) in _STATIC_VIEWS
                    and (v.block_tables is first or v.block_tables.shape == first.shape) for v in views)

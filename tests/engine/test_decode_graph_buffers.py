@@ -105,6 +105,16 @@ def test_static_buffers_reproduce_eager_decode_over_codes(tiny_dirs, method, cfg
     assert replays and 4 in replays and all(layered)
 
 
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])
+def test_static_buffers_reproduce_eager_decode_over_fp8_latent_rows(tiny_dirs, arch):
+    """A latent cache stored as fp8 rows: the static views are its coded latent views (the codes read in
+    place, as an eager step reads them), so the replayed steps give the eager tokens."""
+    ref, _, _ = _run(tiny_dirs[arch], "dense", {}, fake_graphs=False, storage=("fp8", {}))
+    got, replays, _ = _run(tiny_dirs[arch], "dense", {}, fake_graphs=True, storage=("fp8", {}))
+    assert got == ref
+    assert replays and 4 in replays
+
+
 @pytest.mark.parametrize("method,cfg,storage", [("dense", {}, None), ("dense", {}, ("fp8", {})), METHODS[3] + (None,),
                                                 ("kvzip", {"budget": 12, "window": 4}, None), ("dense", {}, KIVI)],
                          ids=["dense", "dense-fp8", "quest", "kvzip", "dense-kivi"])
