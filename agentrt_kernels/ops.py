@@ -177,6 +177,26 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return out.view(batch, nv, dv), new.view(batch, nv, dk, dv)
 
 
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                         activation: bool = True) -> torch.Tensor:
+    """One token of B sequences through the short causal conv, x [B, C] (SiLU when ``activation``), from the
+    conv states at ``slots`` [B] of ``states`` [S, C, K-1], replaced in place by the new ones; returns [B, C]."""
+    if uses_triton(x):
+        return _kernels("gated_delta_step").causal_conv1d_update(x, weight, states, slots, activation)
+    return _gated_delta_ref.causal_conv1d_update(x, weight, states, slots, activation)
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     A_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor,
+                     slots: torch.Tensor) -> torch.Tensor:
+    """One decode token of B sequences through the gated delta rule with the layer's gates computed from its raw
+    projections a, b [B, Hv] (``torch_ref.gated_delta.gated_delta_gates``), from the recurrent states at ``slots``
+    [B] of ``states`` [S, Hv, Dk, Dv], replaced in place by the new ones; returns out [B, Hv, Dv] in q's dtype."""
+    if uses_triton(q):
+        return _kernels("gated_delta_step").gated_delta_step(q, k, v, a, b, A_log, dt_bias, states, slots)
+    return _gated_delta_ref.gated_delta_step(q, k, v, a, b, A_log, dt_bias, states, slots)
+
+
 def _fla() -> ModuleType:
     """``agentrt_kernels.fla_gated_delta``, imported on first use (as the Triton kernels are)."""
     name = "agentrt_kernels.fla_gated_delta"

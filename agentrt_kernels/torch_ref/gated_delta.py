@@ -161,3 +161,38 @@ def recurrent_gated_delta_rule(
         state = state + k[:, t, :, None] * delta[:, None, :]
         out[:, t] = (state * q[:, t, :, None]).sum(dim=-2)
     return out.transpose(0, 1).to(out_dtype).contiguous(), state
+
+
+# --- one decode token of B sequences, states in slot buffers (the in-place kernels' references) ------------------
+
+
+def gated_delta_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+                      dt_bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's gates from its raw projections a, b [..., Hv]: (g = -exp(A_log) * softplus(a + dt_bias) in
+    fp32, beta = sigmoid(b) in b's dtype), as transformers computes them."""
+    return -A_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
+                         activation: bool = True) -> torch.Tensor:
+    """``causal_conv1d_step`` of x [B, C] from the states at ``slots`` [B] of ``states`` [S, C, K-1], which are
+    replaced by the new ones; returns out [B, C]."""
+    out, new = causal_conv1d_step(x, weight, states[slots], activation)
+    states[slots] = new.to(states.dtype)
+    return out
+
+
+def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     A_log: torch.Tensor, dt_bias: torch.Tensor, states: torch.Tensor,
+                     slots: torch.Tensor) -> torch.Tensor:
+    """One token of B sequences (q, k [B, Hk, Dk]; v [B, Hv, Dv]) with the gates from a, b [B, Hv]
+    (``gated_delta_gates``), from the states at ``slots`` of ``states`` [S, Hv, Dk, Dv], which are replaced by
+    the new ones; returns out [B, Hv, Dv] in q's dtype."""
+    batch, nk, dk = k.shape
+    nv, dv = v.shape[1:]
+    g, beta = gated_delta_gates(a, b, A_log, dt_bias)
+    out, new = recurrent_gated_delta_rule(
+        q.reshape(1, batch * nk, dk), k.reshape(1, batch * nk, dk), v.reshape(1, batch * nv, dv),
+        g.reshape(1, batch * nv), beta.reshape(1, batch * nv), states[slots].reshape(batch * nv, dk, dv))
+    states[slots] = new.view(batch, nv, dk, dv).to(states.dtype)
+    return out.view(batch, nv, dv)

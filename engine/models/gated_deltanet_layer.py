@@ -35,8 +35,8 @@ from engine.models.interface import LayerRunner
 from engine.models.layers import copy_into, new_parameter
 from engine.parallel.layers import MergedColumnParallelLinear, RowParallelLinear, check_divisible
 from engine.parallel.state import current_group
-from agentrt_kernels.ops import gated_delta_decode, gated_delta_prefill
-from agentrt_kernels.torch_ref.gated_delta import causal_conv1d, causal_conv1d_step
+from agentrt_kernels.ops import causal_conv1d_update, gated_delta_decode, gated_delta_prefill, gated_delta_step
+from agentrt_kernels.torch_ref.gated_delta import causal_conv1d, causal_conv1d_step, gated_delta_gates
 
 # checkpoint projection of a DeltaNet -> the shard of the packed ``in_proj`` it fills
 IN_PROJ_SHARDS = {"in_proj_qkv": "qkv", "in_proj_z": "z", "in_proj_b": "b", "in_proj_a": "a",
@@ -148,24 +148,22 @@ class GatedDeltaNet(nn.Module):
         num_tokens = hidden.shape[0]
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         mixed, z, b, a = self.in_proj(hidden).split([self.conv_dim, self.value_dim, nv, nv], dim=-1)
-        beta = b.sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # fp32, as transformers
 
         state = runner.linear_state(self.linear_idx)
         lens = list(state.query_lens)
         if sum(lens) != num_tokens:
             raise ValueError(f"linear_state query_lens {lens} do not sum to the step's {num_tokens} tokens")
-        conv_in, rec_in = state.conv, state.recurrent
         weight = self.conv1d.weight[:, 0]  # [C, K]
         if all(n == 1 for n in lens):  # every request decodes one token: whole-batch ops, no host-built index
-            # (what a decode CUDA graph captures: its rows and state slots come from static buffers)
-            conv_out, conv_new = causal_conv1d_step(mixed, weight, conv_in)
+            # (what a decode CUDA graph captures: its rows and state slots come from static buffers); the
+            # states are read at their slots and written over in place, the gates computed inside the step
+            conv_out = causal_conv1d_update(mixed, weight, state.conv_buffer, state.slots)
             q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            core, rec_new = gated_delta_decode(q.view(num_tokens, nk, dk), k.view(num_tokens, nk, dk),
-                                               v.view(num_tokens, nv, dv), g, beta, rec_in)
-            state.store(conv_new, rec_new)
+            core = gated_delta_step(q.view(num_tokens, nk, dk), k.view(num_tokens, nk, dk), v.view(num_tokens, nv, dv),
+                                    a, b, self.A_log, self.dt_bias, state.recurrent_buffer, state.slots)
         else:
-            core = self._mixed_step(mixed, g, beta, lens, conv_in, rec_in, weight, state)
+            g, beta = gated_delta_gates(a, b, self.A_log, self.dt_bias)
+            core = self._mixed_step(mixed, g, beta, lens, state.conv, state.recurrent, weight, state)
         out = self.norm(core, z.reshape(num_tokens, nv, dv)).reshape(num_tokens, self.value_dim)
         return self.out_proj(out)
 

@@ -75,8 +75,19 @@ class LinearState:
 
     def __init__(self, storage: HybridKV, layer: int, slots: torch.Tensor, query_lens: list[int]):
         self.storage, self.layer, self.slots, self.query_lens = storage, layer, slots, query_lens
-        self.conv = storage.conv[layer][slots]  # [B, conv_dim, kernel - 1]
-        self.recurrent = storage.recurrent[layer][slots]  # [B, heads, k_dim, v_dim]
+        # the layer's slot buffers, for steps that read and write the states in place at ``slots``
+        self.conv_buffer = storage.conv[layer]  # [slots, conv_dim, kernel - 1]
+        self.recurrent_buffer = storage.recurrent[layer]  # [slots, heads, k_dim, v_dim]
+
+    @property
+    def conv(self) -> torch.Tensor:
+        """[B, conv_dim, kernel - 1]: the batch's conv states (a copy)."""
+        return self.conv_buffer[self.slots]
+
+    @property
+    def recurrent(self) -> torch.Tensor:
+        """[B, heads, k_dim, v_dim]: the batch's recurrent states (a copy)."""
+        return self.recurrent_buffer[self.slots]
 
     def store(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
         self.storage.conv[self.layer][self.slots] = conv.to(self.storage.conv.dtype)

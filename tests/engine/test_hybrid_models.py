@@ -79,17 +79,25 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> No
 
 
 class _State:
+    """The engine's LinearState over buffers holding this step's sequences' states at slots 0, 1, ...: a decode
+    step updates them in place, a mixed step through ``store``; ``sync`` hands them back to the runner."""
+
     def __init__(self, runner, layer, seqs, lens):
         self.runner, self.layer, self.seqs, self.query_lens = runner, layer, seqs, lens
         states = [runner.states.get((seq, layer)) or runner.zero_state() for seq in seqs]
-        self.conv = torch.stack([c for c, _ in states])
-        self.recurrent = torch.stack([r for _, r in states])
+        self.conv_buffer = torch.stack([c for c, _ in states])
+        self.recurrent_buffer = torch.stack([r for _, r in states])
+        self.slots = torch.arange(len(seqs))
+        self.conv, self.recurrent = self.conv_buffer.clone(), self.recurrent_buffer.clone()
 
     def store(self, conv, recurrent):
         assert conv.shape == self.conv.shape and conv.dtype == self.conv.dtype
         assert recurrent.shape == self.recurrent.shape and recurrent.dtype == torch.float32
+        self.conv_buffer[self.slots], self.recurrent_buffer[self.slots] = conv, recurrent
+
+    def sync(self):
         for i, seq in enumerate(self.seqs):
-            self.runner.states[(seq, self.layer)] = (conv[i].clone(), recurrent[i].clone())
+            self.runner.states[(seq, self.layer)] = (self.conv_buffer[i].clone(), self.recurrent_buffer[i].clone())
         self.runner.stored.append(self.layer)
 
 
@@ -109,10 +117,12 @@ class StepRunner:
         return torch.zeros(lin.conv_state_shape, dtype=self.dtype), torch.zeros(lin.recurrent_state_shape)
 
     def step(self, seqs: list[int], lens: list[int]) -> None:
-        self.seqs, self.lens, self.ended, self.stored = seqs, lens, [], []
+        self.seqs, self.lens, self.ended, self.stored, self.open = seqs, lens, [], [], []
 
     def linear_state(self, layer: int) -> _State:
-        return _State(self, layer, self.seqs, self.lens)
+        state = _State(self, layer, self.seqs, self.lens)
+        self.open.append(state)
+        return state
 
     def attention(self, layer, q, k, v):
         out, start = [], 0
@@ -140,6 +150,8 @@ def run_step(model, runner: StepRunner, chunks: list[torch.Tensor], offsets: lis
     positions = torch.cat([torch.arange(o, o + len(c)) for c, o in zip(chunks, offsets)])
     with torch.no_grad():
         logits = model.compute_logits(model(torch.cat(chunks), positions, runner))
+    for state in runner.open:
+        state.sync()
     config = model.config
     assert runner.ended == list(range(config.kv_layers))  # end_layer: full-attention ordinals only
     assert runner.stored == list(range(config.linear_layers))
