@@ -84,3 +84,46 @@ def test_two_steps_carry_the_state_as_the_reference_rule_over_two_tokens():
     torch.testing.assert_close(torch.stack([o[0] for o in outs]), want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(states[1], final, atol=2e-5, rtol=2e-5)
     assert torch.equal(states[0], torch.zeros_like(states[0]))
+
+
+_SM90_SCRIPT = """
+import json, sys
+import torch
+from benchmarks.kernel_resources import captured_launches, compile_sm90
+from agentrt_kernels.triton import gated_delta_step as m
+
+rows = []
+for nk, nv, d, conv_k, state_dtype in json.loads(sys.argv[1]):
+    bf = dict(dtype=torch.bfloat16)
+    b, slots = 8, torch.arange(8)
+    mixed = torch.zeros(b, 2 * nk * d + nv * d, **bf)
+    q, k, v = mixed.split([nk * d, nk * d, nv * d], dim=-1)
+    q, k, v = q.view(b, nk, d), k.view(b, nk, d), v.view(b, nv, d)
+    ab = torch.zeros(b, 2 * nv, **bf)
+    states = torch.zeros(16, nv, d, d, dtype=getattr(torch, state_dtype))
+    conv_states = torch.zeros(16, mixed.shape[1], conv_k - 1, **bf)
+    weight = torch.zeros(mixed.shape[1], conv_k, **bf)
+    calls = {
+        "delta_step": lambda: m.gated_delta_step(q, k, v, ab[:, :nv], ab[:, nv:], torch.zeros(nv), torch.zeros(nv),
+                                                 states, slots),
+        "conv_update": lambda: m.causal_conv1d_update(mixed, weight, conv_states, slots),
+    }
+    for name, call in calls.items():
+        with captured_launches() as launches:
+            call()
+        fn, args, options = launches[0]
+        r = compile_sm90(fn, args, **options)
+        rows.append(dict(kernel=name, state=state_dtype, **{k: r[k] for k in ("registers", "spill_stores")}))
+print(json.dumps(rows))
+"""
+
+
+def test_the_kernels_compile_for_sm90_without_spills():
+    """Qwen3.6-27B's linear layers (16 key / 48 value heads of 128, conv kernel 4; fp32 and bf16 states) as
+    compiled for an H100 / H200 (Triton's bundled ptxas, no GPU needed): the state tile stays in registers."""
+    from tests.kernels.sm90_compile import compiled_rows
+
+    rows = compiled_rows(_SM90_SCRIPT, [[16, 48, 128, 4, "float32"], [16, 48, 128, 4, "bfloat16"]])
+    assert len(rows) == 4
+    for r in rows:
+        assert r["spill_stores"] == 0, r
