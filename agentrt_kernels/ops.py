@@ -177,6 +177,14 @@ def gated_delta_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     return out.view(batch, nv, dv), new.view(batch, nv, dk, dv)
 
 
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The DeltaNet's output norm: RMSNorm of x's last dim (scaled by ``weight``, not zero-centred) times
+    SiLU(gate) in fp32, in x's dtype; x, gate [T, heads, D]."""
+    if uses_triton(x):
+        return _kernels("gated_norm").gated_rms_norm(x, gate, weight, eps)
+    return _norm_ref.gated_rms_norm(x, gate, weight, eps)
+
+
 def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, states: torch.Tensor, slots: torch.Tensor,
                          activation: bool = True) -> torch.Tensor:
     """One token of B sequences through the short causal conv, x [B, C] (SiLU when ``activation``), from the

@@ -109,7 +109,7 @@ for step in "$@"; do
             tests/kernels/test_decode_linear.py tests/engine/test_fused_decode_linears.py tests/engine/test_overlap_decode.py \
             tests/kernels/test_mla_decode_kernel.py tests/kernels/test_mla_prefill_kernel.py tests/kernels/test_mla_backend.py \
             tests/kernels/test_fla_gated_delta.py tests/kernels/test_latent_width_kernels.py tests/engine/test_host_copies.py \
-            tests/kernels/test_gated_delta_step.py ;;
+            tests/kernels/test_gated_delta_step.py tests/kernels/test_gated_norm.py ;;
     fused)  # the fused paths against the torch code they replace (KIVI encode, SnapKV vote, probe, RoPE+store)
         run fused 150 python -m benchmarks.fused_paths --json "$OUT/fused.json" ;;
     kernels)

@@ -19,3 +19,10 @@ def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3-Next's gated RMSNorm (the DeltaNet's output norm): ``_norm`` of x's last dim (not zero-centred), times
+    SiLU(gate) taken in fp32, cast back to x's dtype."""
+    h = _norm(x, weight, eps)
+    return (h * torch.nn.functional.silu(gate.float())).to(x.dtype)

@@ -26,7 +26,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.errors import CheckpointError
@@ -35,7 +34,8 @@ from engine.models.interface import LayerRunner
 from engine.models.layers import copy_into, new_parameter
 from engine.parallel.layers import MergedColumnParallelLinear, RowParallelLinear, check_divisible
 from engine.parallel.state import current_group
-from agentrt_kernels.ops import causal_conv1d_update, gated_delta_decode, gated_delta_prefill, gated_delta_step
+from agentrt_kernels.ops import (causal_conv1d_update, gated_delta_decode, gated_delta_prefill, gated_delta_step,
+                                 gated_rms_norm)
 from agentrt_kernels.torch_ref.gated_delta import causal_conv1d, causal_conv1d_step, gated_delta_gates
 
 # checkpoint projection of a DeltaNet -> the shard of the packed ``in_proj`` it fills
@@ -55,11 +55,7 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        h = self.weight * h.to(dtype)
-        return (h * F.silu(gate.float())).to(dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)  # one kernel on a GPU
 
 
 class GatedDeltaNet(nn.Module):
