@@ -11,7 +11,7 @@ table it was made from, unchanged: the chain's next turn, a fork / rewind / prun
 it, and the table's signature (its pages, slots, per-layer lengths and compaction) must still match when a reclaim
 takes it. Copies are made only when asked for (``EngineConfig.chain_host_copies``): on a CPU the device is host
 memory and nothing is gained, and on a GPU they are off by default until a failure seen under an agent replay
-with SnapKV chains is understood (docs/configuration.md).
+with compacted chains is understood (docs/configuration.md).
 """
 
 from __future__ import annotations
