@@ -26,15 +26,20 @@ def per_turn(run: RunResult, attr: str) -> list[float]:
 
 def summarize(run: RunResult) -> dict[str, Any]:
     ttft = [r.ttft for r in run.turns]
+    latency = [r.end - r.start for r in run.turns]  # a turn from its request to its last token
+    sessions = len({r.session for r in run.turns})
     c = run.counters
     return {
         "config": run.config.name, "route": run.config.route, "method": run.config.method,
         "method_config": run.config.method_config, "prefix_cache": run.config.prefix_cache,
         "prune_policy": run.config.prune_policy,
-        "sessions": len({r.session for r in run.turns}), "turns": len(run.turns),
+        "sessions": sessions, "turns": len(run.turns),
         "wall_s": round(run.wall_s, 4),
         "ttft_mean_s": round(statistics.fmean(ttft), 5) if ttft else 0.0,
         "ttft_p50_s": round(_pct(ttft, 0.5), 5), "ttft_p90_s": round(_pct(ttft, 0.9), 5),
+        "turn_p50_s": round(_pct(latency, 0.5), 5), "turn_p90_s": round(_pct(latency, 0.9), 5),
+        # what a session spent waiting for the server (its turns' latencies; think time excluded), on average
+        "wait_s": round(sum(latency) / sessions, 4) if sessions else 0.0,
         "prompt_tokens": sum(r.prompt_tokens for r in run.turns),
         "prefilled_tokens": int(c["agentrt_tokens_prefilled_total"]),  # the server's counters
         "prefix_cached_tokens": int(c["agentrt_tokens_prefix_cached_total"]),
@@ -55,20 +60,23 @@ def summarize(run: RunResult) -> dict[str, Any]:
 
 
 def with_speedups(summaries: list[dict[str, Any]], baseline: str | None = None) -> list[dict[str, Any]]:
-    """Adds ``speedup`` (baseline wall time / this one) and ``prefill_reduction``; the baseline is the
-    named configuration, else the first."""
+    """Adds ``speedup`` (baseline wall time / this one), ``wait_speedup`` (the same for the time a session
+    waits for the server, think time excluded) and ``prefill_reduction``; the baseline is the named
+    configuration, else the first."""
     if not summaries:
         return summaries
     base = next((s for s in summaries if s["config"] == baseline), summaries[0])
     for s in summaries:
         s["speedup_vs"] = base["config"]
         s["speedup"] = round(base["wall_s"] / s["wall_s"], 3) if s["wall_s"] else None
+        s["wait_speedup"] = round(base["wait_s"] / s["wait_s"], 3) if s.get("wait_s") else None
         s["prefill_reduction"] = (round(base["prefilled_tokens"] / s["prefilled_tokens"], 3)
                                   if s["prefilled_tokens"] else None)
     return summaries
 
 
 COLUMNS = [("config", "config", "{}"), ("wall_s", "wall s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
+           ("wait_s", "wait s", "{:.2f}"), ("wait_speedup", "wait speedup", "{:.2f}x"),
            ("ttft_p50_s", "ttft p50 ms", "{:.1f}"), ("ttft_p90_s", "ttft p90 ms", "{:.1f}"),
            ("prefilled_tokens", "prefilled", "{}"), ("prefix_cached_tokens", "prefix hit", "{}"),
            ("resumed_tokens", "resumed", "{}"), ("generated_tokens", "generated", "{}"),

@@ -154,6 +154,11 @@ def test_chain_cache_prefills_5x_fewer_tokens_than_dense_without_prefix_cache(to
 
     summaries = with_speedups([summarize(dense), summarize(chain)])
     assert summaries[1]["prefill_reduction"] == round(dense_prefilled / chain_prefilled, 3)
+    for run, summary in zip((dense, chain), summaries):  # the wait: each session's turn latencies, averaged
+        per_session = [sum(r.end - r.start for r in run.turns if r.session == s) for s in (0, 1)]
+        assert summary["wait_s"] == pytest.approx(sum(per_session) / 2, abs=1e-4)
+        assert summary["wait_s"] < run.wall_s and summary["turn_p50_s"] >= summary["ttft_p50_s"]
+    assert summaries[1]["wait_speedup"] == round(summaries[0]["wait_s"] / summaries[1]["wait_s"], 3)
     assert len(summaries[0]["prefilled_per_turn"]) == 7 and summaries[0]["peak_kv_pages"] > 0
     assert "chain-noprefix" in table(summaries)
     for run, summary in zip((dense, chain), summaries):  # the engine's steps by kind (CPU: no graphs)
