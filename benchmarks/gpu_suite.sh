@@ -29,6 +29,7 @@
 #              the torch backend, in one process (most of a call)
 #   mla        GLM-4.7-Flash shape decode roofline at bs8 / bs32 @ 4K (latent attention, MoE)
 #   mlasnap128k  SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, largest batches, decode only
+#   mlasweep   the Triton MLA decode kernel's launch grid and split counts beside flashinfer's MLA wrapper
 #   mlaprefill absorbed vs expanded MLA prefill (one layer's attention at GLM-4.7-Flash's shape)
 #   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
 #   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid, fla-core) decode at bs8 @ 4K
@@ -259,6 +260,8 @@ for step in "$@"; do
     gputests)  # the GPU cases added since the last `tests` run: host copies on a side stream, fp8 latent decode
         run gputests 200 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \
             tests/engine/test_host_copies.py tests/kernels/test_mla_decode_kernel.py ;;
+    mlasweep)  # the Triton MLA decode kernel over launch configurations and split counts, beside flashinfer's MLA
+        run mlasweep 400 python -m benchmarks.mla_decode_sweep --json "$OUT/mlasweep.json" ;;
     mlaprefill)  # absorbed vs expanded MLA prefill (one layer's attention, GLM-4.7-Flash shape), chunks 512-8K
         run mlaprefill 200 python -m benchmarks.mla_prefill --json "$OUT/mlaprefill.json" ;;
     mlafp8)  # the Triton MLA decode kernel over fp8 latent rows against bf16 rows, GLM-4.7-Flash shape, 4K

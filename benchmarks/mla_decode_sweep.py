@@ -1,0 +1,148 @@
+"""The Triton MLA decode kernel over its launch configurations, beside flashinfer's MLA wrapper, at a latent
+model's attention shape: what its default launch leaves on the table.
+
+    python -m benchmarks.mla_decode_sweep --json mla_decode_sweep.json   # GPU: GLM-4.7-Flash (20 heads)
+    python -m benchmarks.mla_decode_sweep --tiny                         # anywhere (interpreter): a smoke run
+
+Per case (batch, context): random bf16 latent rows (kv_lora_rank + rope = 576 channels, page size 16 as the
+engine's default, pages scattered), one query per request. Timed as decode steps run, replayed from a CUDA graph:
+the kernel's default launch (``mla_paged_decode`` with no overrides), then every configuration of the grid (head
+tile, rows per tile, warps, stages) at the default split count, then the best of them over split counts; each
+output checked against the default's. flashinfer's ``BatchMLAPagedAttentionWrapper`` (planned once, its run timed)
+where installed. Each time is reported with the latent bytes it reads over the copy rate measured in the run (the
+kernel's roofline fraction; the queries and outputs are a few KB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run: Triton's interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from benchmarks.sweep_helpers import grid, max_rel, save_rows, timed  # noqa: E402
+
+PAGE = 16
+GRID = {"block_h": [16, 32, 64], "block_n": [16, 32, 64], "num_warps": [4, 8], "num_stages": [2, 3]}
+SPLITS = [1, 2, 4, 8, 16, 32]
+TINY_GRID = {"block_h": [16], "block_n": [16, 32], "num_warps": [4], "num_stages": [2]}
+
+
+def make_case(batch: int, context: int, heads: int, rank: int, rope: int, device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    pages_per = -(-context // PAGE)
+    num_pages = batch * pages_per
+    latent = torch.randn(num_pages, PAGE, 1, rank + rope, generator=gen).to(device, torch.bfloat16)
+    tables = torch.randperm(num_pages, generator=gen).view(batch, pages_per).to(device, torch.int32)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, rank + rope, generator=gen).to(device, torch.bfloat16)
+    return q, latent, tables, lens
+
+
+def copy_rate(device) -> float:
+    """Bytes per second of a device-to-device copy (read + write), measured now."""
+    x = torch.empty(2**31 if device.type == "cuda" else 2**20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    return 2 * x.numel() / timed(lambda: y.copy_(x), on_gpu=device.type == "cuda", graph=False)
+
+
+def flashinfer_mla(q, latent, tables, lens, rank: int, scale: float):
+    """A run closure of flashinfer's MLA wrapper planned for this batch, or None without flashinfer."""
+    try:
+        import flashinfer
+    except ImportError:
+        return None
+    batch, heads, _ = q.shape
+    wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+        torch.empty(256 * 2**20, dtype=torch.uint8, device=q.device), backend="auto")
+    pages_per = tables.shape[1]
+    indptr = torch.arange(0, (batch + 1) * pages_per, pages_per, dtype=torch.int32, device=q.device)
+    qo = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    wrapper.plan(qo, indptr, tables.reshape(-1), lens, heads, rank, latent.shape[-1] - rank, PAGE, causal=False,
+                 sm_scale=scale, q_data_type=q.dtype, kv_data_type=latent.dtype)
+    rows = latent[:, :, 0]
+    q_nope, q_pe = q[..., :rank].contiguous(), q[..., rank:].contiguous()
+    return lambda: wrapper.run(q_nope, q_pe, rows[..., :rank], rows[..., rank:])
+
+
+def run_case(batch: int, context: int, heads: int, rank: int, rope: int, space: dict, splits: list[int],
+             device, on_gpu: bool, rate: float) -> dict:
+    from agentrt_kernels.triton.mla_decode import mla_paged_decode
+
+    q, latent, tables, lens = make_case(batch, context, heads, rank, rope, device)
+    scale = (rank + rope) ** -0.5
+    nbytes = batch * context * (rank + rope) * latent.element_size()
+
+    def entry(ms: float) -> dict:
+        return {"ms": ms, "fraction_of_copy": nbytes / (ms * 1e-3) / rate}
+
+    ref = mla_paged_decode(q, latent, tables, lens, scale, rank)
+    row = {"batch": batch, "context": context, "heads": heads, "latent_bytes": nbytes,
+           "default": entry(1e3 * timed(lambda: mla_paged_decode(q, latent, tables, lens, scale, rank), on_gpu))}
+    configs = []
+    for cfg in grid(space):
+        if cfg["block_h"] > max(16, heads) * 2:  # a head tile more than twice the heads is padding only
+            continue
+        try:
+            out = mla_paged_decode(q, latent, tables, lens, scale, rank, **cfg)
+            ms = 1e3 * timed(lambda: mla_paged_decode(q, latent, tables, lens, scale, rank, **cfg), on_gpu)
+        except Exception as exc:  # a launch that does not fit (shared memory, registers): recorded, skipped
+            configs.append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        configs.append({**cfg, **entry(ms), "max_rel_vs_default": max_rel(out, ref)})
+    row["configs"] = configs
+    ok = [c for c in configs if "ms" in c]
+    best = min(ok, key=lambda c: c["ms"]) if ok else None
+    if best is not None:
+        cfg = {k: best[k] for k in space}
+        row["best"] = best
+        row["best_by_splits"] = []
+        for s in splits:
+            out = mla_paged_decode(q, latent, tables, lens, scale, rank, num_splits=s, **cfg)
+            ms = 1e3 * timed(lambda: mla_paged_decode(q, latent, tables, lens, scale, rank, num_splits=s, **cfg),
+                             on_gpu)
+            row["best_by_splits"].append({"num_splits": s, **entry(ms), "max_rel_vs_default": max_rel(out, ref)})
+    fi = flashinfer_mla(q, latent, tables, lens, rank, scale) if on_gpu else None
+    if fi is not None:
+        row["flashinfer"] = {**entry(1e3 * timed(fi, on_gpu, graph=False)), "max_rel_vs_default": max_rel(fi(), ref)}
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", type=int, default=20, help="query heads (GLM-4.7-Flash: 20; DeepSeek-V3: 128)")
+    ap.add_argument("--cases", default="8@4096,32@4096,8@32768", help="BATCH@CONTEXT,...")
+    ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run through the interpreter)")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    on_gpu = device.type == "cuda" and not args.tiny
+    rank, rope, heads = (32, 16, 4) if args.tiny else (512, 64, args.heads)
+    cases = [(2, 40)] if args.tiny else [tuple(map(int, c.split("@"))) for c in args.cases.split(",")]
+    space, splits = (TINY_GRID, [1, 2]) if args.tiny else (GRID, SPLITS)
+    rate = copy_rate(device)
+    rows = []
+    print(f"copy rate {rate / 1e9:.0f} GB/s")
+    for batch, context in cases:
+        row = run_case(batch, context, heads, rank, rope, space, splits, device, on_gpu, rate)
+        row["copy_bytes_per_s"] = rate
+        rows.append(row)
+        save_rows(args.json, rows)
+        best = row.get("best", {})
+        fi = row.get("flashinfer", {})
+        print(f"bs{batch} @ {context}: default {row['default']['ms']:.3f} ms ({row['default']['fraction_of_copy']:.2f}"
+              f" of copy); best {best.get('ms', float('nan')):.3f} ms ({best.get('fraction_of_copy', float('nan')):.2f})"
+              f" {({k: best[k] for k in space} if best else '')}; flashinfer {fi.get('ms', float('nan')):.3f} ms",
+              flush=True)
+    if not args.json:
+        print(json.dumps(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

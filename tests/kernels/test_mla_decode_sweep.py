@@ -1,0 +1,24 @@
+"""benchmarks.mla_decode_sweep's smoke run (the interpreter on a CPU): every configuration of its tiny grid and
+split count computes the default launch's output; the best configuration is the fastest one timed."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU's; on a GPU the suite runs it")
+def test_the_tiny_sweep_agrees_with_the_default_launch():
+    from benchmarks import mla_decode_sweep
+
+    (row,) = mla_decode_sweep.main(["--tiny"])
+    timed = [c for c in row["configs"] if "ms" in c]
+    assert len(timed) == 2 and all(c["max_rel_vs_default"] < 1e-2 for c in timed)
+    assert row["best"]["ms"] == min(c["ms"] for c in timed)
+    assert [s["num_splits"] for s in row["best_by_splits"]] == [1, 2]
+    assert all(s["max_rel_vs_default"] < 1e-2 for s in row["best_by_splits"])
