@@ -56,6 +56,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch.profiler import record_function
+
 from engine.contract import Family, SparseMethod
 from engine.contract.method import HOOKS_EVERY_STEP
 from engine.registry import register_method
@@ -194,14 +196,19 @@ class SnapKV(SparseMethod):
         cfg = self.config
         heads, device = cache.spec.num_kv_heads, cache.spec.device
         keep, changed = [], False
-        for layer, budget in enumerate(st.budgets):
-            n = cache.physical_len(req, layer)
-            if n <= budget:
-                keep.append(keep_all(n, heads, device))
-                continue
-            q, q_pos = st.queries.rows_between(layer, end - cfg.window, end)
-            k_pos = cache.positions_of(req, layer)
-            vote = held_window_scores(cache, req, layer, q, q_pos, k_pos)
-            keep.append(keep_voted_and_window(vote, k_pos, end - cfg.window, budget, cfg.kernel_size, cfg.pooling))
-            changed = True
-        return not changed or cache.compact(req, keep)
+        with record_function("snapkv.vote"):  # named ranges: benchmarks.chain_turn_profile splits a turn by them
+            for layer, budget in enumerate(st.budgets):
+                n = cache.physical_len(req, layer)
+                if n <= budget:
+                    keep.append(keep_all(n, heads, device))
+                    continue
+                q, q_pos = st.queries.rows_between(layer, end - cfg.window, end)
+                k_pos = cache.positions_of(req, layer)
+                vote = held_window_scores(cache, req, layer, q, q_pos, k_pos)
+                keep.append(keep_voted_and_window(vote, k_pos, end - cfg.window, budget, cfg.kernel_size,
+                                                  cfg.pooling))
+                changed = True
+        if not changed:
+            return True
+        with record_function("snapkv.compact"):
+            return cache.compact(req, keep)

@@ -1,0 +1,127 @@
+"""Where a SnapKV chain turn's time goes: its prompt's prefill attention, SnapKV's vote and its compaction.
+
+    python -m benchmarks.chain_turn_profile --shape llama-3.1-8b --history 16384 --new-tokens 2048
+    python -m benchmarks.chain_turn_profile --shape tiny --history 300 --new-tokens 60 --budget 64 --window 8
+
+A chain is built with one turn of ``--history`` prompt tokens (random ids; SnapKV compacts it to ``--budget`` at
+the prompt's end), then its next turn appends ``--new-tokens`` and runs under torch.profiler until its first
+token: the chain's retained KV resumes, the turn recomputes SnapKV's observation window, prefills its new tokens
+in chunks of ``--max-num-batched-tokens`` (mixed with nothing else), votes with the window's queries over every
+slot each layer holds and compacts back to the budget. Reported (one turn; ``--repeats`` turns on fresh chains,
+medians): the turn's wall time, and the device time (on a CPU: host time) under SnapKV's named ranges
+``snapkv.vote`` and ``snapkv.compact`` (``policies/snapkv.py``), in attention kernels (prefill / paged attention
+by name) and in everything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.throughput import write_shape_dir
+from engine import SamplingParams
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+
+RANGES = ("snapkv.vote", "snapkv.compact")
+ATTENTION = re.compile(r"prefill|attention|attn|fmha|flash", re.IGNORECASE)
+
+
+def _device_time(event, on_gpu: bool) -> float:
+    """Microseconds of ``event`` on the device (its kernels, for a range: those launched inside it), or on a CPU
+    its host time."""
+    return event.device_time_total if on_gpu else event.cpu_time_total
+
+
+def run_until_first_token(engine: LLMEngine, rid: str) -> None:
+    while True:
+        outs = engine.step()
+        if any(o.request_id == rid and (o.token_ids or o.finished) for o in outs):
+            return
+
+
+def one_turn(engine: LLMEngine, args, seed: int, on_gpu: bool) -> dict:
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    chain = f"c{seed}"
+    first = [rng.randrange(3, vocab) for _ in range(args.history)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    rid = engine.add_request(first, params, chain_id=chain)
+    out = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    prompt = first + out.token_ids + [rng.randrange(3, vocab) for _ in range(args.new_tokens)]
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        rid = engine.add_request(prompt, params, chain_id=chain)
+        run_until_first_token(engine, rid)
+        sync()
+        wall = time.perf_counter() - t0
+    while engine.has_unfinished():
+        engine.step()
+    info = engine.chain_info(chain)
+    events = prof.key_averages()
+    ranges = {name: 0.0 for name in RANGES}
+    attention = other = 0.0
+    for e in events:
+        if e.key in ranges:
+            ranges[e.key] += _device_time(e, on_gpu)
+        elif on_gpu and e.device_type == torch.autograd.DeviceType.CUDA:
+            if ATTENTION.search(e.key):
+                attention += e.self_device_time_total
+            else:
+                other += e.self_device_time_total
+    kernels_in_ranges = sum(ranges.values()) if on_gpu else 0.0
+    return {"wall_ms": 1e3 * wall, "vote_ms": ranges["snapkv.vote"] / 1e3, "compact_ms": ranges["snapkv.compact"] / 1e3,
+            "attention_ms": attention / 1e3, "other_ms": max(0.0, other - kernels_in_ranges) / 1e3,
+            "chain_logical_tokens": info.logical_tokens, "chain_held_slots_max": max(info.physical_tokens)}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="llama-3.1-8b")
+    ap.add_argument("--history", type=int, default=16384)
+    ap.add_argument("--new-tokens", type=int, default=2048)
+    ap.add_argument("--budget", type=int, default=4096)
+    ap.add_argument("--window", type=int, default=32)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        engine = LLMEngine(EngineConfig(
+            model=write_shape_dir(args.shape, Path(tmp)), load_format="dummy", device=args.device, method="snapkv",
+            method_config={"budget": args.budget, "window": args.window},
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.history + args.new_tokens + 64))
+        on_gpu = engine.device.type == "cuda"
+        turns = [one_turn(engine, args, seed, on_gpu) for seed in range(args.repeats)]
+    result = {"shape": args.shape, "history": args.history, "new_tokens": args.new_tokens, "budget": args.budget,
+              "window": args.window, "device_time": "device" if on_gpu else "host (no GPU)", "turns": turns,
+              **{k: statistics.median(t[k] for t in turns)
+                 for k in ("wall_ms", "vote_ms", "compact_ms", "attention_ms", "other_ms")}}
+    print(f"turn wall {result['wall_ms']:.1f} ms; {result['device_time']} time: prefill attention "
+          f"{result['attention_ms']:.1f} ms, vote {result['vote_ms']:.1f} ms, compaction {result['compact_ms']:.1f} ms, "
+          f"other {result['other_ms']:.1f} ms (medians of {args.repeats})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
