@@ -40,6 +40,16 @@ class PageTable:
     def is_uniform(self) -> bool:
         return self.layer_lens is None or min(self.layer_lens) == max(self.layer_lens)
 
+    def ordered_from(self, layer: int) -> tuple[int, int]:
+        """(slot, position): from that slot to the layer's end the slots hold logical positions position,
+        position + 1, ... in order (every head), and every slot before it a position below ``position``: a
+        compacted table's kept slots come first (all before its compaction), then what was appended since; a
+        table never compacted is in order from slot 0. Known on the host, so a vote can tell its window's slots
+        without reading positions off the device."""
+        if self.kept_positions is None:
+            return 0, 0
+        return int(self.kept_positions[layer].shape[1]), self.compacted_at
+
     def layer_len(self, layer: int) -> int:
         return self.num_slots if self.layer_lens is None else self.layer_lens[layer]
 

@@ -73,16 +73,22 @@ def window_scores(q: torch.Tensor, keys: torch.Tensor, q_pos: torch.Tensor, k_po
 
 
 def held_window_scores(cache: CacheManager, req: Request, layer: int, q: torch.Tensor, q_pos: torch.Tensor,
-                       k_pos: torch.Tensor) -> torch.Tensor:
+                       k_pos: torch.Tensor, q_first: int | None = None) -> torch.Tensor:
     """``window_scores`` of the window rows ``q`` at ``q_pos`` over every slot ``req`` holds in ``layer``
     (logical positions ``k_pos`` [Hkv, n]). Where the window's rows are the layer's last slots (the same
     positions in every head, all other slots before them: a prompt's end, a chain turn that recomputed its
     window) slot order is causal order, and ``window_votes`` (on a GPU its kernels, no [w, n] probability
     matrix) reads the paged keys in place, or, for coded storage, the request's keys decoded once into
-    contiguous pages; otherwise the keys are gathered and scored here in fp32."""
+    contiguous pages; otherwise the keys are gathered and scored here in fp32. ``q_first``: the window's first
+    logical position (its rows are contiguous), which lets the layout be told on the host from the table
+    (``TableHandle.ordered_from``) instead of read off the device."""
     n, w = k_pos.shape[1], q.shape[0]
-    causal_order = (0 < w <= n and bool((k_pos[:, n - w:] == q_pos[None, :]).all())
-                    and bool((k_pos[:, : n - w] < q_pos[0]).all()))
+    if q_first is not None:
+        slot, pos = cache.table(req).ordered_from(layer)
+        causal_order = 0 < w and n - w >= slot and q_first == pos + n - slot - w
+    else:
+        causal_order = (0 < w <= n and bool((k_pos[:, n - w:] == q_pos[None, :]).all())
+                        and bool((k_pos[:, : n - w] < q_pos[0]).all()))
     if not causal_order:
         return window_scores(q, gather_keys(cache, req, layer, n), q_pos, k_pos)
     group, ps = q.shape[1] // k_pos.shape[0], cache.page_size
@@ -122,13 +128,19 @@ def top_k_sorted(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def keep_voted_and_window(vote: torch.Tensor, k_pos: torch.Tensor, window_start: int, budget: int,
-                          kernel_size: int, pooling: str) -> torch.Tensor:
+                          kernel_size: int, pooling: str, ordered_from: tuple[int, int] | None = None) -> torch.Tensor:
     """SnapKV's selection on held slots: [Hkv, n] vote and logical positions (increasing along each row) ->
     [Hkv, budget] kept slot indices, increasing. Each head keeps its window slots (logical position >=
     ``window_start``: a suffix of the row) plus the top ``budget - |window|`` of the other slots by their vote
-    pooled over slot order. Needs ``n > budget >= |window|``."""
+    pooled over slot order. Needs ``n > budget >= |window|``. ``ordered_from``: the table's
+    ``(slot, position)`` from ``TableHandle.ordered_from``; with the window inside that ordered tail its size is
+    known on the host."""
     heads, n = vote.shape
-    counts = (k_pos >= window_start).sum(dim=1).tolist()
+    if ordered_from is not None and window_start >= ordered_from[1]:
+        slot, pos = ordered_from
+        counts = [max(0, min(n - slot, n - slot - (window_start - pos)))] * heads
+    else:
+        counts = (k_pos >= window_start).sum(dim=1).tolist()
 
     def select(v: torch.Tensor, c: int) -> torch.Tensor:
         top = top_k_sorted(pool1d(v[:, : n - c], kernel_size, pooling), budget - c)
@@ -181,6 +193,10 @@ class QueryStash:
         a, b = max(lo, start), min(hi, start + q.shape[0])
         b = max(a, b)
         return q[a - start: b - start], torch.arange(a, b, device=q.device)
+
+    def first_between(self, layer: int, lo: int, hi: int) -> int:
+        """The first logical position ``rows_between(layer, lo, hi)`` returns (host arithmetic only)."""
+        return max(lo, self.start[layer])
 
     def export(self) -> list[tuple[int, torch.Tensor | None]]:
         return list(zip(self.start, self.q))

@@ -204,9 +204,11 @@ class SnapKV(SparseMethod):
                     continue
                 q, q_pos = st.queries.rows_between(layer, end - cfg.window, end)
                 k_pos = cache.positions_of(req, layer)
-                vote = held_window_scores(cache, req, layer, q, q_pos, k_pos)
+                # the window's first position and the table's ordered tail, known on the host: no device reads
+                q_first = st.queries.first_between(layer, end - cfg.window, end)
+                vote = held_window_scores(cache, req, layer, q, q_pos, k_pos, q_first)
                 keep.append(keep_voted_and_window(vote, k_pos, end - cfg.window, budget, cfg.kernel_size,
-                                                  cfg.pooling))
+                                                  cfg.pooling, cache.table(req).ordered_from(layer)))
                 changed = True
         if not changed:
             return True

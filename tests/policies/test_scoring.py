@@ -66,3 +66,44 @@ def test_query_stash_rolls_keeps_a_pending_window_and_replaces_a_cut_back_histor
     assert held(st) == [20]
     loaded = QueryStash.load(copy.deepcopy(st.export()), 4)
     assert held(loaded) == [20]
+
+
+# --- the window's layout told on the host (TableHandle.ordered_from) -------------------------------------------
+def _compacted_table(heads: int, kept: int, compacted_at: int, appended: int, seed: int):
+    from engine.page_table import PageTable
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randperm(compacted_at, generator=gen)[:kept].sort().values for _ in range(heads)]
+    n = kept + appended
+    return PageTable(pages=list(range(-(-n // 4))), num_slots=n, layer_lens=[n], kept_positions=[torch.stack(rows)],
+                     compacted_at=compacted_at)
+
+
+@pytest.mark.parametrize("kept,compacted_at,appended", [(6, 20, 9), (6, 6, 3), (5, 40, 0)])
+def test_ordered_from_is_where_the_positions_run_in_order(kept, compacted_at, appended):
+    from engine.page_table import PageTable
+
+    t = _compacted_table(3, kept, compacted_at, appended, seed=kept + appended)
+    slot, pos = t.ordered_from(0)
+    positions = t.positions(0, 3, torch.device("cpu"))
+    n = positions.shape[1]
+    assert torch.equal(positions[:, slot:], torch.arange(pos, pos + n - slot).expand(3, -1))
+    assert bool((positions[:, :slot] < pos).all())
+    plain = PageTable(pages=[0, 1], num_slots=7)
+    assert plain.ordered_from(0) == (0, 0)
+
+
+@pytest.mark.parametrize("window_start", [18, 20, 24, 29, 35])
+def test_window_counts_from_the_host_equal_the_positions(window_start):
+    """keep_voted_and_window with the table's ordered tail gives the selection it makes from the positions."""
+    from policies.scoring import keep_voted_and_window
+
+    t = _compacted_table(2, 8, 20, 12, seed=window_start)
+    k_pos = t.positions(0, 2, torch.device("cpu"))
+    vote = torch.rand(2, k_pos.shape[1], generator=torch.Generator().manual_seed(window_start))
+    budget = 14
+    if (k_pos >= window_start).sum(dim=1).max() > budget:
+        pytest.skip("a window larger than the budget")
+    want = keep_voted_and_window(vote, k_pos, window_start, budget, 3, "max")
+    got = keep_voted_and_window(vote, k_pos, window_start, budget, 3, "max", t.ordered_from(0))
+    assert torch.equal(got, want)
