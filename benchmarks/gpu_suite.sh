@@ -29,6 +29,7 @@
 #              the torch backend, in one process (most of a call)
 #   mla        GLM-4.7-Flash shape decode roofline at bs8 / bs32 @ 4K (latent attention, MoE)
 #   mlasnap128k  SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, largest batches, decode only
+#   deltadecode  a DeltaNet layer's decode: the in-place kernels against gather + fla's recurrent kernel + store
 #   chainturn  a SnapKV chain turn split into prefill attention, vote and compaction (torch.profiler)
 #   mlasweep   the Triton MLA decode kernel's launch grid and split counts beside flashinfer's MLA wrapper
 #   mlaprefill absorbed vs expanded MLA prefill (one layer's attention at GLM-4.7-Flash's shape)
@@ -261,6 +262,8 @@ for step in "$@"; do
     gputests)  # the GPU cases added since the last `tests` run: host copies on a side stream, fp8 latent decode
         run gputests 200 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \
             tests/engine/test_host_copies.py tests/kernels/test_mla_decode_kernel.py ;;
+    deltadecode)  # one DeltaNet layer's decode step: the in-place kernels against gather + fla's recurrent + store
+        run deltadecode 200 python -m benchmarks.gated_delta_decode --json "$OUT/deltadecode.json" ;;
     chainturn)  # a SnapKV chain turn (16K history compacted to 4096, 2048 new tokens) split into prefill attention,
         # vote and compaction under torch.profiler
         run chainturn 240 python -m benchmarks.chain_turn_profile --shape llama-3.1-8b --history 16384 \
