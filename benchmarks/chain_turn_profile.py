@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
               **{k: statistics.median(t[k] for t in turns)
                  for k in ("wall_ms", "vote_ms", "compact_ms", "attention_ms", "other_ms")}}
     print(f"turn wall {result['wall_ms']:.1f} ms; {result['device_time']} time: prefill attention "
-          f"{result['attention_ms']:.1f} ms, vote {result['vote_ms']:.1f} ms, compaction {result['compact_ms']:.1f} ms, "
-          f"other {result['other_ms']:.1f} ms (medians of {args.repeats})")
+          f"{result['attention_ms']:.1f} ms, vote {result['vote_ms']:.1f} ms, "
+          f"compaction {result['compact_ms']:.1f} ms, other {result['other_ms']:.1f} ms (medians of {args.repeats})")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     return result

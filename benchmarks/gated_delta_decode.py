@@ -128,8 +128,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row = run_case(batch, dims, device, on_gpu, rate)
         rows.append(row)
         save_rows(args.json, rows)
-        print(f"{batch:>5} {row['in_place_ms']:>12.4f} {row['gathered_ms']:>12.4f} {row['gathered_over_in_place']:>6.2f}"
-              f" {row['out_max_rel']:>8.1e} {row['state_max_rel']:>9.1e}", flush=True)
+        print(f"{batch:>5} {row['in_place_ms']:>12.4f} {row['gathered_ms']:>12.4f} "
+              f"{row['gathered_over_in_place']:>6.2f} {row['out_max_rel']:>8.1e} {row['state_max_rel']:>9.1e}",
+              flush=True)
     if not args.json:
         print(json.dumps(rows))
     return rows

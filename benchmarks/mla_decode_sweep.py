@@ -135,10 +135,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         save_rows(args.json, rows)
         best = row.get("best", {})
         fi = row.get("flashinfer", {})
-        print(f"bs{batch} @ {context}: default {row['default']['ms']:.3f} ms ({row['default']['fraction_of_copy']:.2f}"
-              f" of copy); best {best.get('ms', float('nan')):.3f} ms ({best.get('fraction_of_copy', float('nan')):.2f})"
-              f" {({k: best[k] for k in space} if best else '')}; flashinfer {fi.get('ms', float('nan')):.3f} ms",
-              flush=True)
+        nan = float("nan")
+        print(f"bs{batch} @ {context}: default {row['default']['ms']:.3f} ms "
+              f"({row['default']['fraction_of_copy']:.2f} of copy); best {best.get('ms', nan):.3f} ms "
+              f"({best.get('fraction_of_copy', nan):.2f}) {({k: best[k] for k in space} if best else '')}; "
+              f"flashinfer {fi.get('ms', nan):.3f} ms", flush=True)
     if not args.json:
         print(json.dumps(rows))
     return rows

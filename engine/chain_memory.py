@@ -4,7 +4,8 @@
 Pressure (``reclaim``: least recently used idle chains leave the device first, to the host tier when there is
 one), session hints (pin, priority, TTL, release now, prefetch now), loading an offloaded chain back before
 its turn, fork, rewind or prune (``load``), and restarts (``persist`` at shutdown, ``restore`` at start,
-``adopt_file`` for a handed-off chain), and a queued turn's KV moved down under pressure (``park``). ``ChainManager`` owns the chains' semantics and asks this for their KV.
+``adopt_file`` for a handed-off chain), and a queued turn's KV moved down under pressure (``park``).
+``ChainManager`` owns the chains' semantics and asks this for their KV.
 """
 
 from __future__ import annotations
