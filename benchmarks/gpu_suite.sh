@@ -35,6 +35,7 @@
 #   mlaprefill absorbed vs expanded MLA prefill (one layer's attention at GLM-4.7-Flash's shape)
 #   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
 #   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid, fla-core) decode at bs8 @ 4K
+#   hybridsnap128k  SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, largest batches, decode only
 #   gputests   the GPU cases of the host-copy and MLA decode kernel tests alone
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
@@ -186,6 +187,11 @@ for step in "$@"; do
     hybrid)  # Qwen3.6-27B shape (3 of 4 layers gated DeltaNet on fla-core's kernels) bs8 @ 4K (150 s on an H200)
         run hybrid 560 python -m benchmarks.throughput --shape qwen3.6-27b --cases 8@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --json "$OUT/hybrid.json" ;;
+    hybridsnap128k)  # SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, each at its largest batch (decode only;
+        # SnapKV applies to the full-attention layers, each request also holds its linear layers' states)
+        run hybridsnap128k 560 python -m benchmarks.sparse_decode --shape qwen3.6-27b --decode-steps 16 \
+            --context 128000 --max-batch 128 --admit-group 2 --admit-time-limit 300 --repeats 1 \
+            --methods 'dense;snapkv:{"budget":4096}' --json "$OUT/hybridsnap128k.json" ;;
     profilesteps)  # device busy vs idle time across whole engine steps, and device time per kernel, for the two
         # decode cases below their roofline goal on 2026-12-02 (MoE bs8 @ 4K: 0.61, dense bs1 @ 4K: 0.69)
         run profile_moe8 150 python benchmarks/profile_decode.py --shape qwen3-30b-a3b --batch 8 --context 4096 \
