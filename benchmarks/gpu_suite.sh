@@ -259,11 +259,13 @@ for step in "$@"; do
             --max-num-batched-tokens 8192 --configs dense-prefix,snapkv-chain,dense-chain-lag \
             --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
     replaypressure)  # more KV than the pool holds: 12 sessions x 12 turns (~26K tokens each at the end, 311K in
-        # all) over a 6000-page pool (96K tokens), with the traces' think times; the tiers' host copy is 64 GiB
+        # all) over a 6000-page pool (96K tokens), with the traces' think times; the tiers' host copy is 64 GiB.
+        # Larger loads one configuration a call on the same warm machine (CONFIGS=..., SESSIONS, TURNS, PAGES),
+        # joined by `agentrt replay report <dir>/partial.jsonl ...`
         run replaypressure 560 python -c 'import sys; from agentrt.cli import main; sys.exit(main())' replay run \
-            --shape llama-3.1-8b --load-format dummy --sessions 12 --turns 12,12 --num-pages 6000 \
-            --think-scale 1 --max-num-batched-tokens 8192 \
-            --configs dense-prefix,snapkv-chain-tiers,dense-chain-tiers \
+            --shape llama-3.1-8b --load-format dummy --sessions "${SESSIONS:-12}" --turns "${TURNS:-12,12}" \
+            --num-pages "${PAGES:-6000}" --think-scale 1 --max-num-batched-tokens 8192 \
+            --configs "${CONFIGS:-dense-prefix,snapkv-chain-tiers,dense-chain-tiers}" \
             --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
     gputests)  # the GPU cases added since the last `tests` run: host copies on a side stream, fp8 latent decode
         run gputests 200 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \

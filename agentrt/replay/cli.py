@@ -5,6 +5,7 @@
     agentrt replay run --sessions 4 --turns 8,8 --device cpu --out /tmp/replay   # generate inline
     agentrt replay run --shape llama-3.1-8b --load-format dummy --sessions 16 --turns 30,30 ...  # GPU
     agentrt replay plot results/replay.json                                  # the PNGs of a report
+    agentrt replay report a/partial.jsonl b/partial.jsonl --baseline dense-prefix   # runs joined in one table
 
 Generated traces must fit the model's context (max_model_len): with none of the token flags given, the
 coding-agent shape's system prompt, task and tool results are scaled down by one factor until each trace
@@ -290,6 +291,32 @@ def _plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    """One table from the summaries of several runs (``partial.jsonl`` or ``replay.json``), e.g. one configuration a
+    run on the same machine, speedups against ``--baseline``."""
+    from agentrt.replay.report import steps_table, table, with_speedups
+
+    summaries = []
+    for name in args.runs:
+        if not Path(name).is_file():
+            raise Mistake(f"{name} does not exist")
+        text = Path(name).read_text()
+        try:
+            found = (json.loads(text)["results"] if name.endswith(".json")
+                     else [json.loads(line) for line in text.splitlines() if line.strip()])
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise Mistake(f"{name}: not a replay.json or partial.jsonl written by `agentrt replay run`") from None
+        summaries.extend(found)
+    if not any(s.get("config") == args.baseline for s in summaries):
+        raise Mistake(f"--baseline: no run of {args.baseline!r} in {', '.join(args.runs)}")
+    summaries = with_speedups(summaries, args.baseline)
+    print(json.dumps({"results": summaries}, indent=1))
+    print(table(summaries))
+    print("\nengine steps by kind (count / wall s):")
+    print(steps_table(summaries))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = CommandLineParser(prog="agentrt replay", description=__doc__)
     sub = ap.add_subparsers(dest="action", required=True, metavar="ACTION")
@@ -330,6 +357,13 @@ def build_parser() -> argparse.ArgumentParser:
                           description="The PNGs of a replay.json written by `agentrt replay run`.")
     plot.add_argument("report", type=_existing, help="a replay.json")
     plot.add_argument("--out", help="directory for the PNGs (default: the report's)")
+    report = sub.add_parser("report", help="one table from several runs' summaries (partial.jsonl / replay.json)",
+                            description="One table, with speedups against --baseline, from the summaries several "
+                                        "`agentrt replay run`s wrote\n(e.g. one configuration a run, each under a "
+                                        "time limit, on the same machine).")
+    report.add_argument("runs", nargs="+", help="partial.jsonl or replay.json files")
+    report.add_argument("--baseline", default="dense-prefix", metavar="CONFIG",
+                        help="the configuration speedups are relative to")
     return ap
 
 
@@ -340,9 +374,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     prog = f"agentrt replay {args.action}"
     try:
-        if args.action != "plot":
+        if args.action in ("gen", "run"):
             _synth_shape(args)  # a bad shape fails before the model and tokenizer load
-        return {"gen": _gen, "run": _run, "plot": _plot}[args.action](args)
+        return {"gen": _gen, "run": _run, "plot": _plot, "report": _report}[args.action](args)
     except (Mistake, TraceError) as exc:
         return usage_error(prog, exc)
     except CheckpointError as exc:

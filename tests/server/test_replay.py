@@ -236,3 +236,33 @@ def test_replay_run_fits_generated_traces_to_the_embedded_model(tmp_path, capsys
     (result,) = report["results"]
     assert result["config"] == "dense-chain" and len(result["prefilled_per_turn"]) == 3
     assert "scaled by" in capsys.readouterr().err
+
+
+def test_replay_report_joins_runs_and_computes_speedups_against_the_baseline(tmp_path, capsys):
+    """`agentrt replay report`: summaries from several runs (one configuration a run), one table with speedups
+    against --baseline; a file that is no summary, or a baseline no run has, is one line naming it."""
+    import json
+
+    from agentrt.replay.cli import main
+    from agentrt.replay.report import STEP_KINDS
+
+    def summary(name, wall, wait, prefilled):
+        return {"config": name, "wall_s": wall, "wait_s": wait, "prefilled_tokens": prefilled, "ttft_p50_s": 0.1,
+                "ttft_p90_s": 0.2, "prefix_cached_tokens": 0, "resumed_tokens": 0, "generated_tokens": 10,
+                "peak_kv_pages": 5, "engine_steps": dict.fromkeys(STEP_KINDS, 1),
+                "engine_step_seconds": dict.fromkeys(STEP_KINDS, 0.5)}
+
+    (tmp_path / "a.jsonl").write_text(json.dumps(summary("dense-prefix", 60.0, 40.0, 1000)) + "\n")
+    (tmp_path / "b.json").write_text(json.dumps({"results": [summary("snapkv-chain-tiers", 40.0, 16.0, 200)]}))
+    assert main(["report", str(tmp_path / "a.jsonl"), str(tmp_path / "b.json")]) == 0
+    out = capsys.readouterr().out
+    results = json.loads(out[: out.index("\n}\n") + 2])["results"]
+    snap = next(r for r in results if r["config"] == "snapkv-chain-tiers")
+    assert (snap["speedup"], snap["wait_speedup"], snap["prefill_reduction"]) == (1.5, 2.5, 5.0)
+    assert "snapkv-chain-tiers" in out and "2.50x" in out
+
+    (tmp_path / "bad.jsonl").write_text("not json\n")
+    assert main(["report", str(tmp_path / "bad.jsonl")]) == 2
+    assert "bad.jsonl: not a replay.json or partial.jsonl" in capsys.readouterr().err
+    assert main(["report", str(tmp_path / "b.json")]) == 2
+    assert "--baseline: no run of 'dense-prefix'" in capsys.readouterr().err
