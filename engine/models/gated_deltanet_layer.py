@@ -34,9 +34,8 @@ from engine.models.interface import LayerRunner
 from engine.models.layers import copy_into, new_parameter
 from engine.parallel.layers import MergedColumnParallelLinear, RowParallelLinear, check_divisible
 from engine.parallel.state import current_group
-from agentrt_kernels.ops import (causal_conv1d_update, gated_delta_decode, gated_delta_prefill, gated_delta_step,
-                                 gated_rms_norm)
-from agentrt_kernels.torch_ref.gated_delta import causal_conv1d, causal_conv1d_step, gated_delta_gates
+from agentrt_kernels.ops import causal_conv1d_update, gated_delta_prefill, gated_delta_step, gated_rms_norm
+from agentrt_kernels.torch_ref.gated_delta import causal_conv1d, gated_delta_gates
 
 # checkpoint projection of a DeltaNet -> the shard of the packed ``in_proj`` it fills
 IN_PROJ_SHARDS = {"in_proj_qkv": "qkv", "in_proj_z": "z", "in_proj_b": "b", "in_proj_a": "a",
@@ -158,45 +157,51 @@ class GatedDeltaNet(nn.Module):
             core = gated_delta_step(q.view(num_tokens, nk, dk), k.view(num_tokens, nk, dk), v.view(num_tokens, nv, dv),
                                     a, b, self.A_log, self.dt_bias, state.recurrent_buffer, state.slots)
         else:
-            g, beta = gated_delta_gates(a, b, self.A_log, self.dt_bias)
-            core = self._mixed_step(mixed, g, beta, lens, state.conv, state.recurrent, weight, state)
+            core = self._mixed_step(mixed, a, b, lens, weight, state)
         out = self.norm(core, z.reshape(num_tokens, nv, dv)).reshape(num_tokens, self.value_dim)
         return self.out_proj(out)
 
-    def _mixed_step(self, mixed, g, beta, lens, conv_in, rec_in, weight, state) -> torch.Tensor:
-        """A step with prompt segments: the one-token rows in one batched call, the longer segments in another,
-        each request from its own state (a request with no tokens keeps it)."""
+    def _mixed_step(self, mixed, a, b, lens, weight, state) -> torch.Tensor:
+        """A step with prompt segments: the one-token rows through the in-place decode ops at their slots, the
+        longer segments' states gathered, run in one call and stored back; a request with no tokens keeps its
+        state untouched."""
         num_tokens = mixed.shape[0]
         nk, nv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
         starts = [0]
         for n in lens:
             starts.append(starts[-1] + n)
-        conv_new, rec_new = conv_in.clone(), rec_in.float().clone()  # a request with no tokens keeps its state
         single = [i for i, n in enumerate(lens) if n == 1]
         multi = [i for i, n in enumerate(lens) if n > 1]
+        dev = mixed.device
+        if single:
+            rows = torch.tensor([starts[i] for i in single], dtype=torch.int64, device=dev)
+            single_slots = state.slots[torch.tensor(single, dtype=torch.int64, device=dev)]
+        if multi:
+            multi_slots = state.slots[torch.tensor(multi, dtype=torch.int64, device=dev)]
 
-        # the causal conv: one batched step for the one-token requests (decode), a pass per longer segment
+        # the causal conv: the one-token rows in one in-place step, a pass per longer segment
         conv_out = torch.empty_like(mixed)
         if single:
-            idx = torch.tensor(single, dtype=torch.int64, device=mixed.device)
-            rows = torch.tensor([starts[i] for i in single], dtype=torch.int64, device=mixed.device)
-            out, new = causal_conv1d_step(mixed[rows], weight, conv_in[idx])
-            conv_out[rows], conv_new[idx] = out, new.to(conv_new.dtype)
-        for i in multi:
-            s, e = starts[i], starts[i + 1]
-            conv_out[s:e], new = causal_conv1d(mixed[s:e], weight, conv_in[i])
-            conv_new[i] = new.to(conv_new.dtype)
+            conv_out[rows] = causal_conv1d_update(mixed[rows], weight, state.conv_buffer, single_slots)
+        if multi:
+            conv_in = state.conv_buffer[multi_slots]
+            conv_new = torch.empty_like(conv_in)
+            for j, i in enumerate(multi):
+                s, e = starts[i], starts[i + 1]
+                conv_out[s:e], new = causal_conv1d(mixed[s:e], weight, conv_in[j])
+                conv_new[j] = new.to(conv_new.dtype)
+            state.conv_buffer[multi_slots] = conv_new
 
         q, k, v = conv_out.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q, k, v = q.view(num_tokens, nk, dk), k.view(num_tokens, nk, dk), v.view(num_tokens, nv, dv)
         core = mixed.new_empty(num_tokens, nv, dv)
         if single:
-            core[rows], new = gated_delta_decode(q[rows], k[rows], v[rows], g[rows], beta[rows], rec_in[idx])
-            rec_new[idx] = new
+            core[rows] = gated_delta_step(q[rows], k[rows], v[rows], a[rows], b[rows], self.A_log, self.dt_bias,
+                                          state.recurrent_buffer, single_slots)
         if multi:  # every longer segment in one call (one launch on a GPU), each from its request's state
-            seg = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in multi]).to(mixed.device)
-            many = torch.tensor(multi, dtype=torch.int64, device=mixed.device)
-            core[seg], rec_new[many] = gated_delta_prefill(q[seg], k[seg], v[seg], g[seg], beta[seg], rec_in[many],
-                                                           [lens[i] for i in multi])
-        state.store(conv_new, rec_new.to(rec_in.dtype))
+            g, beta = gated_delta_gates(a, b, self.A_log, self.dt_bias)
+            seg = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in multi]).to(dev)
+            core[seg], rec_new = gated_delta_prefill(q[seg], k[seg], v[seg], g[seg], beta[seg],
+                                                     state.recurrent_buffer[multi_slots], [lens[i] for i in multi])
+            state.recurrent_buffer[multi_slots] = rec_new.to(state.recurrent_buffer.dtype)
         return core

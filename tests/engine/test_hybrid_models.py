@@ -182,12 +182,13 @@ def test_steps_continue_the_states(arch, hybrid_dirs, models):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_batch_equals_each_sequence_alone(arch, hybrid_dirs, models):
-    """Two sequences share steps: prefill [5, 9], then both decode (one batched recurrent step), then [3, 1]."""
+    """Two sequences share steps: prefill [5, 9], then both decode (one batched recurrent step), then [3, 1] (a
+    mixed step: one segment, one decode row), then both decode again from the states the mixed step left."""
     model, config = models[arch]
-    a, b = input_ids(3, 9), input_ids(4, 11)
+    a, b = input_ids(3, 10), input_ids(4, 12)
     alone = {0: hf_logits(hybrid_dirs[arch], a), 1: hf_logits(hybrid_dirs[arch], b)}
     runner, done = StepRunner(config), {0: 0, 1: 0}
-    for lens in ([5, 9], [1, 1], [3, 1]):
+    for lens in ([5, 9], [1, 1], [3, 1], [1, 1]):
         chunks = [seq[done[i]:done[i] + n] for i, (seq, n) in enumerate(zip((a, b), lens))]
         logits = run_step(model, runner, chunks, [done[0], done[1]], [0, 1])
         for i, n in enumerate(lens):
