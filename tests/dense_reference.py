@@ -51,16 +51,16 @@ class RecordingRunner:
 
 class FreshLinearState:
     """A hybrid model's linear-attention state for one sequence computed from its first token: zeros before the
-    pass; what the layer stores after it is dropped (the next pass starts from scratch again)."""
+    pass, in buffers of their own at slot 0; what the layer writes there is dropped with them (the next pass
+    starts from scratch again)."""
 
     def __init__(self, model, num_tokens: int):
         linear, param = model.config.linear, next(model.parameters())
         self.query_lens = [num_tokens]
-        self.conv = torch.zeros(1, *linear.conv_state_shape, dtype=param.dtype)
-        self.recurrent = torch.zeros(1, *linear.recurrent_state_shape, dtype=getattr(torch, linear.recurrent_dtype))
-
-    def store(self, conv, recurrent) -> None:
-        pass
+        self.slots = torch.zeros(1, dtype=torch.int64)
+        self.conv_buffer = torch.zeros(1, *linear.conv_state_shape, dtype=param.dtype)
+        self.recurrent_buffer = torch.zeros(1, *linear.recurrent_state_shape,
+                                            dtype=getattr(torch, linear.recurrent_dtype))
 
 
 def from_scratch(runner, model, num_tokens: int):

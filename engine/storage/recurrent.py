@@ -70,28 +70,14 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 
 class LinearState:
-    """What a linear-attention layer reads and writes in one step (``LayerRunner.linear_state``): each request's
-    states before the step, in batch order, and ``store`` for the states after it."""
+    """What a linear-attention layer reads and writes in one step (``LayerRunner.linear_state``): the layer's slot
+    buffers and, in batch order, each request's slot in them; the layer reads a request's states at its slot and
+    writes the states after the step over them."""
 
     def __init__(self, storage: HybridKV, layer: int, slots: torch.Tensor, query_lens: list[int]):
-        self.storage, self.layer, self.slots, self.query_lens = storage, layer, slots, query_lens
-        # the layer's slot buffers, for steps that read and write the states in place at ``slots``
+        self.layer, self.slots, self.query_lens = layer, slots, query_lens
         self.conv_buffer = storage.conv[layer]  # [slots, conv_dim, kernel - 1]
         self.recurrent_buffer = storage.recurrent[layer]  # [slots, heads, k_dim, v_dim]
-
-    @property
-    def conv(self) -> torch.Tensor:
-        """[B, conv_dim, kernel - 1]: the batch's conv states (a copy)."""
-        return self.conv_buffer[self.slots]
-
-    @property
-    def recurrent(self) -> torch.Tensor:
-        """[B, heads, k_dim, v_dim]: the batch's recurrent states (a copy)."""
-        return self.recurrent_buffer[self.slots]
-
-    def store(self, conv: torch.Tensor, recurrent: torch.Tensor) -> None:
-        self.storage.conv[self.layer][self.slots] = conv.to(self.storage.conv.dtype)
-        self.storage.recurrent[self.layer][self.slots] = recurrent.to(self.storage.recurrent.dtype)
 
 
 @dataclass(slots=True)

@@ -79,8 +79,8 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> No
 
 
 class _State:
-    """The engine's LinearState over buffers holding this step's sequences' states at slots 0, 1, ...: a decode
-    step updates them in place, a mixed step through ``store``; ``sync`` hands them back to the runner."""
+    """The engine's LinearState over buffers holding this step's sequences' states at slots 0, 1, ... (the layer
+    updates them in place); ``sync`` hands them back to the runner."""
 
     def __init__(self, runner, layer, seqs, lens):
         self.runner, self.layer, self.seqs, self.query_lens = runner, layer, seqs, lens
@@ -88,12 +88,6 @@ class _State:
         self.conv_buffer = torch.stack([c for c, _ in states])
         self.recurrent_buffer = torch.stack([r for _, r in states])
         self.slots = torch.arange(len(seqs))
-        self.conv, self.recurrent = self.conv_buffer.clone(), self.recurrent_buffer.clone()
-
-    def store(self, conv, recurrent):
-        assert conv.shape == self.conv.shape and conv.dtype == self.conv.dtype
-        assert recurrent.shape == self.recurrent.shape and recurrent.dtype == torch.float32
-        self.conv_buffer[self.slots], self.recurrent_buffer[self.slots] = conv, recurrent
 
     def sync(self):
         for i, seq in enumerate(self.seqs):
