@@ -46,14 +46,19 @@ def _turn(engine: LLMEngine, chain_id: str, prompt: list[int]):
     """(seconds from add_request to the finished one-token turn, its output)."""
     _sync(engine.device)
     start = time.perf_counter()
-    rid = engine.add_request(prompt, ONE_TOKEN, chain_id=chain_id)
+    final = run_to_end(engine, engine.add_request(prompt, ONE_TOKEN, chain_id=chain_id))
+    _sync(engine.device)
+    return time.perf_counter() - start, final
+
+
+def run_to_end(engine: LLMEngine, request_id: str):
+    """Step ``engine`` until nothing is left; the final output of ``request_id``."""
     final = None
     while engine.has_unfinished():
         for out in engine.step():
-            if out.request_id == rid and out.finished:
+            if out.request_id == request_id and out.finished:
                 final = out
-    _sync(engine.device)
-    return time.perf_counter() - start, final
+    return final
 
 
 def _drop_page_cache() -> bool:

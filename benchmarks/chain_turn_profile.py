@@ -8,7 +8,7 @@ the prompt's end), then its next turn appends ``--new-tokens`` and runs under to
 token: the chain's retained KV resumes, the turn recomputes SnapKV's observation window, prefills its new tokens
 in chunks of ``--max-num-batched-tokens`` (mixed with nothing else), votes with the window's queries over every
 slot each layer holds and compacts back to the budget. Reported (one turn; ``--repeats`` turns on fresh chains,
-medians): the turn's wall time, and the device time (on a CPU: host time) under SnapKV's named ranges
+medians): the turn's wall time, and the GPU kernels' time (on a CPU: host time) under SnapKV's named ranges
 ``snapkv.vote`` and ``snapkv.compact`` (``policies/snapkv.py``), in attention kernels (prefill / paged attention
 by name) and in everything else.
 """
@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.chain_resume import run_to_end
 from benchmarks.throughput import write_shape_dir
 from engine import SamplingParams
 from engine.config import EngineConfig
@@ -36,9 +37,9 @@ RANGES = ("snapkv.vote", "snapkv.compact")
 ATTENTION = re.compile(r"prefill|attention|attn|fmha|flash", re.IGNORECASE)
 
 
-def _device_time(event, on_gpu: bool) -> float:
-    """Microseconds of ``event`` on the device (its kernels, for a range: those launched inside it), or on a CPU
-    its host time."""
+def _kernel_time(event, on_gpu: bool) -> float:
+    """Microseconds of ``event``'s GPU kernels (for a range: those launched inside it), or on a CPU its host
+    time."""
     return event.device_time_total if on_gpu else event.cpu_time_total
 
 
@@ -55,12 +56,7 @@ def one_turn(engine: LLMEngine, args, seed: int, on_gpu: bool) -> dict:
     chain = f"c{seed}"
     first = [rng.randrange(3, vocab) for _ in range(args.history)]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    rid = engine.add_request(first, params, chain_id=chain)
-    out = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.request_id == rid and o.finished:
-                out = o
+    out = run_to_end(engine, engine.add_request(first, params, chain_id=chain))
     prompt = first + out.token_ids + [rng.randrange(3, vocab) for _ in range(args.new_tokens)]
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     sync()
@@ -79,7 +75,7 @@ def one_turn(engine: LLMEngine, args, seed: int, on_gpu: bool) -> dict:
     attention = other = 0.0
     for e in events:
         if e.key in ranges:
-            ranges[e.key] += _device_time(e, on_gpu)
+            ranges[e.key] += _kernel_time(e, on_gpu)
         elif on_gpu and e.device_type == torch.autograd.DeviceType.CUDA:
             if ATTENTION.search(e.key):
                 attention += e.self_device_time_total
@@ -112,10 +108,10 @@ def main(argv: list[str] | None = None) -> dict:
         on_gpu = engine.device.type == "cuda"
         turns = [one_turn(engine, args, seed, on_gpu) for seed in range(args.repeats)]
     result = {"shape": args.shape, "history": args.history, "new_tokens": args.new_tokens, "budget": args.budget,
-              "window": args.window, "device_time": "device" if on_gpu else "host (no GPU)", "turns": turns,
+              "window": args.window, "timed_on": "GPU kernel" if on_gpu else "host (no GPU)", "turns": turns,
               **{k: statistics.median(t[k] for t in turns)
                  for k in ("wall_ms", "vote_ms", "compact_ms", "attention_ms", "other_ms")}}
-    print(f"turn wall {result['wall_ms']:.1f} ms; {result['device_time']} time: prefill attention "
+    print(f"turn wall {result['wall_ms']:.1f} ms; {result['timed_on']} time: prefill attention "
           f"{result['attention_ms']:.1f} ms, vote {result['vote_ms']:.1f} ms, "
           f"compaction {result['compact_ms']:.1f} ms, other {result['other_ms']:.1f} ms (medians of {args.repeats})")
     if args.json:

@@ -201,7 +201,7 @@ for step in "$@"; do
         # windows of 8 decode steps, overlapped (the default on a GPU): what idle time is left between them
         run profile_dense8w 150 python benchmarks/profile_decode.py --shape llama-3.1-8b --batch 8 --context 4096 \
             --steps 8 --decode-steps 8 --json "$OUT/profile_dense8w.json" ;;
-    profilenew)  # device time per kernel of the hybrid and MLA decode steps and of MLA decode at 128K (their
+    profilenew)  # GPU time per kernel of the hybrid and MLA decode steps and of MLA decode at 128K (their
         # fractions of the copy rate: docs/benchmarks.md)
         run profile_hybrid8 200 python benchmarks/profile_decode.py --shape qwen3.6-27b --batch 8 --context 4096 \
             --steps 8 --json "$OUT/profile_hybrid8.json"

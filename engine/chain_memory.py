@@ -76,8 +76,9 @@ class ChainMemory:
         return True
 
     def room_for(self, pages: int) -> bool:
-        """Whether ``pages`` pages are free, after reclaiming idle chains for them."""
-        self.reclaim(pages)
+        """Whether ``pages`` pages are free, after reclaiming idle chains for them if they are not."""
+        if not self.cache.pool.can_allocate(pages):
+            self.reclaim(pages)
         return self.cache.pool.can_allocate(pages)
 
     def drop_offloaded(self, state: ChainState) -> None:

@@ -4,11 +4,15 @@
 def run_chain_turn(engine, chain_id, prompt, params, **options):
     """Queue ``prompt`` as a turn of ``chain_id`` (``options``: add_request's, e.g. a per-request method) and step
     until it finishes; returns its final output."""
-    rid = engine.add_request(prompt, params, chain_id=chain_id, **options)
+    return finish(engine, engine.add_request(prompt, params, chain_id=chain_id, **options))
+
+
+def finish(engine, request_id):
+    """Step until nothing is left; the final output of ``request_id``."""
     final = None
     while engine.has_unfinished():
         for o in engine.step():
-            if o.request_id == rid and o.finished:
+            if o.request_id == request_id and o.finished:
                 final = o
     return final
 

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from tests.chain_helpers import random_tokens, run_chain_turn
+from tests.chain_helpers import finish, random_tokens, run_chain_turn
 
 PAGE = 4
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True)
@@ -34,15 +34,6 @@ def setup(tiny_dirs):
     prompt = first + out.token_ids + random_tokens(rng, 10)
     other = random_tokens(rng, 120)  # a stateless request that needs 31 of the 40 pages
     return eng, ref, prompt, other
-
-
-def finish(eng, rid):
-    final = None
-    while eng.has_unfinished():
-        for o in eng.step():
-            if o.request_id == rid and o.finished:
-                final = o
-    return final
 
 
 def check_equal(out, ref):
