@@ -30,6 +30,7 @@ import torch
 if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run: Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from benchmarks.roofline import copy_bandwidth  # noqa: E402
 from benchmarks.sweep_helpers import max_rel, save_rows, timed  # noqa: E402
 
 QWEN3_6_27B = dict(key_heads=16, value_heads=48, head_dim=128, conv_kernel=4)
@@ -80,12 +81,6 @@ def gathered(layer: dict) -> torch.Tensor:
     return out
 
 
-def copy_rate(device) -> float:
-    x = torch.empty(2**31 if device.type == "cuda" else 2**20, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    return 2 * x.numel() / timed(lambda: y.copy_(x), on_gpu=device.type == "cuda", graph=False)
-
-
 def run_case(batch: int, dims: dict, device, on_gpu: bool, rate: float) -> dict:
     base = make_layer(batch, **dims, device=device)
     a, b = ({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in base.items()} for _ in range(2))
@@ -121,7 +116,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     on_gpu = device.type == "cuda" and not args.tiny
     dims = TINY if args.tiny else QWEN3_6_27B
     batches = [2] if args.tiny else [int(b) for b in args.batches.split(",")]
-    rate = copy_rate(device)
+    rate = copy_bandwidth(device) if on_gpu else float("nan")  # the smoke run has no roofline
     rows = []
     print(f"{'batch':>5} {'in place ms':>12} {'gathered ms':>12} {'ratio':>6} {'out rel':>8} {'state rel':>9}")
     for batch in batches:

@@ -25,6 +25,7 @@ import torch
 if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run: Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from benchmarks.roofline import copy_bandwidth  # noqa: E402
 from benchmarks.sweep_helpers import grid, max_rel, save_rows, timed  # noqa: E402
 
 PAGE = 16
@@ -42,13 +43,6 @@ def make_case(batch: int, context: int, heads: int, rank: int, rope: int, device
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, heads, rank + rope, generator=gen).to(device, torch.bfloat16)
     return q, latent, tables, lens
-
-
-def copy_rate(device) -> float:
-    """Bytes per second of a device-to-device copy (read + write), measured now."""
-    x = torch.empty(2**31 if device.type == "cuda" else 2**20, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    return 2 * x.numel() / timed(lambda: y.copy_(x), on_gpu=device.type == "cuda", graph=False)
 
 
 def flashinfer_mla(q, latent, tables, lens, rank: int, scale: float):
@@ -125,9 +119,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rank, rope, heads = (32, 16, 4) if args.tiny else (512, 64, args.heads)
     cases = [(2, 40)] if args.tiny else [tuple(map(int, c.split("@"))) for c in args.cases.split(",")]
     space, splits = (TINY_GRID, [1, 2]) if args.tiny else (GRID, SPLITS)
-    rate = copy_rate(device)
+    rate = copy_bandwidth(device) if on_gpu else float("nan")  # the smoke run has no roofline
     rows = []
-    print(f"copy rate {rate / 1e9:.0f} GB/s")
+    print(f"copy rate {rate / 1e9:.0f} GB/s" if on_gpu else "copy rate: none (CPU smoke run)")
     for batch, context in cases:
         row = run_case(batch, context, heads, rank, rope, space, splits, device, on_gpu, rate)
         row["copy_bytes_per_s"] = rate
