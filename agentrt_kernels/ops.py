@@ -50,13 +50,14 @@ def _kernels(module: str | None = None) -> ModuleType:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    zero_centered: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x's last dim -> out; with ``residual`` (the fused add + norm): (norm(x + residual),
-    x + residual)."""
+    x + residual). ``zero_centered``: scale by ``1 + weight`` in fp32 before the cast (Qwen3-Next's norm)."""
     if uses_triton(x):
-        return _kernels().rms_norm(x, weight, eps, residual)
-    return _norm_ref.rms_norm(x, weight, eps, residual)
+        return _kernels().rms_norm(x, weight, eps, residual, zero_centered=zero_centered)
+    return _norm_ref.rms_norm(x, weight, eps, residual, zero_centered)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

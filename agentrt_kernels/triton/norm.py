@@ -10,7 +10,7 @@
 Math, per row: s = x (or x + residual, rounded to x.dtype exactly like the torch add, and returned as the
 new residual); h = s * rsqrt(mean(s^2) + eps) in fp32; out = weight * h.to(x.dtype), the product taken in
 fp32 and rounded once to promote(weight.dtype, x.dtype), which is what torch's mixed/low-precision
-multiply does. One read of x (and residual), one write of out (and residual). A program normalises
+multiply does. ``zero_centered`` (Qwen3-Next's norm): out = (h * (1 + weight)) in fp32, rounded once to x.dtype. One read of x (and residual), one write of out (and residual). A program normalises
 BLOCK_R rows of BLOCK_H = next_pow2(H) columns (several short rows per program for head-dim norms).
 ``residual_out=residual`` updates the residual in place (each row is read before it is written).
 """
@@ -30,6 +30,7 @@ def _rms_norm_kernel(
     n_rows, n_inner, stride_x0, stride_x1, stride_r0, stride_r1, stride_o, stride_ro,
     eps,
     H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    ZERO_CENTERED: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
@@ -47,8 +48,11 @@ def _rms_norm_kernel(
         s = s_x.to(tl.float32)
     var = tl.sum(s * s, 1) / H
     h = s * tl.rsqrt(var + eps)[:, None]
-    h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    if ZERO_CENTERED:
+        w = w + 1.0
+    else:
+        h = h.to(x_ptr.dtype.element_ty).to(tl.float32)
     out = (h * w[None, :]).to(o_ptr.dtype.element_ty)
     tl.store(o_ptr + (rows64 * stride_o)[:, None] + cols[None, :], out, mask=mask)
 
@@ -72,6 +76,7 @@ def rms_norm(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    zero_centered: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x's last dim (with residual: of x + residual) -> out [or (out, x + residual)]."""
     hidden = x.shape[-1]
@@ -80,7 +85,7 @@ def rms_norm(
         x = x.reshape(-1, x.shape[-2], hidden)
     check_last_dim_contiguous("x", x)
     n_rows, n_inner, sx0, sx1 = _as_rows(x)
-    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    out_dtype = x.dtype if zero_centered else torch.promote_types(weight.dtype, x.dtype)
     if out is None:
         out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     assert out.is_contiguous() and out.shape == x.shape, "out must be contiguous and shaped like x"
@@ -107,6 +112,6 @@ def rms_norm(
         n_rows, n_inner, sx0, sx1, sr0, sr1, hidden, hidden,
         eps,
         H=hidden, BLOCK_H=block_h, BLOCK_R=block_r, HAS_RESIDUAL=has_res,
-        num_warps=num_warps,
+        ZERO_CENTERED=zero_centered, num_warps=num_warps,
     )
     return (out, residual_out) if has_res else out

@@ -29,6 +29,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from agentrt_kernels import ops
 from engine.errors import CheckpointError
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM
@@ -72,16 +73,9 @@ class ZeroCenteredRMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """norm(x), or with ``residual``: (norm(x + residual), x + residual), like ``layers.RMSNorm``."""
-        if residual is not None:
-            residual = x + residual
-            return self._norm(residual), residual
-        return self._norm(x)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).to(x.dtype)
+        """norm(x), or with ``residual``: (norm(x + residual), x + residual), like ``layers.RMSNorm``; one fused
+        kernel on a GPU."""
+        return ops.rms_norm(x, self.weight, self.eps, residual, zero_centered=True)
 
 
 class GatedAttention(nn.Module):

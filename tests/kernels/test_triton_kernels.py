@@ -374,6 +374,39 @@ def test_rms_norm_fp32_weight_promotes():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_centered_rms_norm_is_transformers_qwen3_next_norm(dtype):
+    """The fused kernel's Qwen3-Next mode against transformers' own module: plain, after the residual add, and
+    per head over a strided q view (the hybrids' q/k norms)."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+
+    _seed("rms-zero", dtype)
+    eps = 1e-6
+
+    def hf(x, w):
+        norm = Qwen3NextRMSNorm(x.shape[-1], eps).to(DEVICE, dtype)
+        norm.weight.data = w
+        return norm(x)
+
+    x, res = _randn(6, 96, dtype=dtype), _randn(6, 96, dtype=dtype)
+    w = (0.1 * _randn(96)).to(dtype)  # the weight is stored around zero: the scale is 1 + w
+    got = rms_norm(x, w, eps, zero_centered=True)
+    assert got.dtype == dtype
+    _close(got, hf(x, w), _bf16_ulp_tol(dtype))
+    out, new_res = rms_norm(x, w, eps, res, zero_centered=True)
+    _close(new_res, x + res, (0, 0) if dtype != torch.bfloat16 else _bf16_ulp_tol(dtype))
+    _close(out, hf(x + res, w), _bf16_ulp_tol(dtype))
+    qkv = _randn(5, 4 * 64 + 2 * 64, dtype=dtype)
+    q = qkv[:, :4 * 64].view(5, 4, 64)
+    wq = (0.1 * _randn(64)).to(dtype)
+    _close(rms_norm(q, wq, eps, zero_centered=True), hf(q, wq), _bf16_ulp_tol(dtype))
+    # the engine's layer takes this path on every device
+    from engine.models.gated_deltanet import ZeroCenteredRMSNorm
+    layer = ZeroCenteredRMSNorm(96, eps).to(DEVICE, dtype)
+    layer.weight.data = w
+    _close(layer(x), hf(x, w), _bf16_ulp_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul(dtype):
     _seed("silu", dtype)
     x = 3 * _randn(7, 2 * 80, dtype=dtype)
