@@ -26,10 +26,9 @@ latent rows hit L2. The split's token range is derived on the device from kv_len
 empty partial. Partials are (acc / l, log2-sum-exp) in fp32, laid out as ``decode_attention.split_partials``.
 
 Tiles (``default_block_h``, ``_launch_defaults``): 16, 32 or 64 heads a program (the fewest that hold Hq);
-for Dv >= 256, 32 / 16 / 16 latent rows a step and 8 warps, chosen from ptxas' register, spill and
-shared-memory figures on sm_90a (cp.async-pipelined loads, no spills in the main loop, two programs a SM for
-16 and 32 heads, the one-split variant under a 128-register cap); small widths (tests) take 64 rows and 4
-warps. Every knob can be overridden per call. These defaults are not yet timed on a GPU.
+for Dv >= 256 the launch the GPU sweep (``benchmarks.mla_decode_sweep``) found fastest among those that
+compile without spills on sm_90a (cp.async-pipelined loads); small widths (tests) take 64 rows and 4 warps.
+Every knob can be overridden per call.
 
 Kernel 2, grid (B, Hq): merges the num_splits partials with max-rescaling, one split row [Dv] at a time (no
 [splits, Dv] tile, so Dv = 512 with 64 splits stays in registers). With num_splits == 1 kernel 1 normalises and
@@ -193,24 +192,29 @@ def default_block_h(num_heads: int) -> int:
     return 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64
 
 
-def _launch_defaults(block_h: int, block_dv: int, dtype: torch.dtype) -> tuple[int, int, int, int | None]:
-    """(BLOCK_N, num_warps, num_stages, maxnreg for the one-split variant) for a head tile. For latent widths of
-    256 and more (MLA's 512 + 64), bf16 / fp16 tiles as ptxas (Triton 3.6, sm_90a;
-    ``benchmarks.kernel_resources.compile_sm90``) compiles them, the latent loads pipelined through shared memory
-    (cp.async): 16 heads x 32 rows and 32 x 16, 8 warps, 56 KB of shared memory, 110-128 registers with splits:
-    two programs resident per SM. The one-split variant, which converts and stores the output itself, takes
-    123-169 registers (one program a SM) unless capped at 128, which spills at most ~20 bytes, outside the main
-    loop (the cap on the split variant spills inside it, so it gets none). 64 x 16, 8 warps, three stages
-    (wgmma): ~215 registers, 128 KB, one program a SM with a tile in flight while the other is used. fp32 latents
-    take 16 x 16 (110 registers; fp32 dots run on the FMA units). Chosen from those figures, not yet timed on a
-    GPU."""
+def _launch_defaults(
+    block_h: int, block_dv: int, dtype: torch.dtype, coded: bool = False,
+) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) for a head tile. For latent widths of
+    256 and more (MLA's 512 + 64), bf16 / fp16 rows: the fastest launches of ``benchmarks.mla_decode_sweep`` at
+    GLM-4.7-Flash's 20 heads (bs8 and bs32 at 4K, bs8 at 32K; docs/benchmarks.md) among those ptxas (Triton 3.6,
+    sm_90a; ``benchmarks.kernel_resources.compile_sm90``) compiles without spills: 16 heads x 32 rows on 4 warps
+    (~210 registers, two programs a SM), 32 x 64 on 8 warps (~215 registers, 112 KB of shared memory, one program
+    a SM; 32 x 16 on 8 warps, two a SM, took twice as long), the latent loads pipelined through shared memory
+    (cp.async). 64 x 16, 8 warps, three stages (wgmma): ~215 registers, 128 KB, one program a SM. fp32 latents take
+    16 x 16 (110 registers; fp32 dots run on the FMA units). ``coded`` (E4M3 rows converted in registers): 16 x 32
+    and 32 x 16 on 8 warps (the wider tiles spill there)."""
     if block_dv < 256:
-        return 64, 4, 2, None
+        return 64, 4, 2
     if dtype == torch.float32:
-        return 16, 8, 2, None
-    if block_h <= 32:
-        return (32 if block_h == 16 else 16), 8, 2, 128
-    return 16, 8, 3, None
+        return 16, 8, 2
+    if coded and block_h <= 32:
+        return (32 if block_h == 16 else 16), 8, 2
+    if block_h == 16:
+        return 32, 4, 2
+    if block_h == 32:
+        return 64, 8, 2
+    return 16, 8, 3
 
 
 def mla_num_splits(batch: int, head_tiles: int, max_kv_len: int, sm_count: int = 132) -> int:
@@ -281,9 +285,7 @@ def mla_paged_decode(
     head_tiles = -(-num_heads // block_h)
     block_dv = next_pow2(dv)
     block_dr = max(16, next_pow2(dk - dv))
-    default_n, default_warps, default_stages, maxnreg = _launch_defaults(block_h, block_dv, q.dtype)
-    if (block_n, num_warps, num_stages) != (None, None, None) or row_scales is not None:
-        maxnreg = None  # the register cap belongs to the default uncoded tile (the coded one spills under it)
+    default_n, default_warps, default_stages = _launch_defaults(block_h, block_dv, q.dtype, row_scales is not None)
     block_n = block_n or default_n
     num_warps = num_warps or default_warps
     num_stages = num_stages or default_stages
@@ -291,7 +293,6 @@ def mla_paged_decode(
     if num_splits is None:
         num_splits = mla_num_splits(batch, head_tiles, max_kv_len, num_sms(q.device))
     num_splits, mid_o, mid_lse = split_partials(out, 1, max_kv_len, num_splits)
-    launch = {"maxnreg": maxnreg} if maxnreg and num_splits == 1 else {}
     upcast, precision = dot_args(_mla_split_kernel, q.dtype)
     _mla_split_kernel[(head_tiles, num_splits, batch)](
         q, latent, block_tables, kv_lens, out, mid_o, mid_lse, sv, sr,
@@ -304,7 +305,7 @@ def mla_paged_decode(
         BLOCK_H=block_h, DV=dv, BLOCK_DV=block_dv, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
         UPCAST=upcast, PRECISION=precision, CODED=row_scales is not None,
-        num_warps=num_warps, num_stages=num_stages, **launch,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _mla_combine_kernel[(batch, num_heads)](
