@@ -268,8 +268,9 @@ def window_votes(q: torch.Tensor, k_cache: torch.Tensor, pages: torch.Tensor, n:
     block_tables = pages[None].to(torch.int32)
     if uses_triton(q) if use_triton is None else use_triton:
         kernels = _kernels("received_attention")
-        kv_lens = torch.tensor([n], dtype=torch.int32, device=q.device)
-        qsl = torch.tensor([0, w], dtype=torch.int32, device=q.device)
+        # built without a host sync (a blocking copy to the device would wait for the GPU's queue once per layer)
+        kv_lens = torch.full((1,), n, dtype=torch.int32, device=q.device)
+        qsl = torch.tensor([0, w], dtype=torch.int32).to(q.device, non_blocking=True)
         lse = kernels.paged_lse(q, k_cache, block_tables, kv_lens, qsl, scale, n, w)
         return kernels.received_attention(q, k_cache, block_tables, kv_lens, qsl, lse, scale, n, w)[0]
     return _received_ref.received_attention(q, k_cache, block_tables, [n], [w], scale)[0]

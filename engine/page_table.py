@@ -81,7 +81,9 @@ def physical_slots(pages: list[int], start: int, n: int, page_size: int, device:
     first = start // ps
     rows = np.asarray(pages[first:(start + n - 1) // ps + 1], dtype=np.int64)
     slots = (rows[:, None] * ps + np.arange(ps, dtype=np.int64)).ravel()[start - first * ps:][:n]
-    return torch.from_numpy(slots).to(device)
+    # non-blocking: a blocking copy from pageable memory waits for the GPU's queue to drain first (the source is
+    # staged by the driver before the call returns, so it may be freed at once)
+    return torch.from_numpy(slots).to(device, non_blocking=True)
 
 
 def extend_slot_list(pages: list[int], start: int, n: int, page_size: int, out: list[int]) -> None:
