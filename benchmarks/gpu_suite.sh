@@ -36,7 +36,7 @@
 #   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
 #   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid, fla-core) decode at bs8 @ 4K
 #   hybridsnap128k  SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, largest batches, decode only
-#   gputests   the GPU cases of the host-copy and MLA decode kernel tests alone
+#   gputests   the GPU cases added since the last `tests` run: expanded MLA prefill, MLA decode, RMSNorm modes
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
 #   profilesteps  whole decode steps under torch.profiler (MoE bs8@4K, dense bs1@4K): device busy / idle
@@ -114,7 +114,8 @@ for step in "$@"; do
             tests/kernels/test_decode_linear.py tests/engine/test_fused_decode_linears.py tests/engine/test_overlap_decode.py \
             tests/kernels/test_mla_decode_kernel.py tests/kernels/test_mla_prefill_kernel.py tests/kernels/test_mla_backend.py \
             tests/kernels/test_fla_gated_delta.py tests/kernels/test_latent_width_kernels.py tests/engine/test_host_copies.py \
-            tests/kernels/test_gated_delta_step.py tests/kernels/test_gated_norm.py ;;
+            tests/kernels/test_gated_delta_step.py tests/kernels/test_gated_norm.py \
+            tests/engine/test_mla_expanded_prefill.py ;;
     fused)  # the fused paths against the torch code they replace (KIVI encode, SnapKV vote, probe, RoPE+store)
         run fused 150 python -m benchmarks.fused_paths --json "$OUT/fused.json" ;;
     kernels)
@@ -267,9 +268,10 @@ for step in "$@"; do
             --num-pages "${PAGES:-6000}" --think-scale 1 --max-num-batched-tokens 8192 \
             --configs "${CONFIGS:-dense-prefix,snapkv-chain-tiers,dense-chain-tiers}" \
             --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
-    gputests)  # the GPU cases added since the last `tests` run: host copies on a side stream, fp8 latent decode
+    gputests)  # the GPU cases added since the last `tests` run: expanded MLA prefill, the MLA decode launch, RMSNorm
         run gputests 200 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \
-            tests/engine/test_host_copies.py tests/kernels/test_mla_decode_kernel.py ;;
+            tests/engine/test_mla_expanded_prefill.py tests/kernels/test_mla_prefill_bench.py \
+            tests/kernels/test_mla_decode_kernel.py tests/kernels/test_triton_kernels.py ;;
     deltadecode)  # one DeltaNet layer's decode step: the in-place kernels against gather + fla's recurrent + store
         run deltadecode 200 python -m benchmarks.gated_delta_decode --json "$OUT/deltadecode.json" ;;
     chainturn)  # a SnapKV chain turn (16K history compacted to 4096, 2048 new tokens) split into prefill attention,

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from engine.errors import ConfigError
+from engine.latent_expansion import MLA_PREFILL_MODES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOAD_FORMATS = ("safetensors", "dummy")
@@ -61,6 +62,9 @@ class EngineConfig:
     # (host memory, least recently used dropped) for this many prefixes, so a request sharing a prefix resumes at
     # its last kept boundary; 0: no prefix caching for hybrid models (their state exists only at a table's end)
     prefix_checkpoints: int = 32
+    # latent (MLA) models: prompt chunks over the latent rows absorbed, or over keys and values expanded per head
+    # ("auto": expanded on a GPU for chunks long enough to pay for it; engine.latent_expansion)
+    mla_prefill: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -79,6 +83,8 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        if self.mla_prefill not in MLA_PREFILL_MODES:
+            raise ConfigError(f"mla_prefill must be one of {MLA_PREFILL_MODES}, got {self.mla_prefill!r}")
         if not isinstance(self.chain_host_copies, bool):
             raise ConfigError(f"chain_host_copies must be true or false, got {self.chain_host_copies!r}")
         if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):

@@ -150,6 +150,7 @@ def wire_engine(config: EngineConfig, owner: object, worker=None) -> EngineParts
     # the prefill rate a turn weighs against reading its chain from disk (engine.tier_cost)
     scheduler.step_observers.append(chains.memory.observe_prefill)
     runner = ModelRunner(model, cache, method, backend, mc.head_dim**-0.5, device)
+    runner.mla_prefill = config.mla_prefill
     runner.prober = chains.prober = Prober(
         model, cache, mc.head_dim**-0.5, lambda text: tokenizer.encode(text, add_special_tokens=False), backend)
     reasons = reasons_against_graphs(config, device, backend, method, tp.world_size, model, mc.architecture)

@@ -15,7 +15,9 @@ from engine.attention_backend import TorchReferenceBackend
 from engine.contract.cache import CacheManager
 from engine.contract.method import SparseMethod
 from engine.cuda_graphs import DecodeGraphs
+from engine.contract.view import PagedView
 from engine.forward_batch import ForwardBatch, build_forward_batch, next_decode_step
+from engine.latent_expansion import LatentExpansion, attend_split, requests_to_expand
 from engine.parallel.state import reduce_over_query_heads
 from engine.sampler import SampleOutput, Sampler
 from engine.scheduler import StepPlan
@@ -51,6 +53,7 @@ class ModelRunner:
         self._batch: ForwardBatch | None = None
         self.prober = None  # engine.probe.Prober, handed to methods as ForwardBatch.probe
         self.last_replayed = False  # the last execute replayed decode graphs (every step of a window)
+        self.mla_prefill = "absorbed"  # EngineConfig.mla_prefill: how latent layers run prompt chunks
 
     def capture_decode_graphs(self, max_batch: int, max_pages: int, show_progress: bool = True) -> None:
         self.graphs = DecodeGraphs(self, max_batch, max_pages, self.cache.scratch_page, self.cache.spec.page_size)
@@ -92,9 +95,39 @@ class ModelRunner:
             return self._attend(batch.method, layer_idx, q, batch)
         return torch.cat([self._attend(g.method, layer_idx, q[g.start:g.stop], g.batch) for g in batch.groups])
 
+    def latent_attention(self, layer_idx: int, q: torch.Tensor, row: torch.Tensor, value_dim: int,
+                         expansion: LatentExpansion) -> torch.Tensor:
+        """``attention`` for a latent (MLA) layer -> [T, H, v]: ``q`` the absorbed queries, ``row`` [T, 1, width]
+        the new latent rows (keys; values their first ``value_dim`` channels). Prompt chunks of a plain view may
+        take the expanded form (``engine.latent_expansion``, by ``mla_prefill``); every method hook runs as for
+        ``attention``, with the absorbed queries; ``after_attention`` then sees outputs of v channels."""
+        batch = self._batch
+        for method, part in batch.by_method():
+            method.before_attention(layer_idx, part)
+        self.cache.write(layer_idx, row, row[..., :value_dim], batch.slot_mapping, batch.positions)
+        if batch.groups is not None:
+            return expansion.absorb(self._attend_groups(layer_idx, q))
+        method = batch.method
+        view = method.select(layer_idx, q, batch)
+        k_cache, v_cache = self.cache.layer_kv(layer_idx)
+        plain = (type(view) is PagedView and isinstance(k_cache, torch.Tensor)
+                 and not (method.needs.attention_scores or method.needs.received_attention))
+        expand = requests_to_expand(self.mla_prefill if plain else "absorbed", expansion, view.query_lens_cpu,
+                                    view.kv_lens_cpu, q.is_cuda)
+        if not any(expand):
+            return expansion.absorb(self._run_backend(method, layer_idx, q, batch, view, k_cache, v_cache))
+        out = attend_split(q, view, k_cache, expand, expansion,
+                           lambda rows, sub: self.backend.forward(rows, k_cache, v_cache, sub, self.scale)[0])
+        method.after_attention(layer_idx, batch, out, None)
+        return out
+
     def _attend(self, method: SparseMethod, layer_idx: int, q: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         view = method.select(layer_idx, q, batch)
         k_cache, v_cache = self.cache.layer_kv(layer_idx)
+        return self._run_backend(method, layer_idx, q, batch, view, k_cache, v_cache)
+
+    def _run_backend(self, method: SparseMethod, layer_idx: int, q: torch.Tensor, batch: ForwardBatch,
+                     view: PagedView, k_cache, v_cache) -> torch.Tensor:
         if method.needs.received_attention:
             out, scores = self.backend.forward_received(q, k_cache, v_cache, view, self.scale,
                                                         self.cache.spec.num_kv_heads)

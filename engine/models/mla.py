@@ -13,8 +13,9 @@ reads the latent rows as one KV head. The runner scales logits by ``cache_dim **
 the query's last dim); MLA's softmax scale (``(nope + rope) ** -0.5``, with YaRN's mscale) is folded into the
 query, so scores equal HF's exactly up to rounding.
 
-Prefill takes the same absorbed path (one attention for both phases, and every method sees the same keys);
-docs/methods.md records the trade-off against expanding K/V per chunk. Tensor parallel: each rank holds a
+Prompt chunks may instead attend over keys and values expanded per head (``engine.latent_expansion``, by
+``EngineConfig.mla_prefill``: on a GPU, chunks long enough to pay for the expansion); methods still see the
+absorbed queries and the latent rows. A runner without ``latent_attention`` gets the absorbed form throughout. Tensor parallel: each rank holds a
 slice of the heads (``q_b_proj`` / ``kv_b_proj`` columns, ``o_proj`` rows); the latent projection is replicated.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.latent_expansion import LatentExpansion
 from engine.model_config import ModelConfig
 from engine.models.interface import LayerRunner
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
@@ -87,6 +89,10 @@ class LatentAttention(nn.Module):
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         query = torch.cat([q_latent, q_pe], dim=-1) * self.q_scale
         row = torch.cat([latent, k_pe[:, 0]], dim=-1)[:, None, :]  # [T, 1, cache_dim]
-        out = runner.attention(self.layer_idx, query, row, row[..., : mla.kv_lora_rank])  # [T, H, rank]
-        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, v]
+        expansion = LatentExpansion(q_nope, q_pe, w_uk, w_uv, mla.softmax_scale)
+        latent_attention = getattr(runner, "latent_attention", None)
+        if latent_attention is not None:  # the runner may expand prompt chunks (engine.latent_expansion)
+            out = latent_attention(self.layer_idx, query, row, mla.kv_lora_rank, expansion)  # [T, H, v]
+        else:
+            out = expansion.absorb(runner.attention(self.layer_idx, query, row, row[..., : mla.kv_lora_rank]))
         return self.o_proj(out.reshape(t, h * mla.v_head_dim))

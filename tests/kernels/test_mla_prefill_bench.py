@@ -22,7 +22,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def test_both_paths_equal_the_definition(shape, chunk, context):
     inputs = bench.make_inputs(shape, chunk, context, DEVICE, dtype=torch.float32, seed=chunk)
     want = bench.reference(**inputs)
-    for path in (bench.absorbed, bench.expanded):
+    for path in (bench.absorbed, bench.expanded, bench.engine_expanded):
         got = path(**inputs)
         assert got.shape == want.shape
         torch.testing.assert_close(got.float(), want, atol=1e-4, rtol=1e-4)
