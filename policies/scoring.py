@@ -38,7 +38,8 @@ def request_slots(cache: CacheManager, req: Request, n: int) -> torch.Tensor:
     """[n] int64 flat slot ids (``page * page_size + offset``) of the request's first ``n`` physical slots."""
     ps = cache.page_size
     device = cache.spec.device
-    pages = torch.tensor(cache.table(req).pages[: -(-n // ps)], dtype=torch.int64, device=device)
+    # non-blocking: a blocking copy to the GPU would wait for its queue to drain (once a layer in a vote)
+    pages = torch.tensor(cache.table(req).pages[: -(-n // ps)], dtype=torch.int64).to(device, non_blocking=True)
     idx = torch.arange(n, device=device)
     return pages[idx // ps] * ps + idx % ps
 
@@ -94,7 +95,8 @@ def held_window_scores(cache: CacheManager, req: Request, layer: int, q: torch.T
     group, ps = q.shape[1] // k_pos.shape[0], cache.page_size
     k_cache, _ = cache.layer_kv(layer)
     if isinstance(k_cache, torch.Tensor):
-        pages = cache.table(req).pages_tensor()[: -(-n // ps)].to(q.device)  # the table's cached row
+        # the table's cached row, copied without waiting for the GPU's queue
+        pages = cache.table(req).pages_tensor()[: -(-n // ps)].to(q.device, non_blocking=True)
     else:  # coded: decode the n keys once (cache dtype), padded to whole pages numbered 0, 1, ...
         keys = gather_keys(cache, req, layer, n)
         num_pages = -(-n // ps)
