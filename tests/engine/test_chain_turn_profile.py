@@ -35,4 +35,5 @@ def test_the_split_counts_kernels_not_a_ranges_span_on_the_gpu_timeline():
               E(name="_prefill_attention_kernel", device_type=gpu, device_time_total=30.0),
               E(name="nvjet_gemm", device_type=gpu, device_time_total=100.0)]
     got = split_kernel_time(events, on_gpu=True)
-    assert got == {"vote_ms": 0.05, "compact_ms": 0.0, "attention_ms": 0.03, "other_ms": 0.1}
+    assert got == {"vote_ms": 0.05, "compact_ms": 0.0, "attention_ms": 0.03, "other_ms": 0.1, "vote_host_ms": 0.9,
+                   "compact_host_ms": 0.0}
