@@ -49,10 +49,11 @@ def _range_kernels(event) -> list:
 
 def split_kernel_time(events, on_gpu: bool) -> dict[str, float]:
     """Milliseconds of GPU kernel time (on a CPU: the ranges' host time, no kernels) under SnapKV's two ranges,
-    in attention kernels outside them, and in every other kernel; and the host's time inside each range. A range's kernels are read from its host-side
-    event (those its ops launched, Triton's included: they are linked to the innermost range open at launch), not
-    from ``key_averages``, which folds the range's span on the GPU timeline (gaps where the GPU waits for the host
-    included) into the same name; the totals come from the GPU-side kernel events."""
+    in attention kernels outside them, and in every other kernel; and the host's time inside each range. A
+    range's kernels are read from its host-side event (those its ops launched, Triton's included: they are
+    linked to the innermost range open at launch), not from ``key_averages``, which folds the range's span on
+    the GPU timeline (gaps where the GPU waits for the host included) into the same name; the totals come from
+    the GPU-side kernel events."""
     cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     ranges = {name: 0.0 for name in RANGES}
     host = {name: 0.0 for name in RANGES}
@@ -104,7 +105,8 @@ def one_turn(engine: LLMEngine, args, seed: int, on_gpu: bool) -> dict:
         engine.step()
     info = engine.chain_info(chain)
     split = split_kernel_time(prof.events(), on_gpu)
-    return {"wall_ms": 1e3 * wall, **split, "chain_logical_tokens": info.logical_tokens, "chain_held_slots_max": max(info.physical_tokens)}
+    return {"wall_ms": 1e3 * wall, **split, "chain_logical_tokens": info.logical_tokens,
+            "chain_held_slots_max": max(info.physical_tokens)}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -17,9 +17,9 @@ A chunk of C new tokens (positions L - C .. L - 1) attends causally over the L l
 
 Each path's time includes its projections (absorption or expansion) and its attention; the two outputs are
 checked against each other. A third column times the engine's own expanded path (``engine.latent_expansion``:
-SDPA with a lower-right causal bias, a fused kernel on a GPU). Times are medians of eager launches (``triton.testing.do_bench``), as prefill
-runs. The output table gives both per (C, L) and their ratio; docs/methods.md ("Latent ...") says which the
-engine takes and why.
+SDPA with a lower-right causal bias, a fused kernel on a GPU). Times are medians of eager launches
+(``triton.testing.do_bench``), as prefill runs. The output table gives both per (C, L) and their ratio;
+docs/methods.md ("Latent ...") says which the engine takes and why.
 """
 
 from __future__ import annotations

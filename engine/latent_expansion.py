@@ -6,14 +6,15 @@ A latent layer's attention is exact both ways (``engine/models/mla.py``): absorb
 and the plain queries ``[q_nope, q_pe]`` attend over them. Per (query, key) pair the absorbed form multiplies
 ``2 * kv_lora_rank + rope`` channels, the expanded one ``nope + rope + v`` plus the expansion itself
 (``rows x kv_lora_rank x (nope + v)`` per head), so expanding pays for chunks long enough
-(``crossover_query_len``); on a GPU it measured 1.8-5x faster than the absorbed kernel for 512-8K-token chunks
-over 4K-32K contexts (docs/benchmarks.md). Decode rows stay absorbed (one query cannot pay for a context's
+(``crossover_query_len``); on a GPU, expanded rows through the paged prefill kernel measured 1.8-5x faster than
+the absorbed kernel for 512-8K-token chunks over 4K-32K contexts (``benchmarks.mla_prefill``, which also times
+this module's path; docs/benchmarks.md). Decode rows stay absorbed (one query cannot pay for a context's
 expansion) and so does every step a method reads scores from, or a view that is not the plain paged view.
 
 ``EngineConfig.mla_prefill`` picks: ``absorbed`` (every step as before), ``expanded`` (every prompt chunk of two
 or more tokens expanded), ``auto`` (on a GPU, for shapes flash attention runs (``fused_on_gpu``), chunks of at
-least ``crossover_query_len`` tokens whose expanded context fits ``MAX_EXPANDED_BYTES``; on a CPU absorbed). The expansion is transient (one layer's K / V of one
-request at a time) and bounded by ``MAX_EXPANDED_BYTES`` under ``auto``.
+least ``crossover_query_len`` tokens whose expanded context fits ``MAX_EXPANDED_BYTES``; on a CPU absorbed).
+The expansion is transient: one layer's K / V of one request at a time.
 """
 
 from __future__ import annotations

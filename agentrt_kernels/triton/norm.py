@@ -10,8 +10,9 @@
 Math, per row: s = x (or x + residual, rounded to x.dtype exactly like the torch add, and returned as the
 new residual); h = s * rsqrt(mean(s^2) + eps) in fp32; out = weight * h.to(x.dtype), the product taken in
 fp32 and rounded once to promote(weight.dtype, x.dtype), which is what torch's mixed/low-precision
-multiply does. ``zero_centered`` (Qwen3-Next's norm): out = (h * (1 + weight)) in fp32, rounded once to x.dtype. One read of x (and residual), one write of out (and residual). A program normalises
-BLOCK_R rows of BLOCK_H = next_pow2(H) columns (several short rows per program for head-dim norms).
+multiply does. ``zero_centered`` (Qwen3-Next's norm): out = (h * (1 + weight)) in fp32, rounded once to
+x.dtype. One read of x (and residual), one write of out (and residual). A program normalises BLOCK_R rows
+of BLOCK_H = next_pow2(H) columns (several short rows per program for head-dim norms).
 ``residual_out=residual`` updates the residual in place (each row is read before it is written).
 """
 

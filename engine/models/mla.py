@@ -15,8 +15,9 @@ query, so scores equal HF's exactly up to rounding.
 
 Prompt chunks may instead attend over keys and values expanded per head (``engine.latent_expansion``, by
 ``EngineConfig.mla_prefill``: on a GPU, chunks long enough to pay for the expansion); methods still see the
-absorbed queries and the latent rows. A runner without ``latent_attention`` gets the absorbed form throughout. Tensor parallel: each rank holds a
-slice of the heads (``q_b_proj`` / ``kv_b_proj`` columns, ``o_proj`` rows); the latent projection is replicated.
+absorbed queries and the latent rows. A runner without ``latent_attention`` gets the absorbed form throughout.
+Tensor parallel: each rank holds a slice of the heads (``q_b_proj`` / ``kv_b_proj`` columns, ``o_proj`` rows);
+the latent projection is replicated.
 """
 
 from __future__ import annotations
