@@ -14,8 +14,8 @@ import torch
 from engine.attention_backend import TorchReferenceBackend
 from engine.contract.cache import CacheManager
 from engine.contract.method import SparseMethod
-from engine.cuda_graphs import DecodeGraphs
 from engine.contract.view import PagedView
+from engine.cuda_graphs import DecodeGraphs
 from engine.forward_batch import ForwardBatch, build_forward_batch, next_decode_step
 from engine.latent_expansion import LatentExpansion, attend_split, requests_to_expand
 from engine.parallel.state import reduce_over_query_heads

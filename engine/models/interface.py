@@ -23,6 +23,9 @@ class LayerRunner(Protocol):
     # before RoPE and the model's ``rotary`` module (``rotary(positions, q, k) -> (q, k)``, with ``cos_cache`` /
     # ``sin_cache``), so it can rotate while it stores; it returns what ``attention`` would. A model with per-head
     # q/k norms passes them unapplied as ``qk_norm=(q_norm, k_norm)`` (RMSNorm modules: ``weight`` [D], ``eps``).
+    # Optional too: ``latent_attention(layer_idx, q, row, value_dim, expansion)`` for a latent (MLA) layer, which
+    # returns the per-head output after ``W_UV`` ([T, num_heads, v]) and may run prompt chunks over expanded keys
+    # and values (``engine.latent_expansion.LatentExpansion``); without it the layer calls ``attention`` absorbed.
 
     def end_layer(self, layer_idx: int, hidden: torch.Tensor) -> None:
         """Called after layer ``layer_idx`` with its output hidden states [T, hidden_size].
