@@ -32,6 +32,7 @@
 #   deltadecode  a DeltaNet layer's decode: the in-place kernels against gather + fla's recurrent kernel + store
 #   chainturn  a SnapKV chain turn split into prefill attention, vote and compaction (torch.profiler)
 #   mlasweep   the Triton MLA decode kernel's launch grid and split counts beside flashinfer's MLA wrapper
+#   mlasweepfp8  the same over E4M3 latent rows (which launch the coded tile should default to)
 #   mlaprefill absorbed vs expanded MLA prefill (one layer's attention at GLM-4.7-Flash's shape)
 #   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
 #   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid, fla-core) decode at bs8 @ 4K
@@ -280,6 +281,8 @@ for step in "$@"; do
             --new-tokens 2048 --json "$OUT/chainturn.json" ;;
     mlasweep)  # the Triton MLA decode kernel over launch configurations and split counts, beside flashinfer's MLA
         run mlasweep 400 python -m benchmarks.mla_decode_sweep --json "$OUT/mlasweep.json" ;;
+    mlasweepfp8)  # the same over E4M3 latent rows (kv_storage fp8), beside bf16 rows at their default launch
+        run mlasweepfp8 400 python -m benchmarks.mla_decode_sweep --coded --json "$OUT/mlasweepfp8.json" ;;
     mlaprefill)  # absorbed vs expanded MLA prefill (one layer's attention, GLM-4.7-Flash shape), chunks 512-8K
         run mlaprefill 200 python -m benchmarks.mla_prefill --json "$OUT/mlaprefill.json" ;;
     mlafp8)  # the Triton MLA decode kernel over fp8 latent rows against bf16 rows, GLM-4.7-Flash shape, 4K

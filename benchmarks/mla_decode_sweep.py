@@ -2,6 +2,7 @@
 model's attention shape: what its default launch leaves on the table.
 
     python -m benchmarks.mla_decode_sweep --json mla_decode_sweep.json   # GPU: GLM-4.7-Flash (20 heads)
+    python -m benchmarks.mla_decode_sweep --coded --json coded.json      # the same over E4M3 latent rows
     python -m benchmarks.mla_decode_sweep --tiny                         # anywhere (interpreter): a smoke run
 
 Per case (batch, context): random bf16 latent rows (kv_lora_rank + rope = 576 channels, page size 16 as the
@@ -10,7 +11,8 @@ the kernel's default launch (``mla_paged_decode`` with no overrides), then every
 tile, rows per tile, warps, stages) at the default split count, then the best of them over split counts; each
 output checked against the default's. flashinfer's ``BatchMLAPagedAttentionWrapper`` (planned once, its run timed)
 where installed. Each time is reported with the latent bytes it reads over the copy rate measured in the run (the
-kernel's roofline fraction; the queries and outputs are a few KB).
+kernel's roofline fraction; the queries and outputs are a few KB). ``--coded``: the rows as E4M3 codes with their
+two scales (``kv_storage="fp8"``), the same sweep, beside the bf16 rows at their default launch.
 """
 
 from __future__ import annotations
@@ -64,27 +66,44 @@ def flashinfer_mla(q, latent, tables, lens, rank: int, scale: float):
     return lambda: wrapper.run(q_nope, q_pe, rows[..., :rank], rows[..., rank:])
 
 
+def coded_case(latent: torch.Tensor, rank: int) -> tuple[torch.Tensor, dict]:
+    """The rows as ``kv_storage="fp8"`` stores them on a latent model (E4M3 codes, a latent and a rotary scale per
+    row): (codes, the decode kernel's ``row_scales`` keyword)."""
+    from policies.fp8_kv import E4M3LatentRow
+
+    fields = E4M3LatentRow(rank).encode(latent)
+    return fields["codes"], {"row_scales": (fields["scale"], fields["rope_scale"])}
+
+
 def run_case(batch: int, context: int, heads: int, rank: int, rope: int, space: dict, splits: list[int],
-             device, on_gpu: bool, rate: float) -> dict:
+             device, on_gpu: bool, rate: float, coded: bool = False) -> dict:
     from agentrt_kernels.triton.mla_decode import mla_paged_decode
 
-    q, latent, tables, lens = make_case(batch, context, heads, rank, rope, device)
+    q, rows, tables, lens = make_case(batch, context, heads, rank, rope, device)
     scale = (rank + rope) ** -0.5
-    nbytes = batch * context * (rank + rope) * latent.element_size()
+    latent, kw = coded_case(rows, rank) if coded else (rows, {})
+    # the rows' bytes (codes and their two fp32 scales a row when coded)
+    nbytes = batch * context * ((rank + rope) * latent.element_size() + (8 if coded else 0))
 
     def entry(ms: float) -> dict:
         return {"ms": ms, "fraction_of_copy": nbytes / (ms * 1e-3) / rate}
 
-    ref = mla_paged_decode(q, latent, tables, lens, scale, rank)
-    row = {"batch": batch, "context": context, "heads": heads, "latent_bytes": nbytes,
-           "default": entry(1e3 * timed(lambda: mla_paged_decode(q, latent, tables, lens, scale, rank), on_gpu))}
+    def decode(**launch):
+        return mla_paged_decode(q, latent, tables, lens, scale, rank, **kw, **launch)
+
+    ref = decode()
+    row = {"batch": batch, "context": context, "heads": heads, "coded": coded, "latent_bytes": nbytes,
+           "default": entry(1e3 * timed(decode, on_gpu))}
+    if coded:  # the same rows in bf16 at their default launch, for the ratio the codes buy
+        row["bf16_default"] = {"ms": 1e3 * timed(lambda: mla_paged_decode(q, rows, tables, lens, scale, rank),
+                                                 on_gpu)}
     configs = []
     for cfg in grid(space):
         if cfg["block_h"] > max(16, heads) * 2:  # a head tile more than twice the heads is padding only
             continue
         try:
-            out = mla_paged_decode(q, latent, tables, lens, scale, rank, **cfg)
-            ms = 1e3 * timed(lambda: mla_paged_decode(q, latent, tables, lens, scale, rank, **cfg), on_gpu)
+            out = decode(**cfg)
+            ms = 1e3 * timed(lambda: decode(**cfg), on_gpu)
         except Exception as exc:  # a launch that does not fit (shared memory, registers): recorded, skipped
             configs.append({**cfg, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
             continue
@@ -97,11 +116,10 @@ def run_case(batch: int, context: int, heads: int, rank: int, rope: int, space: 
         row["best"] = best
         row["best_by_splits"] = []
         for s in splits:
-            out = mla_paged_decode(q, latent, tables, lens, scale, rank, num_splits=s, **cfg)
-            ms = 1e3 * timed(lambda: mla_paged_decode(q, latent, tables, lens, scale, rank, num_splits=s, **cfg),
-                             on_gpu)
+            out = decode(num_splits=s, **cfg)
+            ms = 1e3 * timed(lambda: decode(num_splits=s, **cfg), on_gpu)
             row["best_by_splits"].append({"num_splits": s, **entry(ms), "max_rel_vs_default": max_rel(out, ref)})
-    fi = flashinfer_mla(q, latent, tables, lens, rank, scale) if on_gpu else None
+    fi = flashinfer_mla(q, latent, tables, lens, rank, scale) if on_gpu and not coded else None
     if fi is not None:
         row["flashinfer"] = {**entry(1e3 * timed(fi, on_gpu, graph=False)), "max_rel_vs_default": max_rel(fi(), ref)}
     return row
@@ -111,6 +129,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=int, default=20, help="query heads (GLM-4.7-Flash: 20; DeepSeek-V3: 128)")
     ap.add_argument("--cases", default="8@4096,32@4096,8@32768", help="BATCH@CONTEXT,...")
+    ap.add_argument("--coded", action="store_true", help="E4M3 latent rows (kv_storage fp8) instead of bf16")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run through the interpreter)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -123,7 +142,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     print(f"copy rate {rate / 1e9:.0f} GB/s" if on_gpu else "copy rate: none (CPU smoke run)")
     for batch, context in cases:
-        row = run_case(batch, context, heads, rank, rope, space, splits, device, on_gpu, rate)
+        row = run_case(batch, context, heads, rank, rope, space, splits, device, on_gpu, rate, args.coded)
         row["copy_bytes_per_s"] = rate
         rows.append(row)
         save_rows(args.json, rows)
@@ -133,7 +152,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"bs{batch} @ {context}: default {row['default']['ms']:.3f} ms "
               f"({row['default']['fraction_of_copy']:.2f} of copy); best {best.get('ms', nan):.3f} ms "
               f"({best.get('fraction_of_copy', nan):.2f}) {({k: best[k] for k in space} if best else '')}; "
-              f"flashinfer {fi.get('ms', nan):.3f} ms", flush=True)
+              f"flashinfer {fi.get('ms', nan):.3f} ms; bf16 rows {row.get('bf16_default', {}).get('ms', nan):.3f} ms",
+              flush=True)
     if not args.json:
         print(json.dumps(rows))
     return rows

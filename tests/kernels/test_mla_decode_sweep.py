@@ -1,5 +1,6 @@
-"""benchmarks.mla_decode_sweep's smoke run (the interpreter on a CPU): every configuration of its tiny grid and
-split count computes the default launch's output; the best configuration is the fastest one timed."""
+"""benchmarks.mla_decode_sweep's smoke run (the interpreter on a CPU), over bf16 rows and over E4M3 codes: every
+configuration of its tiny grid and split count computes the default launch's output; the best configuration is the
+fastest one timed."""
 
 import os
 
@@ -13,10 +14,12 @@ pytest.importorskip("triton")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU's; on a GPU the suite runs it")
-def test_the_tiny_sweep_agrees_with_the_default_launch():
+@pytest.mark.parametrize("coded", [False, True], ids=["bf16", "e4m3"])
+def test_the_tiny_sweep_agrees_with_the_default_launch(coded):
     from benchmarks import mla_decode_sweep
 
-    (row,) = mla_decode_sweep.main(["--tiny"])
+    (row,) = mla_decode_sweep.main(["--tiny"] + (["--coded"] if coded else []))
+    assert row["coded"] == coded and ("bf16_default" in row) == coded
     timed = [c for c in row["configs"] if "ms" in c]
     assert len(timed) == 2 and all(c["max_rel_vs_default"] < 1e-2 for c in timed)
     assert row["best"]["ms"] == min(c["ms"] for c in timed)
