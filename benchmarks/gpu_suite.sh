@@ -37,7 +37,8 @@
 #   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
 #   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid, fla-core) decode at bs8 @ 4K
 #   hybridsnap128k  SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, largest batches, decode only
-#   gputests   the GPU cases added since the last `tests` run: expanded MLA prefill, MLA decode, RMSNorm modes
+#   gputests   the GPU cases added since the last `tests` run: expanded MLA prefill, MLA decode, RMSNorm modes,
+#              chain loads on a side stream
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
 #   profilesteps  whole decode steps under torch.profiler (MoE bs8@4K, dense bs1@4K): device busy / idle
@@ -263,16 +264,17 @@ for step in "$@"; do
     replaypressure)  # more KV than the pool holds: 12 sessions x 12 turns (~26K tokens each at the end, 311K in
         # all) over a 6000-page pool (96K tokens), with the traces' think times; the tiers' host copy is 64 GiB.
         # Larger loads one configuration a call on the same warm machine (CONFIGS=..., SESSIONS, TURNS, PAGES),
-        # joined by `agentrt replay report <dir>/partial.jsonl ...`
+        # joined by `agentrt replay report <dir>/partial.jsonl ...`; ENGINE_OPTIONS='{"chain_async_loads": true}'
+        # passes EngineConfig fields to every configuration
         run replaypressure 560 python -c 'import sys; from agentrt.cli import main; sys.exit(main())' replay run \
             --shape llama-3.1-8b --load-format dummy --sessions "${SESSIONS:-12}" --turns "${TURNS:-12,12}" \
             --num-pages "${PAGES:-6000}" --think-scale 1 --max-num-batched-tokens 8192 \
             --configs "${CONFIGS:-dense-prefix,snapkv-chain-tiers,dense-chain-tiers}" \
-            --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
+            --engine-options "${ENGINE_OPTIONS:-{\}}" --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
     gputests)  # the GPU cases added since the last `tests` run: expanded MLA prefill, the MLA decode launch, RMSNorm
         run gputests 200 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \
             tests/engine/test_mla_expanded_prefill.py tests/kernels/test_mla_prefill_bench.py \
-            tests/kernels/test_mla_decode_kernel.py tests/kernels/test_triton_kernels.py ;;
+            tests/kernels/test_mla_decode_kernel.py tests/kernels/test_triton_kernels.py tests/engine/test_async_loads.py ;;
     deltadecode)  # one DeltaNet layer's decode step: the in-place kernels against gather + fla's recurrent + store
         run deltadecode 200 python -m benchmarks.gated_delta_decode --json "$OUT/deltadecode.json" ;;
     chainturn)  # a SnapKV chain turn (16K history compacted to 4096, 2048 new tokens) split into prefill attention,

@@ -23,6 +23,12 @@ from engine.errors import InvalidRequestError, OutOfPagesError
 from engine.request import FinishReason, Request
 
 
+def _settle(table) -> None:
+    """The step's stream waits for the copy into ``table``'s pages (``engine.async_loads``) before it reads them."""
+    table.ready.settle()
+    table.ready = None
+
+
 def common_prefix_len(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -37,6 +43,7 @@ class ChainManager:
         self.cache = cache
         self.num_layers = num_layers
         self.memory = ChainMemory(self.index, cache, tiers)  # where each idle chain's KV is, and what moves it
+        self.async_loads = False  # EngineConfig.chain_async_loads: a turn's load from the host tier on a side stream
         self.pruner = ChainPruner(cache, num_layers, self.memory.load)
 
     @property
@@ -62,7 +69,7 @@ class ChainManager:
         self.check_bindable(chain_id)
         state = self.index.get_or_create(chain_id)
         req.chain_id = chain_id
-        if self._wait_for_room(req, state):
+        if self._wait_for_room(req, state) or self._start_load(req, state):
             return
         self._resume(req, state)
 
@@ -78,11 +85,35 @@ class ChainManager:
         self.index.touch(state)
         return True
 
+    def _start_load(self, req: Request, state) -> bool:
+        """With asynchronous loads, an offloaded chain's KV starts copying in on a side stream and its turn waits
+        parked until the copy is done (``unpark``), while other requests' steps run (``engine.async_loads``)."""
+        if not self.async_loads or state.offloaded is None or state.method is not req.method:
+            return False
+        if not self.memory.load(state, turn=True, asynchronous=True):
+            return False  # dropped or cheaper to recompute: the turn binds at once and recomputes
+        if state.table.ready is None:  # copied in already (not on a GPU)
+            self._resume(req, state, loaded=True)
+            return True
+        req.parked = True
+        state.busy_request = req.request_id
+        self.index.touch(state)
+        return True
+
     def unpark(self, req: Request, must: bool) -> bool:
         """A parked turn (``ChainMemory.park``) is admitted: bind it to its chain again, loading the KV it gave
         up. False, and still parked, when the pool has no room for that KV now, unless ``must`` (nothing else
-        runs to free pages): then the turn recomputes."""
+        runs to free pages): then the turn recomputes. A turn parked while its chain's KV copies in
+        (``_start_load``) is admitted once the copy is done, or at once when ``must``, after the step's stream
+        is ordered after the copy."""
         state = self.index.get(req.chain_id)
+        if state.table is not None and state.table.ready is not None:
+            if not must and not state.table.ready.done():
+                return False
+            _settle(state.table)
+            req.parked = False
+            self._resume(req, state, loaded=True)
+            return True
         entry = state.offloaded
         if entry is not None and not must and not self.memory.room_for(entry.num_pages):
             return False
@@ -90,12 +121,13 @@ class ChainManager:
         self._resume(req, state)
         return True
 
-    def _resume(self, req: Request, state) -> None:
+    def _resume(self, req: Request, state, loaded: bool = False) -> None:
+        """``loaded``: the chain's KV was loaded back for this turn already (``_start_load``)."""
         resumed = 0
         if state.table is not None and state.method is not req.method:
             self.cache.release_table(state.table)  # retained by another method: its state does not carry over
             state.table, state.num_computed, state.method_state = None, 0, None
-        loaded = self.memory.load(state, keep=state.method is req.method, turn=True)
+        loaded = self.memory.load(state, keep=state.method is req.method, turn=True) or loaded
         if state.table is None:
             status = ResumeStatus.RECOMPUTED if state.token_ids else ResumeStatus.CREATED
         else:
@@ -131,6 +163,8 @@ class ChainManager:
     def retain(self, req: Request, reason: FinishReason) -> None:
         """The turn ended: give its KV back to the chain (or, on abort, what the chain had before it)."""
         state = self.index.get(req.chain_id)
+        if state.table is not None and state.table.ready is not None:  # aborted while its KV copied in
+            _settle(state.table)
         exported = None if reason is FinishReason.ABORT or req.parked else req.method.export_state(req)
         table = self.cache.detach(req)
         if reason is FinishReason.ABORT:

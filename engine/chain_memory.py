@@ -149,11 +149,13 @@ class ChainMemory:
         entry = state.offloaded
         return entry.where if entry is not None and entry.where in ("host", "disk") else "reclaimed"
 
-    def load(self, state: ChainState, keep: bool = True, turn: bool = False) -> bool:
+    def load(self, state: ChainState, keep: bool = True, turn: bool = False, asynchronous: bool = False) -> bool:
         """Bring an offloaded chain's table back to the device (making room as ``reclaim`` does); True if it is
         resident again. ``keep`` False: the offloaded copy is dropped instead (it cannot serve the turn). ``turn``:
         for a turn, which recomputes a chain on disk instead when that is estimated faster than reading its file
-        (``ChainTiers.recompute_instead``); a fork, rewind, prune or prefetch needs the KV itself and loads."""
+        (``ChainTiers.recompute_instead``); a fork, rewind, prune or prefetch needs the KV itself and loads.
+        ``asynchronous``: the pages may still be copying in when this returns (``state.table.ready``,
+        ``engine.async_loads``)."""
         if self.tiers is not None:  # what follows changes the table or needs it on the device: no copy stands
             self.tiers.copies.discard(state.chain_id)
         entry, state.offloaded = state.offloaded, None
@@ -161,10 +163,10 @@ class ChainMemory:
             return False
         if turn and keep and self.tiers.recompute_instead(entry, state.num_computed):
             keep = False
-        table = self.tiers.load(entry) if keep else None
+        table = self.tiers.load(entry, asynchronous) if keep else None
         if table is None and keep and entry.where != "dropped":
             self.reclaim(entry.num_pages)
-            table = self.tiers.load(entry)
+            table = self.tiers.load(entry, asynchronous)
         if table is None:
             self.tiers.drop(entry)
             state.num_computed, state.method_state = 0, None

@@ -40,6 +40,7 @@ from safetensors import SafetensorError
 # the writer thread's saver, looked up here at each spill: replacing it here replaces every write's
 from safetensors.torch import save_file
 
+from engine.async_loads import SideStreamCopier
 from engine.chain_files import (chain_file_name, claim_file, file_bytes, file_chain_id, file_contents, read_file,
                                 read_header, remove_partial_files, write_file)
 from engine.contract.cache import CacheManager
@@ -98,6 +99,7 @@ class ChainTiers:
         self.cost_aware = True  # False: a turn always loads its chain's file (a benchmark timing disk loads)
         # pages copied down at a turn's end, which a reclaim then takes instead of copying on the step's path
         self.copies = HostCopies(cache, enabled=bool(host_copies))
+        self._copier = SideStreamCopier()  # loads on a side stream (EngineConfig.chain_async_loads)
 
     # --- down ---------------------------------------------------------------------------------------
     def copy_down(self, chain_id: str, table: PageTable) -> bool:
@@ -237,9 +239,11 @@ class ChainTiers:
             del self.entries[entry.chain_id]
 
     # --- up -----------------------------------------------------------------------------------------
-    def load(self, entry: OffloadedTable) -> PageTable | None:
+    def load(self, entry: OffloadedTable, asynchronous: bool = False) -> PageTable | None:
         """The entry's table in fresh pages (its bytes copied in), the entry dropped from its tier; None (the
-        entry dropped) when it was dropped, its file is unreadable or corrupted, or the pool lacks the pages."""
+        entry dropped) when it was dropped, its file is unreadable or corrupted, or the pool lacks the pages.
+        ``asynchronous`` on a GPU: the pages are copied in on a side stream and the table's ``ready`` holds the
+        copy in flight (``engine.async_loads``)."""
         self._reap()
         if entry.where == DROPPED:
             return None
@@ -262,13 +266,17 @@ class ChainTiers:
             return None  # kept where it is: the caller may make room and try again
         new = pool.allocate(entry.num_pages)
         tensors = self.cache.storage.page_tensors()
-        index = torch.tensor(new, dtype=torch.int64, device=tensors[0][0].device)
-        for (t, dim), data in zip(tensors, pages):
-            t.index_copy_(dim, index, data.to(t.device))
+        ready = None
+        if asynchronous and tensors[0][0].device.type == "cuda":
+            ready = self._copier.copy_in(tensors, new, pages)
+        else:
+            index = torch.tensor(new, dtype=torch.int64, device=tensors[0][0].device)
+            for (t, dim), data in zip(tensors, pages):
+                t.index_copy_(dim, index, data.to(t.device))
         table = PageTable(pages=new, num_slots=entry.num_slots, layer_lens=entry.layer_lens,
                           kept_positions=None if kept is None else [k.to(self.cache.spec.device) for k in kept],
                           compacted_at=entry.compacted_at,
-                          state=None if entry.state_type is None else entry.state_type(*state))
+                          state=None if entry.state_type is None else entry.state_type(*state), ready=ready)
         if entry.method_tree is not None:
             entry.method_state = unflatten(entry.method_tree, method_tensors, self.cache.spec.device)
         self.counters.loads[tier] += 1

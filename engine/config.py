@@ -58,6 +58,9 @@ class EngineConfig:
     # a chain's pages copied to host memory when its turn ends (a side stream), so that reclaiming it later frees
     # its pages without a copy on the step's path (engine.host_copies); off by default: docs/configuration.md
     chain_host_copies: bool = False
+    # a turn's chain loaded back from the host tier on a side stream while other requests' steps run, the turn
+    # admitted once its copy is done (engine.async_loads); off by default: not yet measured on a GPU
+    chain_async_loads: bool = False
     # hybrid models (recurrent layers): prefill chunks end on page boundaries and the recurrent state there is kept
     # (host memory, least recently used dropped) for this many prefixes, so a request sharing a prefix resumes at
     # its last kept boundary; 0: no prefix caching for hybrid models (their state exists only at a table's end)
@@ -85,8 +88,9 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
         if self.mla_prefill not in MLA_PREFILL_MODES:
             raise ConfigError(f"mla_prefill must be one of {MLA_PREFILL_MODES}, got {self.mla_prefill!r}")
-        if not isinstance(self.chain_host_copies, bool):
-            raise ConfigError(f"chain_host_copies must be true or false, got {self.chain_host_copies!r}")
+        for name in ("chain_host_copies", "chain_async_loads"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.overlap_decode is not None and not isinstance(self.overlap_decode, bool):
             raise ConfigError(f"overlap_decode must be true, false or None, got {self.overlap_decode!r}")
         if self.overlap_decode and self.tensor_parallel_size > 1:

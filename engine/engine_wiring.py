@@ -136,6 +136,7 @@ def wire_engine(config: EngineConfig, owner: object, worker=None) -> EngineParts
         tiers = ChainTiers(cache, config.chain_host_bytes, config.chain_disk_dir, config.chain_disk_bytes,
                            config.chain_host_copies)
     chains = ChainManager(cache, spec.num_layers, tiers)
+    chains.async_loads = config.chain_async_loads
     if tiers is not None and tiers.disk_dir is not None:  # chains an earlier process wrote at its shutdown
         adopted = chains.memory.restore(methods.resolve)
         if adopted:

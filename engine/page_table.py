@@ -32,6 +32,9 @@ class PageTable:
     compacted_at: int = 0  # logical length at the last compaction; later slots are appended tokens
     window: int | None = None  # the storage's per-table working state (a codec's window), held while running
     state: object | None = None  # what the storage keeps with a stopped table (a recurrent state), if anything
+    # a copy into the pages still in flight on a side stream (engine.async_loads.PendingCopy): settle it before
+    # anything on the step's stream reads them
+    ready: object | None = None
 
     @property
     def is_compacted(self) -> bool:
