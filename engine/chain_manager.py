@@ -87,12 +87,15 @@ class ChainManager:
 
     def _start_load(self, req: Request, state) -> bool:
         """With asynchronous loads, an offloaded chain's KV starts copying in on a side stream and its turn waits
-        parked until the copy is done (``unpark``), while other requests' steps run (``engine.async_loads``)."""
+        parked until the copy is done (``unpark``), while other requests' steps run (``engine.async_loads``).
+        True when the load was made: the turn then waits parked (``req.parked``), or, where the copy is done when
+        the load returns (not on a GPU), is bound already."""
         if not self.async_loads or state.offloaded is None or state.method is not req.method:
             return False
         if not self.memory.load(state, turn=True, asynchronous=True):
             return False  # dropped or cheaper to recompute: the turn binds at once and recomputes
         if state.table.ready is None:  # copied in already (not on a GPU)
+            req.parked = False
             self._resume(req, state, loaded=True)
             return True
         req.parked = True
@@ -117,6 +120,8 @@ class ChainManager:
         entry = state.offloaded
         if entry is not None and not must and not self.memory.room_for(entry.num_pages):
             return False
+        if not must and self._start_load(req, state):  # room now: the copy starts, the turn waits for it
+            return not req.parked
         req.parked = False
         self._resume(req, state)
         return True

@@ -1,6 +1,6 @@
 """Asynchronous chain loads (``EngineConfig.chain_async_loads``, engine.async_loads): a turn whose chain is in the
-host tier starts its copy and waits parked, while other requests run, until the copy is done; the step's stream is
-ordered after the copy before the turn runs; with nothing else to run it goes at once; an aborted turn settles the
+host tier starts its copy and waits parked, while other requests run, until the copy is done (a turn parked for
+room starts it when room appears); the step's stream is ordered after the copy before the turn runs; with nothing else to run it goes at once; an aborted turn settles the
 copy and leaves its chain resident. On a CPU the copy is synchronous, so a stand-in copy in flight (done after a
 number of polls) is put on the loaded table; its pages are already in place. Reference: the same turn on an engine
 whose chain never left the device (tokens equal, logprobs within fp32 noise of a different batch composition)."""
@@ -32,16 +32,15 @@ class CopyInFlight:
         self.settled += 1
 
 
-def engine(model_dir, **options):
-    return LLMEngine(EngineConfig(model_dir, dtype="float32", device="cpu", page_size=4, num_pages=400,
+def engine(model_dir, num_pages=400, **options):
+    return LLMEngine(EngineConfig(model_dir, dtype="float32", device="cpu", page_size=4, num_pages=num_pages,
                                   max_num_batched_tokens=64, **options))
 
 
-@pytest.fixture
-def setup(tiny_dirs, monkeypatch):
-    """An engine with a host tier and asynchronous loads whose loads leave a ``CopyInFlight`` on the table (the
-    list ``copies`` gets each), its chain "a" moved to the host tier, the next turn's prompt; the reference."""
-    copies, polls = [], {"n": 3}
+def copies_in_flight(monkeypatch, polls):
+    """Loads asked to be asynchronous leave a ``CopyInFlight`` of ``polls["n"]`` polls on their table; the
+    returned list gets each."""
+    copies = []
     load = ChainTiers.load
 
     def load_in_flight(self, entry, asynchronous=False):
@@ -52,6 +51,29 @@ def setup(tiny_dirs, monkeypatch):
         return table
 
     monkeypatch.setattr(ChainTiers, "load", load_in_flight)
+    return copies
+
+
+def record_plans(eng, copies) -> list:
+    """(request ids of each step, the first copy's polls left when the step was planned), step by step."""
+    plans = []
+    schedule = eng.scheduler.schedule
+
+    def recorded():
+        plan = schedule()
+        plans.append(([r.request_id for r in plan.requests], copies[0].polls if copies else None))
+        return plan
+
+    eng.scheduler.schedule = recorded
+    return plans
+
+
+@pytest.fixture
+def setup(tiny_dirs, monkeypatch):
+    """An engine with a host tier and asynchronous loads whose loads leave a ``CopyInFlight`` on the table (the
+    list ``copies`` gets each), its chain "a" moved to the host tier, the next turn's prompt; the reference."""
+    polls = {"n": 3}
+    copies = copies_in_flight(monkeypatch, polls)
     rng = random.Random(5)
     first = random_tokens(rng, 40)
     eng = engine(tiny_dirs["qwen3"], chain_host_bytes=64 * 2**20, chain_async_loads=True)
@@ -71,15 +93,7 @@ def check_equal(out, ref):
 
 def test_a_turn_waits_parked_while_its_chain_copies_in_and_others_run(setup):
     eng, ref, prompt, other, copies, _ = setup
-    plans = []  # (request ids of each step, the copy's polls left when it was planned)
-    schedule = eng.scheduler.schedule
-
-    def recorded():
-        plan = schedule()
-        plans.append(([r.request_id for r in plan.requests], copies[0].polls if copies else None))
-        return plan
-
-    eng.scheduler.schedule = recorded
+    plans = record_plans(eng, copies)
     other_id = eng.add_request(other, OTHER)
     eng.step()
     rid = eng.add_request(prompt, PARAMS, chain_id="a")
@@ -92,6 +106,36 @@ def test_a_turn_waits_parked_while_its_chain_copies_in_and_others_run(setup):
     assert copies[0].settled == 1 and eng.chains.index.get("a").table.ready is None
     assert out.resume_status == "loaded"
     check_equal(out, run_chain_turn(ref, "a", prompt, PARAMS))
+
+
+def test_a_turn_parked_for_room_starts_its_copy_when_room_appears_and_waits_for_it(tiny_dirs, monkeypatch):
+    """A 40-page pool: a stateless request of 31 pages and a small one decoding leave no room for the chain's 20
+    pages, so the turn parks without a copy; when the big one finishes, the copy starts and the turn waits for
+    it while the small one goes on decoding."""
+    copies = copies_in_flight(monkeypatch, {"n": 3})
+    rng = random.Random(3)
+    first = random_tokens(rng, 72)
+    eng = engine(tiny_dirs["qwen3"], num_pages=40, chain_host_bytes=64 * 2**20, chain_async_loads=True)
+    ref = engine(tiny_dirs["qwen3"])
+    out = run_chain_turn(eng, "a", first, PARAMS)
+    run_chain_turn(ref, "a", first, PARAMS)
+    prompt = first + out.token_ids + random_tokens(rng, 10)
+    eng.chains.memory.reclaim(eng.pool.num_pages)
+    big = eng.add_request(random_tokens(rng, 120), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    small = eng.add_request(random_tokens(rng, 6), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    eng.step()
+    eng.step()
+    rid = eng.add_request(prompt, PARAMS, chain_id="a")
+    assert eng._requests[rid].parked and not copies  # no room yet: parked with its chain in the tier
+    plans = record_plans(eng, copies)
+    got = finish(eng, rid)
+    started = next(i for i, (_, polls) in enumerate(plans) if polls is not None)
+    admitted = next(i for i, (ids, _) in enumerate(plans) if rid in ids)
+    assert all(big not in ids for ids, _ in plans[started:])  # the copy started once the big one was done
+    assert admitted > started and plans[admitted][1] < 0
+    assert all(small in ids and rid not in ids for ids, _ in plans[started:admitted])
+    assert copies[0].settled == 1 and got.resume_status == "loaded"
+    check_equal(got, run_chain_turn(ref, "a", prompt, PARAMS))
 
 
 def test_with_nothing_else_to_run_the_turn_goes_at_once(setup):
