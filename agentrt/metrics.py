@@ -38,9 +38,9 @@ class Metrics:
             moved.labels(move).set_function(lambda read=read: 0 if worker.snapshot.tiers is None
                                             else read(worker.snapshot.tiers))
         seconds = Gauge("agentrt_chain_tier_seconds", "wall seconds spent moving chain KV: device -> host copies "
-                        "(offload), host -> disk writes on the writer thread (spill), loads from each tier",
-                        ["move"], registry=r)
-        for move in ("offload", "spill", "load_host", "load_disk"):
+                        "(offload), host -> disk writes on the writer thread (spill), loads from each tier, and turns' "
+                        "waits for asynchronous loads (load_wait)", ["move"], registry=r)
+        for move in ("offload", "spill", "load_host", "load_disk", "load_wait"):
             seconds.labels(move).set_function(lambda move=move: 0 if worker.snapshot.tiers is None
                                               else worker.snapshot.tiers.seconds[move])
         loads = Gauge("agentrt_chain_tier_loads", "chain loads by outcome: from host, from disk, failed (recomputed), "

@@ -44,6 +44,7 @@ class ChainManager:
         self.num_layers = num_layers
         self.memory = ChainMemory(self.index, cache, tiers)  # where each idle chain's KV is, and what moves it
         self.async_loads = False  # EngineConfig.chain_async_loads: a turn's load from the host tier on a side stream
+        self._loading_since: dict[str, float] = {}  # request id -> when its asynchronous load started
         self.pruner = ChainPruner(cache, num_layers, self.memory.load)
 
     @property
@@ -101,7 +102,14 @@ class ChainManager:
         req.parked = True
         state.busy_request = req.request_id
         self.index.touch(state)
+        self._loading_since[req.request_id] = time.perf_counter()
         return True
+
+    def _waited(self, req: Request) -> None:
+        """Count how long ``req`` waited parked for its asynchronous load (``TierCounters.seconds["load_wait"]``)."""
+        start = self._loading_since.pop(req.request_id, None)
+        if start is not None and self.tiers is not None:
+            self.tiers.counters.seconds["load_wait"] += time.perf_counter() - start
 
     def unpark(self, req: Request, must: bool) -> bool:
         """A parked turn (``ChainMemory.park``) is admitted: bind it to its chain again, loading the KV it gave
@@ -114,6 +122,7 @@ class ChainManager:
             if not must and not state.table.ready.done():
                 return False
             _settle(state.table)
+            self._waited(req)
             req.parked = False
             self._resume(req, state, loaded=True)
             return True
@@ -170,6 +179,7 @@ class ChainManager:
         state = self.index.get(req.chain_id)
         if state.table is not None and state.table.ready is not None:  # aborted while its KV copied in
             _settle(state.table)
+            self._waited(req)
         exported = None if reason is FinishReason.ABORT or req.parked else req.method.export_state(req)
         table = self.cache.detach(req)
         if reason is FinishReason.ABORT:

@@ -69,8 +69,9 @@ class TierCounters:
     failed_writes: int = 0  # spills whose file could not be written (the chain is recomputed)
     dropped: int = 0
     # wall seconds of each move: device -> host copies, host -> disk writes (on the writer thread), loads back
+    # (with asynchronous loads, starting the copy), and the time turns waited parked for asynchronous copies
     seconds: dict[str, float] = field(default_factory=lambda: {"offload": 0.0, "spill": 0.0, "load_host": 0.0,
-                                                               "load_disk": 0.0})
+                                                               "load_disk": 0.0, "load_wait": 0.0})
     recomputed_by_cost: int = 0  # turns that dropped their chain's file to recompute it (estimated faster)
     # the rates that choice reads (``engine.tier_cost``), 0.0 until measured: reading and checking chain files
     # (bytes per second) and prefill (prompt tokens per second of the steps that ran them)

@@ -104,6 +104,7 @@ def test_a_turn_waits_parked_while_its_chain_copies_in_and_others_run(setup):
     assert all(polls >= 0 for _, polls in plans[1:first]) and plans[first][1] < 0
     assert all(other_id in ids for ids, _ in plans[1:first]) and first > 1
     assert copies[0].settled == 1 and eng.chains.index.get("a").table.ready is None
+    assert eng.chains.tiers.counters.seconds["load_wait"] > 0 and not eng.chains._loading_since
     assert out.resume_status == "loaded"
     check_equal(out, run_chain_turn(ref, "a", prompt, PARAMS))
 
