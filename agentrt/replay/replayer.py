@@ -116,10 +116,14 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 STEP_KINDS = ("decode-graph", "decode-eager", "mixed", "prefill")
+# chain tier moves whose wall seconds the server counts (agentrt_chain_tier_seconds): copies down, loads back from
+# host memory and from disk, and turns' waits for asynchronous loads
+TIER_MOVES = ("offload", "load_host", "load_disk", "load_wait")
 COUNTERS = ("agentrt_tokens_prefilled_total", "agentrt_tokens_resumed_total", "agentrt_tokens_prefix_cached_total",
             "agentrt_tokens_generated_total", "agentrt_tokens_pruned_total",
             *(f"agentrt_engine_steps_total|kind={k}" for k in STEP_KINDS),
-            *(f"agentrt_engine_step_seconds_by_kind_total|kind={k}" for k in STEP_KINDS))
+            *(f"agentrt_engine_step_seconds_by_kind_total|kind={k}" for k in STEP_KINDS),
+            *(f"agentrt_chain_tier_seconds|move={m}" for m in TIER_MOVES))
 
 
 class Replayer:

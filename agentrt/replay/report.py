@@ -6,7 +6,7 @@ import statistics
 from collections import defaultdict
 from typing import Any
 
-from agentrt.replay.replayer import STEP_KINDS, RunResult
+from agentrt.replay.replayer import STEP_KINDS, TIER_MOVES, RunResult
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -56,6 +56,9 @@ def summarize(run: RunResult) -> dict[str, Any]:
         "engine_steps": {k: int(c.get(f"agentrt_engine_steps_total|kind={k}", 0)) for k in STEP_KINDS},
         "engine_step_seconds": {k: round(c.get(f"agentrt_engine_step_seconds_by_kind_total|kind={k}", 0.0), 3)
                                 for k in STEP_KINDS},
+        # wall seconds of chain tier moves (loads started on a side stream count their launch only; load_wait
+        # is the time their turns waited parked for the copies)
+        "tier_seconds": {m: round(c.get(f"agentrt_chain_tier_seconds|move={m}", 0.0), 3) for m in TIER_MOVES},
     }
 
 
@@ -84,10 +87,13 @@ COLUMNS = [("config", "config", "{}"), ("wall_s", "wall s", "{:.2f}"), ("speedup
 
 
 def steps_table(summaries: list[dict[str, Any]]) -> str:
-    """Engine steps per kind: count and wall seconds, per configuration."""
-    head = ["config"] + [f"{k} (n / s)" for k in STEP_KINDS]
+    """Engine steps per kind: count and wall seconds, per configuration; then the seconds of chain tier moves
+    (summaries made before those were counted show none)."""
+    head = ["config"] + [f"{k} (n / s)" for k in STEP_KINDS] + [f"{m} s" for m in TIER_MOVES]
     rows = [head] + [[s["config"]] + [f"{s['engine_steps'][k]} / {s['engine_step_seconds'][k]:.1f}"
-                                      for k in STEP_KINDS] for s in summaries if "engine_steps" in s]
+                                      for k in STEP_KINDS]
+                     + [f"{s['tier_seconds'][m]:.2f}" if "tier_seconds" in s else "-" for m in TIER_MOVES]
+                     for s in summaries if "engine_steps" in s]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "-" * len(lines[0]))

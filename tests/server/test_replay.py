@@ -117,7 +117,7 @@ def test_chain_cache_prefills_5x_fewer_tokens_than_dense_without_prefix_cache(to
     a prefix cache computes every prompt token of every turn; with Chain Cache (prefix cache off too) a turn
     computes only what it appended plus the previous turn's last generated token (whose KV no step wrote)."""
     from agentrt.replay.bench import serve_and_replay
-    from agentrt.replay.replayer import ReplayConfig
+    from agentrt.replay.replayer import TIER_MOVES, ReplayConfig
     from agentrt.replay.report import summarize, table, with_speedups
     from agentrt.replay.plots import write_plots
 
@@ -168,6 +168,7 @@ def test_chain_cache_prefills_5x_fewer_tokens_than_dense_without_prefix_cache(to
         # every token but a turn's first comes from a decode row; at most two sessions decode per step
         assert steps["decode-eager"] + steps["mixed"] >= (generated - 14) / 2
         assert 0 < sum(seconds.values()) <= run.wall_s
+        assert summary["tier_seconds"] == dict.fromkeys(TIER_MOVES, 0.0)  # no tiers in these configurations
     pngs = write_plots(summaries, tmp_path)
     assert [p.read_bytes()[:8] for p in pngs] == [b"\x89PNG\r\n\x1a\n"] * 2
 
@@ -252,14 +253,18 @@ def test_replay_report_joins_runs_and_computes_speedups_against_the_baseline(tmp
                 "peak_kv_pages": 5, "engine_steps": dict.fromkeys(STEP_KINDS, 1),
                 "engine_step_seconds": dict.fromkeys(STEP_KINDS, 0.5)}
 
+    tiers = {"offload": 1.5, "load_host": 0.25, "load_disk": 0.0, "load_wait": 3.75}
     (tmp_path / "a.jsonl").write_text(json.dumps(summary("dense-prefix", 60.0, 40.0, 1000)) + "\n")
-    (tmp_path / "b.json").write_text(json.dumps({"results": [summary("snapkv-chain-tiers", 40.0, 16.0, 200)]}))
+    (tmp_path / "b.json").write_text(json.dumps({"results": [{**summary("snapkv-chain-tiers", 40.0, 16.0, 200),
+                                                               "tier_seconds": tiers}]}))
     assert main(["report", str(tmp_path / "a.jsonl"), str(tmp_path / "b.json")]) == 0
     out = capsys.readouterr().out
     results = json.loads(out[: out.index("\n}\n") + 2])["results"]
     snap = next(r for r in results if r["config"] == "snapkv-chain-tiers")
     assert (snap["speedup"], snap["wait_speedup"], snap["prefill_reduction"]) == (1.5, 2.5, 5.0)
     assert "snapkv-chain-tiers" in out and "2.50x" in out
+    steps = out[out.index("load_wait s"):]  # the steps table: tier seconds where the summary has them, else "-"
+    assert "3.75" in steps and "1.50" in steps and " -" in steps
 
     (tmp_path / "bad.jsonl").write_text("not json\n")
     assert main(["report", str(tmp_path / "bad.jsonl")]) == 2

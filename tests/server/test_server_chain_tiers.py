@@ -37,6 +37,12 @@ def test_pressure_moves_idle_chains_to_host_and_their_turns_load(tmp_path):
         assert metric(text, 'agentrt_chain_tier_loads{outcome="failed"}') == 0
         assert metric(text, 'agentrt_chain_tier_seconds{move="offload"}') > 0
         assert metric(text, 'agentrt_chain_tier_seconds{move="load_host"}') > 0
+        # the replay reads these by name (agentrt.replay.replayer.COUNTERS): every move it names is exported
+        from agentrt.replay.replayer import COUNTERS, TIER_MOVES, parse_metrics
+
+        samples = parse_metrics(text)
+        assert all(f"agentrt_chain_tier_seconds|move={m}" in samples for m in TIER_MOVES)
+        assert samples["agentrt_chain_tier_seconds|move=load_host"] > 0 and set(COUNTERS) <= set(samples)
         # the rates a turn weighs to read a chain from disk or recompute it: prefill measured, no disk read yet
         assert metric(text, "agentrt_chain_tier_prefill_tokens_per_second") > 0
         assert metric(text, "agentrt_chain_tier_disk_read_bytes_per_second") == 0
