@@ -21,7 +21,6 @@ once) over the copy rate measured in the run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -31,7 +30,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.roofline import copy_bandwidth  # noqa: E402
-from benchmarks.sweep_helpers import max_rel, save_rows, timed  # noqa: E402
+from benchmarks.sweep_helpers import add_row, finish_rows, max_rel, timed  # noqa: E402
 
 QWEN3_6_27B = dict(key_heads=16, value_heads=48, head_dim=128, conv_kernel=4)
 TINY = dict(key_heads=2, value_heads=4, head_dim=16, conv_kernel=4)
@@ -121,13 +120,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"{'batch':>5} {'in place ms':>12} {'gathered ms':>12} {'ratio':>6} {'out rel':>8} {'state rel':>9}")
     for batch in batches:
         row = run_case(batch, dims, device, on_gpu, rate)
-        rows.append(row)
-        save_rows(args.json, rows)
+        add_row(args.json, rows, row)
         print(f"{batch:>5} {row['in_place_ms']:>12.4f} {row['gathered_ms']:>12.4f} "
               f"{row['gathered_over_in_place']:>6.2f} {row['out_max_rel']:>8.1e} {row['state_max_rel']:>9.1e}",
               flush=True)
-    if not args.json:
-        print(json.dumps(rows))
+    finish_rows(args.json, rows)
     return rows
 
 

@@ -18,7 +18,6 @@ two scales (``kv_storage="fp8"``), the same sweep, beside the bf16 rows at their
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -28,7 +27,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.roofline import copy_bandwidth  # noqa: E402
-from benchmarks.sweep_helpers import grid, max_rel, save_rows, timed  # noqa: E402
+from benchmarks.sweep_helpers import add_row, finish_rows, grid, max_rel, timed  # noqa: E402
 
 PAGE = 16
 GRID = {"block_h": [16, 32, 64], "block_n": [16, 32, 64], "num_warps": [4, 8], "num_stages": [2, 3]}
@@ -144,8 +143,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for batch, context in cases:
         row = run_case(batch, context, heads, rank, rope, space, splits, device, on_gpu, rate, args.coded)
         row["copy_bytes_per_s"] = rate
-        rows.append(row)
-        save_rows(args.json, rows)
+        add_row(args.json, rows, row)
         best = row.get("best", {})
         fi = row.get("flashinfer", {})
         nan = float("nan")
@@ -154,8 +152,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"({best.get('fraction_of_copy', nan):.2f}) {({k: best[k] for k in space} if best else '')}; "
               f"flashinfer {fi.get('ms', nan):.3f} ms; bf16 rows {row.get('bf16_default', {}).get('ms', nan):.3f} ms",
               flush=True)
-    if not args.json:
-        print(json.dumps(rows))
+    finish_rows(args.json, rows)
     return rows
 
 

@@ -25,7 +25,6 @@ docs/methods.md ("Latent ...") says which the engine takes and why.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -36,7 +35,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run:
 
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.sweep_helpers import max_rel, save_rows, timed  # noqa: E402
+from benchmarks.sweep_helpers import add_row, finish_rows, max_rel, timed  # noqa: E402
 
 SHAPES = {  # name: (heads, kv_lora_rank, rope, nope, v)
     "glm-4.7-flash": (20, 512, 64, 192, 256),
@@ -162,13 +161,11 @@ def main(argv: list[str] | None = None) -> None:
           f"{'engine exp ms':>14}")
     for chunk, context in cases:
         row = run_case(shape, chunk, context, device, on_gpu)
-        rows.append({"shape": "tiny" if args.tiny else args.shape, **row})
-        save_rows(args.json, rows)
+        add_row(args.json, rows, {"shape": "tiny" if args.tiny else args.shape, **row})
         print(f"{chunk:>6} {context:>8} {row['absorbed_ms']:>12.3f} {row['expanded_ms']:>12.3f} "
               f"{row['expanded_over_absorbed']:>8.2f} {row['agree_max_rel']:>8.1e} {row['engine_expanded_ms']:>14.3f}",
               flush=True)
-    if not args.json:
-        print(json.dumps(rows))
+    finish_rows(args.json, rows)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,18 @@ def save_rows(path: str | None, rows: list) -> None:
             json.dump(rows, f, indent=1)
 
 
+def add_row(path: str | None, rows: list, row: dict) -> None:
+    """Append a case's row and save the rows so far (``save_rows``)."""
+    rows.append(row)
+    save_rows(path, rows)
+
+
+def finish_rows(path: str | None, rows: list) -> None:
+    """The rows as JSON on stdout when no file was asked for."""
+    if not path:
+        print(json.dumps(rows))
+
+
 def grid(space: dict) -> list[dict]:
     """Every combination of ``space``'s values, as keyword dicts."""
     configs = [{}]
