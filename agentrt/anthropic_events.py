@@ -147,16 +147,21 @@ class BlockWriter:
             events.append(ContentBlockDeltaEvent(index=index, delta=SignatureDelta(signature=THINKING_SIGNATURE)))
         return events + [ContentBlockStopEvent(index=index)]
 
+    def _open_block(self, block: ContentBlock, announced: ContentBlock) -> list[BlockEvent]:
+        """Unless a block of ``block``'s kind is open, close the open one and open ``block`` (its start event
+        carries ``announced``)."""
+        if self._open and isinstance(self.blocks[-1], type(block)):
+            return []
+        events = self._close()
+        self.blocks.append(block)
+        self._open = True
+        return events + [ContentBlockStartEvent(index=len(self.blocks) - 1, content_block=announced)]
+
     def _thinking(self, thought: str) -> list[BlockEvent]:
         if not thought:
             return []
-        events: list[BlockEvent] = []
-        if not (self._open and isinstance(self.blocks[-1], ThinkingBlock)):
-            events += self._close()
-            self.blocks.append(ThinkingBlock(thinking="", signature=THINKING_SIGNATURE))
-            events.append(ContentBlockStartEvent(index=len(self.blocks) - 1,
-                                                 content_block=ThinkingBlock(thinking="", signature="")))
-            self._open = True
+        events = self._open_block(ThinkingBlock(thinking="", signature=THINKING_SIGNATURE),
+                                  ThinkingBlock(thinking="", signature=""))
         if self.show_thinking:
             cast(ThinkingBlock, self.blocks[-1]).thinking += thought
             events.append(ContentBlockDeltaEvent(index=len(self.blocks) - 1, delta=ThinkingDelta(thinking=thought)))
@@ -165,12 +170,7 @@ class BlockWriter:
     def _text(self, content: str) -> list[BlockEvent]:
         if not content:
             return []
-        events: list[BlockEvent] = []
-        if not (self._open and isinstance(self.blocks[-1], TextBlock)):
-            events += self._close()
-            self.blocks.append(TextBlock(text=""))
-            events.append(ContentBlockStartEvent(index=len(self.blocks) - 1, content_block=TextBlock(text="")))
-            self._open = True
+        events = self._open_block(TextBlock(text=""), TextBlock(text=""))
         block = cast(TextBlock, self.blocks[-1])
         block.text += content
         events.append(ContentBlockDeltaEvent(index=len(self.blocks) - 1, delta=TextDelta(text=content)))
