@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.side_stream import SideStream
+
 
 class PendingCopy:
     """A copy into a table's pages in flight on a side stream."""
@@ -35,24 +37,21 @@ class PendingCopy:
 
 
 class SideStreamCopier:
-    """Copies host tensors into page tensors on one side stream (created on first use)."""
+    """Copies host tensors into page tensors on a side stream (``engine.side_stream``), after the steps in flight
+    (they may still use the fresh pages)."""
 
     def __init__(self) -> None:
-        self._stream: torch.cuda.Stream | None = None
+        self._side = SideStream()
 
     def copy_in(self, targets: list[tuple[torch.Tensor, int]], pages: list[int],
                 sources: list[torch.Tensor]) -> PendingCopy:
         """``target.index_copy_(dim, pages, source)`` for each (target, dim) and source, on the side stream."""
         device = targets[0][0].device
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        self._stream.wait_stream(torch.cuda.current_stream(device))  # steps in flight may still use fresh pages
-        with torch.cuda.stream(self._stream):
-            # every temporary is made on the side stream, so the allocator never hands its memory to the step's
-            # stream while the copy still uses it
+
+        def copy() -> None:
             index = torch.tensor(pages, dtype=torch.int64).to(device, non_blocking=True)
             for (target, dim), source in zip(targets, sources):
                 target.index_copy_(dim, index, source.to(device, non_blocking=True))
-            event = torch.cuda.Event()
-            event.record(self._stream)
+
+        _, event = self._side.run(device, copy)
         return PendingCopy(event)

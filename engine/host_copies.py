@@ -24,6 +24,7 @@ import torch
 
 from engine.contract.cache import CacheManager
 from engine.page_table import PageTable
+from engine.side_stream import SideStream
 
 
 @dataclass(slots=True)
@@ -47,7 +48,7 @@ class HostCopies:
         self.enabled = enabled  # EngineConfig.chain_host_copies
         self.copies: OrderedDict[str, HostCopy] = OrderedDict()  # oldest first
         self.nbytes = 0
-        self._stream = None
+        self._side = SideStream()
 
     def make(self, chain_id: str, table: PageTable, room: int) -> bool:
         """Start copying ``table``'s pages for ``chain_id`` (which has no copy: ``discard`` it first) if ``room``
@@ -61,13 +62,9 @@ class HostCopies:
             return False
         device = tensors[0][0].device
         done = None
-        if device.type == "cuda":
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(device)
-            self._stream.wait_stream(torch.cuda.current_stream(device))  # the step that wrote the pages
-            with torch.cuda.stream(self._stream):
-                # made on the side stream, so the allocator never hands its memory to the step's stream while
-                # the copy still reads it
+        if device.type == "cuda":  # after the step that wrote the pages, on the side stream
+
+            def copy() -> list[torch.Tensor]:
                 index = torch.tensor(table.pages, dtype=torch.int64, device=device)
                 pages = []
                 for t, dim in tensors:
@@ -75,8 +72,9 @@ class HostCopies:
                     host = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
                     host.copy_(gathered, non_blocking=True)
                     pages.append(host)
-                done = torch.cuda.Event()
-                done.record(self._stream)
+                return pages
+
+            pages, done = self._side.run(device, copy)
         else:
             index = torch.tensor(table.pages, dtype=torch.int64)
             pages = [t.index_select(dim, index).clone() for t, dim in tensors]
