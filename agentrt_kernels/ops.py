@@ -26,6 +26,7 @@ from agentrt_kernels.torch_ref import activation as _activation_ref
 from agentrt_kernels.torch_ref import decode_logits as _decode_logits_ref
 from agentrt_kernels.torch_ref import gated_delta as _gated_delta_ref
 from agentrt_kernels.torch_ref import kv_store as _kv_store_ref
+from agentrt_kernels.torch_ref import latent_inputs as _latent_inputs_ref
 from agentrt_kernels.torch_ref import moe as _moe_ref
 from agentrt_kernels.torch_ref import moe_router as _moe_router_ref
 from agentrt_kernels.torch_ref import norm as _norm_ref
@@ -87,6 +88,20 @@ def apply_rotary(
     return _rotary_ref.apply_rotary(positions, q, k, cos_cache, sin_cache, **norm)
 
 
+def latent_inputs(
+    q_latent: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+    cos_cache: torch.Tensor, sin_cache: torch.Tensor, norm_weight: torch.Tensor, eps: float, scale: float,
+    interleave: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An absorbed MLA layer's attention inputs: q_latent [T, H, R], q_pe [T, H, P] (not yet rotated), kv
+    [T, R + P] -> (query [T, H, R + P] = [q_latent, rope(q_pe)] * scale, latent row [T, 1, R + P] =
+    [RMSNorm(latent), rope(k_pe)], rotated q_pe). Use the returned q_pe: the kernel rotates it in place."""
+    args = (q_latent, q_pe, kv, positions, cos_cache, sin_cache, norm_weight, eps, scale, interleave)
+    if uses_triton(kv):
+        return _kernels("latent_inputs").latent_inputs(*args)
+    return _latent_inputs_ref.latent_inputs(*args)
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -132,6 +147,20 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     if uses_triton(router_logits):
         return _kernels().route_topk(router_logits, top_k, renormalize)
     return _moe_router_ref.route_topk(router_logits, top_k, renormalize)
+
+
+def route_grouped_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, groups: int,
+                          topk_groups: int, renormalize: bool, scaling: float,
+                          out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 MoE routing: router_logits [T, E] -> (topk_ids [T, K] int64, topk_weights [T, K] in
+    ``out_dtype``). Sigmoid scores plus ``correction_bias`` pick ``topk_groups`` of ``groups`` expert groups
+    (scored by their top two), then the top-k experts inside them; the weights are the uncorrected scores,
+    renormalized when ``renormalize``, times ``scaling``. The kernel sends exact ties to the lower id."""
+    if uses_triton(router_logits):
+        return _kernels().route_grouped_sigmoid(router_logits, correction_bias, top_k, groups, topk_groups,
+                                                renormalize, scaling, out_dtype)
+    return _moe_router_ref.route_grouped_sigmoid(router_logits, correction_bias, top_k, groups, topk_groups,
+                                                 renormalize, scaling, out_dtype)
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

@@ -4,10 +4,11 @@
 The MoE block routes by sigmoid scores: a per-expert correction bias picks the experts (first the
 ``topk_group`` best of ``n_group`` expert groups, each group scored by its two best experts, then the top-k
 experts inside them), while the weights are the uncorrected scores of the chosen experts, renormalized when
-``norm_topk_prob`` and times ``routed_scaling_factor``; shared experts (one SwiGLU MLP of
-``n_shared_experts * moe_intermediate_size``) add to every token. The first ``first_k_dense_replace`` layers
-have a dense MLP. A multi-token-prediction layer in the checkpoint (``model.layers.{num_hidden_layers}...``) is
-skipped with a log line. Read from transformers' ``modeling_deepseek_v3.py``.
+``norm_topk_prob`` and times ``routed_scaling_factor`` (``ops.route_grouped_sigmoid``: one fused kernel after
+the fp32 gate GEMM on GPU); shared experts (one SwiGLU MLP of ``n_shared_experts * moe_intermediate_size``)
+add to every token. The first ``first_k_dense_replace`` layers have a dense MLP. A multi-token-prediction
+layer in the checkpoint (``model.layers.{num_hidden_layers}...``) is skipped with a log line. Read from
+transformers' ``modeling_deepseek_v3.py``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from agentrt_kernels import ops
 from engine.errors import ConfigError
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM, DenseMLP
@@ -44,19 +46,9 @@ class GroupedSigmoidRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)."""
-        scores = F.linear(x.float(), self.weight).sigmoid()
-        choice = scores + self.e_score_correction_bias
-        if self.groups > 1:
-            t, e = choice.shape
-            group_scores = choice.view(t, self.groups, e // self.groups).topk(2, dim=-1)[0].sum(dim=-1)
-            chosen = group_scores.topk(self.topk_groups, dim=-1, sorted=False)[1]
-            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
-            choice = choice.masked_fill(~keep.repeat_interleave(e // self.groups, dim=1), float("-inf"))
-        topk_ids = choice.topk(self.top_k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, topk_ids)
-        if self.renormalize:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return topk_ids, (weights * self.scaling).to(x.dtype)
+        logits = F.linear(x.float(), self.weight)
+        return ops.route_grouped_sigmoid(logits, self.e_score_correction_bias, self.top_k, self.groups,
+                                         self.topk_groups, self.renormalize, self.scaling, x.dtype)
 
 
 class DeepseekMoE(nn.Module):

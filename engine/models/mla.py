@@ -31,15 +31,10 @@ from engine.models.interface import LayerRunner
 from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear, check_divisible
 from engine.parallel.state import current_group
+from agentrt_kernels import ops
 
 # HF builds the q / kv low-rank norms without the config's eps (DeepseekV3RMSNorm's default)
 LOW_RANK_NORM_EPS = 1e-6
-
-
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """Pairs ``(x0, x1), (x2, x3), ...`` -> ``(x0, x2, ..., x1, x3, ...)``: interleaved RoPE becomes the
-    half-split RoPE of ``RotaryEmbedding`` (HF's ``apply_rotary_pos_emb_interleave`` computes exactly this)."""
-    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
 class LatentAttention(nn.Module):
@@ -80,16 +75,13 @@ class LatentAttention(nn.Module):
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
         q_nope, q_pe = q.view(t, h, -1).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        latent, k_pe = self.kv_a_proj_with_mqa(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
-        k_pe = k_pe[:, None, :]
-        if mla.rope_interleave:
-            q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
-        q_pe, k_pe = rotary(positions, q_pe.contiguous(), k_pe.contiguous())
+        kv = self.kv_a_proj_with_mqa(hidden)
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
-        query = torch.cat([q_latent, q_pe], dim=-1) * self.q_scale
-        row = torch.cat([latent, k_pe[:, 0]], dim=-1)[:, None, :]  # [T, 1, cache_dim]
+        # the latent's norm, both rotations, the concatenations and the scale: one kernel on a GPU
+        norm = self.kv_a_layernorm
+        query, row, q_pe = ops.latent_inputs(q_latent, q_pe, kv, positions, rotary.cos_cache, rotary.sin_cache,
+                                             norm.weight, norm.eps, self.q_scale, mla.rope_interleave)
         expansion = LatentExpansion(q_nope, q_pe, w_uk, w_uv, mla.softmax_scale)
         latent_attention = getattr(runner, "latent_attention", None)
         if latent_attention is not None:  # the runner may expand prompt chunks (engine.latent_expansion)

@@ -1,0 +1,271 @@
+"""agentrt_kernels.triton.route_grouped_sigmoid (DeepSeek-V3 / GLM-4.7-Flash router epilogue: sigmoid, correction
+bias, group top-2 scores, group top-k, top-k, renormalise, scale) vs the torch reference, on fresh random inputs.
+
+Without a GPU the kernel runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
+imported), so sizes stay tiny. The interpreter truncates fp32 -> bf16 instead of rounding to nearest, so
+low-precision weights are compared to within one ulp of their dtype. The kernel orders its K experts by
+descending corrected score while the reference's topk is unsorted, so ids are compared as sets and weights
+per id. On CPU tensors ``ops.route_grouped_sigmoid`` must stay bit for bit the router's torch code from before
+the op existed (copied below as ``_before_forward``).
+"""
+
+import os
+import types
+import zlib
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+import torch.nn.functional as F  # noqa: E402
+
+from agentrt_kernels import ops  # noqa: E402
+from agentrt_kernels.torch_ref import moe_router as ref  # noqa: E402
+from agentrt_kernels.triton import route_grouped_sigmoid  # noqa: E402
+from engine.models.deepseek_v3 import GroupedSigmoidRouter  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# (atol, rtol) on the weights, compared in their dtype: ~one ulp for fp16 / bf16
+WEIGHT_TOL = {torch.float32: (1e-7, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
+GAP = 1e-6  # relative gap between scores below which two choices count as tied
+
+
+def _seed(*key) -> None:
+    torch.manual_seed(zlib.crc32(repr(key).encode()))
+
+
+def _separated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a - b).abs() > GAP * torch.maximum(a.abs(), b.abs())
+
+
+def _clear_rows(logits, bias, top_k, groups, topk_groups) -> torch.Tensor:
+    """Rows whose chosen groups and chosen experts are not decided by (near-)ties, where any correct
+    implementation picks the reference's set."""
+    choice = logits.float().sigmoid() + bias
+    tokens, experts = choice.shape
+    clear = torch.ones(tokens, dtype=torch.bool, device=choice.device)
+    if groups > 1:
+        group_scores = choice.view(tokens, groups, -1).topk(2, dim=-1)[0].sum(dim=-1)
+        ranked = group_scores.sort(dim=-1, descending=True)
+        if topk_groups < groups:
+            clear &= _separated(ranked.values[:, topk_groups - 1], ranked.values[:, topk_groups])
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, ranked.indices[:, :topk_groups], True)
+        choice = choice.masked_fill(~keep.repeat_interleave(experts // groups, dim=1), float("-inf"))
+    if top_k < experts:
+        top = choice.sort(dim=-1, descending=True).values
+        clear &= _separated(top[:, top_k - 1], top[:, top_k])
+    return clear
+
+
+def _by_id(ids: torch.Tensor, weights: torch.Tensor):
+    order = ids.argsort(dim=-1)
+    return ids.gather(1, order), weights.gather(1, order)
+
+
+def _check_against_ref(logits, bias, top_k, groups, topk_groups, renormalize, scaling, out_dtype) -> None:
+    args = (top_k, groups, topk_groups, renormalize, scaling, out_dtype)
+    ids, weights = route_grouped_sigmoid(logits, bias, *args)
+    ref_ids, ref_weights = ref.route_grouped_sigmoid(logits, bias, *args)
+    tokens, experts = logits.shape
+    assert ids.shape == (tokens, top_k) and ids.dtype == torch.int64
+    assert weights.shape == (tokens, top_k) and weights.dtype == out_dtype
+    assert ((ids >= 0) & (ids < experts)).all()
+    assert all(len(set(row)) == top_k for row in ids.tolist())  # distinct experts per row
+
+    clear = _clear_rows(logits, bias, top_k, groups, topk_groups)
+    assert clear.any()  # random inputs: (near-)ties are rare, so the comparison below is not vacuous
+    ids, weights = _by_id(ids[clear], weights[clear])
+    ref_ids, ref_weights = _by_id(ref_ids[clear], ref_weights[clear])
+    assert torch.equal(ids, ref_ids)
+    atol, rtol = WEIGHT_TOL[out_dtype]
+    torch.testing.assert_close(weights.float(), ref_weights.float(), atol=atol, rtol=rtol)
+
+
+def _random_inputs(tokens, experts, dtype=torch.float32):
+    logits = (2.0 * torch.randn(tokens, experts, device=DEVICE)).to(dtype)
+    bias = 0.2 * torch.randn(experts, device=DEVICE)
+    return logits, bias
+
+
+# (experts, top_k, groups, topk_groups, renormalize, scaling)
+ROUTE_CASES = {
+    "glm-4.7-flash": (64, 4, 1, 1, True, 1.8),
+    "deepseek-v3-small": (64, 8, 8, 4, True, 2.5),
+    "groups-no-renorm": (32, 4, 8, 4, False, 1.0),
+    "no-groups-no-renorm": (16, 3, 1, 1, False, 0.75),
+    "uneven-group-size": (60, 6, 4, 2, True, 1.5),  # 15 experts a group: padded lanes inside each group row
+    "uneven-group-count": (48, 4, 6, 3, False, 2.0),  # 6 groups: padded group rows
+}
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", list(ROUTE_CASES))
+def test_route_grouped_sigmoid_matches_ref(out_dtype, case):
+    experts, top_k, groups, topk_groups, renormalize, scaling = ROUTE_CASES[case]
+    for tokens in (1, 5):
+        _seed("grouped", case, out_dtype, tokens)
+        logits, bias = _random_inputs(tokens, experts)
+        _check_against_ref(logits, bias, top_k, groups, topk_groups, renormalize, scaling, out_dtype)
+
+
+def test_route_grouped_sigmoid_low_precision_logits_and_strided_rows():
+    _seed("grouped-bf16-strided")
+    wide, bias = _random_inputs(6, 80, torch.bfloat16)
+    logits = wide[:, 8:72]  # row stride 80, last dim contiguous
+    _check_against_ref(logits, bias[:64].contiguous(), 8, 8, 4, True, 2.5, torch.bfloat16)
+
+
+def _logit(p: list[float]) -> torch.Tensor:
+    p = torch.tensor(p, dtype=torch.float64)
+    return torch.log(p / (1 - p)).float()
+
+
+def _both(logits, bias, *args):
+    return [route_grouped_sigmoid(logits, bias, *args), ref.route_grouped_sigmoid(logits, bias, *args)]
+
+
+def test_group_stage_scores_groups_by_their_top_two():
+    # group 0 holds the best single expert but the worst-but-one pair; groups 1 and 2 have the best pairs
+    probs = [[0.99, 0.01, 0.01, 0.01, 0.85, 0.80, 0.10, 0.10, 0.82, 0.78, 0.10, 0.10, 0.30, 0.30, 0.30, 0.30]]
+    logits = _logit(probs).to(DEVICE)
+    bias = torch.zeros(16, device=DEVICE)
+    for ids, weights in _both(logits, bias, 2, 4, 2, False, 1.0, torch.float32):
+        assert sorted(ids[0].tolist()) == [4, 8]
+        torch.testing.assert_close(weights[0].sort().values, torch.tensor([0.82, 0.85], device=DEVICE))
+    # a max held twice scores twice the max: group 0 (0.7 + 0.7) beats group 1 (0.9 + 0.45)
+    probs = [[0.70, 0.70, 0.10, 0.10, 0.90, 0.45, 0.10, 0.10, 0.20, 0.20, 0.10, 0.10, 0.20, 0.20, 0.10, 0.10]]
+    logits = _logit(probs).to(DEVICE)
+    for ids, _ in _both(logits, bias, 2, 4, 1, True, 1.0, torch.float32):
+        assert sorted(ids[0].tolist()) == [0, 1]
+
+
+def test_bias_chooses_but_does_not_weight():
+    logits = _logit([[0.90, 0.80, 0.70, 0.60, 0.50, 0.40, 0.30, 0.20]]).to(DEVICE)
+    bias = torch.tensor([0.0, 0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0], device=DEVICE)
+    for renormalize, scaling in ((True, 1.8), (False, 2.5)):
+        for ids, weights in _both(logits, bias, 2, 1, 1, renormalize, scaling, torch.float32):
+            ids, weights = _by_id(ids, weights)
+            assert ids[0].tolist() == [0, 2]  # expert 2 (0.7 + 0.5) beats expert 1 (0.8)
+            expect = torch.tensor([0.9, 0.7], device=DEVICE)
+            if renormalize:
+                expect = expect / expect.sum()
+            torch.testing.assert_close(weights[0], expect * scaling)
+
+
+def test_ties_take_lowest_index():
+    logits = torch.zeros(2, 16, device=DEVICE)
+    bias = torch.zeros(16, device=DEVICE)
+    ids, weights = route_grouped_sigmoid(logits, bias, 3, 4, 2, True, 1.0, torch.float32)
+    assert ids.tolist() == [[0, 1, 2]] * 2
+    torch.testing.assert_close(weights, torch.full_like(weights, 1 / 3))
+    # -inf choices still fill the K, lowest index first, weighted by their (finite) scores
+    bias = torch.tensor([float("-inf")] * 6 + [0.0, 0.0], device=DEVICE)
+    ids, weights = route_grouped_sigmoid(logits[:, :8], bias, 4, 1, 1, False, 1.0, torch.float32)
+    assert ids.tolist() == [[6, 7, 0, 1]] * 2
+    torch.testing.assert_close(weights, torch.full_like(weights, 0.5))
+    # all scores 0 (logits -inf): renormalising gives 0 weights, not 0 / 0
+    logits = torch.full((1, 16), float("-inf"), device=DEVICE)
+    for ids, weights in _both(logits, torch.zeros(16, device=DEVICE), 2, 4, 2, True, 1.0, torch.float32):
+        assert weights.eq(0).all()
+
+
+def test_route_grouped_sigmoid_empty():
+    ids, weights = route_grouped_sigmoid(torch.empty(0, 16, device=DEVICE), torch.zeros(16, device=DEVICE),
+                                         2, 4, 2, True, 1.0, torch.bfloat16)
+    assert ids.shape == (0, 2) and ids.dtype == torch.int64
+    assert weights.shape == (0, 2) and weights.dtype == torch.bfloat16
+
+
+def test_route_grouped_sigmoid_rejects_bad_inputs():
+    logits = torch.randn(4, 16, device=DEVICE)
+    bias = torch.zeros(16, device=DEVICE)
+
+    def call(logits=logits, bias=bias, top_k=2, groups=4, topk_groups=2, out_dtype=torch.float32):
+        route_grouped_sigmoid(logits, bias, top_k, groups, topk_groups, True, 1.0, out_dtype)
+
+    bad = [
+        ("2-D", dict(logits=logits[0])),
+        ("2-D", dict(logits=logits.view(2, 2, 16))),
+        ("router_logits must be float", dict(logits=logits.to(torch.int32))),
+        ("out_dtype", dict(out_dtype=torch.int64)),
+        ("contiguous", dict(logits=torch.randn(16, 4, device=DEVICE).t())),
+        ("groups", dict(groups=3)),  # does not divide 16
+        ("groups", dict(groups=0)),
+        ("groups", dict(groups=16, topk_groups=2)),  # one expert a group has no top 2
+        ("topk_groups", dict(topk_groups=0)),
+        ("topk_groups", dict(topk_groups=5)),
+        ("topk_groups", dict(top_k=5, topk_groups=1)),  # one group of 4 cannot hold 5 experts
+        ("correction_bias", dict(bias=torch.zeros(8, device=DEVICE))),
+        ("correction_bias", dict(bias=bias.half())),
+    ]
+    bad += [("top_k", dict(top_k=k)) for k in (0, -1, 17, True)]
+    for match, kwargs in bad:
+        with pytest.raises(ValueError, match=match):
+            call(**kwargs)
+
+
+def _before_forward(router, x):
+    """GroupedSigmoidRouter.forward before ops.route_grouped_sigmoid: the CPU path must stay exactly this."""
+    scores = F.linear(x.float(), router.weight).sigmoid()
+    choice = scores + router.e_score_correction_bias
+    if router.groups > 1:
+        t, e = choice.shape
+        group_scores = choice.view(t, router.groups, e // router.groups).topk(2, dim=-1)[0].sum(dim=-1)
+        chosen = group_scores.topk(router.topk_groups, dim=-1, sorted=False)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // router.groups, dim=1), float("-inf"))
+    topk_ids = choice.topk(router.top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, topk_ids)
+    if router.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_ids, (weights * router.scaling).to(x.dtype)
+
+
+@pytest.mark.parametrize("case", list(ROUTE_CASES))
+def test_cpu_path_is_the_old_router(case):
+    experts, top_k, groups, topk_groups, renormalize, scaling = ROUTE_CASES[case]
+    config = types.SimpleNamespace(num_experts=experts, hidden_size=32, num_experts_per_tok=top_k,
+                                   expert_groups=groups, topk_groups=topk_groups, norm_topk_prob=renormalize,
+                                   routed_scaling_factor=scaling)
+    router = GroupedSigmoidRouter(config)
+    _seed("grouped-cpu", case)
+    router.weight.copy_(0.3 * torch.randn(experts, 32))
+    router.e_score_correction_bias.copy_(0.2 * torch.randn(experts))
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(7, 32).to(dtype)
+        before = _before_forward(router, x)
+        for ids, weights in (router(x), ops.route_grouped_sigmoid(
+                F.linear(x.float(), router.weight), router.e_score_correction_bias, top_k, groups, topk_groups,
+                renormalize, scaling, dtype)):
+            assert torch.equal(ids, before[0]) and torch.equal(weights, before[1])
+
+
+def test_ops_takes_the_kernel_when_triton(monkeypatch):
+    monkeypatch.setattr(ops, "uses_triton", lambda x: True)
+    _seed("grouped-ops")
+    logits, bias = _random_inputs(5, 64)
+    ids, weights = ops.route_grouped_sigmoid(logits, bias, 8, 8, 4, True, 2.5, torch.bfloat16)
+    assert torch.equal(ids, route_grouped_sigmoid(logits, bias, 8, 8, 4, True, 2.5, torch.bfloat16)[0])
+    assert weights.dtype == torch.bfloat16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_route_grouped_sigmoid_cuda_graph():
+    _seed("grouped-graph")
+    logits, bias = _random_inputs(6, 64)
+    args = (8, 8, 4, True, 2.5, torch.bfloat16)
+    route_grouped_sigmoid(logits, bias, *args)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ids, weights = route_grouped_sigmoid(logits, bias, *args)
+    logits.copy_(2.0 * torch.randn(6, 64, device=DEVICE))
+    graph.replay()
+    ref_ids, ref_weights = ref.route_grouped_sigmoid(logits, bias, *args)
+    ids, weights = _by_id(ids, weights)
+    ref_ids, ref_weights = _by_id(ref_ids, ref_weights)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights.float(), ref_weights.float(), atol=8e-3, rtol=8e-3)

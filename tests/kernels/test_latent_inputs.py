@@ -1,0 +1,108 @@
+"""The absorbed MLA layer's input kernel (agentrt_kernels.triton.latent_inputs) against its torch reference on
+fresh random strided inputs; the reference is the MLA layer's own torch code, which the DeepSeek-V3 / GLM parity
+tests check against transformers. Without a GPU the kernel runs in Triton's interpreter (TRITON_INTERPRET=1,
+set before triton is imported)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from agentrt_kernels.torch_ref.latent_inputs import latent_inputs as reference  # noqa: E402
+from agentrt_kernels.triton.latent_inputs import latent_inputs  # noqa: E402
+from engine.models.layers import RotaryEmbedding  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _inputs(tokens, heads, rank, rope, nope, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    q = randn(tokens, heads, nope + rope)  # the q projection: q_pe is a strided view of it
+    q_latent = randn(heads, tokens, rank).transpose(0, 1)  # as the bmm leaves it
+    kv = randn(tokens, rank + rope)
+    weight = (1 + 0.1 * torch.randn(rank, generator=gen)).to(DEVICE, dtype)
+    positions = torch.randint(0, 64, (tokens,), generator=gen).to(DEVICE)
+    with torch.device("cpu"):
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            rotary = RotaryEmbedding(rope, 10000.0, None, 64)
+        finally:
+            torch.set_default_dtype(default)
+    return q, q_latent, kv, weight, positions, rotary.cos_cache.to(DEVICE), rotary.sin_cache.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("interleave", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("rank", [32, 24])  # 24: a partial block of latent channels
+def test_latent_inputs_equal_the_reference(dtype, interleave, rank):
+    tokens, heads, rope, nope = 3, 5, 8, 12
+    q, q_latent, kv, weight, positions, cos, sin = _inputs(tokens, heads, rank, rope, nope, dtype, rank)
+    q_pe = q[..., nope:]
+    want_query, want_row, want_pe = reference(q_latent, q_pe.clone(), kv, positions, cos, sin, weight, 1e-6,
+                                              0.7, interleave)
+    before = q.clone()
+    query, row, pe = latent_inputs(q_latent, q_pe, kv, positions, cos, sin, weight, 1e-6, 0.7, interleave)
+    assert query.shape == (tokens, heads, rank + rope) and row.shape == (tokens, 1, rank + rope)
+    tol = 1e-6 if dtype == torch.float32 else 1.6e-2  # the interpreter truncates where torch rounds
+    for got, want in ((query, want_query), (row, want_row), (pe, want_pe)):
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(q[..., nope:].float(), want_pe.float(), atol=tol, rtol=tol)  # rotated in place
+    assert torch.equal(q[..., :nope], before[..., :nope])  # the nope part is untouched
+
+
+def test_interleaved_rope_reads_pairs():
+    """With pairs the kernel must rotate (x0, x2, ..) against (x1, x3, ..): fed a rope key whose halves-layout
+    rotation differs, the two modes give different rows (a kernel that ignored the flag would not)."""
+    q, q_latent, kv, weight, positions, cos, sin = _inputs(2, 2, 16, 8, 4, torch.float32, 7)
+    positions.fill_(5)
+    rows = [latent_inputs(q_latent, q.clone()[..., 4:], kv, positions, cos, sin, weight, 1e-6, 1.0, mode)[1]
+            for mode in (False, True)]
+    assert not torch.allclose(rows[0][..., 16:], rows[1][..., 16:])
+    torch.testing.assert_close(rows[0][..., :16], rows[1][..., :16])  # the latent part does not depend on it
+
+
+def test_shapes_and_dtypes_are_checked():
+    q, q_latent, kv, weight, positions, cos, sin = _inputs(2, 2, 16, 8, 4, torch.float32, 3)
+    with pytest.raises(ValueError, match="norm_weight"):
+        latent_inputs(q_latent, q[..., 4:], kv, positions, cos, sin, weight[:8], 1e-6, 1.0, False)
+    with pytest.raises(ValueError, match="do not match"):
+        latent_inputs(q_latent, q[..., 4:], kv[:, :20], positions, cos, sin, weight, 1e-6, 1.0, False)
+    with pytest.raises(ValueError, match="positions"):
+        latent_inputs(q_latent, q[..., 4:], kv, positions[:1], cos, sin, weight, 1e-6, 1.0, False)
+    with pytest.raises(ValueError, match="share a dtype"):
+        latent_inputs(q_latent.double(), q[..., 4:], kv, positions, cos, sin, weight, 1e-6, 1.0, False)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])  # rope halves / rope pairs
+def test_models_through_the_kernel_equal_transformers(arch, mla_dirs, monkeypatch):
+    """The MLA layer with the kernel in place of its torch code (fp32, CPU interpreter) still gives
+    transformers' logits: the kernel is wired to the layer's own norm, rotary caches and scale."""
+    from agentrt_kernels.torch_ref import latent_inputs as reference_module
+    from engine.loader import load_model
+    from tests.engine.test_models_vs_hf import DenseCausalRunner
+    from tests.hf_reference import hf_model
+
+    calls = []
+
+    def kernel(*args):
+        calls.append(args[0].shape)
+        return latent_inputs(*args)
+
+    monkeypatch.setattr(reference_module, "latent_inputs", kernel)
+    model, _ = load_model(mla_dirs[arch], dtype=torch.float32)
+    ids = torch.randint(5, 500, (24,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf_model(str(mla_dirs[arch]))(ids[None]).logits[0]
+        ours = model.compute_logits(model(ids, torch.arange(24), DenseCausalRunner()))
+    assert len(calls) == model.config.num_layers
+    assert (ours - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
