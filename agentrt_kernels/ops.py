@@ -150,17 +150,18 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 
 
 def route_grouped_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, groups: int,
-                          topk_groups: int, renormalize: bool, scaling: float,
-                          out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                          topk_groups: int, renormalize: bool, scaling: float, out_dtype: torch.dtype,
+                          shared_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 MoE routing: router_logits [T, E] -> (topk_ids [T, K] int64, topk_weights [T, K] in
     ``out_dtype``). Sigmoid scores plus ``correction_bias`` pick ``topk_groups`` of ``groups`` expert groups
     (scored by their top two), then the top-k experts inside them; the weights are the uncorrected scores,
-    renormalized when ``renormalize``, times ``scaling``. The kernel sends exact ties to the lower id."""
+    renormalized when ``renormalize``, times ``scaling``. The kernel sends exact ties to the lower id.
+    ``shared_expert``: a last column [T, K + 1] of that id with weight 1 (a shared expert among the routed)."""
+    args = (router_logits, correction_bias, top_k, groups, topk_groups, renormalize, scaling, out_dtype,
+            shared_expert)
     if uses_triton(router_logits):
-        return _kernels().route_grouped_sigmoid(router_logits, correction_bias, top_k, groups, topk_groups,
-                                                renormalize, scaling, out_dtype)
-    return _moe_router_ref.route_grouped_sigmoid(router_logits, correction_bias, top_k, groups, topk_groups,
-                                                 renormalize, scaling, out_dtype)
+        return _kernels().route_grouped_sigmoid(*args)
+    return _moe_router_ref.route_grouped_sigmoid(*args)
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

@@ -87,8 +87,12 @@ def weight_bytes(model: torch.nn.Module, exclude_embedding: bool = True) -> int:
 
 
 def expert_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of routed-expert weights (stacked ``mlp.experts`` parameters)."""
-    return sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    """Bytes of routed-expert weights (stacked ``mlp.experts`` parameters; a shared expert stacked after the routed
+    ones is read every step and not counted here)."""
+    from engine.models.moe import StackedExperts
+
+    return sum(p.numel() * p.element_size() * m.num_routed // m.num_experts
+               for m in model.modules() if isinstance(m, StackedExperts) for p in m.parameters())
 
 
 def expected_expert_fraction(num_experts: int, top_k: int, batch: int) -> float:

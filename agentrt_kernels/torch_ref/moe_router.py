@@ -16,12 +16,13 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
 
 
 def route_grouped_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, groups: int,
-                          topk_groups: int, renormalize: bool, scaling: float,
-                          out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                          topk_groups: int, renormalize: bool, scaling: float, out_dtype: torch.dtype,
+                          shared_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 routing: router_logits [T, E] -> (topk_ids [T, K] int64 (unsorted), topk_weights [T, K] in
     ``out_dtype``). Sigmoid scores plus ``correction_bias`` [E] choose ``topk_groups`` of ``groups`` contiguous
     expert groups (each scored by its two best), then the top-k experts inside them; the weights are the chosen
-    experts' uncorrected scores, divided by their sum when ``renormalize``, times ``scaling``."""
+    experts' uncorrected scores, divided by their sum when ``renormalize``, times ``scaling``. ``shared_expert``:
+    one more column [T, K + 1], that id with weight 1 (a shared expert run with the routed ones)."""
     scores = router_logits.float().sigmoid()
     choice = scores + correction_bias
     if groups > 1:
@@ -34,4 +35,8 @@ def route_grouped_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Te
     weights = scores.gather(1, topk_ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_ids, (weights * scaling).to(out_dtype)
+    weights = (weights * scaling).to(out_dtype)
+    if shared_expert is not None:
+        topk_ids = torch.cat([topk_ids, torch.full_like(topk_ids[:, :1], shared_expert)], dim=1)
+        weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
+    return topk_ids, weights

@@ -123,9 +123,10 @@ def route_topk(
 @triton.jit
 def _route_grouped_sigmoid_kernel(
     logits_ptr, bias_ptr, ids_ptr, w_ptr,
-    stride_l, stride_b, stride_i, stride_w, scaling,
+    stride_l, stride_b, stride_i, stride_w, scaling, shared_expert,
     GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
+    SHARED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     gcols = tl.arange(0, BLOCK_G)
@@ -173,6 +174,9 @@ def _route_grouped_sigmoid_kernel(
     sel_w = sel_w * scaling
     tl.store(ids_ptr + row * stride_i + kcols, sel_ids.to(tl.int64), mask=kmask)
     tl.store(w_ptr + row * stride_w + kcols, sel_w.to(w_ptr.dtype.element_ty), mask=kmask)
+    if SHARED:  # column K: the shared expert, weight 1, for every token
+        tl.store(ids_ptr + row * stride_i + TOP_K, shared_expert)
+        tl.store(w_ptr + row * stride_w + TOP_K, tl.full([], 1.0, tl.float32).to(w_ptr.dtype.element_ty))
 
 
 def _is_int(v) -> bool:
@@ -181,9 +185,10 @@ def _is_int(v) -> bool:
 
 def route_grouped_sigmoid(
     router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, groups: int, topk_groups: int,
-    renormalize: bool, scaling: float, out_dtype: torch.dtype,
+    renormalize: bool, scaling: float, out_dtype: torch.dtype, shared_expert: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] -> (topk_ids [T, K] int64, topk_weights [T, K] in out_dtype), DeepSeek-V3 routing."""
+    """router_logits [T, E] -> (topk_ids [T, K] int64, topk_weights [T, K] in out_dtype), DeepSeek-V3 routing;
+    with ``shared_expert``, [T, K + 1]: a last column of that id, weight 1."""
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be 2-D [tokens, experts], got {tuple(router_logits.shape)}")
     if router_logits.dtype not in _FLOAT_DTYPES:
@@ -210,18 +215,22 @@ def route_grouped_sigmoid(
                          f"{tuple(correction_bias.shape)}")
     if correction_bias.device != router_logits.device:
         raise ValueError(f"correction_bias must be on {router_logits.device}, got {correction_bias.device}")
+    if shared_expert is not None and (not _is_int(shared_expert) or shared_expert < 0):
+        raise ValueError(f"shared_expert must be None or a non-negative int, got {shared_expert!r}")
     device = router_logits.device
-    topk_ids = torch.empty((tokens, top_k), dtype=torch.int64, device=device)
-    topk_weights = torch.empty((tokens, top_k), dtype=out_dtype, device=device)
+    columns = top_k + (shared_expert is not None)
+    topk_ids = torch.empty((tokens, columns), dtype=torch.int64, device=device)
+    topk_weights = torch.empty((tokens, columns), dtype=out_dtype, device=device)
     if tokens == 0:
         return topk_ids, topk_weights
     block_g, block_s = next_pow2(groups), next_pow2(group_size)
     _route_grouped_sigmoid_kernel[(tokens,)](
         router_logits, correction_bias, topk_ids, topk_weights,
         router_logits.stride(0), correction_bias.stride(0), topk_ids.stride(0), topk_weights.stride(0),
-        float(scaling),
+        float(scaling), -1 if shared_expert is None else shared_expert,
         GROUPS=groups, GROUP_SIZE=group_size, BLOCK_G=block_g, BLOCK_S=block_s,
         TOPK_GROUPS=topk_groups, TOP_K=top_k, BLOCK_K=next_pow2(top_k), RENORMALIZE=bool(renormalize),
+        SHARED=shared_expert is not None,
         num_warps=max(1, min(8, block_g * block_s // 256)),
     )
     return topk_ids, topk_weights

@@ -31,6 +31,8 @@ from engine.parallel.state import current_group
 
 log = logging.getLogger(__name__)
 _LAYER_KEY = re.compile(r"^model\.layers\.(\d+)\.")
+_SHARED_KEY = re.compile(r"^(?P<mlp>.+\.mlp)\.shared_experts\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_HALF = {"gate_proj": 0, "up_proj": 1}
 
 
 class GroupedSigmoidRouter(nn.Module):
@@ -43,12 +45,23 @@ class GroupedSigmoidRouter(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.empty(experts, dtype=torch.float32), requires_grad=False)
         self.top_k, self.groups, self.topk_groups = config.num_experts_per_tok, config.expert_groups, config.topk_groups
         self.renormalize, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
+        self.shared_expert: int | None = None  # an expert every token takes with weight 1 (DeepseekMoE)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] in x.dtype)."""
+        """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] in x.dtype); K + 1 columns with a shared
+        expert."""
         logits = F.linear(x.float(), self.weight)
         return ops.route_grouped_sigmoid(logits, self.e_score_correction_bias, self.top_k, self.groups,
-                                         self.topk_groups, self.renormalize, self.scaling, x.dtype)
+                                         self.topk_groups, self.renormalize, self.scaling, x.dtype,
+                                         self.shared_expert)
+
+
+def shares_expert_slot(config: ModelConfig) -> bool:
+    """Whether the shared experts are one expert of the routed experts' size (GLM-4.7-Flash, DeepSeek-V3, Kimi
+    K2: ``n_shared_experts`` 1): it is then stacked after the routed experts and the router appends it to every
+    token's choice with weight 1, so one grouped kernel runs it with them (no launches of its own; the sum is
+    the same: the routed outputs, then the shared one, added in the experts' order)."""
+    return config.shared_expert_intermediate_size == config.moe_intermediate_size > 0
 
 
 class DeepseekMoE(nn.Module):
@@ -56,11 +69,16 @@ class DeepseekMoE(nn.Module):
         super().__init__()
         self.tp = current_group()
         self.gate = GroupedSigmoidRouter(config)
-        self.experts = StackedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        routed = config.num_experts
         self.shared_experts = None
-        if config.shared_expert_intermediate_size:
-            self.shared_experts = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
-                                           reduce_results=False)
+        if shares_expert_slot(config):
+            self.gate.shared_expert = routed
+            self.experts = StackedExperts(routed + 1, config.hidden_size, config.moe_intermediate_size, routed)
+        else:
+            self.experts = StackedExperts(routed, config.hidden_size, config.moe_intermediate_size)
+            if config.shared_expert_intermediate_size:
+                self.shared_experts = DenseMLP(config.hidden_size, config.shared_expert_intermediate_size,
+                                               reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_ids, topk_weights = self.gate(x)
@@ -85,6 +103,24 @@ class DeepseekV3ForCausalLM(PerExpertCheckpointNames, DecoderForCausalLM):
         if config.is_moe_layer(layer_idx):
             return DeepseekMoE(config)
         return DenseMLP(config.hidden_size, config.intermediate_size)
+
+    def checkpoint_target(self, name: str):
+        match = _SHARED_KEY.match(name)
+        if match is None or not shares_expert_slot(self.config):
+            return super().checkpoint_target(name)
+        slot = self.config.num_experts  # stacked after the routed experts (shares_expert_slot)
+        if match["proj"] == "down_proj":
+            return f"{match['mlp']}.experts.down_proj", slot
+        return f"{match['mlp']}.experts.gate_up_proj", (slot, _HALF[match["proj"]])
+
+    def checkpoint_name(self, param_name: str, shard_id) -> str:
+        slot = self.config.num_experts
+        if param_name.endswith(".experts.down_proj") and shard_id == slot:
+            return param_name.replace(".experts.down_proj", ".shared_experts.down_proj.weight")
+        if param_name.endswith(".experts.gate_up_proj") and isinstance(shard_id, tuple) and shard_id[0] == slot:
+            proj = ("gate_proj", "up_proj")[shard_id[1]]
+            return param_name.replace(".experts.gate_up_proj", f".shared_experts.{proj}.weight")
+        return super().checkpoint_name(param_name, shard_id)
 
     def kv_projections(self):
         raise ConfigError(f"{self.config.architecture} caches latent rows: no per-head key / value projections")

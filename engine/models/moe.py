@@ -22,16 +22,21 @@ from agentrt_kernels import ops
 class StackedExperts(nn.Module):
     """gate_up_proj [E, 2I, H] (gate rows first) and down_proj [E, H, I], the transformers-5 layout.
 
-    Shard ids: gate_up_proj takes (expert, 0 = gate | 1 = up), down_proj takes expert; None = all experts.
+    Shard ids: gate_up_proj takes (expert, 0 = gate | 1 = up), down_proj takes expert; None = all routed experts.
     Tensor parallel: every rank holds every expert, with a slice of each expert's intermediate dim (I / N
     gate rows, I / N up rows, I / N down columns), so ``forward`` returns this rank's partial sum.
+    ``num_routed`` < ``num_experts``: the experts from ``num_routed`` on are shared experts a router appends to
+    every token's choice (DeepSeek's, run by the same kernel as the routed ones); a stacked checkpoint tensor
+    holds the routed experts only.
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 num_routed: int | None = None) -> None:
         super().__init__()
         self.tp = current_group()
         check_divisible("the expert intermediate size", intermediate_size, self.tp.world_size)
         self.num_experts, self.intermediate_size = num_experts, intermediate_size
+        self.num_routed = num_experts if num_routed is None else num_routed
         self.local_intermediate = intermediate_size // self.tp.world_size
         self.gate_up_proj = new_parameter(num_experts, 2 * self.local_intermediate, hidden_size)
         self.down_proj = new_parameter(num_experts, hidden_size, self.local_intermediate)
@@ -56,12 +61,13 @@ class StackedExperts(nn.Module):
 
     def load_gate_up(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None) -> None:
         local = self.local_intermediate
-        if shard_id is None:  # [E, 2I, H]: gate rows, then up rows
+        if shard_id is None:  # [E, 2I, H] (the routed experts): gate rows, then up rows
             if loaded.dim() != 3 or loaded.shape[1] != 2 * self.intermediate_size:
                 raise CheckpointError(f"shape {tuple(loaded.shape)} does not match expected "
-                                      f"{(self.num_experts, 2 * self.intermediate_size, param.shape[2])}")
+                                      f"{(self.num_routed, 2 * self.intermediate_size, param.shape[2])}")
+            routed = param.data[: self.num_routed]
             for half, part in enumerate(loaded.split(self.intermediate_size, dim=1)):
-                copy_into(param.data.narrow(1, half * local, local), self._rank_slice(part, 1))
+                copy_into(routed.narrow(1, half * local, local), self._rank_slice(part, 1))
             return
         expert, half = shard_id
         self._check_expert(expert)
@@ -70,7 +76,7 @@ class StackedExperts(nn.Module):
     def load_down(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None) -> None:
         if shard_id is not None:
             self._check_expert(shard_id)
-        dst = param.data if shard_id is None else param.data[shard_id]
+        dst = param.data[: self.num_routed] if shard_id is None else param.data[shard_id]
         copy_into(dst, self._rank_slice(loaded, loaded.dim() - 1))
 
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -79,9 +85,9 @@ class StackedExperts(nn.Module):
         On a GPU the fused Triton kernel runs (no host sync, CUDA-graph capturable); elsewhere a torch loop
         over the experts that received tokens.
         """
-        if self.routed_counter is not None:
+        if self.routed_counter is not None:  # routed experts only: shared ones are read every step
             hit = torch.zeros(self.num_experts, dtype=self.routed_counter.dtype, device=x.device)
-            self.routed_counter += hit.index_fill_(0, topk_ids.flatten(), 1).sum()
+            self.routed_counter += hit.index_fill_(0, topk_ids.flatten(), 1)[: self.num_routed].sum()
         return ops.fused_moe(x, self.gate_up_proj, self.down_proj, topk_weights, topk_ids)
 
 

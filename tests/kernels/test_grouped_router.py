@@ -269,3 +269,22 @@ def test_route_grouped_sigmoid_cuda_graph():
     ref_ids, ref_weights = _by_id(ref_ids, ref_weights)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(weights.float(), ref_weights.float(), atol=8e-3, rtol=8e-3)
+
+
+@pytest.mark.parametrize("case", ["glm-4.7-flash", "deepseek-v3-small"])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_a_shared_expert_is_one_more_column_of_weight_one(case, out_dtype):
+    """``shared_expert``: the routed columns as without it, then that id with weight exactly 1 in every row."""
+    experts, top_k, groups, topk_groups, renormalize, scaling = ROUTE_CASES[case]
+    _seed("shared", case, out_dtype)
+    logits, bias = _random_inputs(5, experts)
+    args = (top_k, groups, topk_groups, renormalize, scaling, out_dtype)
+    for route in (route_grouped_sigmoid, ref.route_grouped_sigmoid):
+        ids, weights = route(logits, bias, *args, shared_expert=experts)
+        plain_ids, plain_weights = route(logits, bias, *args)
+        assert ids.shape == weights.shape == (5, top_k + 1)
+        assert torch.equal(ids[:, top_k], torch.full((5,), experts, device=DEVICE))
+        assert torch.equal(weights[:, top_k], torch.ones(5, dtype=out_dtype, device=DEVICE))
+        assert torch.equal(ids[:, :top_k], plain_ids) and torch.equal(weights[:, :top_k], plain_weights)
+    with pytest.raises(ValueError, match="shared_expert"):
+        route_grouped_sigmoid(logits, bias, *args, shared_expert=-2)
