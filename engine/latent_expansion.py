@@ -44,8 +44,13 @@ class LatentExpansion:
     softmax_scale: float
 
     def absorb(self, out: torch.Tensor) -> torch.Tensor:
-        """An absorbed attention output [T, H, kv_lora_rank] -> [T, H, v] (through ``W_UV``)."""
-        return torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2)).transpose(0, 1)
+        """An absorbed attention output [T, H, kv_lora_rank] -> [T, H, v] (through ``W_UV``), contiguous: the
+        batched product writes each head's columns straight into the rows the output projection reads (no
+        transposing copy after it)."""
+        t, heads, v = out.shape[0], self.w_uv.shape[0], self.w_uv.shape[1]
+        result = torch.empty(t, heads, v, dtype=out.dtype, device=out.device)
+        torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2), out=result.transpose(0, 1))
+        return result
 
     def crossover_query_len(self) -> int:
         """The chunk length from which expanding costs fewer multiplies than the absorbed form (per cached row:
