@@ -9,7 +9,8 @@ from agentrt_kernels.triton.decode_attention import choose_num_splits, paged_dec
 from agentrt_kernels.triton.decode_logits import paged_decode_logits
 from agentrt_kernels.triton.kv_store import store_kv
 from agentrt_kernels.triton.moe import fused_moe, moe_align_block_size
-from agentrt_kernels.triton.moe_router import route_grouped_sigmoid, route_topk
+from agentrt_kernels.triton.grouped_router import route_grouped_sigmoid
+from agentrt_kernels.triton.moe_router import route_topk
 from agentrt_kernels.triton.norm import rms_norm
 from agentrt_kernels.triton.prefill_attention import paged_prefill_attention
 from agentrt_kernels.triton.quest import quest_decode_scores, quest_decode_table, quest_page_scores

@@ -4,8 +4,8 @@
 The MoE block routes by sigmoid scores: a per-expert correction bias picks the experts (first the
 ``topk_group`` best of ``n_group`` expert groups, each group scored by its two best experts, then the top-k
 experts inside them), while the weights are the uncorrected scores of the chosen experts, renormalized when
-``norm_topk_prob`` and times ``routed_scaling_factor`` (``ops.route_grouped_sigmoid``: one fused kernel after
-the fp32 gate GEMM on GPU); shared experts (one SwiGLU MLP of ``n_shared_experts * moe_intermediate_size``)
+``norm_topk_prob`` and times ``routed_scaling_factor`` (``ops.route_grouped_sigmoid_from_hidden``: on a GPU one
+kernel, with the fp32 gate product at decode sizes); shared experts (one SwiGLU MLP of ``n_shared_experts * moe_intermediate_size``)
 add to every token. The first ``first_k_dense_replace`` layers have a dense MLP. A multi-token-prediction
 layer in the checkpoint (``model.layers.{num_hidden_layers}...``) is skipped with a log line. Read from
 transformers' ``modeling_deepseek_v3.py``.
@@ -17,7 +17,6 @@ import logging
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from agentrt_kernels import ops
@@ -50,10 +49,9 @@ class GroupedSigmoidRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_ids [T, K] int64, topk_weights [T, K] in x.dtype); K + 1 columns with a shared
         expert."""
-        logits = F.linear(x.float(), self.weight)
-        return ops.route_grouped_sigmoid(logits, self.e_score_correction_bias, self.top_k, self.groups,
-                                         self.topk_groups, self.renormalize, self.scaling, x.dtype,
-                                         self.shared_expert)
+        return ops.route_grouped_sigmoid_from_hidden(x, self.weight, self.e_score_correction_bias, self.top_k,
+                                                     self.groups, self.topk_groups, self.renormalize, self.scaling,
+                                                     self.shared_expert)
 
 
 def shares_expert_slot(config: ModelConfig) -> bool:

@@ -288,3 +288,56 @@ def test_a_shared_expert_is_one_more_column_of_weight_one(case, out_dtype):
         assert torch.equal(ids[:, :top_k], plain_ids) and torch.equal(weights[:, :top_k], plain_weights)
     with pytest.raises(ValueError, match="shared_expert"):
         route_grouped_sigmoid(logits, bias, *args, shared_expert=-2)
+
+
+@pytest.mark.parametrize("case", ["glm-4.7-flash", "deepseek-v3-small", "uneven-group-size"])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_routing_from_hidden_rows_equals_the_gate_product_then_routing(case, x_dtype):
+    """The logits computed in the routing program (x . gate rows in fp32, hidden blocks of BLOCK_H, 300 columns:
+    a partial block) route as ``F.linear(x.float(), gate)`` then the reference do, weights in x's dtype."""
+    from agentrt_kernels.triton.grouped_router import route_grouped_sigmoid_from_hidden
+
+    experts, top_k, groups, topk_groups, renormalize, scaling = ROUTE_CASES[case]
+    _seed("hidden", case, x_dtype)
+    hidden = 300  # three blocks of 128, the last partial
+    x = torch.randn(5, hidden, device=DEVICE).to(x_dtype)
+    gate = 0.2 * torch.randn(experts, hidden, device=DEVICE)
+    bias = 0.2 * torch.randn(experts, device=DEVICE)
+    args = (top_k, groups, topk_groups, renormalize, scaling, x_dtype)
+    ids, weights = route_grouped_sigmoid_from_hidden(x, gate, bias, *args, shared_expert=experts)
+    logits = torch.nn.functional.linear(x.float(), gate)
+    ref_ids, ref_weights = ref.route_grouped_sigmoid(logits, bias, *args, shared_expert=experts)
+    assert ids.shape == weights.shape == (5, top_k + 1) and weights.dtype == x_dtype
+    clear = _clear_rows(logits, bias, top_k, groups, topk_groups)
+    assert clear.any()
+    got_ids, got_weights = _by_id(ids[clear], weights[clear])
+    want_ids, want_weights = _by_id(ref_ids[clear], ref_weights[clear])
+    assert torch.equal(got_ids, want_ids)
+    atol, rtol = WEIGHT_TOL[x_dtype]
+    torch.testing.assert_close(got_weights.float(), want_weights.float(), atol=max(atol, 1e-6), rtol=rtol)
+
+
+def test_ops_routes_decode_rows_from_hidden_and_larger_batches_through_the_gemm(monkeypatch):
+    """``ops.route_grouped_sigmoid_from_hidden``: on the kernel path a few rows over a small gate take the one-launch
+    kernel; more rows than ``HIDDEN_ROUTE_MAX_ROWS`` take the gate GEMM and the logits kernel; on the CPU it is the
+    router's torch code (the GEMM, then the reference) bit for bit."""
+    from agentrt_kernels import ops
+    from agentrt_kernels.triton import grouped_router
+
+    calls = []
+    for name in ("route_grouped_sigmoid", "route_grouped_sigmoid_from_hidden"):
+        original = getattr(grouped_router, name)
+        monkeypatch.setattr(grouped_router, name,
+                            lambda *a, _o=original, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    gate, bias = 0.2 * torch.randn(16, 32), 0.2 * torch.randn(16)
+    small, large = torch.randn(3, 32), torch.randn(grouped_router.HIDDEN_ROUTE_MAX_ROWS + 1, 32)
+    cpu = [ops.route_grouped_sigmoid_from_hidden(x, gate, bias, 2, 1, 1, True, 1.5) for x in (small, large)]
+    for x, got in zip((small, large), cpu):
+        want = ref.route_grouped_sigmoid(torch.nn.functional.linear(x, gate), bias, 2, 1, 1, True, 1.5, x.dtype)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert calls == []
+    monkeypatch.setattr(ops, "uses_triton", lambda t: True)
+    monkeypatch.setattr(ops, "_kernels", lambda module=None: grouped_router)
+    for x in (small.to(DEVICE), large.to(DEVICE)):
+        ops.route_grouped_sigmoid_from_hidden(x, gate.to(DEVICE), bias.to(DEVICE), 2, 1, 1, True, 1.5)
+    assert calls == ["route_grouped_sigmoid_from_hidden", "route_grouped_sigmoid"]
