@@ -46,6 +46,27 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
 
+class MergedLinear(Linear):
+    """Projections of one input packed along the output dim, held whole by every tensor-parallel rank (an MLA
+    layer's query and latent down-projections: one GEMM for both); checkpoint shard i fills output rows
+    ``[offset_i, offset_i + size_i)``."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(input_size, sum(output_sizes), bias)
+        self.output_sizes = tuple(output_sizes)
+        self.offsets = tuple(sum(output_sizes[:i]) for i in range(len(output_sizes)))
+        for param in (self.weight, self.bias):
+            if param is not None:
+                param.weight_loader = self.load
+                param.shard_ids = tuple(range(len(output_sizes)))
+
+    def load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int | None = None) -> None:
+        if shard_id is None:
+            copy_into(param.data, loaded)
+            return
+        copy_into(param.data.narrow(0, self.offsets[shard_id], self.output_sizes[shard_id]), loaded)
+
+
 class RMSNorm(nn.Module):
     """HF LlamaRMSNorm: normalize in fp32, cast back, then scale by the weight in the weight's dtype."""
 

@@ -28,7 +28,7 @@ from torch import nn
 from engine.latent_expansion import LatentExpansion
 from engine.model_config import ModelConfig
 from engine.models.interface import LayerRunner
-from engine.models.layers import Linear, RMSNorm, RotaryEmbedding
+from engine.models.layers import Linear, MergedLinear, RMSNorm, RotaryEmbedding
 from engine.parallel.layers import ColumnParallelLinear, RowParallelLinear, check_divisible
 from engine.parallel.state import current_group
 from agentrt_kernels import ops
@@ -51,11 +51,11 @@ class LatentAttention(nn.Module):
         qk_head = nope + rope
         if mla.q_lora_rank is None:
             self.q_proj = ColumnParallelLinear(config.hidden_size, config.num_heads * qk_head)
-        else:
-            self.q_a_proj = Linear(config.hidden_size, mla.q_lora_rank, bias)
+            self.kv_a_proj_with_mqa = Linear(config.hidden_size, rank + rope, bias)
+        else:  # q_a_proj and kv_a_proj_with_mqa (checkpoint names) read the same rows: one GEMM
+            self.qkv_a_proj = MergedLinear(config.hidden_size, [mla.q_lora_rank, rank + rope], bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LOW_RANK_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(mla.q_lora_rank, config.num_heads * qk_head)
-        self.kv_a_proj_with_mqa = Linear(config.hidden_size, rank + rope, bias)
         self.kv_a_layernorm = RMSNorm(rank, LOW_RANK_NORM_EPS)
         self.kv_b_proj = ColumnParallelLinear(rank, config.num_heads * (nope + v))
         self.o_proj = RowParallelLinear(config.num_heads * v, config.hidden_size, bias)
@@ -71,11 +71,11 @@ class LatentAttention(nn.Module):
                 runner: LayerRunner) -> torch.Tensor:
         mla, t, h = self.mla, hidden.shape[0], self.num_heads
         if mla.q_lora_rank is None:
-            q = self.q_proj(hidden)
+            q, kv = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_a, kv = self.qkv_a_proj(hidden).split([mla.q_lora_rank, mla.cache_dim], dim=-1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
         q_nope, q_pe = q.view(t, h, -1).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        kv = self.kv_a_proj_with_mqa(hidden)
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
         # the latent's norm, both rotations, the concatenations and the scale: one kernel on a GPU
