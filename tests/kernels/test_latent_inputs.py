@@ -106,3 +106,49 @@ def test_models_through_the_kernel_equal_transformers(arch, mla_dirs, monkeypatc
         ours = model.compute_logits(model(ids, torch.arange(24), DenseCausalRunner()))
     assert len(calls) == model.config.num_layers
     assert (ours - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+
+
+_SM90_SCRIPT = """
+import json, sys
+import torch
+from benchmarks.kernel_resources import captured_launches, compile_sm90
+from agentrt_kernels.triton.grouped_router import route_grouped_sigmoid_from_hidden
+from agentrt_kernels.triton.latent_inputs import latent_inputs
+
+rows = []
+for heads, rank, rope, nope, q_lora, experts, hidden, groups, top_k in json.loads(sys.argv[1]):
+    bf = dict(dtype=torch.bfloat16)
+    t = 8
+    q = torch.zeros(t, heads, nope + rope, **bf)
+    packed = torch.zeros(t, q_lora + rank + rope, **bf)
+    cos = torch.zeros(4096, rope // 2, **bf)
+    calls = {
+        "latent_inputs": lambda: latent_inputs(torch.zeros(heads, t, rank, **bf).transpose(0, 1), q[..., nope:],
+                                               packed[:, q_lora:], torch.zeros(t, dtype=torch.int64), cos, cos,
+                                               torch.zeros(rank, **bf), 1e-6, 0.1, True),
+        "router": lambda: route_grouped_sigmoid_from_hidden(torch.zeros(t, hidden, **bf), torch.zeros(experts, hidden),
+                                                            torch.zeros(experts), top_k, groups, max(1, groups // 2),
+                                                            True, 2.5, torch.bfloat16, experts),
+    }
+    for name, call in calls.items():
+        with captured_launches() as launches:
+            call()
+        fn, args, options = launches[0]
+        r = compile_sm90(fn, args, **options)
+        rows.append(dict(kernel=name, experts=experts, **{k: r[k] for k in ("registers", "spill_stores")}))
+print(json.dumps(rows))
+"""
+
+
+def test_the_kernels_compile_for_sm90_without_spills():
+    """The MLA input kernel and the router with its gate product inside, at GLM-4.7-Flash's decode-step shapes (20
+    heads, latent 512 + 64, q_lora 768; 64 experts over 2048) and DeepSeek-V3's (128 heads, q_lora 1536; 256 experts
+    in 8 groups over 7168, a gate its decode steps route through the GEMM instead), as compiled for an H100 / H200
+    (Triton's bundled ptxas, no GPU needed)."""
+    from tests.kernels.sm90_compile import compiled_rows
+
+    rows = compiled_rows(_SM90_SCRIPT, [[20, 512, 64, 192, 768, 64, 2048, 1, 4],
+                                        [128, 512, 64, 128, 1536, 256, 7168, 8, 8]])
+    assert len(rows) == 4
+    for r in rows:
+        assert r["spill_stores"] == 0, r
