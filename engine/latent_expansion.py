@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 from engine.contract.view import PagedView
 
@@ -74,6 +73,9 @@ class LatentExpansion:
     def attend(self, rows: torch.Tensor, first: int, count: int) -> torch.Tensor:
         """Query rows ``first .. first + count`` (one request's chunk, the last ``count`` of its ``L`` cached
         latent rows ``rows`` [L, kv_lora_rank + rope]) over the expanded keys and values -> [count, H, v]."""
+        # imported here: torch.nn.attention.bias imports torch._dynamo, a second at every engine import
+        from torch.nn.attention.bias import causal_lower_right
+
         rank = self.w_uk.shape[2]
         latent, k_pe = rows[:, :rank], rows[:, rank:]
         k_nope = torch.einsum("lr,hnr->hln", latent, self.w_uk)

@@ -37,3 +37,13 @@ def test_methods_are_found_by_entry_point_without_importing_policies():
         "assert create_method('snapkv', {'budget': 64}).config.budget == 64"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+def test_importing_the_engine_and_server_leaves_torch_compile_unloaded():
+    """torch._dynamo costs about a second to import: the engine, the CLI and the server import it only where a
+    path runs that needs it (e.g. ``engine.latent_expansion`` imports ``causal_lower_right`` in the function)."""
+    code = (
+        "import sys, engine.llm_engine, engine.llm, agentrt.cli, agentrt.app;"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
