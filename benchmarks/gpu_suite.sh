@@ -118,7 +118,7 @@ for step in "$@"; do
             tests/kernels/test_fla_gated_delta.py tests/kernels/test_latent_width_kernels.py tests/engine/test_host_copies.py \
             tests/kernels/test_gated_delta_step.py tests/kernels/test_gated_norm.py \
             tests/engine/test_mla_expanded_prefill.py tests/kernels/test_latent_inputs.py \
-            tests/kernels/test_grouped_router.py ;;
+            tests/kernels/test_grouped_router.py tests/kernels/test_kv_compact.py ;;
     fused)  # the fused paths against the torch code they replace (KIVI encode, SnapKV vote, probe, RoPE+store)
         run fused 150 python -m benchmarks.fused_paths --json "$OUT/fused.json" ;;
     kernels)
@@ -276,7 +276,7 @@ for step in "$@"; do
         run gputests 200 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \
             tests/engine/test_mla_expanded_prefill.py tests/kernels/test_mla_prefill_bench.py \
             tests/kernels/test_mla_decode_kernel.py tests/kernels/test_triton_kernels.py tests/engine/test_async_loads.py \
-            tests/kernels/test_latent_inputs.py tests/kernels/test_grouped_router.py ;;
+            tests/kernels/test_latent_inputs.py tests/kernels/test_grouped_router.py tests/kernels/test_kv_compact.py ;;
     deltadecode)  # one DeltaNet layer's decode step: the in-place kernels against gather + fla's recurrent + store
         run deltadecode 200 python -m benchmarks.gated_delta_decode --json "$OUT/deltadecode.json" ;;
     chainturn)  # a SnapKV chain turn (16K history compacted to 4096, 2048 new tokens) split into prefill attention,

@@ -263,7 +263,7 @@ class PagedCacheManager(CacheManager):
             return False
         old_slots = self._slots(t.pages, 0, t.num_slots)
         positions = [self.table_positions(t, layer).gather(1, k) for layer, k in enumerate(keep)]
-        kept = [self.storage.gather_kept(layer, t, old_slots, k) for layer, k in enumerate(keep)]
+        kept = self.storage.gather_kept_layers(t, old_slots, keep)
         for page in reversed(tail):
             self.pool.decref(page)
         for i, page in enumerate(head):
@@ -273,8 +273,7 @@ class PagedCacheManager(CacheManager):
             elif self.prefix is not None:
                 self.prefix.forget(page)
         new_slots = self._slots(head, 0, self.storage.compacted_slots(max(new_lens)))
-        for layer, k in enumerate(kept):
-            self.storage.scatter_kept(layer, t, k, new_slots)
+        self.storage.scatter_kept_layers(t, kept, new_slots)
         t.pages, t.keys, t.host_row = head, [], None
         t.layer_lens, t.num_slots = new_lens, max(new_lens)
         t.kept_positions, t.compacted_at = positions, logical_len

@@ -138,6 +138,16 @@ class KVStorage(ABC):
         """After a compaction: ``kept`` (from ``gather_kept``) becomes slot indices 0..n-1 at ``new_slots``
         (``compacted_slots(n)`` of them)."""
 
+    def gather_kept_layers(self, table: TableHandle, old_slots: torch.Tensor, keep: list[torch.Tensor]) -> Any:
+        """``gather_kept`` of every layer (``keep[layer]``), what ``scatter_kept_layers`` takes: a storage may
+        move all layers at once."""
+        return [self.gather_kept(layer, table, old_slots, k) for layer, k in enumerate(keep)]
+
+    def scatter_kept_layers(self, table: TableHandle, kept: Any, new_slots: torch.Tensor) -> None:
+        """``scatter_kept`` of every layer, from what ``gather_kept_layers`` returned."""
+        for layer, k in enumerate(kept):
+            self.scatter_kept(layer, table, k, new_slots)
+
     def compacted_slots(self, n: int) -> int:
         """How many physical slots ``scatter_kept`` of n kept tokens writes (a codec rounds up to its group)."""
         return n

@@ -18,6 +18,12 @@ def fuse_rotary_store(kv: torch.Tensor) -> bool:
     return ops.uses_triton(kv)
 
 
+def fuse_compaction(kv: torch.Tensor) -> bool:
+    """Whether a compaction moves every layer's kept slots in two Triton launches (``gather_kept_layers``): on a
+    GPU (a test forces it on the CPU under the Triton interpreter)."""
+    return ops.uses_triton(kv)
+
+
 class DenseKV(KVStorage):
     def __init__(self, spec: CacheSpec, num_pages: int):
         super().__init__(spec, num_pages)
@@ -61,6 +67,22 @@ class DenseKV(KVStorage):
         n = k.shape[0]
         self.kv[layer, 0].flatten(0, 1)[new_slots[:n]] = k
         self.kv[layer, 1].flatten(0, 1)[new_slots[:n]] = v
+
+    def gather_kept_layers(self, table, old_slots, keep):
+        """On a GPU, every layer in one launch where the layers keep as many slots (SnapKV's uniform budget):
+        ``agentrt_kernels/triton/kv_compact.py``; the per-layer torch indexing otherwise."""
+        if not fuse_compaction(self.kv) or len({k.shape for k in keep}) != 1:
+            return super().gather_kept_layers(table, old_slots, keep)
+        from agentrt_kernels.triton import kv_compact
+
+        return kv_compact.gather_kept(self.kv, old_slots, torch.stack(keep))
+
+    def scatter_kept_layers(self, table, kept, new_slots) -> None:
+        if not isinstance(kept, torch.Tensor):  # per layer (gather_kept_layers)
+            return super().scatter_kept_layers(table, kept, new_slots)
+        from agentrt_kernels.triton import kv_compact
+
+        kv_compact.scatter_kept(self.kv, kept, new_slots)
 
     def layer_kv(self, layer):
         return self.kv[layer, 0], self.kv[layer, 1]
