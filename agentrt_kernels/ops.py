@@ -308,13 +308,26 @@ def window_votes(q: torch.Tensor, k_cache: torch.Tensor, pages: torch.Tensor, n:
     rows are the request's last ``w`` slots, causal among themselves (row j sees slots < n - w + j + 1). On a
     GPU (``use_triton``, default: ``uses_triton(q)``): the key-split log-sum-exp and the received-attention
     kernels, no [w, n] probability matrix."""
-    w = q.shape[0]
-    block_tables = pages[None].to(torch.int32)
+    return window_votes_with(window_vote_inputs(pages, n, q.shape[0], q.device), q, k_cache, scale, use_triton)
+
+
+def window_vote_inputs(pages: torch.Tensor, n: int, w: int, device: torch.device) -> tuple:
+    """What ``window_votes_with`` reads besides the queries and the keys, for ``w`` rows over ``n`` slots of
+    ``pages``: built once for every layer of a request that holds as many slots in each (a SnapKV vote), without
+    a host sync (a blocking copy to the device would wait for the GPU's queue)."""
+    block_tables = pages[None].to(device=device, dtype=torch.int32, non_blocking=True)
+    kv_lens = torch.full((1,), n, dtype=torch.int32, device=device)
+    qsl = torch.tensor([0, w], dtype=torch.int32).to(device, non_blocking=True)
+    return block_tables, kv_lens, qsl, n, w
+
+
+def window_votes_with(inputs: tuple, q: torch.Tensor, k_cache: torch.Tensor, scale: float,
+                      use_triton: bool | None = None) -> torch.Tensor:
+    """``window_votes`` from ``window_vote_inputs``: on a GPU two launches (the key-split log-sum-exp, then the
+    received attention)."""
+    block_tables, kv_lens, qsl, n, w = inputs
     if uses_triton(q) if use_triton is None else use_triton:
         kernels = _kernels("received_attention")
-        # built without a host sync (a blocking copy to the device would wait for the GPU's queue once per layer)
-        kv_lens = torch.full((1,), n, dtype=torch.int32, device=q.device)
-        qsl = torch.tensor([0, w], dtype=torch.int32).to(q.device, non_blocking=True)
         lse = kernels.paged_lse(q, k_cache, block_tables, kv_lens, qsl, scale, n, w)
         return kernels.received_attention(q, k_cache, block_tables, kv_lens, qsl, lse, scale, n, w)[0]
     return _received_ref.received_attention(q, k_cache, block_tables, [n], [w], scale)[0]

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from agentrt_kernels.dispatch import window_votes
+from agentrt_kernels.ops import window_vote_inputs, window_votes_with
 from engine.contract import CacheManager, reduce_over_query_heads
 
 if TYPE_CHECKING:
@@ -84,27 +85,58 @@ def held_window_scores(cache: CacheManager, req: Request, layer: int, q: torch.T
     logical position (its rows are contiguous), which lets the layout be told on the host from the table
     (``TableHandle.ordered_from``) instead of read off the device."""
     n, w = k_pos.shape[1], q.shape[0]
+    voter = WindowVoter(cache, req)
     if q_first is not None:
-        slot, pos = cache.table(req).ordered_from(layer)
-        causal_order = 0 < w and n - w >= slot and q_first == pos + n - slot - w
+        causal_order = voter.causal_order(layer, n, w, q_first)
     else:
         causal_order = (0 < w <= n and bool((k_pos[:, n - w:] == q_pos[None, :]).all())
                         and bool((k_pos[:, : n - w] < q_pos[0]).all()))
     if not causal_order:
         return window_scores(q, gather_keys(cache, req, layer, n), q_pos, k_pos)
-    group, ps = q.shape[1] // k_pos.shape[0], cache.page_size
-    k_cache, _ = cache.layer_kv(layer)
-    if isinstance(k_cache, torch.Tensor):
-        # the table's cached row, copied without waiting for the GPU's queue
-        pages = cache.table(req).pages_tensor()[: -(-n // ps)].to(q.device, non_blocking=True)
-    else:  # coded: decode the n keys once (cache dtype), padded to whole pages numbered 0, 1, ...
-        keys = gather_keys(cache, req, layer, n)
+    return voter.finish(voter.sums(layer, q, n), q)
+
+
+class WindowVoter:
+    """The window votes of one request, layer by layer, where the window's rows are each layer's last slots
+    (``causal_order``): what every layer of the same length shares (the page row on the device, the kernels'
+    lengths) is built once, so a dense layer's vote is the GPU's two kernels."""
+
+    def __init__(self, cache: CacheManager, req: Request):
+        self.cache, self.req = cache, req
+        self._inputs: dict[tuple[int, int], tuple] = {}
+
+    def causal_order(self, layer: int, n: int, w: int, q_first: int) -> bool:
+        """Whether the ``w`` window rows from logical position ``q_first`` are the layer's last of ``n`` slots
+        with every other slot before them (told on the host from the table's ordered tail)."""
+        slot, pos = self.cache.table(self.req).ordered_from(layer)
+        return 0 < w and n - w >= slot and q_first == pos + n - slot - w
+
+    def sums(self, layer: int, q: torch.Tensor, n: int) -> torch.Tensor:
+        """[Hkv, n] fp32: the probabilities the window rows ``q`` [w, Hq, D] put on each of the layer's ``n``
+        slots, summed over the rows and each KV head's query heads (``finish`` makes it the vote)."""
+        cache, ps = self.cache, self.cache.page_size
+        k_cache, _ = cache.layer_kv(layer)
+        scale = q.shape[-1] ** -0.5
+        if isinstance(k_cache, torch.Tensor):
+            key = (n, q.shape[0])
+            if key not in self._inputs:  # the table's cached row, copied without waiting for the GPU's queue
+                pages = cache.table(self.req).pages_tensor()[: -(-n // ps)]
+                self._inputs[key] = window_vote_inputs(pages, n, q.shape[0], q.device)
+            return window_votes_with(self._inputs[key], q, k_cache, scale)
+        # coded: decode the n keys once (cache dtype), padded to whole pages numbered 0, 1, ...
+        keys = gather_keys(cache, self.req, layer, n)
         num_pages = -(-n // ps)
         if num_pages * ps > n:
             keys = torch.cat([keys, keys.new_zeros(num_pages * ps - n, *keys.shape[1:])])
-        k_cache = keys.view(num_pages, ps, *keys.shape[1:])
         pages = torch.arange(num_pages, dtype=torch.int32, device=q.device)
-    return reduce_over_query_heads(window_votes(q, k_cache, pages, n, q.shape[-1] ** -0.5) / group, "mean")
+        return window_votes(q, keys.view(num_pages, ps, *keys.shape[1:]), pages, n, scale)
+
+    @staticmethod
+    def finish(sums: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """``sums`` (one layer's [Hkv, n], or layers' stacked along the first dim) -> the vote: the mean over each
+        KV head's query heads."""
+        heads = sums.shape[-2] if sums.dim() == 2 else sums.shape[1]
+        return reduce_over_query_heads(sums / (q.shape[1] // heads), "mean")
 
 
 def pool1d(scores: torch.Tensor, kernel_size: int, pooling: str) -> torch.Tensor:
@@ -144,13 +176,19 @@ def keep_voted_and_window(vote: torch.Tensor, k_pos: torch.Tensor, window_start:
     else:
         counts = (k_pos >= window_start).sum(dim=1).tolist()
 
-    def select(v: torch.Tensor, c: int) -> torch.Tensor:
-        top = top_k_sorted(pool1d(v[:, : n - c], kernel_size, pooling), budget - c)
-        return torch.cat([top, torch.arange(n - c, n, device=v.device).expand(v.shape[0], c)], dim=1)
-
     if len(set(counts)) == 1:  # the usual case; heads differ only where a chain's window was pruned
-        return select(vote, counts[0])
-    return torch.cat([select(vote[h: h + 1], c) for h, c in enumerate(counts)])
+        return keep_top_and_window(vote, counts[0], budget, kernel_size, pooling)
+    return torch.cat([keep_top_and_window(vote[h: h + 1], c, budget, kernel_size, pooling)
+                      for h, c in enumerate(counts)])
+
+
+def keep_top_and_window(vote: torch.Tensor, window: int, budget: int, kernel_size: int, pooling: str) -> torch.Tensor:
+    """[R, n] votes of rows whose last ``window`` slots are their window -> [R, budget] kept slot indices,
+    increasing: the top ``budget - window`` of the other slots by their vote pooled over slot order, then the
+    window. Rows are independent (several heads, or several layers' heads stacked)."""
+    n = vote.shape[-1]
+    top = top_k_sorted(pool1d(vote[:, : n - window], kernel_size, pooling), budget - window)
+    return torch.cat([top, torch.arange(n - window, n, device=vote.device).expand(vote.shape[0], window)], dim=1)
 
 
 # --- per-request query stash ----------------------------------------------------------------------

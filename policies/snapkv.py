@@ -56,6 +56,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.profiler import record_function
 
 from engine.contract import Family, SparseMethod
@@ -64,9 +65,11 @@ from engine.registry import register_method
 from policies.scoring import (
     POOLINGS,
     QueryStash,
+    WindowVoter,
     check_int,
     held_window_scores,
     keep_all,
+    keep_top_and_window,
     keep_voted_and_window,
     request_rows,
 )
@@ -192,24 +195,41 @@ class SnapKV(SparseMethod):
 
     def _trim(self, req, st: _State, cache, end: int) -> bool:
         """Vote with the queries of logical positions [end - w, end) over every held slot and bring each layer
-        holding more than its budget back to it. False if the compaction failed."""
+        holding more than its budget back to it. False if the compaction failed.
+
+        Layers whose window rows are their last slots (a prompt's end, a chain turn that recomputed its window)
+        vote through ``WindowVoter`` (on a GPU two kernels a layer) and, where they hold as many slots, window
+        slots and budget, select together: one pooling and one top-k over all of them."""
         cfg = self.config
         heads, device = cache.spec.num_kv_heads, cache.spec.device
-        keep, changed = [], False
+        lo = end - cfg.window
+        keep: list[torch.Tensor | None] = [None] * len(st.budgets)
+        changed, voter = False, WindowVoter(cache, req)
+        grouped: dict[tuple[int, int, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
         with record_function("snapkv.vote"):  # named ranges: benchmarks.chain_turn_profile splits a turn by them
             for layer, budget in enumerate(st.budgets):
                 n = cache.physical_len(req, layer)
                 if n <= budget:
-                    keep.append(keep_all(n, heads, device))
+                    keep[layer] = keep_all(n, heads, device)
                     continue
-                q, q_pos = st.queries.rows_between(layer, end - cfg.window, end)
-                k_pos = cache.positions_of(req, layer)
-                # the window's first position and the table's ordered tail, known on the host: no device reads
-                q_first = st.queries.first_between(layer, end - cfg.window, end)
-                vote = held_window_scores(cache, req, layer, q, q_pos, k_pos, q_first)
-                keep.append(keep_voted_and_window(vote, k_pos, end - cfg.window, budget, cfg.kernel_size,
-                                                  cfg.pooling, cache.table(req).ordered_from(layer)))
                 changed = True
+                q, q_pos = st.queries.rows_between(layer, lo, end)
+                q_first = st.queries.first_between(layer, lo, end)
+                slot, pos = cache.table(req).ordered_from(layer)
+                if voter.causal_order(layer, n, q.shape[0], q_first) and lo >= pos:
+                    window = max(0, min(n - slot, n - slot - (lo - pos)))  # the window slots, told on the host
+                    grouped.setdefault((n, window, budget), []).append((layer, q, voter.sums(layer, q, n)))
+                    continue
+                k_pos = cache.positions_of(req, layer)
+                vote = held_window_scores(cache, req, layer, q, q_pos, k_pos, q_first)
+                keep[layer] = keep_voted_and_window(vote, k_pos, lo, budget, cfg.kernel_size, cfg.pooling,
+                                                    (slot, pos))
+            for (n, window, budget), layers in grouped.items():
+                sums = torch.stack([s for _, _, s in layers])  # [layers, Hkv, n]
+                vote = WindowVoter.finish(sums, layers[0][1]).flatten(0, 1)
+                kept = keep_top_and_window(vote, window, budget, cfg.kernel_size, cfg.pooling)
+                for (layer, _, _), k in zip(layers, kept.view(len(layers), heads, budget)):
+                    keep[layer] = k
         if not changed:
             return True
         with record_function("snapkv.compact"):
