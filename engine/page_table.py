@@ -75,6 +75,25 @@ class PageTable:
         return torch.cat([kept, appended.expand(num_kv_heads, -1)], dim=1)
 
 
+def kept_positions_of(t: PageTable, keep: list[torch.Tensor], num_kv_heads: int,
+                      device: torch.device) -> list[torch.Tensor]:
+    """Per layer, the logical positions of a compaction's kept slots (``keep[layer]`` [Hkv, n] slot indices):
+    ``t.positions(layer).gather(1, keep[layer])``, in a few launches for all layers where every layer holds as
+    many slots, keeps as many and (compacted before) kept as many."""
+    uniform = (t.is_uniform and len({k.shape for k in keep}) == 1
+               and (t.kept_positions is None or len({k.shape for k in t.kept_positions}) == 1))
+    if not uniform:
+        return [t.positions(layer, num_kv_heads, device).gather(1, k) for layer, k in enumerate(keep)]
+    layers = len(keep)
+    if t.kept_positions is None:
+        held = torch.arange(t.num_slots, device=device).expand(layers, num_kv_heads, -1)
+    else:
+        kept = torch.stack(t.kept_positions)
+        appended = torch.arange(t.compacted_at, t.compacted_at + t.layer_len(0) - kept.shape[2], device=device)
+        held = torch.cat([kept, appended.expand(layers, num_kv_heads, -1)], dim=2)
+    return list(held.gather(2, torch.stack(keep)).unbind(0))
+
+
 def physical_slots(pages: list[int], start: int, n: int, page_size: int, device: torch.device) -> torch.Tensor:
     """Physical slots of slot indices ``start .. start + n - 1`` over ``pages`` ([n] int64 on ``device``), built
     in numpy: a 128K-slot fill or restore calls this once per layer."""

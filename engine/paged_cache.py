@@ -19,7 +19,7 @@ from engine.contract.cache import CacheManager, CacheSpec
 from engine.contract.storage import KVStorage
 from engine.contract.view import PagedView
 from engine.page_pool import PagePool
-from engine.page_table import PageTable, cdiv, physical_slots
+from engine.page_table import PageTable, cdiv, kept_positions_of, physical_slots
 from engine.prefix_cache import PrefixCache
 from engine.request import Request
 from engine.step_metadata import StepMetadata
@@ -262,7 +262,7 @@ class PagedCacheManager(CacheManager):
         if shared > self.pool.num_free + sum(1 for p in tail if self.pool.ref_counts[p] == 1):
             return False
         old_slots = self._slots(t.pages, 0, t.num_slots)
-        positions = [self.table_positions(t, layer).gather(1, k) for layer, k in enumerate(keep)]
+        positions = kept_positions_of(t, keep, self.spec.num_kv_heads, self.spec.device)
         kept = self.storage.gather_kept_layers(t, old_slots, keep)
         for page in reversed(tail):
             self.pool.decref(page)
