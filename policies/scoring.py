@@ -99,7 +99,8 @@ def held_window_scores(cache: CacheManager, req: Request, layer: int, q: torch.T
 class WindowVoter:
     """The window votes of one request, layer by layer, where the window's rows are each layer's last slots
     (``causal_order``): what every layer of the same length shares (the page row on the device, the kernels'
-    lengths) is built once, so a dense layer's vote is the GPU's two kernels."""
+    lengths) is built once, so a dense layer's vote on a GPU is its three kernels (the key tiles' partial
+    log-sum-exp, their merge, the received attention) and the fills of their outputs."""
 
     def __init__(self, cache: CacheManager, req: Request):
         self.cache, self.req = cache, req
@@ -227,12 +228,17 @@ class QueryStash:
 
     def rows_between(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The stashed rows with logical position in [lo, hi) and those positions ([k, Hq, D], [k])."""
+        rows = self.rows(layer, lo, hi)
+        a = self.first_between(layer, lo, hi)
+        return rows, torch.arange(a, a + rows.shape[0], device=rows.device)
+
+    def rows(self, layer: int, lo: int, hi: int) -> torch.Tensor:
+        """The stashed rows with logical position in [lo, hi) ([k, Hq, D]; from ``first_between``)."""
         q, start = self.q[layer], self.start[layer]
         if q is None:
             raise LookupError(f"no query stashed in layer {layer}")
         a, b = max(lo, start), min(hi, start + q.shape[0])
-        b = max(a, b)
-        return q[a - start: b - start], torch.arange(a, b, device=q.device)
+        return q[a - start: max(a, b) - start]
 
     def first_between(self, layer: int, lo: int, hi: int) -> int:
         """The first logical position ``rows_between(layer, lo, hi)`` returns (host arithmetic only)."""

@@ -198,7 +198,7 @@ class SnapKV(SparseMethod):
         holding more than its budget back to it. False if the compaction failed.
 
         Layers whose window rows are their last slots (a prompt's end, a chain turn that recomputed its window)
-        vote through ``WindowVoter`` (on a GPU two kernels a layer) and, where they hold as many slots, window
+        vote through ``WindowVoter`` (on a GPU three kernels a layer) and, where they hold as many slots, window
         slots and budget, select together: one pooling and one top-k over all of them."""
         cfg = self.config
         heads, device = cache.spec.num_kv_heads, cache.spec.device
@@ -213,13 +213,14 @@ class SnapKV(SparseMethod):
                     keep[layer] = keep_all(n, heads, device)
                     continue
                 changed = True
-                q, q_pos = st.queries.rows_between(layer, lo, end)
+                q = st.queries.rows(layer, lo, end)
                 q_first = st.queries.first_between(layer, lo, end)
                 slot, pos = cache.table(req).ordered_from(layer)
                 if voter.causal_order(layer, n, q.shape[0], q_first) and lo >= pos:
                     window = max(0, min(n - slot, n - slot - (lo - pos)))  # the window slots, told on the host
                     grouped.setdefault((n, window, budget), []).append((layer, q, voter.sums(layer, q, n)))
                     continue
+                q_pos = torch.arange(q_first, q_first + q.shape[0], device=q.device)
                 k_pos = cache.positions_of(req, layer)
                 vote = held_window_scores(cache, req, layer, q, q_pos, k_pos, q_first)
                 keep[layer] = keep_voted_and_window(vote, k_pos, lo, budget, cfg.kernel_size, cfg.pooling,

@@ -40,3 +40,13 @@ def received_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: tor
         out.append(per_head.sum(dim=1) if reduce == "sum" else per_head.amax(dim=1))
         start += n
     return out
+
+
+def merge_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """[tiles, T, Hq] partial maxima and sums of ``exp2(logit - max)`` per key tile -> [T, Hq] log2-sum-exp of
+    every row's logits (-inf where no tile saw a slot): what ``agentrt_kernels.triton.received_attention``
+    computes in one launch."""
+    top = m.amax(dim=0)
+    safe = torch.where(torch.isfinite(top), top, 0.0)
+    total = (l * torch.exp2(m - safe)).sum(dim=0)
+    return torch.where(total > 0, safe + torch.log2(total), float("-inf"))

@@ -145,22 +145,49 @@ def _launch(mode: tl.constexpr, q, k_cache, block_tables, kv_lens, query_start_l
     )
 
 
+@triton.jit
+def _merge_lse_kernel(m_ptr, l_ptr, out_ptr, rows, TILES: tl.constexpr, BLOCK: tl.constexpr):
+    """Per (row, head) entry: log2 sum_t l_t * 2^(m_t - max_t m_t) + max, over the key tiles' partials."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < rows
+    top = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    for t in range(TILES):
+        top = tl.maximum(top, tl.load(m_ptr + t * rows + offs, mask=mask, other=float("-inf")))
+    safe = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for t in range(TILES):
+        m = tl.load(m_ptr + t * rows + offs, mask=mask, other=float("-inf"))
+        total += tl.load(l_ptr + t * rows + offs, mask=mask, other=0.0) * tl.exp2(m - safe)
+    tl.store(out_ptr + offs, tl.where(total > 0, safe + tl.log2(total), float("-inf")), mask=mask)
+
+
+def merge_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """[tiles, T, Hq] partial maxima and sums (log2 domain) -> [T, Hq] log2-sum-exp (-inf where every sum is 0):
+    one launch for what is a dozen small torch kernels (``agentrt_kernels.torch_ref.received_attention``'s
+    ``merge_lse``)."""
+    tiles = m.shape[0]
+    out = torch.empty(m.shape[1:], dtype=torch.float32, device=m.device)
+    rows = out.numel()
+    if rows:
+        block = 256
+        _merge_lse_kernel[(triton.cdiv(rows, block),)](m.contiguous(), l.contiguous(), out, rows, TILES=tiles,
+                                                       BLOCK=block)
+    return out
+
+
 def paged_lse(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
               query_start_loc: torch.Tensor, scale: float, width: int, max_query_len: int, causal: bool = True,
               block_n: int = 64) -> torch.Tensor:
     """[T, Hq] fp32 log2-sum-exp of every query row over its visible slots (the prefill kernel's ``lse=``
     quantity) split along the keys: one program per key tile and KV head, partial (max, sum) per tile merged
-    in torch. For a few query rows over a long context (an observation window), where the prefill kernel would
+    by ``merge_lse``. For a few query rows over a long context (an observation window), where the prefill kernel would
     stream the whole context through one program per query tile. Rows that see no slot get -inf."""
     tiles = max(triton.cdiv(width, block_n), 1)
     m = torch.full((tiles, q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
     l = torch.zeros_like(m)
     _launch(TILE_LSE, q, k_cache, block_tables, kv_lens, query_start_loc, scale, width, max_query_len, causal,
             block_n, m=m, l=l)
-    top = m.amax(dim=0)
-    safe = torch.where(torch.isfinite(top), top, 0.0)
-    total = (l * torch.exp2(m - safe)).sum(dim=0)
-    return torch.where(total > 0, safe + torch.log2(total), float("-inf"))
+    return merge_lse(m, l)
 
 
 def received_attention(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,

@@ -40,7 +40,7 @@ for hq in json.loads(sys.argv[1]):
     for name, call in calls.items():
         with captured_launches() as launches:
             call()
-        assert len(launches) == 1, (name, len(launches))
+        assert len(launches) == (2 if name == "paged_lse" else 1), (name, len(launches))  # + the partials' merge
         fn, args, options = launches[0]
         r = compile_sm90(fn, args, **options)
         rows.append(dict(kernel=name, hq=hq, **{k: r[k] for k in ("registers", "spill_stores", "shared_bytes")}))

@@ -255,6 +255,24 @@ def test_key_split_lse_matches_logsumexp(dtype, group, page_size, causal, d):
         start += m
 
 
+def test_the_lse_merge_kernel_equals_the_torch_merge():
+    """``merge_lse`` (one launch) against the torch merge it replaced, with tiles that saw no slot (-inf max, 0 sum),
+    rows no tile saw and more entries than one program's block."""
+    from agentrt_kernels.torch_ref.received_attention import merge_lse as reference
+    from agentrt_kernels.triton.received_attention import merge_lse
+
+    _seed("merge")
+    m = 8 * torch.randn(5, 7, 40, device=DEVICE)
+    l = torch.rand(5, 7, 40, device=DEVICE) + 0.1
+    unseen = torch.rand(5, 7, 40, device=DEVICE) < 0.3
+    m, l = m.masked_fill(unseen, float("-inf")), l.masked_fill(unseen, 0.0)
+    m[:, 2, 3], l[:, 2, 3] = float("-inf"), 0.0  # a row no tile saw
+    got, want = merge_lse(m, l), reference(m, l)
+    assert torch.isneginf(got[2, 3]) and torch.equal(torch.isneginf(got), torch.isneginf(want))
+    finite = torch.isfinite(want)
+    _close(got[finite], want[finite], (1e-5, 1e-6))
+
+
 @pytest.mark.parametrize("dtype,group,page_size,n,w,d", [
     (torch.float32, 2, 4, 70, 8, 64), (torch.float16, 4, 16, 100, 32, 64), (torch.float32, 3, 8, 9, 9, 64),
     (torch.float32, 4, 8, 70, 16, WIDE), (torch.float16, 2, 16, 40, 8, WIDE)])
