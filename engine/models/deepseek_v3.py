@@ -7,9 +7,10 @@ experts inside them), while the weights are the uncorrected scores of the chosen
 ``norm_topk_prob`` and times ``routed_scaling_factor`` (``ops.route_grouped_sigmoid_from_hidden``: on a GPU one
 kernel, with the fp32 gate product at decode sizes); shared experts (one SwiGLU MLP of
 ``n_shared_experts * moe_intermediate_size``) add to every token: stacked after the routed experts and run by
-the same grouped kernel where that is one expert's size (``shares_expert_slot``). The first ``first_k_dense_replace`` layers have a dense MLP. A multi-token-prediction
-layer in the checkpoint (``model.layers.{num_hidden_layers}...``) is skipped with a log line. Read from
-transformers' ``modeling_deepseek_v3.py``.
+the same grouped kernel where that is one expert's size (``shares_expert_slot``). The first
+``first_k_dense_replace`` layers have a dense MLP. A multi-token-prediction layer in the checkpoint
+(``model.layers.{num_hidden_layers}...``) is skipped with a log line. Read from transformers'
+``modeling_deepseek_v3.py``.
 """
 
 from __future__ import annotations
