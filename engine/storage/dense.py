@@ -69,7 +69,7 @@ class DenseKV(KVStorage):
         self.kv[layer, 1].flatten(0, 1)[new_slots[:n]] = v
 
     def gather_kept_layers(self, table, old_slots, keep):
-        """On a GPU, every layer in one launch where the layers keep as many slots (SnapKV's uniform budget):
+        """On a GPU, every layer in one launch where the layers keep as many slots (a uniform budget):
         ``agentrt_kernels/triton/kv_compact.py``; the per-layer torch indexing otherwise."""
         if not fuse_compaction(self.kv) or len({k.shape for k in keep}) != 1:
             return super().gather_kept_layers(table, old_slots, keep)
