@@ -72,7 +72,9 @@
 #              its own process: request throughput, output tok/s, TTFT and TPOT with prefill and admission timed
 #   serving128k   the same with 114688-token prompts (the shape's 131072 positions leave room for 16K outputs)
 #   serving128klong  114688-token prompts with OUTPUT (default 4096) output tokens, 8 requests, METHODS (default
-#              dense) and REPEATS (default 3) from the environment: one method a call. OUTPUT=16384 does not fit a
+#              dense) and REPEATS (default 3) from the environment: one method a call. The serving steps take
+#              SHAPE (default llama-3.1-8b): SHAPE=glm-4.7-flash / qwen3.6-27b OUTPUT=1024 gives the MLA and
+#              hybrid models' 128K-in / 1K-out figures. OUTPUT=16384 does not fit a
 #              10-minute call: dense decodes ~6 such requests at once at ~30 ms a step, ~8 minutes a wave
 # benchmarks.throughput and sparse_decode report the median of 3 runs (--repeats), so their limits hold three.
 set -uo pipefail
@@ -298,10 +300,10 @@ for step in "$@"; do
             --drop-page-cache --json "$OUT/resume32k.json" ;;
     serving32k | serving128k)
         input=32768; [ "$step" = serving128k ] && input=114688
-        run "$step" 580 python -m benchmarks.serving --shape llama-3.1-8b --input-len $input --output-lens 1024 \
+        run "$step" 580 python -m benchmarks.serving --shape "${SHAPE:-llama-3.1-8b}" --input-len $input --output-lens 1024 \
             --num-requests 32 --max-num-batched-tokens 16384 --json "$OUT/$step.json" ;;
     serving128klong)  # one method a call: METHODS='snapkv:{"budget":4096}' OUT=... bash benchmarks/gpu_suite.sh ...
-        run "$step" 580 python -m benchmarks.serving --shape llama-3.1-8b --input-len 114688 \
+        run "$step" 580 python -m benchmarks.serving --shape "${SHAPE:-llama-3.1-8b}" --input-len 114688 \
             --output-lens "${OUTPUT:-4096}" --num-requests 8 --max-num-batched-tokens 16384 \
             --methods "${METHODS:-dense}" --repeats "${REPEATS:-3}" --json "$OUT/$step.json" ;;
     *)
