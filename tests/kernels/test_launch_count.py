@@ -1,0 +1,29 @@
+"""``benchmarks.launch_count``: the launches of an MLA layer's decode forward and of a SnapKV chain turn's vote and
+compaction, with the GPU paths taken under Triton's interpreter. Pins what the fused kernels removed: the counts
+come from the operators and launches dispatched, so code going back to the unfused torch ops fails this."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+
+def test_launch_counts_of_the_fused_paths(tmp_path):
+    from benchmarks.launch_count import main
+
+    r = main(["--json", str(tmp_path / "launches.json")])
+    mla = r["mla-decode"]["by_op"]
+    assert mla["triton:_latent_inputs_kernel"] == 1 and mla["triton:_route_grouped_sigmoid_kernel"] == 1
+    assert "cat" not in mla and "clone" not in mla and "add" not in mla  # no concatenations, copies, shared add
+    assert mla["mm"] == 3  # the packed down-projection, q_b_proj, o_proj: no router or shared-expert GEMMs
+    assert r["mla-decode"]["launches"] <= 16
+    vote, compact = r["snapkv.vote"]["by_op"], r["snapkv.compact"]["by_op"]
+    assert vote["triton:_merge_lse_kernel"] == 4 and "amax" not in vote  # one merge a layer (4 layers)
+    assert vote["sort"] == 2  # one top-k for all layers
+    assert compact["triton:_gather_kept_kernel"] == compact["triton:_scatter_kept_kernel"] == 1
+    assert "index_put_" not in compact
