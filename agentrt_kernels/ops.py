@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import itertools
 import sys
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -311,26 +312,44 @@ def window_votes(q: torch.Tensor, k_cache: torch.Tensor, pages: torch.Tensor, n:
     return window_votes_with(window_vote_inputs(pages, n, q.shape[0], q.device), q, k_cache, scale, use_triton)
 
 
-def window_vote_inputs(pages: torch.Tensor, n: int, w: int, device: torch.device) -> tuple:
-    """What ``window_votes_with`` reads besides the queries and the keys, for ``w`` rows over ``n`` slots of
-    ``pages``: built once for every layer of a request that holds as many slots in each (a SnapKV vote), without
-    a host sync (a blocking copy to the device would wait for the GPU's queue)."""
+@dataclass(slots=True)
+class WindowVoteInputs:
+    """What ``window_votes_with`` reads besides the queries and the keys: ``w`` rows over ``n`` slots."""
+
+    block_tables: torch.Tensor
+    kv_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    n: int
+    w: int
+    partials: tuple | None = None  # the key-split log-sum-exp's buffers, filled by the first call, then shared
+
+
+def window_vote_inputs(pages: torch.Tensor, n: int, w: int, device: torch.device) -> WindowVoteInputs:
+    """``WindowVoteInputs`` for ``w`` rows over ``n`` slots of ``pages``: built once for every layer of a request
+    that holds as many slots in each (a SnapKV vote), without a host sync (a blocking copy to the device would
+    wait for the GPU's queue)."""
     block_tables = pages[None].to(device=device, dtype=torch.int32, non_blocking=True)
     kv_lens = torch.full((1,), n, dtype=torch.int32, device=device)
     qsl = torch.tensor([0, w], dtype=torch.int32).to(device, non_blocking=True)
-    return block_tables, kv_lens, qsl, n, w
+    return WindowVoteInputs(block_tables, kv_lens, qsl, n, w)
 
 
-def window_votes_with(inputs: tuple, q: torch.Tensor, k_cache: torch.Tensor, scale: float,
-                      use_triton: bool | None = None) -> torch.Tensor:
-    """``window_votes`` from ``window_vote_inputs``: on a GPU two launches (the key-split log-sum-exp, then the
-    received attention)."""
-    block_tables, kv_lens, qsl, n, w = inputs
+def window_votes_with(inputs: WindowVoteInputs, q: torch.Tensor, k_cache: torch.Tensor, scale: float,
+                      use_triton: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``window_votes`` from ``window_vote_inputs``, written into ``out`` [Hkv, n] fp32 if given. On a GPU three
+    launches (the key tiles' partial log-sum-exp, their merge, the received attention): the partials' buffers are
+    filled once per ``inputs`` and the result goes straight into ``out``."""
+    i = inputs
     if uses_triton(q) if use_triton is None else use_triton:
         kernels = _kernels("received_attention")
-        lse = kernels.paged_lse(q, k_cache, block_tables, kv_lens, qsl, scale, n, w)
-        return kernels.received_attention(q, k_cache, block_tables, kv_lens, qsl, lse, scale, n, w)[0]
-    return _received_ref.received_attention(q, k_cache, block_tables, [n], [w], scale)[0]
+        if i.partials is None:
+            i.partials = kernels.lse_partials(q.shape[0], q.shape[1], i.n, q.device)
+        lse = kernels.paged_lse(q, k_cache, i.block_tables, i.kv_lens, i.query_start_loc, scale, i.n, i.w,
+                                partials=i.partials)
+        return kernels.received_attention(q, k_cache, i.block_tables, i.kv_lens, i.query_start_loc, lse, scale, i.n,
+                                          i.w, out=None if out is None else out[None])[0]
+    votes = _received_ref.received_attention(q, k_cache, i.block_tables, [i.n], [i.w], scale)[0]
+    return votes if out is None else out.copy_(votes)
 
 
 # --- Triton only: the caller's torch code is the CPU path -------------------------------------------------

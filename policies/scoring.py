@@ -99,8 +99,8 @@ def held_window_scores(cache: CacheManager, req: Request, layer: int, q: torch.T
 class WindowVoter:
     """The window votes of one request, layer by layer, where the window's rows are each layer's last slots
     (``causal_order``): what every layer of the same length shares (the page row on the device, the kernels'
-    lengths) is built once, so a dense layer's vote on a GPU is its three kernels (the key tiles' partial
-    log-sum-exp, their merge, the received attention) and the fills of their outputs."""
+    lengths, the log-sum-exp's partial buffers) is built once, so a dense layer's vote on a GPU is three kernels
+    (the key tiles' partial log-sum-exp, their merge, the received attention, written where the caller says)."""
 
     def __init__(self, cache: CacheManager, req: Request):
         self.cache, self.req = cache, req
@@ -112,9 +112,10 @@ class WindowVoter:
         slot, pos = self.cache.table(self.req).ordered_from(layer)
         return 0 < w and n - w >= slot and q_first == pos + n - slot - w
 
-    def sums(self, layer: int, q: torch.Tensor, n: int) -> torch.Tensor:
-        """[Hkv, n] fp32: the probabilities the window rows ``q`` [w, Hq, D] put on each of the layer's ``n``
-        slots, summed over the rows and each KV head's query heads (``finish`` makes it the vote)."""
+    def sums(self, layer: int, q: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[Hkv, n] fp32 (written into ``out`` if given): the probabilities the window rows ``q`` [w, Hq, D] put on
+        each of the layer's ``n`` slots, summed over the rows and each KV head's query heads (``finish`` makes it
+        the vote)."""
         cache, ps = self.cache, self.cache.page_size
         k_cache, _ = cache.layer_kv(layer)
         scale = q.shape[-1] ** -0.5
@@ -123,14 +124,15 @@ class WindowVoter:
             if key not in self._inputs:  # the table's cached row, copied without waiting for the GPU's queue
                 pages = cache.table(self.req).pages_tensor()[: -(-n // ps)]
                 self._inputs[key] = window_vote_inputs(pages, n, q.shape[0], q.device)
-            return window_votes_with(self._inputs[key], q, k_cache, scale)
+            return window_votes_with(self._inputs[key], q, k_cache, scale, out=out)
         # coded: decode the n keys once (cache dtype), padded to whole pages numbered 0, 1, ...
         keys = gather_keys(cache, self.req, layer, n)
         num_pages = -(-n // ps)
         if num_pages * ps > n:
             keys = torch.cat([keys, keys.new_zeros(num_pages * ps - n, *keys.shape[1:])])
         pages = torch.arange(num_pages, dtype=torch.int32, device=q.device)
-        return window_votes(q, keys.view(num_pages, ps, *keys.shape[1:]), pages, n, scale)
+        votes = window_votes(q, keys.view(num_pages, ps, *keys.shape[1:]), pages, n, scale)
+        return votes if out is None else out.copy_(votes)
 
     @staticmethod
     def finish(sums: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

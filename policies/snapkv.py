@@ -205,7 +205,7 @@ class SnapKV(SparseMethod):
         lo = end - cfg.window
         keep: list[torch.Tensor | None] = [None] * len(st.budgets)
         changed, voter = False, WindowVoter(cache, req)
-        grouped: dict[tuple[int, int, int], list[tuple[int, torch.Tensor, torch.Tensor]]] = {}
+        grouped: dict[tuple[int, int, int], list[tuple[int, torch.Tensor]]] = {}
         with record_function("snapkv.vote"):  # named ranges: benchmarks.chain_turn_profile splits a turn by them
             for layer, budget in enumerate(st.budgets):
                 n = cache.physical_len(req, layer)
@@ -218,7 +218,7 @@ class SnapKV(SparseMethod):
                 slot, pos = cache.table(req).ordered_from(layer)
                 if voter.causal_order(layer, n, q.shape[0], q_first) and lo >= pos:
                     window = max(0, min(n - slot, n - slot - (lo - pos)))  # the window slots, told on the host
-                    grouped.setdefault((n, window, budget), []).append((layer, q, voter.sums(layer, q, n)))
+                    grouped.setdefault((n, window, budget), []).append((layer, q))
                     continue
                 q_pos = torch.arange(q_first, q_first + q.shape[0], device=q.device)
                 k_pos = cache.positions_of(req, layer)
@@ -226,10 +226,12 @@ class SnapKV(SparseMethod):
                 keep[layer] = keep_voted_and_window(vote, k_pos, lo, budget, cfg.kernel_size, cfg.pooling,
                                                     (slot, pos))
             for (n, window, budget), layers in grouped.items():
-                sums = torch.stack([s for _, _, s in layers])  # [layers, Hkv, n]
+                sums = torch.empty(len(layers), heads, n, dtype=torch.float32, device=device)
+                for i, (layer, q) in enumerate(layers):
+                    voter.sums(layer, q, n, out=sums[i])  # each layer's votes straight into its row
                 vote = WindowVoter.finish(sums, layers[0][1]).flatten(0, 1)
                 kept = keep_top_and_window(vote, window, budget, cfg.kernel_size, cfg.pooling)
-                for (layer, _, _), k in zip(layers, kept.view(len(layers), heads, budget)):
+                for (layer, _), k in zip(layers, kept.view(len(layers), heads, budget)):
                     keep[layer] = k
         if not changed:
             return True

@@ -25,5 +25,6 @@ def test_launch_counts_of_the_fused_paths(tmp_path):
     vote, compact = r["snapkv.vote"]["by_op"], r["snapkv.compact"]["by_op"]
     assert vote["triton:_merge_lse_kernel"] == 4 and "amax" not in vote  # one merge a layer (4 layers)
     assert vote["sort"] == 2  # one top-k for all layers
+    assert "zeros" not in vote and r["snapkv.vote"]["launches"] <= 3 * 4 + 10  # three kernels a layer, then shared
     assert compact["triton:_gather_kept_kernel"] == compact["triton:_scatter_kept_kernel"] == 1
     assert "index_put_" not in compact

@@ -273,6 +273,28 @@ def test_the_lse_merge_kernel_equals_the_torch_merge():
     _close(got[finite], want[finite], (1e-5, 1e-6))
 
 
+def test_layers_voting_through_one_inputs_equal_separate_votes():
+    """A vote's layers share one ``window_vote_inputs`` (its log-sum-exp partials filled once, each layer's
+    kernels overwriting what the one before wrote) and write into the rows of one buffer: every layer's votes
+    equal a separate ``window_votes`` call's, bit for bit, and the torch reference's."""
+    from agentrt_kernels.ops import window_vote_inputs, window_votes, window_votes_with
+
+    _seed("shared-inputs")
+    # 40 rows of 4 query heads: query tiles of 16 rows, so the window's early rows skip the last key tile (the
+    # partials' entries no layer writes, which must keep their fill)
+    n, w, page_size, d = 150, 40, 8, 64
+    layers = [_setup([n], page_size, 2, 4, d, torch.float32, [w]) for _ in range(3)]
+    pages = layers[0][3].block_tables[0, : -(-n // page_size)]
+    inputs = window_vote_inputs(pages, n, w, DEVICE)
+    rows = torch.full((3, 2, n), float("nan"), device=DEVICE)
+    for i, (q, k, _, _) in enumerate(layers):
+        window_votes_with(inputs, q, k, d ** -0.5, use_triton=True, out=rows[i])
+    assert inputs.partials is not None  # filled by the first layer, shared by the others
+    for i, (q, k, _, _) in enumerate(layers):
+        assert torch.equal(rows[i], window_votes(q, k, pages, n, d ** -0.5, use_triton=True))
+        _close(rows[i], window_votes(q, k, pages, n, d ** -0.5, use_triton=False), (1e-4, 1e-5))
+
+
 @pytest.mark.parametrize("dtype,group,page_size,n,w,d", [
     (torch.float32, 2, 4, 70, 8, 64), (torch.float16, 4, 16, 100, 32, 64), (torch.float32, 3, 8, 9, 9, 64),
     (torch.float32, 4, 8, 70, 16, WIDE), (torch.float16, 2, 16, 40, 8, WIDE)])
