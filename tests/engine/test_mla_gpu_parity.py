@@ -19,19 +19,6 @@ os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
 def test_an_mla_engine_on_the_gpu_gives_the_cpu_engines_tokens(arch, mla_dirs):
     """fp32, prompts of different lengths prefilled in chunks beside decoding requests, then decoded (graph
     replays on the GPU); greedy tokens equal and logprobs within 2e-3 of the CPU engine's."""
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
+    from tests.device_parity import assert_gpu_engine_matches_cpu
 
-    gen = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(5, 500, (n,), generator=gen).tolist() for n in (7, 90, 200, 33)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True)
-    results = {}
-    for device in ("cpu", "cuda"):
-        llm = LLM(mla_dirs[arch], device=device, dtype="float32", max_num_batched_tokens=128, num_pages=128,
-                  page_size=16, enable_prefix_caching=False)
-        results[device] = llm.generate(prompts, params)
-        llm.close()
-    for cpu, gpu in zip(results["cpu"], results["cuda"]):
-        assert gpu.token_ids == cpu.token_ids
-        diff = max(abs(a - b) for a, b in zip(gpu.logprobs, cpu.logprobs))
-        assert diff < 2e-3, diff
+    assert_gpu_engine_matches_cpu(mla_dirs[arch], num_pages=128, seed=5)

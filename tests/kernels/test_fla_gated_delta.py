@@ -77,24 +77,11 @@ def test_one_decode_token_per_sequence_equals_the_reference(dtype, rel):
 def test_a_hybrid_engine_on_the_gpu_gives_the_cpu_engines_tokens(tmp_path):
     """Qwen3-Next tiny checkpoint, fp32: prompts of different lengths prefilled together in chunks (several
     segments per fla launch), then decoded; greedy tokens and logprobs as the CPU engine's (torch reference)."""
-    from engine.llm import LLM
-    from engine.sampling_params import SamplingParams
     from engine.tiny_checkpoint import make_tiny_checkpoint
+    from tests.device_parity import assert_gpu_engine_matches_cpu
 
     model = make_tiny_checkpoint(tmp_path / "qwen3_next", "qwen3_next", seed=13, hidden_size=128, num_heads=4,
                                  num_kv_heads=2, intermediate_size=192, vocab_size=512, head_dim=32,
                                  partial_rotary_factor=0.5, linear_key_head_dim=64, linear_value_head_dim=64,
                                  max_position_embeddings=1024, initializer_range=0.1)
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(5, 500, (n,), generator=gen).tolist() for n in (7, 90, 200, 33)]
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True)
-    results = {}
-    for device in ("cpu", "cuda"):
-        llm = LLM(model, device=device, dtype="float32", max_num_batched_tokens=128, num_pages=64, page_size=16,
-                  enable_prefix_caching=False)
-        results[device] = llm.generate(prompts, params)
-        llm.close()
-    for cpu, gpu in zip(results["cpu"], results["cuda"]):
-        assert gpu.token_ids == cpu.token_ids
-        diff = max(abs(a - b) for a, b in zip(gpu.logprobs, cpu.logprobs))
-        assert diff < 2e-3, diff
+    assert_gpu_engine_matches_cpu(model, num_pages=64, seed=3)
