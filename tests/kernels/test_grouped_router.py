@@ -11,7 +11,6 @@ the op existed (copied below as ``_before_forward``).
 
 import os
 import types
-import zlib
 
 import pytest
 import torch
@@ -27,15 +26,10 @@ from agentrt_kernels import ops  # noqa: E402
 from agentrt_kernels.torch_ref import moe_router as ref  # noqa: E402
 from agentrt_kernels.triton import route_grouped_sigmoid  # noqa: E402
 from engine.models.deepseek_v3 import GroupedSigmoidRouter  # noqa: E402
+from tests.kernels.test_moe_router import DEVICE, GAP, _seed  # noqa: E402  the softmax router's harness
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # (atol, rtol) on the weights, compared in their dtype: ~one ulp for fp16 / bf16
 WEIGHT_TOL = {torch.float32: (1e-7, 1e-6), torch.float16: (1e-3, 1e-3), torch.bfloat16: (8e-3, 8e-3)}
-GAP = 1e-6  # relative gap between scores below which two choices count as tied
-
-
-def _seed(*key) -> None:
-    torch.manual_seed(zlib.crc32(repr(key).encode()))
 
 
 def _separated(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
