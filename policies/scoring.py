@@ -106,10 +106,12 @@ class WindowVoter:
         self.cache, self.req = cache, req
         self._inputs: dict[tuple[int, int], tuple] = {}
 
-    def causal_order(self, layer: int, n: int, w: int, q_first: int) -> bool:
+    def causal_order(self, layer: int, n: int, w: int, q_first: int,
+                     ordered_from: tuple[int, int] | None = None) -> bool:
         """Whether the ``w`` window rows from logical position ``q_first`` are the layer's last of ``n`` slots
-        with every other slot before them (told on the host from the table's ordered tail)."""
-        slot, pos = self.cache.table(self.req).ordered_from(layer)
+        with every other slot before them (told on the host from the table's ordered tail, ``ordered_from`` if the
+        caller has it)."""
+        slot, pos = ordered_from or self.cache.table(self.req).ordered_from(layer)
         return 0 < w and n - w >= slot and q_first == pos + n - slot - w
 
     def sums(self, layer: int, q: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -216,7 +216,7 @@ class SnapKV(SparseMethod):
                 q = st.queries.rows(layer, lo, end)
                 q_first = st.queries.first_between(layer, lo, end)
                 slot, pos = cache.table(req).ordered_from(layer)
-                if voter.causal_order(layer, n, q.shape[0], q_first) and lo >= pos:
+                if voter.causal_order(layer, n, q.shape[0], q_first, (slot, pos)) and lo >= pos:
                     window = max(0, min(n - slot, n - slot - (lo - pos)))  # the window slots, told on the host
                     grouped.setdefault((n, window, budget), []).append((layer, q))
                     continue
