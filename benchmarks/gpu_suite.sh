@@ -37,6 +37,8 @@
 #   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
 #   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid, fla-core) decode at bs8 @ 4K
 #   hybridsnap128k  SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, largest batches, decode only
+#   hostcopystall  SnapKV chains with turn-end host copies on, GPU utilization sampled, stacks dumped at the limit;
+#              then serialized (CUDA_LAUNCH_BLOCKING=1)
 #   gputests   the GPU cases added since the last `tests` run: expanded MLA prefill, MLA decode, RMSNorm modes,
 #              chain loads on a side stream
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
@@ -274,6 +276,20 @@ for step in "$@"; do
             --num-pages "${PAGES:-6000}" --think-scale 1 --max-num-batched-tokens 8192 \
             --configs "${CONFIGS:-dense-prefix,snapkv-chain-tiers,dense-chain-tiers}" \
             --engine-options "${ENGINE_OPTIONS:-{\}}" --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
+    hostcopystall)  # SnapKV chains with turn-end host copies on (replaypressure's load), which stalled: GPU utilization
+        # sampled every 2 s (a kernel that never ends keeps it at 100 %, a host-side wait at 0 %), every thread's
+        # stack dumped at 170 s (faulthandler on SIGABRT); then the same with CUDA_LAUNCH_BLOCKING=1 (a race
+        # between the streams finishes serialized, a hung kernel does not)
+        nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 2 > "$OUT/hostcopystall-smi.txt" &
+        smi=$!
+        for blocking in 0 1; do
+            CUDA_LAUNCH_BLOCKING=$blocking PYTHONFAULTHANDLER=1 run hostcopystall$blocking 200 timeout -s ABRT 170 \
+                python -c 'import sys; from agentrt.cli import main; sys.exit(main())' replay run \
+                --shape llama-3.1-8b --load-format dummy --sessions 12 --turns 12,12 --num-pages 6000 --think-scale 1 \
+                --max-num-batched-tokens 8192 --configs snapkv-chain-tiers --snapkv-config '{"budget": 4096}' \
+                --engine-options '{"chain_host_copies": true}' --out "$OUT/hostcopystall$blocking"
+        done
+        kill $smi ;;
     gputests)  # the GPU cases added since the last `tests` run: expanded MLA prefill, the MLA decode launch, RMSNorm
         run gputests 200 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \
             tests/engine/test_mla_expanded_prefill.py tests/kernels/test_mla_prefill_bench.py \
