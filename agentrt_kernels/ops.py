@@ -79,11 +79,14 @@ def apply_rotary(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
+    zero_centered: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] by the cos/sin rows at ``positions`` [T] -> (q, k); with
-    ``q_norm_weight``/``k_norm_weight`` [D], each head is RMS-normalized (``norm_eps``) first. Use the returned
-    tensors: the kernel rotates q and k in place, the reference returns new ones."""
-    norm = {"q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight, "norm_eps": norm_eps}
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] by the cos/sin rows at ``positions`` [T] -> (q, k); cos/sin rows of
+    R/2 < D/2 values rotate the first R channels only (partial rotary). With ``q_norm_weight``/``k_norm_weight``
+    [D], each head is RMS-normalized (``norm_eps``; Qwen3-Next's form with ``zero_centered``) first. Use the
+    returned tensors: the kernel rotates q and k in place, the reference returns new ones."""
+    norm = {"q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight, "norm_eps": norm_eps,
+            "zero_centered": zero_centered}
     if uses_triton(q):
         return _kernels().apply_rotary(positions, q, k, cos_cache, sin_cache, **norm)
     return _rotary_ref.apply_rotary(positions, q, k, cos_cache, sin_cache, **norm)
@@ -128,12 +131,13 @@ def rotary_and_store(
     q_norm_weight: torch.Tensor | None = None,
     k_norm_weight: torch.Tensor | None = None,
     norm_eps: float = 1e-6,
+    zero_centered: bool = False,
 ) -> torch.Tensor:
     """``apply_rotary`` (q/k norms first, with the weights) and ``store_kv`` of the rotated k with v; returns the
     rotated q (the kernel rotates q in place, the reference returns a new one). k is left as it is unless
     ``inplace_k``."""
     kw = {"inplace_k": inplace_k, "q_norm_weight": q_norm_weight, "k_norm_weight": k_norm_weight,
-          "norm_eps": norm_eps}
+          "norm_eps": norm_eps, "zero_centered": zero_centered}
     if uses_triton(k_cache):
         return _kernels().rotary_and_store(positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, slot_mapping,
                                            **kw)

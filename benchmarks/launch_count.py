@@ -8,6 +8,10 @@ interpreter running the kernels) and counts, per part, every torch operator disp
 
 - ``mla-decode``: one decode forward of a GLM-4.7-Flash-like model (latent attention, grouped sigmoid router, a
   shared expert), the MoE layer's launches outside attention (the runner's attention replaced by a stub);
+- ``hybrid-linear`` / ``hybrid-attention``: one decode step of a Qwen3.5-like hybrid (gated DeltaNet and gated
+  full attention, a dense MLP), the launches of its first linear layer and of its first full-attention layer
+  (attention's own kernels excluded; the q/k norms, RoPE and the KV store counted where one kernel fuses them),
+  the state reads and writes included;
 - ``snapkv-turn``: a SnapKV chain's second turn (its history compacted, then the new prompt's vote and
   compaction), the launches under SnapKV's ``snapkv.vote`` and ``snapkv.compact`` ranges per layer.
 
@@ -31,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # views and shape queries: no launch on a GPU
 _NO_LAUNCH = {"empty", "view", "t", "promote_types", "transpose", "slice", "split_with_sizes", "split",
               "_unsafe_view", "detach", "alias", "expand", "unsqueeze", "select", "as_strided", "permute",
-              "squeeze", "reshape", "lift_fresh", "sym_size", "size", "stride", "dim", "numel", "unbind",
+              "squeeze", "reshape", "chunk", "lift_fresh", "sym_size", "size", "stride", "dim", "numel", "unbind",
               "empty_strided", "_local_scalar_dense", "is_nonzero"}
 
 
@@ -123,6 +127,85 @@ def mla_decode(counter: _Counter, root: Path, tokens: int) -> dict:
     return _summary(counter.counts["mla-decode"], 1)
 
 
+def hybrid_decode(counter: _Counter, root: Path, tokens: int) -> dict:
+    """The launches of one linear (gated DeltaNet) layer and one full-attention layer in a hybrid's decode step,
+    through the engine (its state slots and paged KV), attention's kernels excluded."""
+    from agentrt_kernels import ops
+    from engine import SamplingParams
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from engine.tiny_checkpoint import make_tiny_checkpoint
+
+    model_dir = make_tiny_checkpoint(root / "hybrid", "qwen3_5", seed=3, hidden_size=64, num_layers=4,
+                                     num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                                     vocab_size=512, full_attention_interval=2)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", max_num_batched_tokens=256,
+                                    max_model_len=512))
+    layers = engine.model.model.layers  # the engine's own model object
+    linear = next(layer for layer in layers if layer.is_linear)
+    full = next(layer for layer in layers if not layer.is_linear)
+
+    class AttentionUncounted:  # attention's store and decode kernels are the backend's, not counted here
+        def __init__(self, runner):
+            self._runner = runner
+
+        def __getattr__(self, name):
+            return getattr(self._runner, name)
+
+        def attention(self, *args):
+            part, counter.part = counter.part, None
+            try:
+                return self._runner.attention(*args)
+            finally:
+                counter.part = part
+
+        def attention_rotary(self, *args, **kwargs):  # the norms, RoPE and the store counted, attention not
+            runner, attend = self._runner, self._runner._attend_groups
+
+            def uncounted(*a):
+                part, counter.part = counter.part, None
+                try:
+                    return attend(*a)
+                finally:
+                    counter.part = part
+
+            runner._attend_groups = uncounted
+            try:
+                return runner.attention_rotary(*args, **kwargs)
+            finally:
+                del runner._attend_groups
+
+    def counted(layer, name):
+        original = layer.forward
+
+        def forward(hidden, residual, positions, rotary, runner):
+            if not decoding:
+                return original(hidden, residual, positions, rotary, runner)
+            counter.part = name
+            try:
+                return original(hidden, residual, positions, rotary, AttentionUncounted(runner))
+            finally:
+                counter.part = None
+
+        layer.forward = forward
+
+    decoding = False
+    counted(linear, "hybrid-linear")
+    counted(full, "hybrid-attention")
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for i in range(tokens):
+        engine.add_request(list(range(3 + i, 40 + i)), params)
+    engine.step()  # the prompts' prefill (and each request's first token)
+    uses_triton = ops.uses_triton
+    ops.uses_triton = lambda x: counter.part is not None  # the GPU paths inside the counted layers only
+    decoding = True
+    try:
+        engine.step()  # one decode step of every request
+    finally:
+        ops.uses_triton = uses_triton
+    return {name: _summary(counter.counts[name], 1) for name in ("hybrid-linear", "hybrid-attention")}
+
+
 def snapkv_turn(counter: _Counter, root: Path) -> dict:
     """Launches under SnapKV's vote and compaction ranges in a chain's second turn, per layer."""
     import engine.storage.dense as dense
@@ -171,7 +254,7 @@ def snapkv_turn(counter: _Counter, root: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--tokens", type=int, default=4, help="decode rows of the MLA forward")
+    ap.add_argument("--tokens", type=int, default=4, help="decode rows of the MLA forward and the hybrid step")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -179,6 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         with tempfile.TemporaryDirectory() as tmp, counter:
             result = {"mla-decode": mla_decode(counter, Path(tmp), args.tokens),
+                      **hybrid_decode(counter, Path(tmp), args.tokens),
                       **snapkv_turn(counter, Path(tmp) / "tiny")}
     finally:
         counter.close()

@@ -65,6 +65,8 @@ MTP_PREFIX = "mtp."
 class ZeroCenteredRMSNorm(nn.Module):
     """Qwen3NextRMSNorm: normalize in fp32, scale by ``1 + weight`` in fp32, then cast to the input dtype."""
 
+    zero_centered = True  # the form a fused kernel taking this norm's weight must compute (ops.rms_norm)
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = new_parameter(size)
@@ -103,10 +105,13 @@ class GatedAttention(nn.Module):
         num_tokens, d = hidden.shape[0], self.head_dim
         q_gate, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
         q, gate = q_gate.view(num_tokens, self.num_heads, 2 * d).chunk(2, dim=-1)
-        q = self.q_norm(q)
-        k = self.k_norm(k.view(num_tokens, self.num_kv_heads, d))
-        q, k = rotary(positions, q, k)
-        out = runner.attention(self.attn_idx, q, k, v.view(num_tokens, self.num_kv_heads, d))
+        k, v = k.view(num_tokens, self.num_kv_heads, d), v.view(num_tokens, self.num_kv_heads, d)
+        attention_rotary = getattr(runner, "attention_rotary", None)
+        if attention_rotary is not None:  # the runner applies the q/k norms and RoPE itself (fused with its store)
+            out = attention_rotary(self.attn_idx, q, k, v, positions, rotary, qk_norm=(self.q_norm, self.k_norm))
+        else:
+            q, k = rotary(positions, self.q_norm(q), self.k_norm(k))
+            out = runner.attention(self.attn_idx, q, k, v)
         out = out.reshape(num_tokens, self.num_heads * d) * torch.sigmoid(gate.reshape(num_tokens, -1))
         return self.o_proj(out)
 

@@ -70,6 +70,8 @@ class MergedLinear(Linear):
 class RMSNorm(nn.Module):
     """HF LlamaRMSNorm: normalize in fp32, cast back, then scale by the weight in the weight's dtype."""
 
+    zero_centered = False  # the form a fused kernel taking this norm's weight must compute (ops.rms_norm)
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = new_parameter(size)
@@ -197,12 +199,6 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] int64; q [T, Hq, D], k [T, Hkv, D] -> rotated q, k (same shapes and dtype).
 
-        On a GPU one Triton kernel rotates q and k in place. With a partial ``rotary_dim`` the leading channels
-        rotate (as a contiguous copy) and the rest are concatenated back unchanged.
-        """
-        rd = self.rotary_dim
-        if rd == q.shape[-1]:
-            return ops.apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)
-        q_rot, k_rot = ops.apply_rotary(positions, q[..., :rd].contiguous(), k[..., :rd].contiguous(),
-                                        self.cos_cache, self.sin_cache)
-        return torch.cat([q_rot, q[..., rd:]], dim=-1), torch.cat([k_rot, k[..., rd:]], dim=-1)
+        On a GPU one Triton kernel rotates q and k in place (with a partial ``rotary_dim``, their leading
+        channels; the cache's width tells the kernel)."""
+        return ops.apply_rotary(positions, q, k, self.cos_cache, self.sin_cache)

@@ -43,7 +43,9 @@ class DenseKV(KVStorage):
         if qk_norm is not None:
             q_norm, k_norm = qk_norm
             assert q_norm.eps == k_norm.eps, (q_norm.eps, k_norm.eps)
-            norm = dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps)
+            assert q_norm.zero_centered == k_norm.zero_centered, (type(q_norm), type(k_norm))
+            norm = dict(q_norm_weight=q_norm.weight, k_norm_weight=k_norm.weight, norm_eps=q_norm.eps,
+                        zero_centered=q_norm.zero_centered)
         from agentrt_kernels.triton import rotary_and_store
 
         kv = self.kv[layer]

@@ -1,5 +1,5 @@
-"""``benchmarks.launch_count``: the launches of an MLA layer's decode forward and of a SnapKV chain turn's vote and
-compaction, with the GPU paths taken under Triton's interpreter. Pins what the fused kernels removed: the counts
+"""``benchmarks.launch_count``: the launches of an MLA layer's decode forward, of a hybrid's linear and
+full-attention layers in a decode step, and of a SnapKV chain turn's vote and compaction, with the GPU paths taken under Triton's interpreter. Pins what the fused kernels removed: the counts
 come from the operators and launches dispatched, so code going back to the unfused torch ops fails this."""
 
 import os
@@ -22,6 +22,11 @@ def test_launch_counts_of_the_fused_paths(tmp_path):
     assert "cat" not in mla and "clone" not in mla and "add" not in mla  # no concatenations, copies, shared add
     assert mla["mm"] == 3  # the packed down-projection, q_b_proj, o_proj: no router or shared-expert GEMMs
     assert r["mla-decode"]["launches"] <= 16
+    linear, full = r["hybrid-linear"]["by_op"], r["hybrid-attention"]["by_op"]
+    assert linear["triton:_conv_update_kernel"] == linear["triton:_delta_step_kernel"] == 1
+    assert linear["triton:_gated_rms_norm_kernel"] == 1 and r["hybrid-linear"]["launches"] <= 10
+    assert full["triton:_rotary_kernel"] == 1  # the q/k norms, partial RoPE and the KV store in one launch
+    assert "cat" not in full and "contiguous" not in full and r["hybrid-attention"]["launches"] <= 10
     vote, compact = r["snapkv.vote"]["by_op"], r["snapkv.compact"]["by_op"]
     assert vote["triton:_merge_lse_kernel"] == 4 and "amax" not in vote  # one merge a layer (4 layers)
     assert vote["sort"] == 2  # one top-k for all layers

@@ -522,6 +522,63 @@ def test_rotary_with_qk_norm(dtype, hq, hkv, d):
     _close(k, k_orig, (0, 0))
 
 
+
+@pytest.mark.parametrize("dtype,hq,hkv,d,rd", [(torch.float32, 4, 2, 64, 16), (torch.bfloat16, 6, 2, 128, 32),
+                                               (torch.float16, 3, 1, 96, 48)])
+def test_partial_rotary_with_zero_centered_norm(dtype, hq, hkv, d, rd):
+    """Qwen3.5 / Qwen3-Next full attention: the zero-centred per-head norms over all D channels, then RoPE on the
+    first ``rd`` (transformers' Qwen3NextRMSNorm and apply_rotary_pos_emb), on q as the strided half of the packed
+    query-and-gate projection; without the norms only the rotary channels change; stored with v into pages."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, apply_rotary_pos_emb
+
+    _seed("rope-partial", dtype, hq, hkv, d, rd)
+    t, page_size, num_pages, eps = 7, 4, 5, 1e-6
+    rot = RotaryEmbedding(d, 10000.0, None, 128, rotary_dim=rd).to(DEVICE)
+    rot.cos_cache, rot.sin_cache = rot.cos_cache.to(dtype), rot.sin_cache.to(dtype)
+    q_gate = 3 * _randn(t, hq, 2 * d, dtype=dtype)
+    q = q_gate[..., :d]  # head stride 2d, as GatedAttention's query
+    kv = _randn(t, 2 * hkv * d, dtype=dtype)
+    k, v = kv[:, :hkv * d].view(t, hkv, d) + 0.5, kv[:, hkv * d:].view(t, hkv, d)
+    positions = torch.randint(0, 128, (t,), device=DEVICE)
+    weights = [(0.2 * _randn(d)).to(dtype) for _ in range(2)]  # stored around zero: the scale is 1 + w
+
+    def hf_norm(x, w):
+        norm = Qwen3NextRMSNorm(d, eps).to(DEVICE, dtype)
+        norm.weight.data = w
+        return norm(x)
+
+    cos = torch.cat([rot.cos_cache[positions]] * 2, dim=-1)
+    sin = torch.cat([rot.sin_cache[positions]] * 2, dim=-1)
+    ref_q, ref_k = apply_rotary_pos_emb(hf_norm(q, weights[0]), hf_norm(k, weights[1]), cos, sin)
+    tol = _bf16_ulp_tol(dtype)
+
+    plain_q, plain_k = apply_rotary_pos_emb(q, k, cos, sin)
+    q1, k1 = q.clone(), k.clone()
+    apply_rotary(positions, q1, k1, rot.cos_cache, rot.sin_cache)
+    _close(q1, plain_q, tol)
+    _close(k1, plain_k, tol)
+    _close(q1[..., rd:], q[..., rd:], (0, 0))
+
+    norm = dict(q_norm_weight=weights[0], k_norm_weight=weights[1], norm_eps=eps, zero_centered=True)
+    q1, k1 = q_gate.clone()[..., :d], k.clone()
+    apply_rotary(positions, q1, k1, rot.cos_cache, rot.sin_cache, **norm)
+    _close(q1, ref_q, tol)
+    _close(k1, ref_k, tol)
+
+    slots = torch.randperm(num_pages * page_size, device=DEVICE)[:t]
+    slots[2] = -1
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    ref_kc.view(-1, hkv, d).index_copy_(0, slots[keep], ref_k[keep])
+    ref_vc.view(-1, hkv, d).index_copy_(0, slots[keep], v[keep])
+    gate_before = q_gate[..., d:].clone()
+    rotary_and_store(positions, q, k, v, rot.cos_cache, rot.sin_cache, k_cache, v_cache, slots, **norm)
+    _close(q, ref_q, tol)
+    _close(q_gate[..., d:], gate_before, (0, 0))  # the gate half of each head untouched
+    _close(k_cache, ref_kc, tol)
+    _close(v_cache, ref_vc, (0, 0))
+
 # --- fused MoE ---------------------------------------------------------------------------------------
 
 
@@ -587,13 +644,13 @@ def test_moe_align_block_size(tokens, top_k, experts, block_m):
     assert expert_ids.tolist().count(experts) == expert_ids.numel() - sum(-(-c // block_m) for c in counts)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_5", "qwen3_next"])
 def test_engine_with_the_fused_rotary_store_equals_rotate_then_store(arch, tiny_dirs, monkeypatch):
     """The model hands q/k before RoPE to the runner (``attention_rotary``) and the cache rotates while it stores
     (``write_rotated``): with the fused kernel forced on (the interpreter on a CPU), the KV written and the greedy
     tokens equal RoPE followed by the plain store, over chunked prompts, a prefix hit and decode steps. Qwen3's
-    q/k norms run in the kernel too; its fp32 sum of squares adds in another order than torch's, so its KV agrees
-    to a few fp32 ulps rather than bit for bit."""
+    q/k norms run in the kernel too (the hybrids' zero-centred ones with their partial rotary); the fp32 sum of
+    squares adds in another order than torch's, so their KV agrees to a few fp32 ulps rather than bit for bit."""
     import engine.storage.dense
     import agentrt_kernels.triton
     from engine import LLM, SamplingParams
@@ -603,7 +660,7 @@ def test_engine_with_the_fused_rotary_store_equals_rotate_then_store(arch, tiny_
                   num_pages=64, enforce_eager=True)
         g = torch.Generator().manual_seed(5)
         ps = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (23, 9)]
-        outs = llm.generate(ps + [ps[0][:12] + [7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        outs = llm.generate(ps + [ps[0][:17] + [7, 8]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
         return [o.token_ids for o in outs], llm.engine.cache.storage.kv.clone(), [o.num_cached_tokens for o in outs]
 
     monkeypatch.setattr(engine.storage.dense, "fuse_rotary_store", lambda kv: False)
@@ -614,9 +671,10 @@ def test_engine_with_the_fused_rotary_store_equals_rotate_then_store(arch, tiny_
     monkeypatch.setattr(engine.storage.dense, "fuse_rotary_store", lambda kv: True)
     got_tokens, got_kv, cached = run()
     assert len(calls) > 10 and max(cached) > 0
-    assert all(("q_norm_weight" in kw) == (arch == "qwen3") for kw in calls)
+    assert all(("q_norm_weight" in kw) == (arch != "llama") for kw in calls)
+    assert all(kw.get("zero_centered", False) == arch.startswith("qwen3_") for kw in calls)
     assert got_tokens == want_tokens
-    if arch == "qwen3":
+    if arch != "llama":
         torch.testing.assert_close(got_kv, want_kv, atol=1e-5, rtol=1e-5)
     else:
         assert torch.equal(got_kv, want_kv)
