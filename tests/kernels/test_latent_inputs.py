@@ -85,8 +85,9 @@ def test_shapes_and_dtypes_are_checked():
 
 @pytest.mark.parametrize("arch", ["deepseek_v3", "glm4_moe_lite"])  # rope halves / rope pairs
 def test_models_through_the_kernel_equal_transformers(arch, mla_dirs, monkeypatch):
-    """The MLA layer with the kernel in place of its torch code (fp32, CPU interpreter) still gives
-    transformers' logits: the kernel is wired to the layer's own norm, rotary caches and scale."""
+    """The MLA layer with the kernel in place of its torch code (fp32; the CPU interpreter, or on a GPU the compiled
+    kernel) still gives transformers' logits: the kernel is wired to the layer's own norm, rotary caches and
+    scale."""
     from agentrt_kernels.torch_ref import latent_inputs as reference_module
     from engine.loader import load_model
     from tests.engine.test_models_vs_hf import DenseCausalRunner
@@ -96,7 +97,11 @@ def test_models_through_the_kernel_equal_transformers(arch, mla_dirs, monkeypatc
 
     def kernel(*args):
         calls.append(args[0].shape)
-        return latent_inputs(*args)
+        if DEVICE.type == "cpu":
+            return latent_inputs(*args)
+        # on a GPU the compiled kernel, its CPU inputs moved over and its outputs back
+        outs = latent_inputs(*(a.to(DEVICE) if isinstance(a, torch.Tensor) else a for a in args))
+        return tuple(x.cpu() for x in outs)
 
     monkeypatch.setattr(reference_module, "latent_inputs", kernel)
     model, _ = load_model(mla_dirs[arch], dtype=torch.float32)
