@@ -37,6 +37,8 @@
 #   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
 #   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid, fla-core) decode at bs8 @ 4K
 #   hybridsnap128k  SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, largest batches, decode only
+#   replayprofile  the 24-session pressure replay of one configuration (CONFIG) with a window of its engine steps
+#              under torch.profiler (benchmarks/replay_profile.py): busy / idle device time by step kind
 #   hostcopystall  SnapKV chains with turn-end host copies on, GPU utilization sampled, stacks dumped at the limit;
 #              then serialized (CUDA_LAUNCH_BLOCKING=1)
 #   gputests   the GPU cases added since the last `tests` run: expanded MLA prefill, MLA decode, RMSNorm modes,
@@ -276,6 +278,13 @@ for step in "$@"; do
             --num-pages "${PAGES:-6000}" --think-scale 1 --max-num-batched-tokens 8192 \
             --configs "${CONFIGS:-dense-prefix,snapkv-chain-tiers,dense-chain-tiers}" \
             --engine-options "${ENGINE_OPTIONS:-{\}}" --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
+    replayprofile)  # the pressure replay (24 sessions) of one configuration (CONFIG, default snapkv-chain-tiers) with a
+        # window of its engine steps (from FIRST, default 400; STEPS, default 80) under torch.profiler: device busy
+        # and idle time by step kind, the host ops in the gaps, device time by kernel
+        run replayprofile 400 python -m benchmarks.replay_profile --first-step "${FIRST:-400}" --steps "${STEPS:-80}" \
+            --json "$OUT/replayprofile.json" -- --shape llama-3.1-8b --load-format dummy --sessions 24 --turns 12,12 \
+            --num-pages 6000 --think-scale 1 --max-num-batched-tokens 8192 --configs "${CONFIG:-snapkv-chain-tiers}" \
+            --snapkv-config '{"budget": 4096}' --out "$OUT/replayprofile" ;;
     hostcopystall)  # SnapKV chains with turn-end host copies on (replaypressure's load), which stalled: GPU utilization
         # sampled every 2 s (a kernel that never ends keeps it at 100 %, a host-side wait at 0 %), every thread's
         # stack dumped at 170 s (faulthandler on SIGABRT); then the same with CUDA_LAUNCH_BLOCKING=1 (a race

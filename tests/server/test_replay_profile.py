@@ -1,0 +1,20 @@
+"""``benchmarks.replay_profile``: a window of a replay's engine steps under torch.profiler, reported by step kind.
+On the CPU there is no device activity (every profiled step is idle time); the window and the kinds are exact."""
+
+from benchmarks.replay_profile import main
+
+
+def test_a_window_of_replay_steps_is_profiled_by_kind(tmp_path):
+    out = main(["--first-step", "2", "--steps", "9", "--json", str(tmp_path / "p.json"), "--",
+                "--sessions", "2", "--turns", "3,3", "--configs", "snapkv-chain", "--think-scale", "0",
+                "--device", "cpu", "--num-pages", "512", "--out", str(tmp_path / "replay")])
+    assert out["replay_rc"] == 0 and (tmp_path / "p.json").exists() and (tmp_path / "replay" / "replay.json").exists()
+    assert out["profiled_steps"] == 9 and out["steps_seen"] > 11
+    kinds = out["kinds"]
+    assert sum(k["steps"] for k in kinds.values()) == 9
+    assert set(kinds) <= {"decode-graph", "decode-eager", "mixed", "prefill", "window-launch"}
+    assert "decode-eager" in kinds and ({"mixed", "prefill"} & set(kinds))  # the first turns' prompts
+    for k in kinds.values():
+        assert k["median_busy_ms"] == 0 and k["median_wall_ms"] > 0 and k["device_ms_per_step"] == {}
+        assert k["median_execute_ms"] <= k["median_wall_ms"]
+    assert out["host_self_ms"]
