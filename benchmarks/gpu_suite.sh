@@ -279,9 +279,10 @@ for step in "$@"; do
             --configs "${CONFIGS:-dense-prefix,snapkv-chain-tiers,dense-chain-tiers}" \
             --engine-options "${ENGINE_OPTIONS:-{\}}" --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
     replayprofile)  # the pressure replay (24 sessions) of one configuration (CONFIG, default snapkv-chain-tiers) with a
-        # window of its engine steps (from FIRST, default 400; STEPS, default 80) under torch.profiler: device busy
-        # and idle time by step kind, the host ops in the gaps, device time by kernel
-        run replayprofile 400 python -m benchmarks.replay_profile --first-step "${FIRST:-400}" --steps "${STEPS:-80}" \
+        # window of its engine step() calls (from FIRST, default 400; STEPS, default 100: the SnapKV run makes ~1660
+        # calls, one decode step a call) under torch.profiler: device busy and idle time by step kind, the host ops
+        # in the gaps, device time by kernel
+        run replayprofile 400 python -m benchmarks.replay_profile --first-step "${FIRST:-400}" --steps "${STEPS:-100}" \
             --json "$OUT/replayprofile.json" -- --shape llama-3.1-8b --load-format dummy --sessions 24 --turns 12,12 \
             --num-pages 6000 --think-scale 1 --max-num-batched-tokens 8192 --configs "${CONFIG:-snapkv-chain-tiers}" \
             --snapkv-config '{"budget": 4096}' --out "$OUT/replayprofile" ;;

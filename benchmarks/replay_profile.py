@@ -6,8 +6,9 @@ torch.profiler.
         --max-num-batched-tokens 8192 --configs snapkv-chain-tiers --snapkv-config '{"budget": 4096}'
 
 Runs ``agentrt replay run`` with the arguments after ``--`` in this process, with ``LLMEngine.step`` wrapped:
-engine steps ``first-step .. first-step + steps - 1`` (counted from the engine's first step; give one
-configuration) run under torch.profiler, host and device. Per step kind (``StepTiming.kind``: decode-graph,
+engine steps ``first-step .. first-step + steps - 1`` (``LLMEngine.step`` calls, counted from the engine's first;
+a call may run several decode steps, ``EngineConfig.decode_steps``; give one configuration, and a window that ends
+inside the run: the profile begins and ends in the engine's thread) run under torch.profiler, host and device. Per step kind (``StepTiming.kind``: decode-graph,
 decode-eager, mixed, prefill; a step that only launched an overlapped decode window has none): how many, the
 median wall time, the device's busy time (the union of its kernel and copy intervals) and so its idle time, the
 engine's phases, and the longest idle gaps with the host operation running at each one's start
@@ -74,13 +75,12 @@ class StepWindow:
         LLMEngine.step = step
         return self
 
-    def stop(self, engine: LLMEngine | None = None) -> None:
-        """End the profile (after the window's last step, or when the replay ended inside the window)."""
-        if self.running:
-            if engine is not None and engine.device.type == "cuda":
-                torch.cuda.synchronize()
-            self.prof.__exit__(None, None, None)
-            self.running = False
+    def stop(self, engine: LLMEngine) -> None:
+        """End the profile after the window's last step, in the engine's thread (where it began)."""
+        if engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        self.running = False
 
     def __exit__(self, *exc) -> None:
         LLMEngine.step = self._original
@@ -88,8 +88,10 @@ class StepWindow:
     def report(self, top: int = 15) -> dict:
         """Per kind: steps, medians of wall / busy / phases, the largest gaps, device ms per step by kernel;
         host ops by self time over the window."""
-        if self.prof is None:
-            return {"profiled_steps": 0, "steps_seen": self.seen}
+        if self.prof is None or self.running:  # the run ended before the window began, or inside it
+            return {"profiled_steps": 0, "steps_seen": self.seen,
+                    "error": f"the replay ran {self.seen} engine steps: the window [{self.first}, "
+                             f"{self.first + self.count}) must end inside the run"}
         events = self.prof.events()
         windows = sorted((e.time_range.start, e.time_range.end) for e in events if e.name == "engine.step")
         phases = [{k: s[f"{k}_ms"] for k in PHASES} for s in self.steps]
@@ -127,7 +129,7 @@ def _activities() -> list:
 
 
 def print_table(report: dict) -> None:
-    print(f"profiled {report['profiled_steps']} of {report['steps_seen']} engine steps")
+    print(report.get("error") or f"profiled {report['profiled_steps']} of {report['steps_seen']} engine steps")
     print("kind            steps  wall ms  busy ms  idle ms  schedule  prepare  execute  update  largest gap (host op)")
     for kind, r in report.get("kinds", {}).items():
         gap = r["largest_gaps"][0] if r["largest_gaps"] else {"idle_us": 0, "host_op": None}
@@ -150,7 +152,6 @@ def main(argv: list[str] | None = None) -> dict:
     window = StepWindow(args.first_step, args.steps)
     with window:
         rc = replay_main(["run", *replay_args])
-    window.stop()
     report = {"replay_rc": rc, **window.report()}
     print_table(report)
     if args.json:

@@ -18,3 +18,10 @@ def test_a_window_of_replay_steps_is_profiled_by_kind(tmp_path):
         assert k["median_busy_ms"] == 0 and k["median_wall_ms"] > 0 and k["device_ms_per_step"] == {}
         assert k["median_execute_ms"] <= k["median_wall_ms"]
     assert out["host_self_ms"]
+
+
+def test_a_window_past_the_run_says_so(tmp_path):
+    out = main(["--first-step", "0", "--steps", "100000", "--", "--sessions", "1", "--turns", "2,2", "--configs",
+                "dense-chain", "--think-scale", "0", "--device", "cpu", "--num-pages", "256",
+                "--out", str(tmp_path / "replay")])
+    assert out["replay_rc"] == 0 and out["profiled_steps"] == 0 and "must end inside the run" in out["error"]
