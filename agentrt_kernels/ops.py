@@ -318,7 +318,8 @@ def window_votes(q: torch.Tensor, k_cache: torch.Tensor, pages: torch.Tensor, n:
 
 @dataclass(slots=True)
 class WindowVoteInputs:
-    """What ``window_votes_with`` reads besides the queries and the keys: ``w`` rows over ``n`` slots."""
+    """What ``window_votes_with`` reads besides the queries and the keys: ``w`` rows over ``n`` slots, for one
+    request's layer or (``block_tables`` of several rows) as many layers' slots as rows."""
 
     block_tables: torch.Tensor
     kv_lens: torch.Tensor
@@ -327,32 +328,46 @@ class WindowVoteInputs:
     w: int
     partials: tuple | None = None  # the key-split log-sum-exp's buffers, filled by the first call, then shared
 
+    @property
+    def layers(self) -> int:
+        return self.block_tables.shape[0]
 
-def window_vote_inputs(pages: torch.Tensor, n: int, w: int, device: torch.device) -> WindowVoteInputs:
+
+def window_vote_inputs(pages: torch.Tensor, n: int, w: int, device: torch.device,
+                       page_offsets: list[int] | None = None) -> WindowVoteInputs:
     """``WindowVoteInputs`` for ``w`` rows over ``n`` slots of ``pages``: built once for every layer of a request
     that holds as many slots in each (a SnapKV vote), without a host sync (a blocking copy to the device would
-    wait for the GPU's queue)."""
+    wait for the GPU's queue). ``page_offsets``: several layers at once, the keys read from one tensor holding
+    every layer's pages (``KVStorage.all_layer_keys``), layer i's pages at ``pages + page_offsets[i]``."""
     block_tables = pages[None].to(device=device, dtype=torch.int32, non_blocking=True)
-    kv_lens = torch.full((1,), n, dtype=torch.int32, device=device)
-    qsl = torch.tensor([0, w], dtype=torch.int32).to(device, non_blocking=True)
+    if page_offsets is not None:
+        offsets = torch.tensor(page_offsets, dtype=torch.int32).to(device, non_blocking=True)
+        block_tables = block_tables + offsets[:, None]
+    layers = block_tables.shape[0]
+    kv_lens = torch.full((layers,), n, dtype=torch.int32, device=device)
+    qsl = torch.arange(0, (layers + 1) * w, w, dtype=torch.int32).to(device, non_blocking=True)
     return WindowVoteInputs(block_tables, kv_lens, qsl, n, w)
 
 
 def window_votes_with(inputs: WindowVoteInputs, q: torch.Tensor, k_cache: torch.Tensor, scale: float,
                       use_triton: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``window_votes`` from ``window_vote_inputs``, written into ``out`` [Hkv, n] fp32 if given. On a GPU three
-    launches (the key tiles' partial log-sum-exp, their merge, the received attention): the partials' buffers are
-    filled once per ``inputs`` and the result goes straight into ``out``."""
-    i = inputs
+    """``window_votes`` from ``window_vote_inputs``: [Hkv, n] fp32, or for inputs of L layers [L, Hkv, n] from
+    their window rows ``q`` [L * w, Hq, D] (layer by layer); written into ``out`` of that shape if given. On a
+    GPU three launches however many layers (the key tiles' partial log-sum-exp, their merge, the received
+    attention): the partials' buffers are filled once per ``inputs`` and the result goes straight into ``out``."""
+    i, single = inputs, inputs.layers == 1
     if uses_triton(q) if use_triton is None else use_triton:
         kernels = _kernels("received_attention")
         if i.partials is None:
             i.partials = kernels.lse_partials(q.shape[0], q.shape[1], i.n, q.device)
         lse = kernels.paged_lse(q, k_cache, i.block_tables, i.kv_lens, i.query_start_loc, scale, i.n, i.w,
                                 partials=i.partials)
-        return kernels.received_attention(q, k_cache, i.block_tables, i.kv_lens, i.query_start_loc, lse, scale, i.n,
-                                          i.w, out=None if out is None else out[None])[0]
-    votes = _received_ref.received_attention(q, k_cache, i.block_tables, [i.n], [i.w], scale)[0]
+        votes = kernels.received_attention(q, k_cache, i.block_tables, i.kv_lens, i.query_start_loc, lse, scale,
+                                           i.n, i.w, out=None if out is None else out[None] if single else out)
+        return votes[0] if single else votes
+    votes = torch.stack(_received_ref.received_attention(q, k_cache, i.block_tables, [i.n] * i.layers,
+                                                         [i.w] * i.layers, scale))
+    votes = votes[0] if single else votes
     return votes if out is None else out.copy_(votes)
 
 

@@ -312,6 +312,9 @@ class PagedCacheManager(CacheManager):
     def layer_kv(self, layer: int):
         return self.storage.layer_kv(layer)
 
+    def all_layer_keys(self):
+        return self.storage.all_layer_keys()
+
     def write_prefix(self, req: Request, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [n, Hkv, D] as the request's first n slots outside a step (a restore, a synthetic
         fill), before ``commit(req, n)``; the request holds no slots yet."""

@@ -97,10 +97,10 @@ def held_window_scores(cache: CacheManager, req: Request, layer: int, q: torch.T
 
 
 class WindowVoter:
-    """The window votes of one request, layer by layer, where the window's rows are each layer's last slots
-    (``causal_order``): what every layer of the same length shares (the page row on the device, the kernels'
-    lengths, the log-sum-exp's partial buffers) is built once, so a dense layer's vote on a GPU is three kernels
-    (the key tiles' partial log-sum-exp, their merge, the received attention, written where the caller says)."""
+    """The window votes of one request where the window's rows are each layer's last slots (``causal_order``):
+    layer by layer (``sums``: what every layer of the same length shares, the page row on the device, the
+    kernels' lengths, the log-sum-exp's partial buffers, built once; three kernels a layer on a GPU), or the
+    layers of one length together (``sums_of_layers``: three kernels for all of them)."""
 
     def __init__(self, cache: CacheManager, req: Request):
         self.cache, self.req = cache, req
@@ -135,6 +135,25 @@ class WindowVoter:
         pages = torch.arange(num_pages, dtype=torch.int32, device=q.device)
         votes = window_votes(q, keys.view(num_pages, ps, *keys.shape[1:]), pages, n, scale)
         return votes if out is None else out.copy_(votes)
+
+    def sums_of_layers(self, layers: list[int], qs: list[torch.Tensor], n: int) -> torch.Tensor:
+        """[len(layers), Hkv, n] fp32: ``sums`` of each layer's window rows ``qs[i]`` [w, Hq, D] over its ``n``
+        slots. Where the storage holds every layer's keys in one paged tensor (``all_layer_keys``) the layers are
+        rows of one block table, three launches on a GPU for all of them; layer by layer otherwise."""
+        q0 = qs[0]
+        stacked = self.cache.all_layer_keys()
+        if stacked is None:
+            out = torch.empty(len(layers), self.cache.spec.num_kv_heads, n, dtype=torch.float32, device=q0.device)
+            for i, (layer, q) in enumerate(zip(layers, qs)):
+                self.sums(layer, q, n, out=out[i])
+            return out
+        keys, stride = stacked
+        pages = self.cache.table(self.req).pages_tensor()[: -(-n // self.cache.page_size)]
+        inputs = window_vote_inputs(pages, n, q0.shape[0], q0.device, [layer * stride for layer in layers])
+        out = torch.empty(len(layers), keys.shape[2], n, dtype=torch.float32, device=q0.device)  # written whole
+        window_votes_with(inputs, torch.cat(qs) if len(qs) > 1 else q0, keys, q0.shape[-1] ** -0.5,
+                          out=out if len(layers) > 1 else out[0])
+        return out
 
     @staticmethod
     def finish(sums: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -198,8 +198,8 @@ class SnapKV(SparseMethod):
         holding more than its budget back to it. False if the compaction failed.
 
         Layers whose window rows are their last slots (a prompt's end, a chain turn that recomputed its window)
-        vote through ``WindowVoter`` (on a GPU three kernels a layer) and, where they hold as many slots, window
-        slots and budget, select together: one pooling and one top-k over all of them."""
+        and hold as many slots, window slots and budget vote together through ``WindowVoter.sums_of_layers`` (on
+        a GPU three kernels for all of them) and select together: one pooling and one top-k over all of them."""
         cfg = self.config
         heads, device = cache.spec.num_kv_heads, cache.spec.device
         lo = end - cfg.window
@@ -226,9 +226,7 @@ class SnapKV(SparseMethod):
                 keep[layer] = keep_voted_and_window(vote, k_pos, lo, budget, cfg.kernel_size, cfg.pooling,
                                                     (slot, pos))
             for (n, window, budget), layers in grouped.items():
-                sums = torch.empty(len(layers), heads, n, dtype=torch.float32, device=device)
-                for i, (layer, q) in enumerate(layers):
-                    voter.sums(layer, q, n, out=sums[i])  # each layer's votes straight into its row
+                sums = voter.sums_of_layers([layer for layer, _ in layers], [q for _, q in layers], n)
                 vote = WindowVoter.finish(sums, layers[0][1]).flatten(0, 1)
                 kept = keep_top_and_window(vote, window, budget, cfg.kernel_size, cfg.pooling)
                 for (layer, _), k in zip(layers, kept.view(len(layers), heads, budget)):

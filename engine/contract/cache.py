@@ -228,6 +228,11 @@ class CacheManager(ABC):
         """(k_cache, v_cache) of one layer, each [num_pages, page_size, num_kv_heads, head_dim] (or, for a
         storage that encodes tokens, readers of that shape that decode on indexing: ``x.flatten(0, 1)[slots]``)."""
 
+    def all_layer_keys(self) -> tuple[torch.Tensor, int] | None:
+        """Every layer's keys as one paged tensor and the page stride between layers (``KVStorage.all_layer_keys``);
+        None where the storage does not hold them so."""
+        return None
+
     @abstractmethod
     def write_prefix(self, req: Request, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [n, Hkv, D] as the request's first n slots outside a step (a restore, a synthetic fill),

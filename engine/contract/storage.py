@@ -163,6 +163,12 @@ class KVStorage(ABC):
         """(keys, values) of one layer, each indexable as ``x.flatten(0, 1)[slots]`` -> [n, Hkv, D] (post-RoPE
         keys): tensors [num_pages, page_size, Hkv, D], or readers that decode on indexing."""
 
+    def all_layer_keys(self) -> tuple[torch.Tensor, int] | None:
+        """Every layer's keys as one paged tensor [X, page_size, Hkv, D] in which layer l's page p is page
+        ``l * stride + p``, and that stride: a kernel that reads one layer's paged keys then reads several layers'
+        in one launch, each layer a row of its block table. None where the keys are not stored so (coded)."""
+        return None
+
     def view(self, common: dict[str, Any], tables: list[TableHandle], num_new_tokens: list[int],
              layer: int) -> PagedView:
         """The attention view of ``layer`` over ``tables`` from the page-table fields in ``common``."""

@@ -89,5 +89,9 @@ class DenseKV(KVStorage):
     def layer_kv(self, layer):
         return self.kv[layer, 0], self.kv[layer, 1]
 
+    def all_layer_keys(self):
+        """The pool [L, 2, P, ...] as 2 * L * P pages: layer l's key page p is page 2 * P * l + p."""
+        return self.kv.view(-1, *self.kv.shape[3:]), 2 * self.kv.shape[2]
+
     def page_tensors(self):
         return [(self.kv, 2)]

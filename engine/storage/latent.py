@@ -66,3 +66,7 @@ class LatentKV(KVStorage):
     def layer_kv(self, layer):
         rows = self.rows[layer]
         return rows, rows[..., : self.spec.value_dim]
+
+    def all_layer_keys(self):
+        """The rows [L, P, ...] as L * P pages: layer l's page p is page P * l + p."""
+        return self.rows.view(-1, *self.rows.shape[2:]), self.rows.shape[1]

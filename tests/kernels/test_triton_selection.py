@@ -295,6 +295,36 @@ def test_layers_voting_through_one_inputs_equal_separate_votes():
         _close(rows[i], window_votes(q, k, pages, n, d ** -0.5, use_triton=False), (1e-4, 1e-5))
 
 
+
+@pytest.mark.parametrize("d", [64, WIDE])
+def test_layers_voting_as_rows_of_one_block_table_equal_separate_votes(d):
+    """Every layer's keys in one paged tensor (the dense pool [L, 2, P, ...] seen as 2 * L * P pages, as
+    ``DenseKV.all_layer_keys`` gives it) and the layers as rows of one block table (``page_offsets``): one call's
+    [L, Hkv, n] votes equal each layer's own ``window_votes`` over its [P, ...] keys, bit for bit on the kernels,
+    and the torch reference's; a layer's offset mistaken reads another layer's keys."""
+    from agentrt_kernels.ops import window_vote_inputs, window_votes, window_votes_with
+
+    _seed("stacked-layers", d)
+    num_layers, num_pages, page_size, hkv, group, n, w = 3, 24, 8, 2, 3, 150, 24
+    pool = torch.randn(num_layers, 2, num_pages, page_size, hkv, d, device=DEVICE)
+    pages = torch.randperm(num_pages, device=DEVICE)[: -(-n // page_size)].to(torch.int32)
+    qs = [torch.randn(w, hkv * group, d, device=DEVICE) for _ in range(num_layers)]
+    layers = [2, 0]  # any subset, in any order
+    inputs = window_vote_inputs(pages, n, w, DEVICE, [layer * 2 * num_pages for layer in layers])
+    keys = pool.view(-1, page_size, hkv, d)
+    q = torch.cat([qs[layer] for layer in layers])
+    for use_triton in (True, False):
+        out = torch.full((len(layers), hkv, n), float("nan"), device=DEVICE)
+        got = window_votes_with(inputs, q, keys, d ** -0.5, use_triton=use_triton, out=out)
+        assert got.shape == (len(layers), hkv, n) and not torch.isnan(out).any()
+        for i, layer in enumerate(layers):
+            want = window_votes(qs[layer], pool[layer, 0], pages, n, d ** -0.5, use_triton=use_triton)
+            if use_triton:
+                assert torch.equal(out[i], want)
+            else:
+                _close(out[i], want, (1e-5, 1e-6))
+        assert not torch.allclose(out[0], window_votes(qs[2], pool[1, 0], pages, n, d ** -0.5, use_triton=False))
+
 @pytest.mark.parametrize("dtype,group,page_size,n,w,d", [
     (torch.float32, 2, 4, 70, 8, 64), (torch.float16, 4, 16, 100, 32, 64), (torch.float32, 3, 8, 9, 9, 64),
     (torch.float32, 4, 8, 70, 16, WIDE), (torch.float16, 2, 16, 40, 8, WIDE)])
