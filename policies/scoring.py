@@ -96,6 +96,11 @@ def held_window_scores(cache: CacheManager, req: Request, layer: int, q: torch.T
     return voter.finish(voter.sums(layer, q, n), q)
 
 
+# A vote's key-split log-sum-exp holds (max, sum) fp32 partials per 64-slot key tile, window row and query head of
+# every layer voting in one call: at long contexts the layers vote in several calls that keep them under this.
+VOTE_PARTIALS_BYTES = 64 << 20
+
+
 class WindowVoter:
     """The window votes of one request where the window's rows are each layer's last slots (``causal_order``):
     layer by layer (``sums``: what every layer of the same length shares, the page row on the device, the
@@ -139,7 +144,8 @@ class WindowVoter:
     def sums_of_layers(self, layers: list[int], qs: list[torch.Tensor], n: int) -> torch.Tensor:
         """[len(layers), Hkv, n] fp32: ``sums`` of each layer's window rows ``qs[i]`` [w, Hq, D] over its ``n``
         slots. Where the storage holds every layer's keys in one paged tensor (``all_layer_keys``) the layers are
-        rows of one block table, three launches on a GPU for all of them; layer by layer otherwise."""
+        rows of one block table, three launches on a GPU for all of them (for as many as keep the log-sum-exp's
+        partials under ``VOTE_PARTIALS_BYTES``); layer by layer otherwise."""
         q0 = qs[0]
         stacked = self.cache.all_layer_keys()
         if stacked is None:
@@ -149,10 +155,15 @@ class WindowVoter:
             return out
         keys, stride = stacked
         pages = self.cache.table(self.req).pages_tensor()[: -(-n // self.cache.page_size)]
-        inputs = window_vote_inputs(pages, n, q0.shape[0], q0.device, [layer * stride for layer in layers])
         out = torch.empty(len(layers), keys.shape[2], n, dtype=torch.float32, device=q0.device)  # written whole
-        window_votes_with(inputs, torch.cat(qs) if len(qs) > 1 else q0, keys, q0.shape[-1] ** -0.5,
-                          out=out if len(layers) > 1 else out[0])
+        w, hq = q0.shape[0], q0.shape[1]
+        per_call = max(1, VOTE_PARTIALS_BYTES // (-(-n // 64) * w * hq * 8))  # the partials: 64-slot key tiles
+        for a in range(0, len(layers), per_call):
+            part = layers[a:a + per_call]
+            inputs = window_vote_inputs(pages, n, w, q0.device, [layer * stride for layer in part])
+            q = torch.cat(qs[a:a + per_call]) if len(part) > 1 else qs[a]
+            window_votes_with(inputs, q, keys, q0.shape[-1] ** -0.5, out=out[a:a + len(part)] if len(part) > 1
+                              else out[a])
         return out
 
     @staticmethod

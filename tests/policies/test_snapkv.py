@@ -39,6 +39,27 @@ def test_snapkv_matches_reference(arch, pooling, reeval, tiny_dirs):
                             lambda P: snap_rule(P, [16, 16], 6, 3, pooling, reeval, budget=16))
 
 
+@pytest.mark.parametrize("arch", ["llama", "glm4_moe_lite"])
+def test_snapkv_layers_voting_one_per_call_match_reference(arch, tiny_dirs, monkeypatch):
+    """With the vote's partial buffers capped below one layer's (``VOTE_PARTIALS_BYTES``, a long context's case)
+    each layer votes in its own call over the whole pool: still the definition's kept positions and tokens."""
+    import policies.scoring as scoring
+
+    calls = []
+    original = scoring.window_vote_inputs
+
+    def counting(pages, n, w, device, page_offsets=None):
+        calls.append(None if page_offsets is None else len(page_offsets))
+        return original(pages, n, w, device, page_offsets)
+
+    monkeypatch.setattr(scoring, "VOTE_PARTIALS_BYTES", 1)
+    monkeypatch.setattr(scoring, "window_vote_inputs", counting)
+    prompts = make_prompts(PROMPT_LENS, seed=1)
+    llm = make_llm(tiny_dirs[arch], "snapkv", dict(budget=16, window=6, kernel_size=3, pooling="max"))
+    outs, history = run_recorded(llm, prompts)
+    assert calls and set(calls) == {1}  # every grouped vote split into one call a layer
+    check_against_reference(llm, prompts, outs, history, lambda P: snap_rule(P, [16, 16], 6, 3, "max", 0, budget=16))
+
 def chunk_boundaries(outs, history):
     for out in outs:
         done = 0
