@@ -65,7 +65,8 @@ class HostCopies:
         if device.type == "cuda":  # after the step that wrote the pages, on the side stream
 
             def copy() -> list[torch.Tensor]:
-                index = torch.tensor(table.pages, dtype=torch.int64, device=device)
+                # not a blocking copy: it would wait for the side stream, so for every step queued before it
+                index = torch.tensor(table.pages, dtype=torch.int64).to(device, non_blocking=True)
                 pages = []
                 for t, dim in tensors:
                     gathered = t.index_select(dim, index)
