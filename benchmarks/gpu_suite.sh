@@ -301,11 +301,11 @@ for step in "$@"; do
         done
         kill $smi ;;
     gputests)  # the GPU cases added since the last `tests` run: expanded MLA prefill, the MLA decode launch, RMSNorm
-        run gputests 200 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \
+        run gputests 280 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \
             tests/engine/test_mla_expanded_prefill.py tests/kernels/test_mla_prefill_bench.py \
             tests/kernels/test_mla_decode_kernel.py tests/kernels/test_triton_kernels.py tests/engine/test_async_loads.py \
             tests/kernels/test_latent_inputs.py tests/kernels/test_grouped_router.py tests/kernels/test_kv_compact.py \
-            tests/engine/test_mla_gpu_parity.py ;;
+            tests/engine/test_mla_gpu_parity.py tests/kernels/test_triton_selection.py ;;
     deltadecode)  # one DeltaNet layer's decode step: the in-place kernels against gather + fla's recurrent + store
         run deltadecode 200 python -m benchmarks.gated_delta_decode --json "$OUT/deltadecode.json" ;;
     chainturn)  # a SnapKV chain turn (16K history compacted to 4096, 2048 new tokens) split into prefill attention,
