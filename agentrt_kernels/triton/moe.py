@@ -11,8 +11,9 @@
 ``moe_align_block_size(topk_ids, num_experts, block_m) -> (sorted_ids, expert_ids)``
     The T*k (token, choice) slots grouped by expert, each expert's run padded to a multiple of block_m
     with the sentinel T*k: sorted_ids [max_blocks * block_m] int32, expert_ids [max_blocks] int32 (== E
-    for blocks past the last expert's run). Two small Triton kernels (histogram + prefix sum + layout in
-    one program, then an atomic scatter) instead of a dozen torch ops. max_blocks = cdiv(T*k + E*(block_m-1), block_m) is a bound known
+    for blocks past the last expert's run). Histogram + prefix sum + layout in one program, then an atomic
+    scatter, in that same program for at most 1024 slots (one launch) or a second kernel for more, instead of a
+    dozen torch ops. max_blocks = cdiv(T*k + E*(block_m-1), block_m) is a bound known
     from shapes alone, so nothing syncs with the host and the whole op is CUDA-graph capturable.
 
 Kernel 1 (gate_up): grid over (block of BLOCK_M sorted slots, BLOCK_N columns of I). Each block belongs
@@ -38,9 +39,10 @@ from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_
 def _moe_align_count_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, cursor_ptr,
     num_slots, num_experts, max_padded, max_blocks,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, SCATTER: tl.constexpr,
 ):
-    """One program: expert histogram, padded offsets, per-block expert ids, sentinel fill."""
+    """One program: expert histogram, padded offsets, per-block expert ids, sentinel fill; with SCATTER (at most
+    CHUNK slots: a decode step's) the slots' placement too, after a barrier, so the op is one launch."""
     offs_e = tl.arange(0, E_PAD)
     valid_e = offs_e < num_experts
     counts = tl.full([E_PAD], 0, dtype=tl.int32)
@@ -58,16 +60,24 @@ def _moe_align_count_kernel(
     for s0 in range(0, max_padded, CHUNK):
         offs = s0 + tl.arange(0, CHUNK)
         tl.store(sorted_ptr + offs, tl.full([CHUNK], 0, dtype=tl.int32) + num_slots, mask=offs < max_padded)
+    if SCATTER:  # the cursors and the fill above, visible to every thread of this program
+        tl.debug_barrier()
+        _place_slots(ids_ptr, sorted_ptr, cursor_ptr, tl.arange(0, CHUNK), num_slots)
+
+
+@triton.jit
+def _place_slots(ids_ptr, sorted_ptr, cursor_ptr, offs, num_slots):
+    """Each slot in ``offs`` takes the next position of its expert's run (atomic cursor)."""
+    mask = offs < num_slots
+    e = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
+    pos = tl.atomic_add(cursor_ptr + e, tl.full(offs.shape, 1, dtype=tl.int32), mask=mask)
+    tl.store(sorted_ptr + pos, offs, mask=mask)
 
 
 @triton.jit
 def _moe_align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, num_slots, CHUNK: tl.constexpr):
-    """Each slot takes the next position of its expert's run (atomic cursor)."""
-    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < num_slots
-    e = tl.load(ids_ptr + offs, mask=mask, other=0).to(tl.int32)
-    pos = tl.atomic_add(cursor_ptr + e, tl.full([CHUNK], 1, dtype=tl.int32), mask=mask)
-    tl.store(sorted_ptr + pos, offs, mask=mask)
+    """More slots than one program places: CHUNK slots a program."""
+    _place_slots(ids_ptr, sorted_ptr, cursor_ptr, tl.program_id(0) * CHUNK + tl.arange(0, CHUNK), num_slots)
 
 
 def moe_align_block_size(
@@ -75,7 +85,8 @@ def moe_align_block_size(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_ids [max_blocks * block_m] int32, expert_ids [max_blocks] int32); see the module docstring.
 
-    Two launches: one program counts and lays out the runs, then a parallel scatter places each slot.
+    One program counts and lays out the runs and, for at most 1024 slots, places each slot (one launch); more
+    slots are placed by a parallel scatter (a second launch).
     Slots of one expert land in arbitrary order within its run (atomics); the GEMMs treat rows
     independently, so results do not depend on that order.
     """
@@ -90,13 +101,16 @@ def moe_align_block_size(
     expert_ids = torch.empty((max_blocks,), dtype=torch.int32, device=device)
     cursor = torch.empty((num_experts,), dtype=torch.int32, device=device)
     e_pad = next_pow2(num_experts + 1)
+    chunk = 1024
+    one_program = num_slots <= chunk
     _moe_align_count_kernel[(1,)](
         flat, sorted_ids, expert_ids, cursor, num_slots, num_experts, max_blocks * block_m, max_blocks,
-        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, BLOCK_B=max(16, min(128, 8192 // e_pad)), num_warps=8,
+        BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCK_B=max(16, min(128, 8192 // e_pad)), SCATTER=one_program,
+        num_warps=8,
     )
-    chunk = 1024
-    _moe_align_scatter_kernel[(triton.cdiv(num_slots, chunk),)](flat, sorted_ids, cursor, num_slots,
-                                                                CHUNK=chunk, num_warps=4)
+    if not one_program:
+        _moe_align_scatter_kernel[(triton.cdiv(num_slots, chunk),)](flat, sorted_ids, cursor, num_slots,
+                                                                    CHUNK=chunk, num_warps=4)
     return sorted_ids, expert_ids
 
 
