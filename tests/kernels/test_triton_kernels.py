@@ -579,6 +579,39 @@ def test_partial_rotary_with_zero_centered_norm(dtype, hq, hkv, d, rd):
     _close(k_cache, ref_kc, tol)
     _close(v_cache, ref_vc, (0, 0))
 
+
+@pytest.mark.parametrize("method,config", [("snapkv", {"budget": 24, "window": 4}),
+                                           ("quest", {"token_budget": 16, "dense_layers": 0})])
+def test_methods_see_the_fused_paths_strided_queries_as_the_plain_paths(tiny_dirs, monkeypatch, method, config):
+    """With the fused RoPE + store kernel the hybrids' full-attention layers hand the runner q as the strided half
+    of the query-and-gate projection, normalized and rotated in place; a method's votes and selections over those
+    queries equal the plain path's (norms, RoPE, then the store): same tokens and logprobs over a three-turn
+    chain (the kernel forced on the CPU under the interpreter)."""
+    import random
+
+    import engine.storage.dense
+    from engine import EngineConfig, LLMEngine, SamplingParams
+    from tests.chain_helpers import random_tokens, run_chain_turn
+
+    def turns(fused: bool):
+        monkeypatch.setattr(engine.storage.dense, "fuse_rotary_store", lambda kv: fused)
+        eng = LLMEngine(EngineConfig(tiny_dirs["qwen3_5"], dtype="float32", device=str(DEVICE), page_size=4,
+                                     max_num_batched_tokens=16, method=method, method_config=config,
+                                     enforce_eager=True))
+        rng, history, outs = random.Random(3), [], []
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True)
+        for _ in range(3):
+            history = history + random_tokens(rng, 40)
+            out = run_chain_turn(eng, "c", history, params)
+            outs.append((out.token_ids, out.logprobs))
+            history = history + out.token_ids
+        return outs
+
+    plain, fused = turns(False), turns(True)
+    assert [t for t, _ in plain] == [t for t, _ in fused]
+    for (_, a), (_, b) in zip(plain, fused):
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
 # --- fused MoE ---------------------------------------------------------------------------------------
 
 
