@@ -38,7 +38,7 @@
 #   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid, fla-core) decode at bs8 @ 4K
 #   hybridsnap128k  SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, largest batches, decode only
 #   replayprofile  the 24-session pressure replay of one configuration (CONFIG) with a window of its engine steps
-#              under torch.profiler (benchmarks/replay_profile.py): busy / idle device time by step kind
+#              under torch.profiler (benchmarks/replay_profile.py): busy / idle GPU time by step kind
 #   hostcopystall  SnapKV chains with turn-end host copies on, GPU utilization sampled, stacks dumped at the limit;
 #              then serialized (CUDA_LAUNCH_BLOCKING=1)
 #   gputests   the GPU cases added since the last `tests` run: expanded MLA prefill, MLA decode, RMSNorm modes,
@@ -46,7 +46,7 @@
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
 #   profilesteps  whole decode steps under torch.profiler (MoE bs8@4K, dense bs1@4K): device busy / idle
-#              time per step, what the host was doing in the longest idle gaps, device time per kernel
+#              time per step, what the host was doing in the longest idle gaps, GPU time per kernel
 #   profilenew the same for the hybrid (Qwen3.6-27B bs8 @ 4K) and MLA (GLM-4.7-Flash bs8 @ 4K, bs4 @ 128K) shapes
 #   select     Quest / OmniKV vs dense at 128K, matched batch (decode graphs capture the selection)
 #   selectwin  the same with --decode-window 8 (8 decode steps per schedule) for all three
@@ -202,7 +202,7 @@ for step in "$@"; do
         run hybridsnap128k 560 python -m benchmarks.sparse_decode --shape qwen3.6-27b --decode-steps 16 \
             --context 128000 --max-batch 128 --admit-group 2 --admit-time-limit 300 --repeats 1 \
             --methods 'dense;snapkv:{"budget":4096}' --json "$OUT/hybridsnap128k.json" ;;
-    profilesteps)  # device busy vs idle time across whole engine steps, and device time per kernel, for the two
+    profilesteps)  # device busy vs idle time across whole engine steps, and GPU time per kernel, for the two
         # decode cases below their roofline goal on 2026-12-02 (MoE bs8 @ 4K: 0.61, dense bs1 @ 4K: 0.69)
         run profile_moe8 150 python benchmarks/profile_decode.py --shape qwen3-30b-a3b --batch 8 --context 4096 \
             --steps 8 --json "$OUT/profile_moe8.json"
@@ -281,7 +281,7 @@ for step in "$@"; do
     replayprofile)  # the pressure replay (24 sessions) of one configuration (CONFIG, default snapkv-chain-tiers) with a
         # window of its engine step() calls (from FIRST, default 400; STEPS, default 100: the SnapKV run makes ~1660
         # calls, one decode step a call) under torch.profiler: device busy and idle time by step kind, the host ops
-        # in the gaps, device time by kernel
+        # in the gaps, GPU time by kernel
         run replayprofile 400 python -m benchmarks.replay_profile --first-step "${FIRST:-400}" --steps "${STEPS:-100}" \
             --json "$OUT/replayprofile.json" -- --shape llama-3.1-8b --load-format dummy --sessions 24 --turns 12,12 \
             --num-pages 6000 --think-scale 1 --max-num-batched-tokens 8192 --configs "${CONFIG:-snapkv-chain-tiers}" \

@@ -8,7 +8,7 @@ Without ``--steps``: torch.profiler over 5 replays of the batch's decode CUDA gr
 With ``--steps N``: N full ``engine.step()`` calls of the decoding batch under torch.profiler (host and device
 activities). Per step it reports the wall time, the engine's phases (schedule / prepare / execute / update),
 the device's busy time (the union of its kernel and copy intervals) and so its idle time, and the longest idle
-gaps with the engine phase and host operation running when each began; then the device time per step by
+gaps with the engine phase and host operation running when each began; then the GPU time per step by
 kernel (what a real step's graph spends, its routing included) and the host operations by self time. A step
 whose wall time far exceeds its busy time is host-bound: the gaps say where the host was.
 """
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict | None:
                 gaps = ", ".join(f"{g['idle_us']:.0f} {g['phase']}/{g['host_op']}" for g in r["gaps"])
                 print(f"{i:>4} {r['wall_ms']:>9.3f} {r['busy_us'] / 1e3:>9.3f} {r['schedule_ms']:>7.3f} "
                       f"{r['prepare_ms']:>7.3f} {r['execute_ms']:>7.3f} {r['update_ms']:>7.3f}  {gaps}")
-            print("device time by kernel (ms per step):")
+            print("GPU time by kernel (ms per step):")
             for name, ms in result["device_ms_per_step"].items():
                 print(f"  {ms:>8.3f}  {name}")
             print("host ops by self time (ms per step):")

@@ -12,7 +12,7 @@ inside the run: the profile begins and ends in the engine's thread) run under to
 decode-eager, mixed, prefill; a step that only launched an overlapped decode window has none): how many, the
 median wall time, the device's busy time (the union of its kernel and copy intervals) and so its idle time, the
 engine's phases, and the longest idle gaps with the host operation running at each one's start
-(``benchmarks.profile_decode``); for each kind the device time per step by kernel, and the host operations by
+(``benchmarks.profile_decode``); for each kind the GPU time per step by kernel, and the host operations by
 self time over the window. A kind whose wall time far exceeds its busy time is host-bound: its gaps say where.
 
 What the replay's step table (``agentrt replay run``) gives as wall seconds by kind, this splits into device work
