@@ -425,6 +425,20 @@ def _rotary(dtype, head_dim, max_pos=128, scaling=None):
     return rot
 
 
+def _pages_and_stored(t, num_pages, page_size, ref_k, v, skip, dtype):
+    """Random slots for ``t`` tokens (slot ``skip`` -1: not stored), a paged pool, and the pool as storing ``ref_k``
+    and ``v`` at those slots leaves it: (slots, k_cache, v_cache, ref_kc, ref_vc)."""
+    hkv, d = v.shape[1:]
+    slots = torch.randperm(num_pages * page_size, device=DEVICE)[:t]
+    slots[skip] = -1
+    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
+    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    ref_kc.view(-1, hkv, d).index_copy_(0, slots[keep], ref_k[keep])
+    ref_vc.view(-1, hkv, d).index_copy_(0, slots[keep], v[keep])
+    return slots, k_cache, v_cache, ref_kc, ref_vc
+
+
 def _qkv(t, hq, hkv, d, dtype):
     qkv = _randn(t, (hq + 2 * hkv) * d, dtype=dtype)
     q = qkv[:, :hq * d].view(t, hq, d)
@@ -468,14 +482,8 @@ def test_rotary_and_store(dtype, inplace_k):
     q, k, v = _qkv(t, hq, hkv, d, dtype)
     k_orig = k.clone()
     positions = torch.randint(0, 128, (t,), device=DEVICE)
-    slots = torch.randperm(num_pages * page_size, device=DEVICE)[:t]
-    slots[3] = -1
-    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
-    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
     ref_q, ref_k = rot(positions, q.clone(), k.clone())
-    keep = slots >= 0
-    ref_kc.view(-1, hkv, d).index_copy_(0, slots[keep], ref_k[keep])
-    ref_vc.view(-1, hkv, d).index_copy_(0, slots[keep], v[keep])
+    slots, k_cache, v_cache, ref_kc, ref_vc = _pages_and_stored(t, num_pages, page_size, ref_k, v, 3, dtype)
     rotary_and_store(positions, q, k, v, rot.cos_cache, rot.sin_cache, k_cache, v_cache, slots,
                      inplace_k=inplace_k)
     tol = _bf16_ulp_tol(dtype)
@@ -507,13 +515,7 @@ def test_rotary_with_qk_norm(dtype, hq, hkv, d):
     _close(q1, ref_q, tol)
     _close(k1, ref_k, tol)
 
-    slots = torch.randperm(num_pages * page_size, device=DEVICE)[:t]
-    slots[2] = -1
-    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
-    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
-    keep = slots >= 0
-    ref_kc.view(-1, hkv, d).index_copy_(0, slots[keep], ref_k[keep])
-    ref_vc.view(-1, hkv, d).index_copy_(0, slots[keep], v[keep])
+    slots, k_cache, v_cache, ref_kc, ref_vc = _pages_and_stored(t, num_pages, page_size, ref_k, v, 2, dtype)
     k_orig = k.clone()
     rotary_and_store(positions, q, k, v, rot.cos_cache, rot.sin_cache, k_cache, v_cache, slots, **norm)
     _close(q, ref_q, tol)
@@ -565,13 +567,7 @@ def test_partial_rotary_with_zero_centered_norm(dtype, hq, hkv, d, rd):
     _close(q1, ref_q, tol)
     _close(k1, ref_k, tol)
 
-    slots = torch.randperm(num_pages * page_size, device=DEVICE)[:t]
-    slots[2] = -1
-    k_cache, v_cache = _paged_cache(num_pages, page_size, hkv, d, dtype)
-    ref_kc, ref_vc = k_cache.clone(), v_cache.clone()
-    keep = slots >= 0
-    ref_kc.view(-1, hkv, d).index_copy_(0, slots[keep], ref_k[keep])
-    ref_vc.view(-1, hkv, d).index_copy_(0, slots[keep], v[keep])
+    slots, k_cache, v_cache, ref_kc, ref_vc = _pages_and_stored(t, num_pages, page_size, ref_k, v, 2, dtype)
     gate_before = q_gate[..., d:].clone()
     rotary_and_store(positions, q, k, v, rot.cos_cache, rot.sin_cache, k_cache, v_cache, slots, **norm)
     _close(q, ref_q, tol)
