@@ -103,13 +103,11 @@ VOTE_PARTIALS_BYTES = 64 << 20
 
 class WindowVoter:
     """The window votes of one request where the window's rows are each layer's last slots (``causal_order``):
-    layer by layer (``sums``: what every layer of the same length shares, the page row on the device, the
-    kernels' lengths, the log-sum-exp's partial buffers, built once; three kernels a layer on a GPU), or the
-    layers of one length together (``sums_of_layers``: three kernels for all of them)."""
+    the layers of one length together (``sums_of_layers``; on a GPU three kernels for all of them where the
+    storage holds every layer's keys in one paged tensor), or one layer (``sums``)."""
 
     def __init__(self, cache: CacheManager, req: Request):
         self.cache, self.req = cache, req
-        self._inputs: dict[tuple[int, int], tuple] = {}
 
     def causal_order(self, layer: int, n: int, w: int, q_first: int,
                      ordered_from: tuple[int, int] | None = None) -> bool:
@@ -119,51 +117,39 @@ class WindowVoter:
         slot, pos = ordered_from or self.cache.table(self.req).ordered_from(layer)
         return 0 < w and n - w >= slot and q_first == pos + n - slot - w
 
-    def sums(self, layer: int, q: torch.Tensor, n: int, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[Hkv, n] fp32 (written into ``out`` if given): the probabilities the window rows ``q`` [w, Hq, D] put on
-        each of the layer's ``n`` slots, summed over the rows and each KV head's query heads (``finish`` makes it
-        the vote)."""
-        cache, ps = self.cache, self.cache.page_size
-        k_cache, _ = cache.layer_kv(layer)
-        scale = q.shape[-1] ** -0.5
-        if isinstance(k_cache, torch.Tensor):
-            key = (n, q.shape[0])
-            if key not in self._inputs:  # the table's cached row, copied without waiting for the GPU's queue
-                pages = cache.table(self.req).pages_tensor()[: -(-n // ps)]
-                self._inputs[key] = window_vote_inputs(pages, n, q.shape[0], q.device)
-            return window_votes_with(self._inputs[key], q, k_cache, scale, out=out)
-        # coded: decode the n keys once (cache dtype), padded to whole pages numbered 0, 1, ...
-        keys = gather_keys(cache, self.req, layer, n)
-        num_pages = -(-n // ps)
-        if num_pages * ps > n:
-            keys = torch.cat([keys, keys.new_zeros(num_pages * ps - n, *keys.shape[1:])])
-        pages = torch.arange(num_pages, dtype=torch.int32, device=q.device)
-        votes = window_votes(q, keys.view(num_pages, ps, *keys.shape[1:]), pages, n, scale)
-        return votes if out is None else out.copy_(votes)
+    def sums(self, layer: int, q: torch.Tensor, n: int) -> torch.Tensor:
+        """[Hkv, n] fp32: the probabilities the window rows ``q`` [w, Hq, D] put on each of the layer's ``n``
+        slots, summed over the rows and each KV head's query heads (``finish`` makes it the vote)."""
+        return self.sums_of_layers([layer], [q], n)[0]
 
     def sums_of_layers(self, layers: list[int], qs: list[torch.Tensor], n: int) -> torch.Tensor:
         """[len(layers), Hkv, n] fp32: ``sums`` of each layer's window rows ``qs[i]`` [w, Hq, D] over its ``n``
-        slots. Where the storage holds every layer's keys in one paged tensor (``all_layer_keys``) the layers are
-        rows of one block table, three launches on a GPU for all of them (for as many as keep the log-sum-exp's
-        partials under ``VOTE_PARTIALS_BYTES``); layer by layer otherwise."""
-        q0 = qs[0]
+        slots. Where the storage holds every layer's keys in one paged tensor (``all_layer_keys``) the paged keys
+        are read in place, the layers rows of one block table: three launches on a GPU for all of them (for as
+        many as keep the log-sum-exp's partials under ``VOTE_PARTIALS_BYTES``). Otherwise (coded storage) each
+        layer's keys are decoded once into contiguous pages and voted on there."""
+        q0, ps = qs[0], self.cache.page_size
+        w, hq, scale = q0.shape[0], q0.shape[1], q0.shape[-1] ** -0.5
         stacked = self.cache.all_layer_keys()
         if stacked is None:
-            out = torch.empty(len(layers), self.cache.spec.num_kv_heads, n, dtype=torch.float32, device=q0.device)
-            for i, (layer, q) in enumerate(zip(layers, qs)):
-                self.sums(layer, q, n, out=out[i])
-            return out
+            num_pages = -(-n // ps)
+            pages = torch.arange(num_pages, dtype=torch.int32, device=q0.device)
+            votes = []
+            for layer, q in zip(layers, qs):
+                keys = gather_keys(self.cache, self.req, layer, n)  # decoded (cache dtype), padded to whole pages
+                if num_pages * ps > n:
+                    keys = torch.cat([keys, keys.new_zeros(num_pages * ps - n, *keys.shape[1:])])
+                votes.append(window_votes(q, keys.view(num_pages, ps, *keys.shape[1:]), pages, n, scale))
+            return torch.stack(votes)
         keys, stride = stacked
-        pages = self.cache.table(self.req).pages_tensor()[: -(-n // self.cache.page_size)]
+        pages = self.cache.table(self.req).pages_tensor()[: -(-n // ps)]
         out = torch.empty(len(layers), keys.shape[2], n, dtype=torch.float32, device=q0.device)  # written whole
-        w, hq = q0.shape[0], q0.shape[1]
         per_call = max(1, VOTE_PARTIALS_BYTES // (-(-n // 64) * w * hq * 8))  # the partials: 64-slot key tiles
         for a in range(0, len(layers), per_call):
             part = layers[a:a + per_call]
             inputs = window_vote_inputs(pages, n, w, q0.device, [layer * stride for layer in part])
             q = torch.cat(qs[a:a + per_call]) if len(part) > 1 else qs[a]
-            window_votes_with(inputs, q, keys, q0.shape[-1] ** -0.5, out=out[a:a + len(part)] if len(part) > 1
-                              else out[a])
+            window_votes_with(inputs, q, keys, scale, out=out[a:a + len(part)] if len(part) > 1 else out[a])
         return out
 
     @staticmethod
