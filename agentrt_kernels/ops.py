@@ -326,7 +326,6 @@ class WindowVoteInputs:
     query_start_loc: torch.Tensor
     n: int
     w: int
-    partials: tuple | None = None  # the key-split log-sum-exp's buffers, filled by the first call, then shared
 
     @property
     def layers(self) -> int:
@@ -354,14 +353,11 @@ def window_votes_with(inputs: WindowVoteInputs, q: torch.Tensor, k_cache: torch.
     """``window_votes`` from ``window_vote_inputs``: [Hkv, n] fp32, or for inputs of L layers [L, Hkv, n] from
     their window rows ``q`` [L * w, Hq, D] (layer by layer); written into ``out`` of that shape if given. On a
     GPU three launches however many layers (the key tiles' partial log-sum-exp, their merge, the received
-    attention): the partials' buffers are filled once per ``inputs`` and the result goes straight into ``out``."""
+    attention), the result straight into ``out``."""
     i, single = inputs, inputs.layers == 1
     if uses_triton(q) if use_triton is None else use_triton:
         kernels = _kernels("received_attention")
-        if i.partials is None:
-            i.partials = kernels.lse_partials(q.shape[0], q.shape[1], i.n, q.device)
-        lse = kernels.paged_lse(q, k_cache, i.block_tables, i.kv_lens, i.query_start_loc, scale, i.n, i.w,
-                                partials=i.partials)
+        lse = kernels.paged_lse(q, k_cache, i.block_tables, i.kv_lens, i.query_start_loc, scale, i.n, i.w)
         votes = kernels.received_attention(q, k_cache, i.block_tables, i.kv_lens, i.query_start_loc, lse, scale,
                                            i.n, i.w, out=None if out is None else out[None] if single else out)
         return votes[0] if single else votes

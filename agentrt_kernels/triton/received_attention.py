@@ -175,27 +175,17 @@ def merge_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def lse_partials(num_tokens: int, num_q_heads: int, width: int, device: torch.device,
-                 block_n: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (max, sum) buffers ``paged_lse`` writes its key tiles' partials into, [tiles, T, Hq] fp32, filled with
-    what a tile no row of which sees a slot leaves (-inf, 0)."""
-    tiles = max(triton.cdiv(width, block_n), 1)
-    m = torch.full((tiles, num_tokens, num_q_heads), float("-inf"), dtype=torch.float32, device=device)
-    return m, torch.zeros_like(m)
-
-
 def paged_lse(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, kv_lens: torch.Tensor,
               query_start_loc: torch.Tensor, scale: float, width: int, max_query_len: int, causal: bool = True,
-              block_n: int = 64, partials: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              block_n: int = 64) -> torch.Tensor:
     """[T, Hq] fp32 log2-sum-exp of every query row over its visible slots (the prefill kernel's ``lse=``
     quantity) split along the keys: one program per key tile and KV head, partial (max, sum) per tile merged
     by ``merge_lse``. For a few query rows over a long context (an observation window), where the prefill kernel
-    would stream the whole context through one program per query tile. Rows that see no slot get -inf.
-    ``partials``: ``lse_partials`` buffers to write into instead of fresh ones. Which entries the kernel writes
-    depends on the lengths alone, so calls over the same lengths (a vote's layers) may share one pair, filled
-    once: every call overwrites what the one before wrote."""
-    m, l = lse_partials(q.shape[0], q.shape[1], width, q.device, block_n) if partials is None else partials
-    assert m.shape == (max(triton.cdiv(width, block_n), 1), q.shape[0], q.shape[1]) == l.shape, m.shape
+    would stream the whole context through one program per query tile. Rows that see no slot get -inf."""
+    tiles = max(triton.cdiv(width, block_n), 1)
+    # what a tile no row of which sees a slot leaves: (-inf, 0)
+    m = torch.full((tiles, q.shape[0], q.shape[1]), float("-inf"), dtype=torch.float32, device=q.device)
+    l = torch.zeros_like(m)
     _launch(TILE_LSE, q, k_cache, block_tables, kv_lens, query_start_loc, scale, width, max_query_len, causal,
             block_n, m=m, l=l)
     return merge_lse(m, l)
