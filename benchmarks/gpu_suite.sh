@@ -272,10 +272,10 @@ for step in "$@"; do
         # all) over a 6000-page pool (96K tokens), with the traces' think times; the tiers' host copy is 64 GiB.
         # Larger loads one configuration a call on the same warm machine (CONFIGS=..., SESSIONS, TURNS, PAGES),
         # joined by `agentrt replay report <dir>/partial.jsonl ...`; ENGINE_OPTIONS='{"chain_async_loads": true}'
-        # passes EngineConfig fields to every configuration
+        # passes EngineConfig fields to every configuration; REPEATS runs rounds of all configurations (medians)
         run replaypressure 560 python -c 'import sys; from agentrt.cli import main; sys.exit(main())' replay run \
             --shape llama-3.1-8b --load-format dummy --sessions "${SESSIONS:-12}" --turns "${TURNS:-12,12}" \
-            --num-pages "${PAGES:-6000}" --think-scale 1 --max-num-batched-tokens 8192 \
+            --num-pages "${PAGES:-6000}" --think-scale 1 --max-num-batched-tokens 8192 --repeats "${REPEATS:-1}" \
             --configs "${CONFIGS:-dense-prefix,snapkv-chain-tiers,dense-chain-tiers}" \
             --engine-options "${ENGINE_OPTIONS:-{\}}" --snapkv-config '{"budget": 4096}' --out "$OUT/$step" ;;
     replayprofile)  # the pressure replay (24 sessions) of one configuration (CONFIG, default snapkv-chain-tiers) with a

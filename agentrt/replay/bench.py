@@ -72,15 +72,19 @@ def _replay_on_server(server_config: Any, traces: list[Trace], config: ReplayCon
 
 
 def run_all(traces: list[Trace], configs: list[ReplayConfig], log: Callable[[str], None] = print,
-            on_result: Callable[[RunResult], None] | None = None, **kw: Any) -> list[RunResult]:
-    """Replay every configuration in turn; ``on_result`` sees each result as soon as its run ends."""
+            on_result: Callable[[RunResult], None] | None = None, repeats: int = 1, **kw: Any) -> list[RunResult]:
+    """Replay every configuration in turn, ``repeats`` rounds of all of them (a configuration's runs are spread
+    over the whole time, so drift of the machine does not fall on one of them); ``on_result`` sees each result as
+    soon as its run ends."""
     results = []
-    for config in configs:
-        log(f"replay: {config.name} ({len(traces)} sessions, {sum(t.num_turns for t in traces)} turns)")
-        results.append(serve_and_replay(traces, config, **kw))
-        log(f"replay: {config.name} done in {results[-1].wall_s:.2f} s")
-        if on_result is not None:
-            on_result(results[-1])
+    for round_ in range(repeats):
+        for config in configs:
+            of = f", run {round_ + 1} of {repeats}" if repeats > 1 else ""
+            log(f"replay: {config.name} ({len(traces)} sessions, {sum(t.num_turns for t in traces)} turns{of})")
+            results.append(serve_and_replay(traces, config, **kw))
+            log(f"replay: {config.name} done in {results[-1].wall_s:.2f} s")
+            if on_result is not None:
+                on_result(results[-1])
     return results
 
 

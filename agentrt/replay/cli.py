@@ -213,7 +213,7 @@ def _engine_options(args: argparse.Namespace, model_dir: Path) -> dict[str, Any]
 
 def _run(args: argparse.Namespace) -> int:
     from agentrt.replay.bench import run_all
-    from agentrt.replay.report import steps_table, summarize, table, with_speedups
+    from agentrt.replay.report import median_of_runs, steps_table, summarize, table, with_speedups
     from engine.errors import ConfigError
     from engine.registry import create_method
 
@@ -237,8 +237,9 @@ def _run(args: argparse.Namespace) -> int:
             traces = _generate(args, model_dir, max_model_len)
         log = (lambda m: print(m, file=sys.stderr, flush=True))
         runs = run_all(traces, [known[n] for n in args.configs], log, on_result=_partial_writer(args.out),
-                       model=model_dir, engine_options=engine_options, think_scale=args.think_scale)
-    summaries = with_speedups([summarize(r) for r in runs], args.baseline)
+                       model=model_dir, engine_options=engine_options, think_scale=args.think_scale,
+                       repeats=args.repeats)
+    summaries = with_speedups(median_of_runs([summarize(r) for r in runs]), args.baseline)
     report = {"model": args.shape or args.model or "embedded tiny", "engine_options": engine_options,
               "sessions": len(traces), "turns_per_session": [t.num_turns for t in traces],
               "trace_scale": [t.header.metadata.get("scale", 1.0) for t in traces],
@@ -294,7 +295,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _report(args: argparse.Namespace) -> int:
     """One table from the summaries of several runs (``partial.jsonl`` or ``replay.json``), e.g. one configuration a
     run on the same machine, speedups against ``--baseline``."""
-    from agentrt.replay.report import steps_table, table, with_speedups
+    from agentrt.replay.report import median_of_runs, steps_table, table, with_speedups
 
     summaries = []
     for name in args.runs:
@@ -309,7 +310,10 @@ def _report(args: argparse.Namespace) -> int:
         summaries.extend(found)
     if not any(s.get("config") == args.baseline for s in summaries):
         raise Mistake(f"--baseline: no run of {args.baseline!r} in {', '.join(args.runs)}")
-    summaries = with_speedups(summaries, args.baseline)
+    try:
+        summaries = with_speedups(median_of_runs(summaries), args.baseline)
+    except ValueError as exc:
+        raise Mistake(str(exc)) from None
     print(json.dumps({"results": summaries}, indent=1))
     print(table(summaries))
     print("\nengine steps by kind (count / wall s):")
@@ -339,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--snapkv-config", type=json_object, default="{}",
                      help="SnapKV knobs as JSON (e.g. '{\"budget\": 2048}')")
     run.add_argument("--lag", type=non_negative_int, default=2, help="the lag pruning policy: tool rounds kept whole")
+    run.add_argument("--repeats", type=positive_int, default=1,
+                     help="runs of every configuration (rounds of all of them); the table gives medians [min-max]")
     run.add_argument("--think-scale", type=non_negative_float, default=1.0,
                      help="multiplies the traces' think times (0: none)")
     run.add_argument("--device", type=device, default="auto", help="auto (a GPU when visible), cpu or cuda[:N]")
@@ -360,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="one table from several runs' summaries (partial.jsonl / replay.json)",
                             description="One table, with speedups against --baseline, from the summaries several "
                                         "`agentrt replay run`s wrote\n(e.g. one configuration a run, each under a "
-                                        "time limit, on the same machine).")
+                                        "time limit, on the same machine); a configuration\nfound in several "
+                                        "summaries is reported as the median of its runs [min-max].")
     report.add_argument("runs", nargs="+", help="partial.jsonl or replay.json files")
     report.add_argument("--baseline", default="dense-prefix", metavar="CONFIG",
                         help="the configuration speedups are relative to")

@@ -62,6 +62,40 @@ def summarize(run: RunResult) -> dict[str, Any]:
     }
 
 
+SPREAD_KEYS = ("wall_s", "wait_s", "ttft_p50_s", "ttft_p90_s")  # [min-max] beside a median of repeated runs
+
+
+def median_of_runs(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One summary per configuration (in order of first appearance) from repeated runs of it: every scalar figure
+    is the median over its runs (counts stay whole numbers), the per-turn lists and per-kind tables are those of
+    the run whose wall time is the median (the lower middle one of an even count), ``runs`` is how many ran and ``spread`` gives min and max of the
+    headline figures. A configuration that ran once is returned as it is, with ``runs`` 1."""
+    groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for s in summaries:
+        groups[s["config"]].append(s)
+    out = []
+    for runs in groups.values():
+        if len(runs) == 1:
+            out.append({**runs[0], "runs": runs[0].get("runs", 1)})
+            continue
+        if any(s.get("runs", 1) > 1 for s in runs):
+            raise ValueError(f"{runs[0]['config']}: a median of repeated runs cannot be joined with other runs "
+                             "(join the partial.jsonl files, one line a run)")
+        by_wall = sorted(runs, key=lambda s: s["wall_s"])
+        merged = dict(by_wall[(len(by_wall) - 1) // 2])
+        for key, value in list(merged.items()):
+            values = [s[key] for s in runs if isinstance(s.get(key), (int, float)) and not isinstance(s[key], bool)]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or len(values) != len(runs):
+                continue
+            middle = statistics.median(values)
+            merged[key] = round(middle) if all(isinstance(v, int) for v in values) else middle
+        merged["runs"] = len(runs)
+        merged["spread"] = {k: [min(s[k] for s in runs), max(s[k] for s in runs)]
+                            for k in SPREAD_KEYS if all(k in s for s in runs)}
+        out.append(merged)
+    return out
+
+
 def with_speedups(summaries: list[dict[str, Any]], baseline: str | None = None) -> list[dict[str, Any]]:
     """Adds ``speedup`` (baseline wall time / this one), ``wait_speedup`` (the same for the time a session
     waits for the server, think time excluded) and ``prefill_reduction``; the baseline is the named
@@ -78,7 +112,7 @@ def with_speedups(summaries: list[dict[str, Any]], baseline: str | None = None) 
     return summaries
 
 
-COLUMNS = [("config", "config", "{}"), ("wall_s", "wall s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
+COLUMNS = [("config", "config", "{}"), ("runs", "runs", "{}"), ("wall_s", "wall s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
            ("wait_s", "wait s", "{:.2f}"), ("wait_speedup", "wait speedup", "{:.2f}x"),
            ("ttft_p50_s", "ttft p50 ms", "{:.1f}"), ("ttft_p90_s", "ttft p90 ms", "{:.1f}"),
            ("prefilled_tokens", "prefilled", "{}"), ("prefix_cached_tokens", "prefix hit", "{}"),
@@ -101,11 +135,17 @@ def steps_table(summaries: list[dict[str, Any]]) -> str:
 
 
 def table(summaries: list[dict[str, Any]]) -> str:
+    """The headline figures, a configuration a row; a figure of repeated runs is their median with [min-max]."""
     def cell(s: dict[str, Any], key: str, fmt: str) -> str:
         value = s.get(key)
         if value is None:
             return "-"
-        return fmt.format(value * 1000 if key.startswith("ttft") else value)
+        scale = 1000 if key.startswith("ttft") else 1
+        text = fmt.format(value * scale)
+        if key in s.get("spread", {}):
+            lo, hi = s["spread"][key]
+            text += f" [{fmt.format(lo * scale)}-{fmt.format(hi * scale)}]"
+        return text
 
     rows = [[title for _, title, _ in COLUMNS]] + [[cell(s, k, f) for k, _, f in COLUMNS] for s in summaries]
     widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]

@@ -230,13 +230,17 @@ def test_replay_run_fits_generated_traces_to_the_embedded_model(tmp_path, capsys
     from agentrt.replay.cli import main
 
     assert main(["run", "--sessions", "1", "--turns", "3,3", "--configs", "dense-chain", "--think-scale", "0",
-                 "--device", "cpu", "--num-pages", "512", "--out", str(tmp_path)]) == 0
+                 "--device", "cpu", "--num-pages", "512", "--repeats", "2", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "replay.json").read_text())
     assert report["model"] == "embedded tiny" and report["turns_per_session"] == [3]
     assert 0 < report["trace_scale"][0] < 1
     (result,) = report["results"]
     assert result["config"] == "dense-chain" and len(result["prefilled_per_turn"]) == 3
     assert "scaled by" in capsys.readouterr().err
+    # --repeats: each run's summary in partial.jsonl, the report their median
+    walls = [json.loads(line)["wall_s"] for line in (tmp_path / "partial.jsonl").read_text().splitlines()]
+    assert len(walls) == 2 and result["runs"] == 2
+    assert result["wall_s"] == pytest.approx(sum(walls) / 2) and result["spread"]["wall_s"] == sorted(walls)
 
 
 def test_replay_report_joins_runs_and_computes_speedups_against_the_baseline(tmp_path, capsys):
@@ -265,6 +269,22 @@ def test_replay_report_joins_runs_and_computes_speedups_against_the_baseline(tmp
     assert "snapkv-chain-tiers" in out and "2.50x" in out
     steps = out[out.index("load_wait s"):]  # the steps table: tier seconds where the summary has them, else "-"
     assert "3.75" in steps and "1.50" in steps and " -" in steps
+
+    # a configuration run three times (e.g. in three calls): the median of each figure, the per-kind steps of the
+    # median run, whole counts, [min-max] in the table; speedups from the medians
+    runs = [{**summary("snapkv-chain-tiers", wall, wait, prefilled), "engine_steps": dict.fromkeys(STEP_KINDS, n)}
+            for wall, wait, prefilled, n in ((44.0, 20.0, 210, 7), (30.0, 10.0, 190, 3), (40.0, 24.0, 201, 5))]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in runs))
+    assert main(["report", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")]) == 0
+    out = capsys.readouterr().out
+    snap = next(r for r in json.loads(out[: out.index("\n}\n") + 2])["results"] if r["config"] != "dense-prefix")
+    assert (snap["runs"], snap["wall_s"], snap["wait_s"], snap["prefilled_tokens"]) == (3, 40.0, 20.0, 201)
+    assert isinstance(snap["prefilled_tokens"], int) and snap["engine_steps"] == dict.fromkeys(STEP_KINDS, 5)
+    assert snap["spread"]["wall_s"] == [30.0, 44.0] and (snap["speedup"], snap["wait_speedup"]) == (1.5, 2.0)
+    assert "40.00 [30.00-44.00]" in out
+    (tmp_path / "d.json").write_text(json.dumps({"results": [{**runs[0], "runs": 3}]}))
+    assert main(["report", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl"), str(tmp_path / "d.json")]) == 2
+    assert "cannot be joined" in capsys.readouterr().err
 
     (tmp_path / "bad.jsonl").write_text("not json\n")
     assert main(["report", str(tmp_path / "bad.jsonl")]) == 2
