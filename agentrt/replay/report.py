@@ -68,8 +68,9 @@ SPREAD_KEYS = ("wall_s", "wait_s", "ttft_p50_s", "ttft_p90_s")  # [min-max] besi
 def median_of_runs(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One summary per configuration (in order of first appearance) from repeated runs of it: every scalar figure
     is the median over its runs (counts stay whole numbers), the per-turn lists and per-kind tables are those of
-    the run whose wall time is the median (the lower middle one of an even count), ``runs`` is how many ran and ``spread`` gives min and max of the
-    headline figures. A configuration that ran once is returned as it is, with ``runs`` 1."""
+    the run whose wall time is the median (the lower middle one of an even count), ``runs`` is how many ran and
+    ``spread`` gives min and max of the headline figures. A configuration that ran once is returned as it is, with
+    ``runs`` 1."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for s in summaries:
         groups[s["config"]].append(s)
@@ -112,8 +113,9 @@ def with_speedups(summaries: list[dict[str, Any]], baseline: str | None = None) 
     return summaries
 
 
-COLUMNS = [("config", "config", "{}"), ("runs", "runs", "{}"), ("wall_s", "wall s", "{:.2f}"), ("speedup", "speedup", "{:.2f}x"),
-           ("wait_s", "wait s", "{:.2f}"), ("wait_speedup", "wait speedup", "{:.2f}x"),
+COLUMNS = [("config", "config", "{}"), ("runs", "runs", "{}"), ("wall_s", "wall s", "{:.2f}"),
+           ("speedup", "speedup", "{:.2f}x"), ("wait_s", "wait s", "{:.2f}"),
+           ("wait_speedup", "wait speedup", "{:.2f}x"),
            ("ttft_p50_s", "ttft p50 ms", "{:.1f}"), ("ttft_p90_s", "ttft p90 ms", "{:.1f}"),
            ("prefilled_tokens", "prefilled", "{}"), ("prefix_cached_tokens", "prefix hit", "{}"),
            ("resumed_tokens", "resumed", "{}"), ("generated_tokens", "generated", "{}"),
