@@ -146,16 +146,17 @@ def _launch(mode: tl.constexpr, q, k_cache, block_tables, kv_lens, query_start_l
 
 
 @triton.jit
-def _merge_lse_kernel(m_ptr, l_ptr, out_ptr, rows, TILES: tl.constexpr, BLOCK: tl.constexpr):
-    """Per (row, head) entry: log2 sum_t l_t * 2^(m_t - max_t m_t) + max, over the key tiles' partials."""
+def _merge_lse_kernel(m_ptr, l_ptr, out_ptr, rows, tiles, BLOCK: tl.constexpr):
+    """Per (row, head) entry: log2 sum_t l_t * 2^(m_t - max_t m_t) + max, over the key tiles' partials. The tile
+    count is a runtime bound: as a constexpr every history length would compile a kernel of its own."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < rows
     top = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    for t in range(TILES):
+    for t in range(tiles):
         top = tl.maximum(top, tl.load(m_ptr + t * rows + offs, mask=mask, other=float("-inf")))
     safe = tl.where(top == float("-inf"), 0.0, top)
     total = tl.zeros([BLOCK], dtype=tl.float32)
-    for t in range(TILES):
+    for t in range(tiles):
         m = tl.load(m_ptr + t * rows + offs, mask=mask, other=float("-inf"))
         total += tl.load(l_ptr + t * rows + offs, mask=mask, other=0.0) * tl.exp2(m - safe)
     tl.store(out_ptr + offs, tl.where(total > 0, safe + tl.log2(total), float("-inf")), mask=mask)
@@ -170,8 +171,7 @@ def merge_lse(m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
     rows = out.numel()
     if rows:
         block = 256
-        _merge_lse_kernel[(triton.cdiv(rows, block),)](m.contiguous(), l.contiguous(), out, rows, TILES=tiles,
-                                                       BLOCK=block)
+        _merge_lse_kernel[(triton.cdiv(rows, block),)](m.contiguous(), l.contiguous(), out, rows, tiles, BLOCK=block)
     return out
 
 

@@ -273,6 +273,34 @@ def test_the_lse_merge_kernel_equals_the_torch_merge():
     _close(got[finite], want[finite], (1e-5, 1e-6))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="records the interpreter's launches")
+def test_a_vote_compiles_the_same_kernels_at_any_history_length():
+    """A chain's history length changes every turn: the vote's kernels take it (and the key-tile count) as runtime
+    values, so every length launches kernels of the same constexprs (on a GPU no compilation after the first
+    turn, where a constexpr following the length would compile a kernel per length), and their full
+    specialization keys stay a few whatever the lengths; one layer's vote and all layers' alike."""
+    from agentrt_kernels.ops import window_vote_inputs, window_votes_with
+    from tests.kernel_variants import recorded_launches
+
+    _seed("variants")
+    num_layers, num_pages, page_size, hkv, group, w, d = 3, 160, 8, 2, 2, 16, 64
+    pool = torch.randn(num_layers, 2, num_pages, page_size, hkv, d, device=DEVICE)  # as DenseKV.all_layer_keys
+    constexprs = []
+    with recorded_launches() as every:
+        for n in (150, 333, 421, 1000, 1227):
+            pages = torch.randperm(num_pages, device=DEVICE)[: -(-n // page_size)].to(torch.int32)
+            q = torch.randn(num_layers * w, hkv * group, d, device=DEVICE)
+            with recorded_launches() as launches:  # one layer's vote, then every layer's as rows of one table
+                window_votes_with(window_vote_inputs(pages, n, w, DEVICE), q[:w], pool[0, 0], d ** -0.5,
+                                  use_triton=True)
+                inputs = window_vote_inputs(pages, n, w, DEVICE, [layer * 2 * num_pages for layer in range(3)])
+                window_votes_with(inputs, q, pool.view(-1, page_size, hkv, d), d ** -0.5, use_triton=True)
+            assert sum(map(len, launches.constexprs.values())) == 3, launches.constexprs  # the same three twice
+            constexprs.append(dict(launches.constexprs))
+    assert all(c == constexprs[0] for c in constexprs), [c for c in constexprs if c != constexprs[0]]
+    assert all(len(keys) <= 4 for keys in every.keys.values()), {k: len(v) for k, v in every.keys.items()}
+
+
 def test_layers_voting_through_one_inputs_equal_separate_votes():
     """Layers of one length share one ``window_vote_inputs`` (the page row and lengths on the device) and write into
     the rows of one buffer: every layer's votes equal a separate ``window_votes`` call's, bit for bit, and the
