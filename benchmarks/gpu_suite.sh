@@ -198,7 +198,8 @@ for step in "$@"; do
         run hybrid 560 python -m benchmarks.throughput --shape qwen3.6-27b --cases 8@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --json "$OUT/hybrid.json" ;;
     hybridsnap128k)  # SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, each at its largest batch (decode only;
-        # SnapKV applies to the full-attention layers, each request also holds its linear layers' states)
+        # SnapKV applies to the full-attention layers, each request also holds its linear layers' states). Needs
+        # an H200: on an 80 GB card the 128 state slots (~20 GB) leave no room for one 128K request (8.4 GB)
         run hybridsnap128k 560 python -m benchmarks.sparse_decode --shape qwen3.6-27b --decode-steps 16 \
             --context 128000 --max-batch 128 --admit-group 2 --admit-time-limit 300 --repeats 1 \
             --methods 'dense;snapkv:{"budget":4096}' --json "$OUT/hybridsnap128k.json" ;;

@@ -104,6 +104,8 @@ def timed_tokens(args) -> int:
 def timed_decode(engine: LLMEngine, steps_wanted: int, sync) -> dict:
     """One timed window of at least ``steps_wanted`` decode steps in which every admitted request decodes."""
     reqs = list(engine._requests.values())
+    if not reqs:
+        raise RuntimeError("no admitted request to time")
     graphs = engine.runner.graphs
     replays_before = 0 if graphs is None else graphs.replays
     padded_before = 0 if graphs is None else graphs.padded_replays
@@ -165,6 +167,11 @@ def run_method(model_dir: Path, name: str, cfg: dict, args, storage: str | None 
             engine.step()  # finish the new requests' window prefills (the others decode meanwhile)
         print(f"admitted {admitted} in {time.perf_counter() - t_built:.1f} s, {engine.pool.num_free} pages free",
               file=sys.stderr, flush=True)
+    if admitted == 0:  # else the timed windows would wait forever for a request to decode
+        raise RuntimeError(
+            f"{name}: no request of {args.context} tokens fits the KV pool ({engine.pool.num_pages} pages of "
+            f"{args.page_size} tokens, {engine.pool.num_free} free; one needs {-(-args.context // args.page_size)} "
+            "and its growth): lower --max-batch (state slots and graph buffers are sized by it) or --context")
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     for _ in range(3):
         engine.step()

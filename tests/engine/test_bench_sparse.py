@@ -61,3 +61,13 @@ def test_the_latent_and_hybrid_shapes_run_the_same_benchmark():
                             "--methods", 'dense;snapkv:{"budget":32,"window":8}'])
         assert snap["pages_per_request"] < dense["pages_per_request"] / 2
         assert dense["kv_bytes_per_token"] == kv_bytes_per_token, shape
+
+
+def test_a_pool_that_holds_no_request_is_an_error_not_a_wait():
+    """Nothing admitted (a context longer than the pool holds): the run says so instead of timing steps in which
+    no request ever decodes."""
+    import pytest
+
+    with pytest.raises(RuntimeError, match="no request of 512 tokens fits the KV pool"):
+        main(["--shape", "tiny", "--context", "512", "--max-batch", "2", "--decode-steps", "2", "--kv-bytes",
+              "200000", "--dtype", "float32", "--device", "cpu", "--methods", "dense", "--repeats", "1"])
