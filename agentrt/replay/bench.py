@@ -1,5 +1,6 @@
-"""The replay benchmark: for each configuration, start an in-process server on the model, replay the traces
-with N concurrent sessions, stop the server; then report (JSON, table, plots)."""
+"""The replay benchmark: for each configuration, start an in-process server on the model, warm it up (a short
+request, then the first trace alone under its own system prompt: ``warm_up_trace``), replay the traces with N
+concurrent sessions, stop the server; then report (JSON, table, plots)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from agentrt.replay.replayer import ReplayConfig, Replayer, RunResult
 from agentrt.replay.trace import Trace
@@ -67,8 +70,27 @@ def _replay_on_server(server_config: Any, traces: list[Trace], config: ReplayCon
 
     with LocalServer(create_app(server_config, engine=build_engine(server_config))) as server:
         _warm_up(server.url)
+        warm = warm_up_trace(traces[0])
+        if warm is not None:  # the configuration's own paths (chain turns, a method's vote) compiled before timing
+            asyncio.run(Replayer(server.url, "replay", think_scale=0.0).run([warm], config))
         replayer = Replayer(server.url, "replay", think_scale=think_scale, sample_interval_s=sample_interval_s)
         return asyncio.run(replayer.run(traces, config))
+
+
+WARM_UP_MARK = "(warm-up run) "
+
+
+def warm_up_trace(trace: Trace) -> Trace | None:
+    """The session replayed once before the timed run, alone and without think time: ``trace`` without its last
+    turn (so it fits wherever ``trace`` does, with the mark's few tokens), under a system prompt no timed session
+    shares, so nothing it leaves in the prefix cache serves a timed turn. What the first turns of a configuration
+    pay once per process (Triton compiling the kernels of its paths: a chain's turns, a method's vote and
+    compaction over a long prompt) is then paid here. None for a one-turn trace."""
+    if trace.num_turns < 2:
+        return None
+    header = msgspec.structs.replace(trace.header, trace_id=f"{trace.header.trace_id}-warm-up",
+                                     system_prompt=WARM_UP_MARK + trace.header.system_prompt)
+    return Trace(header=header, turns=trace.turns[:-1])
 
 
 def run_all(traces: list[Trace], configs: list[ReplayConfig], log: Callable[[str], None] = print,
@@ -89,7 +111,8 @@ def run_all(traces: list[Trace], configs: list[ReplayConfig], log: Callable[[str
 
 
 def _warm_up(url: str) -> None:
-    """One short request before timing (kernel compilation and first-call costs stay out of the numbers)."""
+    """One short request before timing (the first request's compilation and first-call costs stay out of the
+    numbers; ``warm_up_trace`` then runs the configuration's own paths)."""
     import httpx
 
     body = {"model": "replay", "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 4,

@@ -291,3 +291,30 @@ def test_replay_report_joins_runs_and_computes_speedups_against_the_baseline(tmp
     assert "bad.jsonl: not a replay.json or partial.jsonl" in capsys.readouterr().err
     assert main(["report", str(tmp_path / "b.json")]) == 2
     assert "--baseline: no run of 'dense-prefix'" in capsys.readouterr().err
+
+
+def test_each_configuration_is_warmed_up_on_its_own_paths_outside_the_timed_run(tokenizer, monkeypatch):
+    """Before the timed run a configuration replays the first trace alone (every turn but its last) under a
+    system prompt no timed session shares: its chain turns and its method's vote compile there, and nothing it
+    leaves in the prefix cache serves a timed turn; the timed run replays the traces as they are."""
+    from agentrt.replay import bench
+    from agentrt.replay.replayer import Replayer
+
+    shape = SynthShape(num_turns=(3, 3), system_tokens=120, task_tokens=(8, 8), tool_tokens=(20, 40))
+    traces = [synth_trace(tokenizer, seed=i, shape=shape) for i in range(2)]
+    runs = []
+    original = Replayer.run
+
+    async def run(self, replayed, config):
+        runs.append(([t.header.system_prompt for t in replayed], [t.num_turns for t in replayed], self.think_scale))
+        return await original(self, replayed, config)
+
+    monkeypatch.setattr(Replayer, "run", run)
+    config = bench.standard_configs({"budget": 32, "window": 8})["snapkv-chain"]
+    result = bench.serve_and_replay(traces, config, engine_options={"device": "cpu", "num_pages": 256},
+                                    think_scale=1.0)
+    (warm_prompts, warm_turns, warm_think), timed = runs
+    assert warm_prompts == [bench.WARM_UP_MARK + traces[0].header.system_prompt] and warm_turns == [2]
+    assert warm_think == 0.0 and timed == ([t.header.system_prompt for t in traces], [3, 3], 1.0)
+    assert len(result.turns) == 6  # the timed run's turns only
+    assert bench.warm_up_trace(tr.Trace(header=traces[0].header, turns=traces[0].turns[:1])) is None
