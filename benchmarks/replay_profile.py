@@ -6,10 +6,11 @@ torch.profiler.
         --max-num-batched-tokens 8192 --configs snapkv-chain-tiers --snapkv-config '{"budget": 4096}'
 
 Runs ``agentrt replay run`` with the arguments after ``--`` in this process, with ``LLMEngine.step`` wrapped:
-engine steps ``first-step .. first-step + steps - 1`` (``LLMEngine.step`` calls, counted from the engine's first;
-a call may run several decode steps, ``EngineConfig.decode_steps``; give one configuration, and a window that ends
-inside the run: the profile begins and ends in the engine's thread) run under torch.profiler, host and device. Per step kind (``StepTiming.kind``: decode-graph,
-decode-eager, mixed, prefill; a step that only launched an overlapped decode window has none): how many, the
+engine steps ``first-step .. first-step + steps - 1`` (``LLMEngine.step`` calls, counted from the timed run's first,
+the configuration's warm-up before it not counted; a call may run several decode steps, ``EngineConfig.decode_steps``;
+give one configuration, and a window that ends inside the run: the profile begins and ends in the engine's thread)
+run under torch.profiler, host and device. Per step kind (``StepTiming.kind``: decode-graph, decode-eager, mixed,
+prefill; a step that only launched an overlapped decode window has none): how many, the
 median wall time, the device's busy time (the union of its kernel and copy intervals) and so its idle time, the
 engine's phases, and the longest idle gaps with the host operation running at each one's start
 (``benchmarks.profile_decode``); for each kind the GPU time per step by kernel, and the host operations by
@@ -38,7 +39,8 @@ from engine.llm_engine import LLMEngine
 
 class StepWindow:
     """Wraps ``LLMEngine.step`` (the class's, so the engine the replay builds uses it): steps ``first`` ..
-    ``first + count - 1`` run under one profiler, entered and left in the engine's thread."""
+    ``first + count - 1`` of the timed run (counted from its start: ``Replayer.run`` of the traces themselves, not
+    of the warm-up trace) run under one profiler, entered and left in the engine's thread."""
 
     def __init__(self, first: int, count: int):
         self.first, self.count = first, count
@@ -73,6 +75,17 @@ class StepWindow:
             return out
 
         LLMEngine.step = step
+        from agentrt.replay.bench import WARM_UP_MARK
+        from agentrt.replay.replayer import Replayer
+
+        replay = self._replay = Replayer.run
+
+        async def run(replayer: Replayer, traces, config):
+            if not traces[0].header.system_prompt.startswith(WARM_UP_MARK):
+                window.seen = 0  # the timed run starts: its steps are counted, the warm-ups' before it are not
+            return await replay(replayer, traces, config)
+
+        Replayer.run = run
         return self
 
     def stop(self, engine: LLMEngine) -> None:
@@ -83,7 +96,10 @@ class StepWindow:
         self.running = False
 
     def __exit__(self, *exc) -> None:
+        from agentrt.replay.replayer import Replayer
+
         LLMEngine.step = self._original
+        Replayer.run = self._replay
 
     def report(self, top: int = 15) -> dict:
         """Per kind: steps, medians of wall / busy / phases, the largest gaps, device ms per step by kernel;

@@ -1,6 +1,8 @@
 """``benchmarks.replay_profile``: a window of a replay's engine steps under torch.profiler, reported by step kind.
 On the CPU there is no device activity (every profiled step is idle time); the window and the kinds are exact."""
 
+import json
+
 from benchmarks.replay_profile import main
 
 
@@ -10,6 +12,10 @@ def test_a_window_of_replay_steps_is_profiled_by_kind(tmp_path):
                 "--device", "cpu", "--num-pages", "512", "--out", str(tmp_path / "replay")])
     assert out["replay_rc"] == 0 and (tmp_path / "p.json").exists() and (tmp_path / "replay" / "replay.json").exists()
     assert out["profiled_steps"] == 9 and out["steps_seen"] > 11
+    # steps are counted from the timed run's start (the configuration's warm-up before it is not profiled): every
+    # step counted is one of the run's forward steps by kind
+    (result,) = json.loads((tmp_path / "replay" / "replay.json").read_text())["results"]
+    assert out["steps_seen"] == sum(result["engine_steps"].values())
     kinds = out["kinds"]
     assert sum(k["steps"] for k in kinds.values()) == 9
     assert set(kinds) <= {"decode-graph", "decode-eager", "mixed", "prefill", "window-launch"}
