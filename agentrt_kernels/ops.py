@@ -313,7 +313,7 @@ def window_votes(q: torch.Tensor, k_cache: torch.Tensor, pages: torch.Tensor, n:
     rows are the request's last ``w`` slots, causal among themselves (row j sees slots < n - w + j + 1). On a
     GPU (``use_triton``, default: ``uses_triton(q)``): the key-split log-sum-exp and the received-attention
     kernels, no [w, n] probability matrix."""
-    return window_votes_with(window_vote_inputs(pages, n, q.shape[0], q.device), q, k_cache, scale, use_triton)
+    return window_votes_with(window_vote_inputs(pages, n, q.shape[0], q.device), q, k_cache, scale, use_triton)[0]
 
 
 @dataclass(slots=True)
@@ -350,20 +350,18 @@ def window_vote_inputs(pages: torch.Tensor, n: int, w: int, device: torch.device
 
 def window_votes_with(inputs: WindowVoteInputs, q: torch.Tensor, k_cache: torch.Tensor, scale: float,
                       use_triton: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``window_votes`` from ``window_vote_inputs``: [Hkv, n] fp32, or for inputs of L layers [L, Hkv, n] from
-    their window rows ``q`` [L * w, Hq, D] (layer by layer); written into ``out`` of that shape if given. On a
-    GPU three launches however many layers (the key tiles' partial log-sum-exp, their merge, the received
-    attention), the result straight into ``out``."""
-    i, single = inputs, inputs.layers == 1
+    """``window_votes`` from ``window_vote_inputs`` of L layers (one or more): [L, Hkv, n] fp32 from their window
+    rows ``q`` [L * w, Hq, D] (layer by layer), written into ``out`` of that shape if given. On a GPU three
+    launches however many layers (the key tiles' partial log-sum-exp, their merge, the received attention), the
+    result straight into ``out``."""
+    i = inputs
     if uses_triton(q) if use_triton is None else use_triton:
         kernels = _kernels("received_attention")
         lse = kernels.paged_lse(q, k_cache, i.block_tables, i.kv_lens, i.query_start_loc, scale, i.n, i.w)
-        votes = kernels.received_attention(q, k_cache, i.block_tables, i.kv_lens, i.query_start_loc, lse, scale,
-                                           i.n, i.w, out=None if out is None else out[None] if single else out)
-        return votes[0] if single else votes
+        return kernels.received_attention(q, k_cache, i.block_tables, i.kv_lens, i.query_start_loc, lse, scale,
+                                          i.n, i.w, out=out)
     votes = torch.stack(_received_ref.received_attention(q, k_cache, i.block_tables, [i.n] * i.layers,
                                                          [i.w] * i.layers, scale))
-    votes = votes[0] if single else votes
     return votes if out is None else out.copy_(votes)
 
 

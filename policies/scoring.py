@@ -148,8 +148,8 @@ class WindowVoter:
         for a in range(0, len(layers), per_call):
             part = layers[a:a + per_call]
             inputs = window_vote_inputs(pages, n, w, q0.device, [layer * stride for layer in part])
-            q = torch.cat(qs[a:a + per_call]) if len(part) > 1 else qs[a]
-            window_votes_with(inputs, q, keys, scale, out=out[a:a + len(part)] if len(part) > 1 else out[a])
+            q = torch.cat(qs[a:a + per_call]) if len(part) > 1 else qs[a]  # (a one-layer call copies nothing)
+            window_votes_with(inputs, q, keys, scale, out=out[a:a + len(part)])
         return out
 
     @staticmethod

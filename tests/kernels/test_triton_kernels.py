@@ -608,6 +608,7 @@ def test_methods_see_the_fused_paths_strided_queries_as_the_plain_paths(tiny_dir
     for (_, a), (_, b) in zip(plain, fused):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
+
 # --- fused MoE ---------------------------------------------------------------------------------------
 
 

@@ -316,7 +316,7 @@ def test_layers_voting_through_one_inputs_equal_separate_votes():
     inputs = window_vote_inputs(pages, n, w, DEVICE)
     rows = torch.full((3, 2, n), float("nan"), device=DEVICE)
     for i, (q, k, _, _) in enumerate(layers):
-        window_votes_with(inputs, q, k, d ** -0.5, use_triton=True, out=rows[i])
+        window_votes_with(inputs, q, k, d ** -0.5, use_triton=True, out=rows[i:i + 1])
     for i, (q, k, _, _) in enumerate(layers):
         assert torch.equal(rows[i], window_votes(q, k, pages, n, d ** -0.5, use_triton=True))
         _close(rows[i], window_votes(q, k, pages, n, d ** -0.5, use_triton=False), (1e-4, 1e-5))

@@ -60,6 +60,7 @@ def test_snapkv_layers_voting_one_per_call_match_reference(arch, tiny_dirs, monk
     assert calls and set(calls) == {1}  # every grouped vote split into one call a layer
     check_against_reference(llm, prompts, outs, history, lambda P: snap_rule(P, [16, 16], 6, 3, "max", 0, budget=16))
 
+
 def chunk_boundaries(outs, history):
     for out in outs:
         done = 0
