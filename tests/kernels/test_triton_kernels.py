@@ -524,7 +524,6 @@ def test_rotary_with_qk_norm(dtype, hq, hkv, d):
     _close(k, k_orig, (0, 0))
 
 
-
 @pytest.mark.parametrize("dtype,hq,hkv,d,rd", [(torch.float32, 4, 2, 64, 16), (torch.bfloat16, 6, 2, 128, 32),
                                                (torch.float16, 3, 1, 96, 48)])
 def test_partial_rotary_with_zero_centered_norm(dtype, hq, hkv, d, rd):

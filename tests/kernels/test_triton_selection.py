@@ -322,7 +322,6 @@ def test_layers_voting_through_one_inputs_equal_separate_votes():
         _close(rows[i], window_votes(q, k, pages, n, d ** -0.5, use_triton=False), (1e-4, 1e-5))
 
 
-
 @pytest.mark.parametrize("d", [64, WIDE])
 def test_layers_voting_as_rows_of_one_block_table_equal_separate_votes(d):
     """Every layer's keys in one paged tensor (the dense pool [L, 2, P, ...] seen as 2 * L * P pages, as
@@ -351,6 +350,7 @@ def test_layers_voting_as_rows_of_one_block_table_equal_separate_votes(d):
             else:
                 _close(out[i], want, (1e-5, 1e-6))
         assert not torch.allclose(out[0], window_votes(qs[2], pool[1, 0], pages, n, d ** -0.5, use_triton=False))
+
 
 @pytest.mark.parametrize("dtype,group,page_size,n,w,d", [
     (torch.float32, 2, 4, 70, 8, 64), (torch.float16, 4, 16, 100, 32, 64), (torch.float32, 3, 8, 9, 9, 64),
