@@ -198,10 +198,15 @@ for step in "$@"; do
         run hybrid 560 python -m benchmarks.throughput --shape qwen3.6-27b --cases 8@4096 --decode-tokens 32 \
             --max-num-batched-tokens 16384 --json "$OUT/hybrid.json" ;;
     hybridsnap128k)  # SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, each at its largest batch (decode only;
-        # SnapKV applies to the full-attention layers, each request also holds its linear layers' states). Needs
-        # an H200: on an 80 GB card the 128 state slots (~20 GB) leave no room for one 128K request (8.4 GB)
+        # SnapKV applies to the full-attention layers, each request also holds its linear layers' states). The
+        # state slots (one per --max-batch, ~155 MB each) are allocated up front: on an 80 GB card, whose weights
+        # leave ~16 GB, 128 of them leave no room for one 128K request (8.4 GB), so there MAX_BATCH defaults to
+        # 16, admitted one at a time (16 slots, one 128K prompt being admitted and 16 compacted requests fit)
+        mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+        max_batch=${MAX_BATCH:-128} group=2
+        [ "${mem:-0}" -lt 100000 ] && max_batch=${MAX_BATCH:-16} group=1
         run hybridsnap128k 560 python -m benchmarks.sparse_decode --shape qwen3.6-27b --decode-steps 16 \
-            --context 128000 --max-batch 128 --admit-group 2 --admit-time-limit 300 --repeats 1 \
+            --context 128000 --max-batch "$max_batch" --admit-group $group --admit-time-limit 300 --repeats 1 \
             --methods 'dense;snapkv:{"budget":4096}' --json "$OUT/hybridsnap128k.json" ;;
     profilesteps)  # device busy vs idle time across whole engine steps, and GPU time per kernel, for the two
         # decode cases below their roofline goal on 2026-12-02 (MoE bs8 @ 4K: 0.61, dense bs1 @ 4K: 0.69)
