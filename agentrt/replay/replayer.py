@@ -145,9 +145,18 @@ class Replayer:
             stop = asyncio.Event()
             sampler = asyncio.create_task(self._sample(http, t0, samples, stop))
             try:
-                sessions = [self._stateless(http, i, t, t0) if config.route == "stateless"
-                            else self._chain(client, i, t, t0, config) for i, t in enumerate(traces)]
-                per_session = await asyncio.gather(*sessions)
+                sessions = [asyncio.create_task(self._stateless(http, i, t, t0) if config.route == "stateless"
+                                                else self._chain(client, i, t, t0, config))
+                            for i, t in enumerate(traces)]
+                try:
+                    per_session = await asyncio.gather(*sessions)
+                except BaseException:
+                    # one session failed (a refused turn): the others stop here, before their clients close under
+                    # them, and the first failure is what the run reports
+                    for task in sessions:
+                        task.cancel()
+                    await asyncio.gather(*sessions, return_exceptions=True)
+                    raise
             finally:
                 stop.set()
                 await sampler
@@ -220,7 +229,8 @@ class Replayer:
     async def _chain(self, client: AsyncClient, session: int, trace: Trace, t0: float,
                      config: ReplayConfig) -> list[TurnRecord]:
         h = trace.header
-        chain = await client.chains.create(system_prompt=h.system_prompt, tools=h.tools, prune_policy=config.prune_policy,
+        chain = await client.chains.create(system_prompt=h.system_prompt, tools=h.tools,
+                                           prune_policy=config.prune_policy,
                                            metadata={"trace": h.trace_id, "session": session})
         records = []
         try:

@@ -318,3 +318,41 @@ def test_each_configuration_is_warmed_up_on_its_own_paths_outside_the_timed_run(
     assert warm_think == 0.0 and timed == ([t.header.system_prompt for t in traces], [3, 3], 1.0)
     assert len(result.turns) == 6  # the timed run's turns only
     assert bench.warm_up_trace(tr.Trace(header=traces[0].header, turns=traces[0].turns[:1])) is None
+
+
+def test_a_failed_session_stops_the_others_and_its_error_is_the_runs(monkeypatch):
+    """A session whose turn the server refuses ends the run with that error; the other sessions are cancelled
+    then, not left running against closed clients (each would fail again, unreported)."""
+    import asyncio
+
+    from agentrt.replay import bench
+    from agentrt.replay.replayer import Replayer
+    from sdk.errors import AgentrtError
+
+    ended = []
+
+    async def chain(self, client, session, trace, t0, config):
+        try:
+            await asyncio.sleep(0.05 if session == 0 else 30)
+            if session == 0:
+                raise AgentrtError("request needs more KV pages than the pool has", status_code=422)
+            return []
+        finally:
+            ended.append((session, asyncio.current_task().cancelling() > 0))
+
+    async def metrics(self, http):
+        return {}
+
+    monkeypatch.setattr(Replayer, "_chain", chain)
+    monkeypatch.setattr(Replayer, "_metrics", metrics)
+    config = bench.standard_configs({})["snapkv-chain"]
+
+    async def run():
+        try:
+            await asyncio.wait_for(Replayer("http://127.0.0.1:9", "m").run([None, None, None], config), 10)
+        finally:
+            ended.append(("run", False))
+
+    with pytest.raises(AgentrtError, match="KV pages"):
+        asyncio.run(run())
+    assert ended[0] == (0, False) and sorted(ended[1:3]) == [(1, True), (2, True)] and ended[3] == ("run", False)
