@@ -10,8 +10,8 @@ moves a chain down to make room, and is discarded first when the tier needs room
 table it was made from, unchanged: the chain's next turn, a fork / rewind / prune, a delete or a release discards
 it, and the table's signature (its pages, slots, per-layer lengths and compaction) must still match when a reclaim
 takes it. Copies are made only when asked for (``EngineConfig.chain_host_copies``): on a CPU the device is host
-memory and nothing is gained, and on a GPU they are off by default until a failure seen under an agent replay
-with compacted chains is understood (docs/configuration.md).
+memory and nothing is gained, and on a GPU they are off by default: under an agent replay with memory pressure
+they cost the steps more than they save on reclaims (docs/configuration.md).
 """
 
 from __future__ import annotations
