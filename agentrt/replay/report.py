@@ -63,14 +63,15 @@ def summarize(run: RunResult) -> dict[str, Any]:
 
 
 SPREAD_KEYS = ("wall_s", "wait_s", "ttft_p50_s", "ttft_p90_s")  # [min-max] beside a median of repeated runs
+PAIRED_KEYS = ("wall_s", "wait_s")  # kept run by run (``by_run``) for the speedups of each round
 
 
 def median_of_runs(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One summary per configuration (in order of first appearance) from repeated runs of it: every scalar figure
     is the median over its runs (counts stay whole numbers), the per-turn lists and per-kind tables are those of
     the run whose wall time is the median (the lower middle one of an even count), ``runs`` is how many ran and
-    ``spread`` gives min and max of the headline figures. A configuration that ran once is returned as it is, with
-    ``runs`` 1."""
+    ``spread`` gives min and max of the headline figures, ``by_run`` the wall and wait times run by run, in order.
+    A configuration that ran once is returned as it is, with ``runs`` 1."""
     groups: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for s in summaries:
         groups[s["config"]].append(s)
@@ -93,14 +94,25 @@ def median_of_runs(summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
         merged["runs"] = len(runs)
         merged["spread"] = {k: [min(s[k] for s in runs), max(s[k] for s in runs)]
                             for k in SPREAD_KEYS if all(k in s for s in runs)}
+        merged["by_run"] = {k: [s[k] for s in runs] for k in PAIRED_KEYS if all(s.get(k) for s in runs)}
         out.append(merged)
     return out
+
+
+def _by_round(base: dict[str, Any], s: dict[str, Any], key: str) -> list[float] | None:
+    """Baseline / this configuration for each round, when both ran the same number of rounds (the i-th run of
+    each is round i: ``--repeats`` alternates the configurations, and joined files keep their order)."""
+    a, b = base.get("by_run", {}).get(key), s.get("by_run", {}).get(key)
+    if not a or not b or len(a) != len(b):
+        return None
+    return [round(x / y, 3) for x, y in zip(a, b)]
 
 
 def with_speedups(summaries: list[dict[str, Any]], baseline: str | None = None) -> list[dict[str, Any]]:
     """Adds ``speedup`` (baseline wall time / this one), ``wait_speedup`` (the same for the time a session
     waits for the server, think time excluded) and ``prefill_reduction``; the baseline is the named
-    configuration, else the first."""
+    configuration, else the first. Of repeated runs these are ratios of medians; where the baseline ran as many
+    rounds, ``speedup_by_round`` / ``wait_speedup_by_round`` hold each round's ratio and ``spread`` their range."""
     if not summaries:
         return summaries
     base = next((s for s in summaries if s["config"] == baseline), summaries[0])
@@ -110,6 +122,11 @@ def with_speedups(summaries: list[dict[str, Any]], baseline: str | None = None) 
         s["wait_speedup"] = round(base["wait_s"] / s["wait_s"], 3) if s.get("wait_s") else None
         s["prefill_reduction"] = (round(base["prefilled_tokens"] / s["prefilled_tokens"], 3)
                                   if s["prefilled_tokens"] else None)
+        for key, name in (("wall_s", "speedup"), ("wait_s", "wait_speedup")):
+            rounds = _by_round(base, s, key) if s is not base else None
+            if rounds:  # the spread of the paired ratios beside the ratio of the medians
+                s[f"{name}_by_round"] = rounds
+                s.setdefault("spread", {})[name] = [min(rounds), max(rounds)]
     return summaries
 
 

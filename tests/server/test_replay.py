@@ -281,7 +281,17 @@ def test_replay_report_joins_runs_and_computes_speedups_against_the_baseline(tmp
     assert (snap["runs"], snap["wall_s"], snap["wait_s"], snap["prefilled_tokens"]) == (3, 40.0, 20.0, 201)
     assert isinstance(snap["prefilled_tokens"], int) and snap["engine_steps"] == dict.fromkeys(STEP_KINDS, 5)
     assert snap["spread"]["wall_s"] == [30.0, 44.0] and (snap["speedup"], snap["wait_speedup"]) == (1.5, 2.0)
-    assert "40.00 [30.00-44.00]" in out
+    assert "40.00 [30.00-44.00]" in out and "speedup_by_round" not in snap  # the baseline ran once
+
+    # both configurations over the same three rounds: each round's ratio beside the ratio of the medians
+    base = [summary("dense-prefix", wall, wait, 1000) for wall, wait in ((66.0, 40.0), (60.0, 30.0), (50.0, 48.0))]
+    (tmp_path / "e.jsonl").write_text("".join(json.dumps(r) + "\n" for r in base))
+    assert main(["report", str(tmp_path / "e.jsonl"), str(tmp_path / "c.jsonl")]) == 0
+    out = capsys.readouterr().out
+    snap = next(r for r in json.loads(out[: out.index("\n}\n") + 2])["results"] if r["config"] != "dense-prefix")
+    assert snap["speedup"] == 1.5 and snap["speedup_by_round"] == [1.5, 2.0, 1.25]
+    assert snap["wait_speedup_by_round"] == [2.0, 3.0, 2.0] and snap["spread"]["speedup"] == [1.25, 2.0]
+    assert "1.50x [1.25x-2.00x]" in out
     (tmp_path / "d.json").write_text(json.dumps({"results": [{**runs[0], "runs": 3}]}))
     assert main(["report", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl"), str(tmp_path / "d.json")]) == 2
     assert "cannot be joined" in capsys.readouterr().err
