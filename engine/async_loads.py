@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.side_stream import SideStream
+from engine.side_stream import SideStream, device_index
 
 
 class PendingCopy:
@@ -49,7 +49,7 @@ class SideStreamCopier:
         device = targets[0][0].device
 
         def copy() -> None:
-            index = torch.tensor(pages, dtype=torch.int64).to(device, non_blocking=True)
+            index = device_index(pages, device)
             for (target, dim), source in zip(targets, sources):
                 target.index_copy_(dim, index, source.to(device, non_blocking=True))
 

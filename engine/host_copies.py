@@ -24,7 +24,7 @@ import torch
 
 from engine.contract.cache import CacheManager
 from engine.page_table import PageTable
-from engine.side_stream import SideStream
+from engine.side_stream import SideStream, device_index
 
 
 @dataclass(slots=True)
@@ -65,8 +65,7 @@ class HostCopies:
         if device.type == "cuda":  # after the step that wrote the pages, on the side stream
 
             def copy() -> list[torch.Tensor]:
-                # not a blocking copy: it would wait for the side stream, so for every step queued before it
-                index = torch.tensor(table.pages, dtype=torch.int64).to(device, non_blocking=True)
+                index = device_index(table.pages, device)
                 pages = []
                 for t, dim in tensors:
                     gathered = t.index_select(dim, index)

@@ -28,3 +28,15 @@ class SideStream:
             event = torch.cuda.Event()
             event.record(self._stream)
         return result, event
+
+
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """``values`` as an int64 tensor on ``device``, for work queued on a side stream: on a GPU copied from pinned
+    memory, because a copy from pageable memory may make the host wait for the stream (CUDA's memcpy rules: the
+    driver may synchronize with the stream to stage pageable memory), and the side stream waits for every step
+    queued before it."""
+    host = torch.tensor(values, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)  # the host allocator keeps it until the copy is done
+

@@ -199,3 +199,22 @@ def test_on_a_gpu_the_side_stream_copy_lands_after_work_queued_before_it():
     assert torch.equal(got, host)
     torch.cuda.synchronize()
     assert copy.done()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side stream needs a GPU")
+def test_on_a_gpu_starting_a_load_leaves_the_host_free_of_queued_steps():
+    """``copy_in`` returns while the steps queued before it still run: the host waits for none of them."""
+    from engine.async_loads import SideStreamCopier
+
+    pages = torch.zeros(64, 16, 8, device="cuda")
+    host = torch.randn(3, 16, 8).pin_memory()
+    copier = SideStreamCopier()
+    copier.copy_in([(pages, 0)], [1, 2, 3], [host]).settle()  # the side stream made once
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # a long step queued on the step's stream
+    queued = torch.cuda.Event()
+    queued.record()
+    copy = copier.copy_in([(pages, 0)], [5, 9, 2], [host])
+    assert not queued.query()  # still running: copy_in did not wait for it
+    copy.settle()
+    assert torch.equal(pages[[5, 9, 2]].cpu(), host)

@@ -133,3 +133,30 @@ def test_on_a_gpu_the_copy_runs_on_a_side_stream_and_a_reclaim_takes_it(tiny_dir
     assert eng.release_chain("c") and eng.chains.tiers.counters.copies_taken == 1
     assert all(torch.equal(a, b) for a, b in zip(eng.chains.index.get("c").offloaded.pages, want))
     assert turn(eng, ref, rng).resume_status == "loaded"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the side-stream copy needs a GPU")
+def test_on_a_gpu_making_a_copy_leaves_the_host_free_of_queued_steps():
+    """``make`` queues the copy behind the steps in flight and returns while they still run (the host never waits
+    for the step's stream), and the copy holds the pages as those steps left them."""
+    from types import SimpleNamespace
+
+    from engine.host_copies import HostCopies
+
+    pages = torch.randn(64, 16, 8, device="cuda")
+    copies = HostCopies(SimpleNamespace(storage=SimpleNamespace(page_tensors=lambda: [(pages, 0)])), enabled=True)
+
+    def table(ids):
+        return SimpleNamespace(pages=ids, num_slots=16 * len(ids), layer_lens=None, compacted_at=None)
+
+    assert copies.make("warm", table([1, 2]), room=1 << 30)  # the side stream and pinned buffers made once
+    torch.cuda.synchronize()
+    torch.cuda._sleep(2_000_000_000)  # a long step queued on the step's stream
+    pages[5] = 7.0  # written by the step's stream after it
+    queued = torch.cuda.Event()
+    queued.record()
+    assert copies.make("c", table([5, 9, 2]), room=1 << 30)
+    assert not queued.query()  # the queued work is still running: make did not wait for it
+    copy = copies.copies["c"]
+    copy.done.synchronize()
+    assert torch.equal(copy.pages[0], pages[[5, 9, 2]].cpu()) and bool((copy.pages[0][0] == 7.0).all())
