@@ -39,4 +39,3 @@ def device_index(values: list[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)  # the host allocator keeps it until the copy is done
-
