@@ -39,8 +39,7 @@
 #   hybridsnap128k  SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, largest batches, decode only
 #   replayprofile  the 24-session pressure replay of one configuration (CONFIG) with a window of its engine steps
 #              under torch.profiler (benchmarks/replay_profile.py): busy / idle GPU time by step kind
-#   hostcopystall  SnapKV chains with turn-end host copies on, GPU utilization sampled, stacks dumped at the limit;
-#              then serialized (CUDA_LAUNCH_BLOCKING=1)
+#   hostcopies SnapKV chains under the 24-session pressure replay with turn-end host copies on, then off
 #   gputests   the GPU cases added since the last `tests` run: expanded MLA prefill, MLA decode, RMSNorm modes,
 #              chain loads on a side stream
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
@@ -292,20 +291,15 @@ for step in "$@"; do
             --json "$OUT/replayprofile.json" -- --shape llama-3.1-8b --load-format dummy --sessions 24 --turns 12,12 \
             --num-pages 6000 --think-scale 1 --max-num-batched-tokens 8192 --configs "${CONFIG:-snapkv-chain-tiers}" \
             --snapkv-config '{"budget": 4096}' --out "$OUT/replayprofile" ;;
-    hostcopystall)  # SnapKV chains with turn-end host copies on (replaypressure's load), which stalled: GPU utilization
-        # sampled every 2 s (a kernel that never ends keeps it at 100 %, a host-side wait at 0 %), every thread's
-        # stack dumped at 170 s (faulthandler on SIGABRT); then the same with CUDA_LAUNCH_BLOCKING=1 (a race
-        # between the streams finishes serialized, a hung kernel does not)
-        nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 2 > "$OUT/hostcopystall-smi.txt" &
-        smi=$!
-        for blocking in 0 1; do
-            CUDA_LAUNCH_BLOCKING=$blocking PYTHONFAULTHANDLER=1 run hostcopystall$blocking 200 timeout -s ABRT 170 \
-                python -c 'import sys; from agentrt.cli import main; sys.exit(main())' replay run \
-                --shape llama-3.1-8b --load-format dummy --sessions 12 --turns 12,12 --num-pages 6000 --think-scale 1 \
-                --max-num-batched-tokens 8192 --configs snapkv-chain-tiers --snapkv-config '{"budget": 4096}' \
-                --engine-options '{"chain_host_copies": true}' --out "$OUT/hostcopystall$blocking"
-        done
-        kill $smi ;;
+    hostcopies)  # SnapKV chains under replaypressure's 24-session load with turn-end host copies on, then off, in
+        # one call (each its own run directory and table; ~2 minutes each)
+        for copies in true false; do
+            run hostcopies_$copies 240 python -c 'import sys; from agentrt.cli import main; sys.exit(main())' \
+                replay run --shape llama-3.1-8b --load-format dummy --sessions 24 --turns 12,12 --num-pages 6000 \
+                --think-scale 1 --max-num-batched-tokens 8192 --configs snapkv-chain-tiers \
+                --snapkv-config '{"budget": 4096}' --engine-options "{\"chain_host_copies\": $copies}" \
+                --out "$OUT/hostcopies_$copies"
+        done ;;
     gputests)  # the GPU cases added since the last `tests` run: expanded MLA prefill, the MLA decode launch, RMSNorm
         run gputests 280 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \
             tests/engine/test_mla_expanded_prefill.py tests/kernels/test_mla_prefill_bench.py \
