@@ -3,7 +3,8 @@ the official ``openai`` and ``anthropic`` clients as stateless agent clients use
 full resumes one implicit chain whose later turns prefill only their new tokens (exact counters from the chain's
 turn records), and every turn's tokens equal a from-scratch greedy run of the engine on the same token history.
 (A random model's replies hold invalid UTF-8, so re-sent text does not round-trip to the tokens it generated: the
-reference is the chain's own token record, not a re-tokenized conversation.)"""
+reference is the chain's own token record, not a re-tokenized conversation.) With SnapKV the chains stay compacted
+to the budget in every paged layer from turn to turn."""
 
 from __future__ import annotations
 
@@ -79,3 +80,33 @@ def test_the_anthropic_client_reads_the_chain_as_cache(served):
         # a resumed turn reads everything the previous one held (its prompt and output) from the chain
         assert after.cache_read_input_tokens >= before.input_tokens + before.cache_read_input_tokens
         assert 0 < after.input_tokens < after.cache_read_input_tokens
+
+
+BUDGET = 64  # SnapKV's kept slots per layer and KV head (its window of 32 included)
+
+
+@pytest.mark.parametrize("arch", ["glm4_moe_lite", "qwen3_5"])
+def test_snapkv_chains_stay_compacted_across_resent_turns(arch, mla_dirs, hybrid_dirs, tmp_path):
+    """A server whose chains use SnapKV: each turn's prompt is compacted to the budget in every paged layer (the
+    latent rows of the MLA model, the full-attention layers of the hybrid), the chain keeps only that plus the
+    turn's generated tokens, and the next re-sent turn still resumes it."""
+    db = f"sqlite+aiosqlite:///{tmp_path / 'server.db'}"
+    with app_server(db, model=(mla_dirs | hybrid_dirs)[arch], model_name=arch, method="snapkv",
+                    method_config={"budget": BUDGET}) as server:
+        client = openai_client(server.url)
+        history: list = [SYSTEM, {"role": "user", "content": "Read every file and report. " * 12}]
+        chain_ids = []
+        for step in range(3):
+            r = client.chat.completions.create(model=arch, messages=history, **GREEDY)
+            chain_ids.append(r.model_extra["chain"]["id"])
+            chain = _chain(server.url, chain_ids[0])
+            kv, turn = chain["kv"], chain["turns"][-1]
+            assert kv["compacted"] and kv["logical_tokens"] > BUDGET + GREEDY["max_tokens"]
+            # the compacted prompt plus the decoded tokens (the last sampled one has no KV yet)
+            assert kv["physical_tokens_per_layer"] == [BUDGET + len(turn["generated_token_ids"]) - 1] * \
+                len(kv["physical_tokens_per_layer"])
+            if step:
+                assert turn["resume_status"] == "resumed"
+            history += [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                        {"role": "user", "content": f"Tool output {step}: " + "line of output " * 10}]
+        assert len(set(chain_ids)) == 1
