@@ -5,7 +5,8 @@
 #
 # On a fresh device machine run `setup` first (installs carried wheels from .whl/ and .whl-replay/, then
 # this checkout, and unpacks a carried .triton-cache.tgz; benchmarks/gpu_wheels.sh fetches the wheels); end a
-# call with `save-cache` to get Triton's compiled kernels back for the next call. Every step writes $OUT/<step>.txt (and JSON where the benchmark writes one) and prints its tail. Steps:
+# call with `save-cache` to get Triton's compiled kernels back for the next call. Every step writes
+# $OUT/<step>.txt (and JSON where the benchmark writes one) and prints its tail. Steps:
 #   tests      GPU kernel and engine tests (compiled Triton kernels against their torch references)
 #   kernels    Triton vs flashinfer paged decode / prefill against the copy and matmul rates
 #   fused      each fused path (KIVI encode, SnapKV window vote, probe attention, RoPE + KV store) vs its torch path
