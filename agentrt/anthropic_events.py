@@ -1,8 +1,8 @@
 """A Messages reply's content blocks, its usage, and the events of a streamed reply.
 
-The reply's content is the generated text split by the tool-call rules of agentrt.chat: text blocks between
-``tool_use`` blocks (one per complete ``<tool_call>`` block, id ``toolu_...``, ``input`` its arguments), markup
-never as text, whitespace as ``strip_tool_calls`` leaves it. A stream gives the same blocks (the same
+The reply's content is the generated text split by the model's tool-call syntax (agentrt.tool_syntax): text
+blocks between ``tool_use`` blocks (one per complete call, id ``toolu_...``, ``input`` its arguments), markup
+never as text, whitespace stripped as the syntax's reader strips content. A stream gives the same blocks (the same
 ``BlockWriter``): each text block as it is released, each tool_use block as soon as its markup is complete.
 
 A model that thinks (agentrt.reasoning) has its think block as a ``thinking`` block first (streamed as
@@ -30,14 +30,13 @@ from agentrt.anthropic_types import (ContentBlock, ContentBlockDeltaEvent, Conte
                                      ToolUseBlock, Usage)
 from agentrt.implicit_chains import Resolved, arguments_value
 from agentrt.reasoning import parser as reasoning_parser
-from agentrt.tool_call_stream import ToolCallStream
+from agentrt.tool_syntax import ToolCallReader
 from sdk.schema import ToolCall, TurnDelta, TurnResult
 
 if TYPE_CHECKING:
     from agentrt.turns import PendingTurn
 
 log = logging.getLogger(__name__)
-CLOSE_TAG = "</tool_call>"
 THINKING_SIGNATURE = "agentrt-unsigned"  # every thinking block's: opaque to clients, never checked here
 
 
@@ -48,7 +47,7 @@ class Pending:
     id: str
     turn: PendingTurn
     resolved: Resolved
-    parse_calls: bool
+    calls: ToolCallReader | None  # None with tool_choice "none": the text as generated
     prefix: str | None
     stop_sequences: list[str]
     context_management: ContextManagementResponse | UnsetType = UNSET
@@ -74,13 +73,15 @@ class BlockWriter:
     do not depend on how the text was cut (a piece is split after each closing tag, so that the text before a
     call is released before the call). A thinking model's think block becomes a thinking block first."""
 
-    def __init__(self, parse_calls: bool = True, prefix: str | None = None, thinking: bool | None = None,
+    def __init__(self, reader: ToolCallReader | None, prefix: str | None = None, thinking: bool | None = None,
                  show_thinking: bool = True):
-        """``prefix``: the text the reply continues (a final assistant message), not part of the reply: parsed
-        first, so that the reply's leading whitespace is kept and a tool call (or think block) opened in it still
-        completes. ``thinking``: ``ChatRenderer.thinking`` of the prompt (None: the model does not think);
-        ``show_thinking`` False: thinking blocks carry no text (``display: "omitted"``)."""
-        self.parser = ToolCallStream() if parse_calls else None
+        """``reader``: how calls are read (None: the text is all text). ``prefix``: the text the reply continues
+        (a final assistant message), not part of the reply: parsed first, so that the reply's leading whitespace
+        is kept and a tool call (or think block) opened in it still completes. ``thinking``:
+        ``ChatRenderer.thinking`` of the prompt (None: the model does not think); ``show_thinking`` False:
+        thinking blocks carry no text (``display: "omitted"``)."""
+        self.parser = reader.stream() if reader is not None else None
+        self._close_text = reader.syntax.close if reader is not None else ""
         self.reasoning = reasoning_parser(thinking)
         self.show_thinking = show_thinking
         self.blocks: list[ContentBlock] = []
@@ -127,13 +128,13 @@ class BlockWriter:
 
     def _pieces(self, text: str) -> list[str]:
         joined, pieces, start = self._tail + text, [], 0
-        for at in _find_all(joined, CLOSE_TAG):  # every block, well-formed or not, ends at one
-            end = at + len(CLOSE_TAG) - len(self._tail)
+        for at in _find_all(joined, self._close_text):  # every block, well-formed or not, ends at one
+            end = at + len(self._close_text) - len(self._tail)
             if end > start:
                 pieces.append(text[start:end])
                 start = end
         pieces.append(text[start:])
-        self._tail = joined[-(len(CLOSE_TAG) - 1):]
+        self._tail = joined[-(len(self._close_text) - 1):]
         return [p for p in pieces if p]
 
     def _close(self) -> list[BlockEvent]:
@@ -229,7 +230,7 @@ async def events(pending: Pending, model_name: str,
     start = Message(id=pending.id, type="message", role="assistant", content=[], model=model_name,
                     stop_reason=None, stop_sequence=None, usage=expected_usage(pending))
     yield sse(MessageStartEvent(message=start))
-    writer = BlockWriter(pending.parse_calls, pending.prefix, pending.thinking, pending.show_thinking)
+    writer = BlockWriter(pending.calls, pending.prefix, pending.thinking, pending.show_thinking)
     try:
         result: TurnResult | None = None
         async with aclosing(pending.turn.events()) as turn_events:

@@ -118,7 +118,8 @@ class MessagesService:
                 raise ChainMoved(detail="the conversation's chain gained a turn through another route meanwhile: "
                                         "retry")
         omitted = isinstance(req.thinking, (ThinkingEnabled, ThinkingAdaptive)) and req.thinking.display == "omitted"
-        return Pending(id=f"msg_{uuid.uuid4().hex[:24]}", turn=turn, resolved=resolved, parse_calls=parse_calls,
+        calls = self.chains.renderer.reader(conv.tools) if parse_calls else None
+        return Pending(id=f"msg_{uuid.uuid4().hex[:24]}", turn=turn, resolved=resolved, calls=calls,
                        prefix=conv.prefix, stop_sequences=sampling["stop"], context_management=managed,
                        thinking=renderer.thinking(turn.prompt), show_thinking=not omitted)
 
@@ -129,7 +130,7 @@ class MessagesService:
         finally:
             await pending.close()
         text = result.message.content[len(pending.prefix or ""):]
-        blocks = BlockWriter(pending.parse_calls, pending.prefix, pending.thinking, pending.show_thinking).whole(text)
+        blocks = BlockWriter(pending.calls, pending.prefix, pending.thinking, pending.show_thinking).whole(text)
         reason, sequence = self._stop(result, pending, blocks)
         message = Message(id=pending.id, type="message", role="assistant", content=blocks, model=self.model_name,
                           stop_reason=reason, stop_sequence=sequence, usage=usage(result, pending.resolved.imported),

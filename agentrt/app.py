@@ -35,6 +35,7 @@ from agentrt.routes.anthropic import AnthropicController
 from agentrt.routes.conversations import ConversationsController
 from agentrt.routes.openai import TextCompletionsController
 from agentrt.routes.responses import ResponsesController
+from agentrt.tool_syntax import by_name
 
 if TYPE_CHECKING:
     from collections.abc import Awaitable, Callable
@@ -104,7 +105,9 @@ def create_app(config: ServerConfig | None = None, engine: EngineHandle | None =
 
         model_dir = Path(llm.config.model)
         model_name = config.model_name or (DEFAULT_MODEL_NAME if config.model is None else model_dir.name)
-        renderer = ChatRenderer(load_tokenizer(model_dir), llm.model_config.eos_token_ids)
+        syntax = by_name(config.tool_call_syntax) if config.tool_call_syntax else None
+        renderer = ChatRenderer(load_tokenizer(model_dir), llm.model_config.eos_token_ids, syntax)
+        log.info("tool calls in the %s syntax", renderer.tool_syntax.name)
         pool = RenderPool(renderer, llm.max_model_len, config.render_workers, config.max_chars_per_token)
         chains = ChainService(config, model_name, worker, pool, db, leases=leases)
         await chains.start()

@@ -5,8 +5,8 @@ The chain is an append-only log, so a request whose history differs from the cha
 naming the first differing message) rather than a silent rewrite: to branch, fork or rewind the chain first,
 or drop ``chain_id`` for a stateless completion. The system message is optional (the chain's own is implied);
 an assistant message matches the chain's turn either as generated (tool-call markup in the text) or as this
-route returned it (``strip_tool_calls`` of the text, ``tool_calls`` with the same names and arguments; ids are
-not compared).
+route returned it (the text without its calls, ``tool_calls`` with the same names and arguments, read in the
+model's tool-call syntax; ids are not compared).
 
 Log-probabilities (``logprobs``) are refused with ``chain_id``: a chain turn does not carry them.
 """
@@ -20,13 +20,14 @@ import msgspec
 from litestar.exceptions import HTTPException
 
 from agentrt.chain_state import ChainState
-from agentrt.chat import Message, parse_tool_calls, strip_tool_calls
+from agentrt.chat import Message
 from agentrt.errors import bad_field
-from agentrt.openai_types import (AssistantMessageIn, ChatMessage, CompletionUsage, Content, DeveloperMessage,
+from agentrt.openai_types import (AssistantMessageIn, CompletionUsage, Content, DeveloperMessage,
                                   PromptTokensDetails, RefusalPart, SystemMessage, TextPart, ToolMessage,
                                   UserMessage)
 from agentrt.openai_types import Message as OpenAIMessage
-from sdk.schema import ToolCall, TurnCreate, TurnResult, Usage
+from agentrt.tool_syntax import ToolCallReader
+from sdk.schema import ToolCall, TurnCreate, Usage
 
 
 class HistoryDiverged(HTTPException):
@@ -58,19 +59,19 @@ def _calls(calls: list[ToolCall]) -> list[tuple[str, Any]]:
     return [(c.function.name, _arguments(c.function.arguments)) for c in calls]
 
 
-def _differs(sent: OpenAIMessage, kept: Message) -> str | None:
-    """Why ``sent`` is not the chain's message ``kept`` (None when it is)."""
+def _differs(sent: OpenAIMessage, kept: Message, reader: ToolCallReader) -> str | None:
+    """Why ``sent`` is not the chain's message ``kept`` (None when it is); ``reader`` reads the kept calls."""
     role = "system" if isinstance(sent, DeveloperMessage) else str(sent.__struct_config__.tag)
     if role != kept["role"]:
         return f"the chain has a {kept['role']} message here, not a {role} message"
     text = text_of(sent.content)
     if isinstance(sent, AssistantMessageIn):
         raw = kept["content"]
-        calls = parse_tool_calls(raw)
+        calls = reader.reply_calls(raw)
         sent_calls = _calls(sent.tool_calls or [])
         if text == raw and (not sent_calls or sent_calls == _calls(calls)):
             return None
-        if sent_calls == _calls(calls) and text == strip_tool_calls(raw):
+        if sent_calls == _calls(calls) and text == reader.reply_content(raw):
             return None
         return "differs from the chain's assistant message"
     if text != kept["content"]:
@@ -80,20 +81,21 @@ def _differs(sent: OpenAIMessage, kept: Message) -> str | None:
     return None
 
 
-def new_messages(sent: list[OpenAIMessage], state: ChainState) -> tuple[int, list[OpenAIMessage]]:
+def new_messages(sent: list[OpenAIMessage], state: ChainState,
+                 reader: ToolCallReader) -> tuple[int, list[OpenAIMessage]]:
     """The index of the first message after the chain's history, and the messages from there; HistoryDiverged
-    when ``sent`` does not start with the history."""
+    when ``sent`` does not start with the history (its calls read by ``reader``)."""
     system = state.system_message()
     kept = state.history[1:] if state.history else []
     start = 0
     if sent and isinstance(sent[0], (SystemMessage, DeveloperMessage)):
-        if (why := _differs(sent[0], system)) is not None:
+        if (why := _differs(sent[0], system, reader)) is not None:
             raise HistoryDiverged(0, why)
         start = 1
     for i, message in enumerate(kept):
         if start + i >= len(sent):
             raise HistoryDiverged(len(sent), f"the chain's history has {len(kept) - i} more messages than sent")
-        if (why := _differs(sent[start + i], message)) is not None:
+        if (why := _differs(sent[start + i], message, reader)) is not None:
             raise HistoryDiverged(start + i, why)
     offset = start + len(kept)
     if offset == len(sent):
@@ -117,18 +119,6 @@ def turn_request(new: list[OpenAIMessage], offset: int, sampling: dict[str, Any]
         return msgspec.convert({"messages": messages, "sampling": sampling, "stream": stream}, TurnCreate)
     except msgspec.ValidationError as exc:
         raise bad_field("messages", str(exc)) from None
-
-
-def assistant_message(result: TurnResult, parse_calls: bool = True) -> tuple[ChatMessage, str]:
-    """The turn's message as the stateless route returns one (agentrt.completions): ``strip_tool_calls`` of
-    the text as content (None when empty), the chain's calls (with their ids) in ``tool_calls``; with
-    ``parse_calls`` False (``tool_choice: "none"``) the text as generated."""
-    text, finish = result.message.content, result.finish_reason
-    if not parse_calls:
-        return ChatMessage(content=text or None), finish
-    calls = result.message.tool_calls
-    message = ChatMessage(content=strip_tool_calls(text) or None, tool_calls=calls or None)
-    return message, "tool_calls" if calls and finish == "stop" else finish
 
 
 def usage(u: Usage) -> CompletionUsage:

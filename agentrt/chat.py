@@ -1,4 +1,4 @@
-"""Chat rendering onto an append-only token log, and tool-call parsing.
+"""Chat rendering onto an append-only token log.
 
 New messages are rendered with the model's chat template: the conversation is rendered before and after
 adding them, the old rendering must be a prefix of the new one (true of ChatML), and only the new suffix is
@@ -11,27 +11,24 @@ content (``<|im_end|>\\n``, minus a stop token the model already produced).
 Per-request template arguments (``enable_thinking``: agentrt.reasoning) reach every rendering inside
 ``template_kwargs(...)``, a context variable, so they follow a request through the chain service into the render
 threads. The text a route returns for an assistant message is its content without its reasoning block and its
-tool-call blocks (``strip_tool_calls``); ``parse_tool_calls`` reads calls in that content only.
+tool-call blocks, and its calls are read in that content only, both in the model's tool-call syntax
+(``ChatRenderer.tool_syntax``: agentrt.tool_syntax).
 """
 
 from __future__ import annotations
 
-import json
-import re
-import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.reasoning import ThinkLog, answer_of, opens_think, think_tokens
-from sdk.schema import FunctionCall, RegionKind, ToolCall
+from agentrt.reasoning import ThinkLog, opens_think, think_tokens
+from agentrt.tool_syntax import ToolSyntax, detect
+from sdk.schema import RegionKind
 
 Message = dict[str, Any]
 
-# one tool call: the opening tag, a JSON object (up to the first `}` that the closing tag follows), the closing tag
-TOOL_CALL_RE = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
 _KINDS: dict[str, RegionKind] = {"system": "system", "user": "user", "tool": "tool_result", "assistant": "assistant"}
 _TEMPLATE_KWARGS: ContextVar[dict[str, Any]] = ContextVar("chat_template_kwargs", default={})
 _MARK = "\u2063agentrt-end-of-content\u2063"  # located in a rendering: where an assistant message's content ends
@@ -73,16 +70,30 @@ class Appended:
 class ChatRenderer:
     """Owns its own tokenizer instance: the engine thread uses the engine's for detokenization."""
 
-    def __init__(self, tokenizer: Any, stop_token_ids: Iterable[int]):
+    def __init__(self, tokenizer: Any, stop_token_ids: Iterable[int], tool_syntax: ToolSyntax | None = None):
         self.tokenizer = tokenizer
+        # how the model spells tool calls: what the template shows unless the server names one
+        self.tool_syntax = tool_syntax or detect(getattr(tokenizer, "chat_template", None))
         tokenizer.model_max_length = 2**62  # length limits are the engine's to enforce, with a clear error
         self.stop_token_ids = frozenset(stop_token_ids)
         self._added = sorted({str(t) for t in tokenizer.get_added_vocab()}, key=len, reverse=True)
         self.think = think_tokens(tokenizer)  # None: the model does not think (agentrt.reasoning)
 
     def render(self, messages: list[Message], tools: list[dict] | None, generation_prompt: bool = False) -> str:
+        messages = [self._for_template(m) for m in messages]
         return self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                                   add_generation_prompt=generation_prompt, **_TEMPLATE_KWARGS.get())
+
+    def _for_template(self, message: Message) -> Message:
+        """``message`` with its calls' arguments in the form the template takes (a mapping for templates that
+        iterate them, agentrt.tool_syntax)."""
+        calls = message.get("tool_calls")
+        if not calls or not self.tool_syntax.template_mapping:
+            return message
+        convert = self.tool_syntax.template_arguments
+        return {**message, "tool_calls": [
+            {**c, "function": {**c["function"], "arguments": convert(c["function"].get("arguments"))}}
+            if isinstance(c, dict) and isinstance(c.get("function"), dict) else c for c in calls]}
 
     def thinking(self, prompt_ids: Sequence[int]) -> bool | None:
         """None when the model does not think; else whether ``prompt_ids`` leave a think block open (the text
@@ -168,39 +179,3 @@ def _common_prefix(a: str, b: str, start: int = 0) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def tool_call_from_json(body: str) -> ToolCall | None:
-    """The call that a ``TOOL_CALL_RE`` match's JSON body (``{"name": ..., "arguments": ...}``) names; None when
-    malformed."""
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", {})
-    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-    return ToolCall(id=f"call_{uuid.uuid4().hex[:24]}", function=FunctionCall(name=obj["name"], arguments=arguments))
-
-
-def calls_in(text: str) -> list[ToolCall]:
-    """``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks; malformed ones are skipped."""
-    return [call for match in TOOL_CALL_RE.finditer(text) if (call := tool_call_from_json(match.group(1)))]
-
-
-def without_calls(text: str) -> str:
-    """The text without its tool-call blocks (malformed ones too), stripped of surrounding whitespace."""
-    return TOOL_CALL_RE.sub("", text).strip()
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The calls of a generated text: ``calls_in`` its answer (a leading reasoning block is not searched:
-    agentrt.reasoning.answer_of)."""
-    return calls_in(answer_of(text))
-
-
-def strip_tool_calls(text: str) -> str:
-    """A generated text as the routes return its content: without its reasoning block (agentrt.reasoning) and
-    its tool-call blocks (malformed ones too), stripped of surrounding whitespace."""
-    return without_calls(answer_of(text))

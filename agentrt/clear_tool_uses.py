@@ -110,7 +110,7 @@ class ToolUseClearing:
             if found is not None and (turns is None or found[0] in turns):
                 wanted.setdefault(found[0], []).append(r.tool_call_id)
         regions = {r.turn: r for r in state.regions if r.kind == "assistant"}
-        decode = self.chains.renderer.renderer.decode
+        renderer, reader = self.chains.renderer.renderer, self.chains.renderer.reader(state.row.tools)
         spans: dict[str, tuple[int, int]] = {}
         for k, ids in wanted.items():
             region = regions.get(k)
@@ -120,7 +120,7 @@ class ToolUseClearing:
             key = (state.id, region.index, region.start, hash(tuple(tokens)))  # a rewound turn's differ
             read = self._reads.pop(key, None)
             if read is None:
-                read = call_input_spans(decode, tokens)
+                read = call_input_spans(renderer.decode, tokens, reader)
             self._reads[key] = read  # the most recently read last
             while len(self._reads) > READS_KEPT:
                 self._reads.pop(next(iter(self._reads)))

@@ -22,6 +22,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+from agentrt.tool_syntax import SYNTAXES
 from engine.cli_args import (CommandLineParser, checked_after_parsing, checkpoint_dir, device, json_object,
                                     non_negative_float, non_negative_int, positive_int, usage_error)
 
@@ -242,7 +243,7 @@ def _serve(args: argparse.Namespace) -> int:
                           max_queue_depth=args.max_queue_depth or None,
                           max_method_configs_per_tenant=args.max_method_configs_per_tenant or None,
                           allowed_hosts=tuple(args.allowed_host) if args.allowed_host else None,
-                          implicit_chains=args.implicit_chains)
+                          implicit_chains=args.implicit_chains, tool_call_syntax=args.tool_call_syntax)
     off_loopback = not is_loopback(config.host)
     try:
         config.check()
@@ -465,6 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--no-implicit-chains", dest="implicit_chains", action="store_false",
                        help="chat completions without chain_id run stateless (prefix caching only) instead of "
                             "resuming the tenant's chain that holds the conversation")
+    serve.add_argument("--tool-call-syntax", choices=sorted(SYNTAXES), default=None,
+                       help="how the model spells tool calls (default: what its chat template shows; docs/server.md)")
     serve.add_argument("--allowed-host", action="append", metavar="NAME",
                        help="a Host name the server answers to (repeatable; '*.example.com' for subdomains, '*' for "
                             "any); default: loopback names without API keys, any name with them")

@@ -17,7 +17,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -40,6 +40,7 @@ from agentrt.openai_types import (AssistantMessageIn, ChainCompletion, ChatCompl
 from agentrt.reasoning import parser as reasoning_parser
 from agentrt.render_pool import RenderPool
 from agentrt.structured_spec import structured_spec
+from agentrt.tool_syntax import ToolCallReader
 from engine.errors import InvalidSamplingParamsError
 from engine.sampling_params import SamplingParams
 from engine.structured_output import StructuredSpec
@@ -59,7 +60,7 @@ class Completion:
     model: str
     stream: RequestStream
     include_usage: bool
-    parse_calls: bool = True  # False with tool_choice "none": the text is the content, as generated
+    calls: ToolCallReader | None = None  # None with tool_choice "none": the text is the content, as generated
     logprobs: bool = False
     top_logprobs: int = 0
     turn: PendingTurn | None = None  # with chain_id
@@ -85,6 +86,7 @@ class CompletionService:
         self.chains = chains
         self.tokens = TokenText(renderer.renderer.tokenizer)
         self._implied: bool | None = None  # _default_system_implied, once looked up
+        self._syntax = renderer.renderer.tool_syntax
 
     async def start(self, req: ChatCompletionRequest, tenant: str = LOCAL_TENANT) -> Completion:
         if req.model != self.model_name:
@@ -105,7 +107,8 @@ class CompletionService:
             except TooManyChains:  # no room for a new implicit chain: the stateless path still serves
                 log.info("tenant %s at its chain limit: a stateless completion", tenant)
         tools = msgspec.to_builtins(req.tools) if req.tools else None
-        structured, key = structured_spec(req.response_format, req.tool_choice, tools, req.parallel_tool_calls)
+        structured, key = structured_spec(req.response_format, req.tool_choice, tools, req.parallel_tool_calls,
+                                          self._syntax)
         params = self._params(req, structured)
         with template_kwargs(enable_thinking=enable_thinking(req), preserve_thinking=preserve_thinking(req)):
             prompt = await self.renderer.prompt([template_message(m) for m in req.messages], tools)
@@ -116,7 +119,7 @@ class CompletionService:
                 raise
             raise bad_field(key, str(exc).removeprefix("structured "), "invalid_value") from None
         return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, stream,
-                          include_usage(req), req.tool_choice != "none", bool(req.logprobs), req.top_logprobs or 0,
+                          include_usage(req), self._reader(req, tools), bool(req.logprobs), req.top_logprobs or 0,
                           thinking=self.renderer.renderer.thinking(prompt))
 
     async def _start_chain(self, req: ChatCompletionRequest, tenant: str) -> Completion:
@@ -129,8 +132,9 @@ class CompletionService:
         state = await self.chains.state(req.chain_id, tenant)
         if req.tools is not None and msgspec.to_builtins(req.tools) != state.row.tools:
             raise bad_field("tools", "must equal the chain's tools (or be left out)")
-        offset, new = chain_completions.new_messages(req.messages, state)
-        structured_spec(req.response_format, req.tool_choice, state.row.tools, req.parallel_tool_calls)  # 400s
+        offset, new = chain_completions.new_messages(req.messages, state, self.renderer.reader(state.row.tools))
+        structured_spec(req.response_format, req.tool_choice, state.row.tools, req.parallel_tool_calls,
+                        self._syntax)  # 400s
         p = self._params(req)
         sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
                     "seed": p.seed, "max_tokens": p.max_tokens, "fit_max_tokens": True, "stop": p.stop,
@@ -144,7 +148,11 @@ class CompletionService:
             await turn.close()
             raise chain_completions.HistoryDiverged(offset, "the chain gained a turn while this request was read")
         return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, turn.stream,
-                          include_usage(req), req.tool_choice != "none", turn=turn)
+                          include_usage(req), self._reader(req, state.row.tools), turn=turn)
+
+    def _reader(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None) -> ToolCallReader | None:
+        """How the reply's calls are read (None with ``tool_choice: "none"``: the text is the content)."""
+        return None if req.tool_choice == "none" else self.renderer.reader(tools)
 
     def _implicit_conversation(self, req: ChatCompletionRequest
                                ) -> tuple[str | None, list[Message], list[str]] | None:
@@ -206,7 +214,8 @@ class CompletionService:
         created: agentrt.implicit_chains), scoped by ``prompt_cache_key``, else ``user`` / ``safety_identifier``."""
         assert self.chains is not None
         tools = msgspec.to_builtins(req.tools) if req.tools else []
-        structured_spec(req.response_format, req.tool_choice, tools or None, req.parallel_tool_calls)  # 400s
+        structured_spec(req.response_format, req.tool_choice, tools or None, req.parallel_tool_calls,
+                        self._syntax)  # 400s
         p = self._params(req)
         sampling = {"temperature": p.temperature, "top_p": p.top_p, "top_k": p.top_k, "min_p": p.min_p,
                     "seed": p.seed, "max_tokens": p.max_tokens, "fit_max_tokens": True, "stop": p.stop,
@@ -226,12 +235,12 @@ class CompletionService:
                 raise ChainMoved(detail="the conversation's chain gained a turn through another route meanwhile: "
                                         "retry")
         return Completion(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, turn.stream,
-                          include_usage(req), req.tool_choice != "none", turn=turn)
+                          include_usage(req), self._reader(req, tools), turn=turn)
 
     async def complete(self, c: Completion) -> ChatCompletion:
         if c.turn is not None:
             result = await c.turn.result()
-            message, finish = chain_message(result, c.parse_calls, reasoning_parser(c.thinking))
+            message, finish = chain_message(result, c.calls, reasoning_parser(c.thinking))
             return ChainCompletion(id=c.id, created=c.created, model=c.model,
                                    usage=chain_completions.usage(result.usage), chain=chain_turn(result),
                                    choices=[Choice(index=0, message=message, finish_reason=finish)])
@@ -240,7 +249,7 @@ class CompletionService:
             async for out in outputs:
                 last = out
         last = finished_output(last, self.metrics)
-        message, finish = text_message(last.text, last.finish_reason or "stop", c.parse_calls,
+        message, finish = text_message(last.text, last.finish_reason or "stop", c.calls,
                                        reasoning_parser(c.thinking))
         logprobs = None
         if c.logprobs:

@@ -21,7 +21,6 @@ from agentrt.metrics import Metrics
 from agentrt.openai_types import (ChainCompletionChunk, ChainTurn, ChatCompletionChunk, ChoiceLogprobs, ChunkChoice,
                                   CompletionUsage, Delta, ToolCallDelta)
 from agentrt.reasoning import parser as reasoning_parser
-from agentrt.tool_call_stream import ToolCallStream
 from sdk.schema import ToolCall, TurnDelta, TurnResult
 
 if TYPE_CHECKING:
@@ -46,7 +45,7 @@ async def chunks(c: Completion, tokens: TokenText, metrics: Metrics) -> AsyncGen
         return Delta(tool_calls=[ToolCallDelta(index=first + i, id=t.id, function=t.function)
                                  for i, t in enumerate(calls)])
 
-    parser = ToolCallStream() if c.parse_calls else None
+    parser = c.calls.stream() if c.calls is not None else None
     thinking = reasoning_parser(c.thinking)
 
     def split(text: str, final: bool = False) -> tuple[str, str, list[ToolCall]]:
@@ -78,7 +77,7 @@ async def chunks(c: Completion, tokens: TokenText, metrics: Metrics) -> AsyncGen
             reasoning, text, _ = split("", final=True)
             if reasoning or text:
                 yield chunk(Delta(reasoning_content=reasoning or None, content=text or None))
-            message, finish = chain_message(result, c.parse_calls, reasoning_parser(c.thinking))
+            message, finish = chain_message(result, c.calls, reasoning_parser(c.thinking))
             if message.tool_calls:  # the chain's ids: its tool results are matched to its calls by id
                 yield chunk(calls_delta(message.tool_calls, 0))
             yield chunk(Delta(), finish, chain=chain_turn(result))

@@ -1,8 +1,8 @@
 """A chat completion's reply: its message read from the generated text, its log-probabilities and its usage.
 
-The message is the generated text split by the tool-call rules of agentrt.chat: ``content`` is
-``strip_tool_calls(text)`` (None when nothing is left), ``tool_calls`` is ``parse_tool_calls(text)``, and a stop
-with calls finishes as ``tool_calls``. ``tool_choice: "none"`` leaves the text unparsed: the content is the text as
+The message is the generated text split by the model's tool-call syntax (agentrt.tool_syntax): ``content`` is the
+text without its calls (None when nothing is left), ``tool_calls`` the calls, and a stop with calls finishes as
+``tool_calls``. ``tool_choice: "none"`` leaves the text unparsed: the content is the text as
 generated, markup and all. A model that thinks (agentrt.reasoning) has its think block split off first:
 ``message.reasoning_content`` carries it, the content and the calls are read from what follows it.
 """
@@ -13,12 +13,12 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from agentrt.chat import calls_in, without_calls
 from agentrt.engine_worker import prefill_counts
 from agentrt.errors import TurnFailed
 from agentrt.openai_types import (ChainTurn, ChatMessage, ChoiceLogprobs, CompletionUsage, PromptTokensDetails,
                                   TokenLogprob, TopLogprob)
 from agentrt.reasoning import ReasoningParser
+from agentrt.tool_syntax import ToolCallReader
 from engine.outputs import RequestOutput
 from sdk.schema import TurnResult
 
@@ -34,27 +34,28 @@ def _split(text: str, reasoning: ReasoningParser | None) -> tuple[str, str]:
     return r1 + r2, c1 + c2
 
 
-def text_message(text: str, finish: str, parse_calls: bool,
+def text_message(text: str, finish: str, reader: ToolCallReader | None,
                  reasoning: ReasoningParser | None = None) -> tuple[ChatMessage, str]:
-    """The message of a whole generated text, and the finish reason (``tool_calls`` for a stop with calls)."""
+    """The message of a whole generated text, and the finish reason (``tool_calls`` for a stop with calls);
+    ``reader`` None: the text is the content, calls unread."""
     thought, text = _split(text, reasoning)
-    if not parse_calls:
+    if reader is None:
         message = ChatMessage(content=text or None)
     else:
-        calls = calls_in(text)
-        message = ChatMessage(content=without_calls(text) or None, tool_calls=calls or None)
+        calls = reader.calls_in(text)
+        message = ChatMessage(content=reader.without_calls(text) or None, tool_calls=calls or None)
         finish = "tool_calls" if calls and finish == "stop" else finish
     if thought:
         message.reasoning_content = thought
     return message, finish
 
 
-def chain_message(result: TurnResult, parse_calls: bool,
+def chain_message(result: TurnResult, reader: ToolCallReader | None,
                   reasoning: ReasoningParser | None) -> tuple[ChatMessage, str]:
     """A chain turn's message as the stateless route gives one, with the chain's calls and their ids (the chain
     matches its tool results to them by id): those of the text after the think block, its last ones."""
-    message, finish = text_message(result.message.content, result.finish_reason, parse_calls, reasoning)
-    if parse_calls:
+    message, finish = text_message(result.message.content, result.finish_reason, reader, reasoning)
+    if reader is not None:
         chain_calls = result.message.tool_calls
         n = min(len(message.tool_calls or []), len(chain_calls))
         message.tool_calls = chain_calls[len(chain_calls) - n:] or None

@@ -44,6 +44,9 @@ class ServerConfig:
     # of the request's messages (agentrt.implicit_chains); False: a stateless engine request (prefix caching only)
     implicit_chains: bool = True
     max_tokens_per_turn: int = 4096
+    # how the model spells tool calls (agentrt.tool_syntax: hermes, glm45, qwen3_coder, deepseek); None: the one
+    # its chat template shows
+    tool_call_syntax: str | None = None
     # --- auth and limits (docs/server.md "Auth" and "Limits") ---
     host: str = "127.0.0.1"  # the bind address; without auth only a loopback address is allowed
     require_auth: bool | None = None  # None: required unless ``host`` is a loopback address
@@ -88,3 +91,8 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise ConfigurationError(f"{name} must be >= 0 (or None for no limit)")
+        if self.tool_call_syntax is not None:
+            from agentrt.tool_syntax import SYNTAXES
+
+            if self.tool_call_syntax not in SYNTAXES:
+                raise ConfigurationError(f"tool_call_syntax {self.tool_call_syntax!r} is none of {', '.join(SYNTAXES)}")

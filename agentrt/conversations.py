@@ -44,7 +44,7 @@ from litestar.datastructures import State
 
 from agentrt.chain_state import ChainState
 from agentrt.chains import no_nul
-from agentrt.chat import Message, without_calls
+from agentrt.chat import Message
 from agentrt.conversations_items import (call_item_id, call_output_item, chain_id_of, check_order, check_pending,
                                          content_text, conversation_id_of, digest, history, item_text, message_item,
                                          new_item_id, output_ids, parse_item, stored_item, turn_output)
@@ -186,8 +186,8 @@ class ConversationService:
                 renderer.thinking(row.appended_token_ids)
         rs_id, msg_id = output_ids(key)
         calls = (entry or {}).get("fc") or []
-        return items + turn_output(row.content, row.tool_calls, thinking,
-                                   entry["calls"] if entry is not None else True,
+        reader = self.chains.renderer.reader() if entry is None or entry["calls"] else None
+        return items + turn_output(row.content, row.tool_calls, thinking, reader,
                                    rs_id, (entry or {}).get("msg") or msg_id,
                                    lambda j: calls[j] if j < len(calls) else (call_item_id(key, j), None))
 
@@ -305,6 +305,7 @@ class ConversationService:
         check_order(hist)
         entries: dict[str, dict[str, Any]] = {}
         turn, first = state.num_turns, 0
+        reader = self.chains.renderer.reader()
         for i, message in enumerate(hist.messages):
             if message["role"] != "assistant":
                 continue
@@ -312,7 +313,7 @@ class ConversationService:
             entries[str(turn)] = {"h": digest(hist.messages[first:i]), "in": [x for ids in hist.ids[first:i]
                                                                               for x in ids],
                                   "calls": True, "think": False,
-                                  "msg": text_ids[0] if text_ids and without_calls(message["content"]) else None,
+                                  "msg": text_ids[0] if text_ids and reader.without_calls(message["content"]) else None,
                                   "fc": [list(c) for c in hist.calls[i]]}
             turn, first = turn + 1, i + 1
         key = uuid.uuid4().hex

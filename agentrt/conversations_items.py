@@ -20,12 +20,13 @@ from typing import Any
 
 import msgspec
 
-from agentrt.chat import Message, calls_in, without_calls
+from agentrt.chat import Message
 from agentrt.errors import bad_field
 from agentrt.reasoning import split_reasoning
 from agentrt.responses_types import (FunctionCallItem, FunctionCallOutputItem, InputItem, OutputFunctionCall,
                                      OutputMessage, OutputReasoning, OutputText, OutputTextPart, ReasoningItem,
                                      ReasoningTextPart)
+from agentrt.tool_syntax import ToolCallReader
 from sdk.schema import TurnMessage
 
 ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
@@ -189,18 +190,19 @@ def check_pending(items: list[tuple[dict[str, Any], str]]) -> None:
         check_order(history(items))
 
 
-def turn_output(content: str, tool_calls: list[dict[str, Any]], thinking: bool | None, parse_calls: bool,
+def turn_output(content: str, tool_calls: list[dict[str, Any]], thinking: bool | None, reader: ToolCallReader | None,
                 rs_id: str, msg_id: str, call_ids: Any) -> list[dict[str, Any]]:
     """A chain turn's output as the response returned it (agentrt.responses: a ``reasoning`` item, a ``message``
-    without the tool-call markup, a ``function_call`` per call). ``call_ids(j)``: (item id, call id or None: the
+    without the tool-call markup, a ``function_call`` per call; ``reader`` None: the text as generated, no
+    calls). ``call_ids(j)``: (item id, call id or None: the
     chain's) of the j-th call."""
     thought, text = "", content
     if thinking is not None:
         thought, text = split_reasoning(text, thinking)
     calls: list[dict[str, Any]] = []
-    if parse_calls:
-        calls = tool_calls[len(tool_calls) - min(len(calls_in(text)), len(tool_calls)):]
-        text = without_calls(text)
+    if reader is not None:
+        calls = tool_calls[len(tool_calls) - min(len(reader.calls_in(text)), len(tool_calls)):]
+        text = reader.without_calls(text)
     out: list[dict[str, Any]] = []
     if thought:
         out.append(msgspec.to_builtins(OutputReasoning(id=rs_id, content=[ReasoningTextPart(text=thought)])))

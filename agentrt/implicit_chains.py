@@ -11,9 +11,10 @@ chain id and the offset of the messages the caller's turn appends (see ``Resolve
 
 **Matching** is at the message level against each chain's stored history (``ChainState.history``), never its
 KV: the system prompt and the tools must be equal, then each message in order; an assistant message matches
-the chain's turn either as generated (markup in the text) or as a route returned it (``strip_tool_calls`` of
-the text plus the calls' names and arguments; call ids are not compared). Pruning drops KV only, so a chain
-whose tool results were pruned still holds the client's results in its history and still matches.
+the chain's turn either as generated (markup in the text) or as a route returned it (the text without its calls,
+plus the calls' names and arguments, read in the model's tool-call syntax; call ids are not compared). Pruning
+drops KV only, so a chain whose tool results were pruned still holds the client's results in its history and
+still matches.
 
 **Scope.** Candidates are looked up in memory, per tenant, by (session key, hash of the system prompt, the
 tools and the first message): only the tenant's own chains of the same session (``None`` is a session of its
@@ -59,8 +60,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from agentrt.chain_state import ChainState
-from agentrt.chat import Message, parse_tool_calls, strip_tool_calls
+from agentrt.chat import Message
 from agentrt.errors import ChainBusy, ChainNotFound, bad_field
+from agentrt.tool_syntax import ToolCallReader
 from sdk.schema import ChainCreate, ForkRequest, RewindRequest, Tool, TurnCreate, TurnResult
 
 if TYPE_CHECKING:
@@ -114,45 +116,32 @@ def _sent_calls(message: Message) -> list[tuple[str, Any]]:
             for c in message.get("tool_calls") or []]
 
 
-def _kept_calls(raw: str) -> list[tuple[str, Any]]:
-    return [(c.function.name, arguments_value(c.function.arguments)) for c in parse_tool_calls(raw)]
+def _kept_calls(raw: str, reader: ToolCallReader) -> list[tuple[str, Any]]:
+    return [(c.function.name, arguments_value(c.function.arguments)) for c in reader.reply_calls(raw)]
 
 
-def same_message(sent: Message, kept: Message) -> bool:
-    """Whether a request's message is the chain's history message ``kept``."""
+def same_message(sent: Message, kept: Message, reader: ToolCallReader) -> bool:
+    """Whether a request's message is the chain's history message ``kept`` (calls read by ``reader``)."""
     if sent.get("role") != kept.get("role"):
         return False
     if kept["role"] == "assistant":
         raw, text, calls = kept["content"], sent.get("content") or "", _sent_calls(sent)
         if not calls and text == raw:
             return True
-        return text.strip() == strip_tool_calls(raw) and calls == _kept_calls(raw)
+        return text.strip() == reader.reply_content(raw) and calls == _kept_calls(raw, reader)
     if sent.get("content") != kept.get("content"):
         return False
     return kept["role"] != "tool" or sent.get("tool_call_id") == kept.get("tool_call_id")
 
 
-def generated_text(message: Message) -> str:
-    """An assistant message as the model generates one (the Qwen/Hermes tool-call format the chat template
-    renders): its text, then one ``<tool_call>`` block per call."""
-    blocks = []
-    for call in message.get("tool_calls") or []:
-        arguments = call["function"].get("arguments")
-        if not isinstance(arguments, str):
-            arguments = json.dumps(arguments, ensure_ascii=False)
-        name = json.dumps(call["function"]["name"], ensure_ascii=False)
-        blocks.append(f'\n<tool_call>\n{{"name": {name}, "arguments": {arguments}}}\n</tool_call>')
-    text = message.get("content") or ""
-    return text + "".join(blocks) if text else "".join(blocks).removeprefix("\n")
-
-
-def _match(state: ChainState, system: str, tools: list[dict[str, Any]], messages: list[Message]) -> _Match | None:
+def _match(state: ChainState, system: str, tools: list[dict[str, Any]], messages: list[Message],
+           reader: ToolCallReader) -> _Match | None:
     if state.row.system_prompt != system or state.row.tools != tools:
         return None
     kept = state.history[1:]
     turns = offset = 0
     for i, message in enumerate(kept):
-        if i >= len(messages) or not same_message(messages[i], message):
+        if i >= len(messages) or not same_message(messages[i], message, reader):
             return _Match(state.id, state, turns, offset, False)
         if message["role"] == "assistant":
             turns, offset = turns + 1, i + 1
@@ -261,7 +250,7 @@ class ImplicitChains:
         except ChainNotFound:  # deleted through the chain routes
             self._forget(tenant, chain_id)
             return None
-        return _match(state, system, tools, messages)
+        return _match(state, system, tools, messages, self.chains.renderer.reader(tools))
 
     def _available(self, chain_id: str) -> bool:
         return chain_id not in self._claimed and self.chains.status(chain_id) == "idle"
@@ -323,7 +312,7 @@ class ImplicitChains:
                 raise bad_field(names[i], "this model's chat template cannot take an assistant message that this "
                                           "server did not generate")
             data = turn_create(messages[first:i], {"temperature": 0.0, "max_tokens": 1, "forced_token_ids": [end]},
-                               assistant_prefix=generated_text(messages[i]))
+                               assistant_prefix=self._generated_text(messages[i]))
             turn = await self.chains.start_turn(chain_id, data, tenant=tenant)
             try:
                 results.append(await turn.result())
@@ -331,6 +320,11 @@ class ImplicitChains:
                 await turn.close()
             first = i + 1
         return results, first
+
+    def _generated_text(self, message: Message) -> str:
+        """An assistant message as the model generates one: its text, then its calls in the model's syntax."""
+        syntax = self.chains.renderer.renderer.tool_syntax
+        return syntax.spell(message.get("content") or "", message.get("tool_calls") or [])
 
     def _end_of_message(self) -> int | None:
         """The token that ends an assistant message (ChatML's ``<|im_end|>``): forced as an imported turn's

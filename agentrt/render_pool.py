@@ -18,6 +18,7 @@ import msgspec
 from litestar.exceptions import HTTPException
 
 from agentrt.chat import Appended, ChatRenderer, Message
+from agentrt.tool_syntax import ToolCallReader
 
 T = TypeVar("T")
 
@@ -38,6 +39,10 @@ class RenderPool:
         self.max_model_len = max_model_len
         self.max_chars = chars_per_token * max_model_len
         self._limiter = anyio.CapacityLimiter(workers)
+
+    def reader(self, tools: Any = None) -> ToolCallReader:
+        """Tool calls in the model's syntax under ``tools`` (OpenAI tool dicts)."""
+        return ToolCallReader(self.renderer.tool_syntax, tools)
 
     def check_size(self, *parts: Any) -> None:
         """PromptTooLarge when ``parts`` (messages, tools) encode to more JSON than ``max_chars``."""

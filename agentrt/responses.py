@@ -270,7 +270,8 @@ class ResponseService:
             else {"format": {"type": "text"}}, store=stored,
             conversation=ResponseConversation(id=conversation) if conversation is not None else None)
         reasoning_id, message_id = output_ids(item_key) if item_key is not None else (new_id("rs"), new_id("msg"))
-        pending = Pending(response=response, record=record, turn=turn, parse_calls=parse_calls,
+        calls = self.chains.renderer.reader(state.row.tools) if parse_calls else None
+        pending = Pending(response=response, record=record, turn=turn, calls=calls,
                           input_items=input_items, thinking=self.chains.renderer.renderer.thinking(turn.prompt),
                           imported=imported, item_key=item_key, message_id=message_id, reasoning_id=reasoning_id)
         turn.extra_rows = lambda result, generated: self._rows(pending, result, generated)

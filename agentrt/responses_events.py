@@ -2,7 +2,7 @@
 
 The output is one ``message`` item holding the reply's text without its tool-call markup (when there is any
 text), then one ``function_call`` item per call, with the chain's call ids. A stream sends the text as it is
-released (agentrt.tool_call_stream) and the calls once the turn has ended, so its items equal the non-streamed
+released (agentrt.tool_syntax.ToolCallStream) and the calls once the turn has ended, so its items equal the non-streamed
 ones. A model that thinks (agentrt.reasoning) has its think block as a ``reasoning`` item first (``content:
 [{"type": "reasoning_text", "text"}]``, streamed as ``response.reasoning_text.delta`` events).
 
@@ -22,7 +22,6 @@ from typing import Any
 import msgspec
 from litestar.response import ServerSentEventMessage
 
-from agentrt.chat import calls_in, without_calls
 from agentrt.conversations_items import call_item_id
 from agentrt.errors import openai_error_body
 from agentrt.reasoning import ReasoningParser, split_reasoning
@@ -31,7 +30,7 @@ from agentrt.responses_store import Record
 from agentrt.responses_types import (IncompleteDetails, InputTokensDetails, OutputFunctionCall, OutputMessage,
                                      OutputReasoning, OutputTextPart, OutputTokensDetails, ReasoningTextPart,
                                      ResponseObject, ResponseUsage)
-from agentrt.tool_call_stream import ToolCallStream
+from agentrt.tool_syntax import ToolCallReader
 from sdk.schema import TurnDelta, TurnResult
 
 log = logging.getLogger(__name__)
@@ -42,7 +41,7 @@ class Pending:
     response: ResponseObject
     record: Record
     turn: Any  # agentrt.turns.PendingTurn
-    parse_calls: bool
+    calls: ToolCallReader | None  # None with tool_choice "none": the text as generated
     input_items: list[dict[str, Any]] = field(default_factory=list)  # as input_items lists them; [] unless stored
     thinking: bool | None = None  # None: the model does not think; else the prompt left a think block open
     imported: list[TurnResult] = field(default_factory=list)  # history turns this request appended first
@@ -99,10 +98,10 @@ def output_items(result: TurnResult, pending: Pending) -> list[Any]:
     if pending.thinking is not None:
         thought, text = split_reasoning(text, pending.thinking)
     calls = []
-    if pending.parse_calls:
+    if pending.calls is not None:
         chain_calls = result.message.tool_calls  # the chain's ids: its tool results are matched to them
-        calls = chain_calls[len(chain_calls) - min(len(calls_in(text)), len(chain_calls)):]
-        text = without_calls(text)
+        calls = chain_calls[len(chain_calls) - min(len(pending.calls.calls_in(text)), len(chain_calls)):]
+        text = pending.calls.without_calls(text)
     output: list[Any] = []
     key = pending.item_key  # a conversation's turn: its message / reasoning ids are the conversation's
     if thought:
@@ -127,7 +126,7 @@ async def events(pending: Pending, finish: Callable[[Pending], ResponseObject]
     ev = stream_event
     yield ev(pending, "response.created", response=pending.response)
     yield ev(pending, "response.in_progress", response=pending.response)
-    parser = ToolCallStream() if pending.parse_calls else None
+    parser = pending.calls.stream() if pending.calls is not None else None
     thinking = reasoning_parser(pending.thinking)
     rs_id, msg_id = pending.reasoning_id, pending.message_id
     thought, text = "", ""

@@ -11,16 +11,18 @@ from typing import Any
 import msgspec
 
 from agentrt.errors import bad_field
+from agentrt.tool_syntax import ToolSyntax
 from engine.structured_output import StructuredSpec, schema_error
 from sdk.schema import JsonObjectFormat, NamedToolChoice, ResponseFormat, TextFormat
 
 
 def structured_spec(response_format: Any, tool_choice: Any, tools: list[dict[str, Any]] | None,
-                    parallel_tool_calls: bool | None = None, prefix: str = "",
+                    parallel_tool_calls: bool | None, syntax: ToolSyntax, prefix: str = "",
                     tools_key: str | None = None) -> tuple[StructuredSpec | None, str]:
     """The grammar a reply must match (None: free text) and the request field it comes from, for OpenAI's
-    ``response_format`` and ``tool_choice`` over ``tools`` (OpenAI's tool dicts); a 400 naming the field when one
-    is malformed or cannot be followed. ``prefix``: the fields' path (``sampling.`` in a chain turn);
+    ``response_format`` and ``tool_choice`` over ``tools`` (OpenAI's tool dicts), calls spelled in the model's
+    ``syntax``; a 400 naming the field when one is malformed or cannot be followed. ``prefix``: the fields' path
+    (``sampling.`` in a chain turn);
     ``tools_key``: the field named for a tool whose parameters cannot be followed (default
     ``tools[i].function.parameters``).
 
@@ -44,8 +46,8 @@ def structured_spec(response_format: Any, tool_choice: Any, tools: list[dict[str
                 raise bad_field(tc_key, f"names the function {name!r}, which is not among the tools", "invalid_value")
         _check_parameters(functions, tools_key)
         calls = [(f["name"], f.get("parameters")) for _, f in functions]
-        return StructuredSpec.tool_calls(calls, required=True, max_calls=1 if one or mode == "function" else None), \
-            tc_key
+        return StructuredSpec.tool_calls(calls, required=True, max_calls=1 if one or mode == "function" else None,
+                                         **syntax.grammar), tc_key
     strict = [(i, f) for i, f in functions if f.get("strict")]
     if mode == "none" or not functions or (not strict and content is None):
         if content is None:
@@ -54,7 +56,8 @@ def structured_spec(response_format: Any, tool_choice: Any, tools: list[dict[str
                 StructuredSpec.json_schema(content)), rf_key
     _check_parameters(strict, tools_key)
     calls = [(f["name"], f.get("parameters") if f.get("strict") else None) for _, f in functions]
-    return StructuredSpec.tool_calls(calls, required=False, content=content, max_calls=1 if one else None), tc_key
+    return StructuredSpec.tool_calls(calls, required=False, content=content, max_calls=1 if one else None,
+                                     **syntax.grammar), tc_key
 
 
 def _content_schema(response_format: Any, key: str) -> dict[str, Any] | None:

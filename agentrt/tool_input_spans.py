@@ -5,45 +5,9 @@ such spans. Text offsets come from decoding the tokens; no tokenizer offsets are
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
-from agentrt.chat import TOOL_CALL_RE, tool_call_from_json
-
-_WS = re.compile(r"\s*")
-_JSON = json.JSONDecoder()
-
-
-def _member_span(body: str, key: str) -> tuple[int, int] | None:
-    """The character span of the value of ``key`` in the JSON object ``body`` (the last one, as ``json.loads``
-    takes it); None when there is none or ``body`` is no object."""
-    found = None
-    try:
-        i = _WS.match(body, 0).end()  # type: ignore[union-attr]
-        if body[i] != "{":
-            return None
-        i = _WS.match(body, i + 1).end()  # type: ignore[union-attr]
-        if body[i] == "}":
-            return None
-        while True:
-            if body[i] != '"':
-                return None
-            name, i = json.decoder.scanstring(body, i + 1)  # type: ignore[attr-defined]
-            i = _WS.match(body, i).end()  # type: ignore[union-attr]
-            if body[i] != ":":
-                return None
-            i = _WS.match(body, i + 1).end()  # type: ignore[union-attr]
-            _, end = _JSON.raw_decode(body, i)
-            if name == key:
-                found = (i, end)
-            i = _WS.match(body, end).end()  # type: ignore[union-attr]
-            if body[i] == "}":
-                return found
-            if body[i] != ",":
-                return None
-            i = _WS.match(body, i + 1).end()  # type: ignore[union-attr]
-    except (ValueError, IndexError):
-        return None
+from agentrt.tool_syntax import ToolCallReader
 
 
 def _token_offsets(decode: Any, ids: list[int]) -> tuple[str, list[int | None]]:
@@ -69,26 +33,29 @@ def _token_offsets(decode: Any, ids: list[int]) -> tuple[str, list[int | None]]:
     return full, offsets
 
 
-def call_input_spans(decode: Any, ids: list[int]) -> list[tuple[str, Any, int, int] | None]:
-    """Per well-formed ``<tool_call>`` block in the tokens ``ids`` (an assistant turn's region), in order: its
-    name, its arguments' value and the span ``[lo, hi)`` of the tokens that spell the arguments (the fewest
-    tokens covering their JSON text: a token at either edge may carry a space or brace of the markup too); None
-    for a block without arguments."""
+def call_input_spans(decode: Any, ids: list[int], reader: ToolCallReader) -> list[tuple[str, Any, int, int] | None]:
+    """Per call in the tokens ``ids`` (an assistant turn's region) in the reader's syntax, in order: its name,
+    its arguments' value and the span ``[lo, hi)`` of the tokens that spell the arguments (the fewest tokens
+    covering their text: a token at either edge may carry a space or some of the markup too); None for a call
+    without arguments."""
     text, offsets = _token_offsets(decode, ids)
     found: list[tuple[str, Any, int, int] | None] = []
-    for match in TOOL_CALL_RE.finditer(text):
-        call = tool_call_from_json(match.group(1))
-        if call is None:
-            continue
-        span = _member_span(match.group(1), "arguments")
-        if span is None:
+    for parsed in reader.parsed(text):
+        if parsed.arguments is None:
             found.append(None)
             continue
-        a, b = match.start(1) + span[0], match.start(1) + span[1]
+        a, b = parsed.arguments
         lo = max(i for i, at in enumerate(offsets) if at is not None and at <= a)
         hi = min(i for i, at in enumerate(offsets) if at is not None and at >= b)
-        found.append((call.function.name, json.loads(text[a:b]), lo, hi))
+        found.append((parsed.call.function.name, _value(parsed.call.function.arguments), lo, hi))
     return found
+
+
+def _value(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:  # a Hermes call may give its arguments as text
+        return arguments
 
 
 def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

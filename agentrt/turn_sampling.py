@@ -7,13 +7,15 @@ from typing import Any
 
 from agentrt.errors import bad_field
 from agentrt.structured_spec import structured_spec
+from agentrt.tool_syntax import ToolSyntax
 from engine.sampling_params import SamplingParams
 from sdk.schema import TurnCreate
 
 
 def turn_sampling(data: TurnCreate, tools: list[dict[str, Any]] | None, max_tokens_per_turn: int,
-                  vocab: int) -> SamplingParams:
-    """The turn's engine parameters; ``tools``: the chain's, which ``sampling.tool_choice`` chooses among."""
+                  vocab: int, syntax: ToolSyntax) -> SamplingParams:
+    """The turn's engine parameters; ``tools``: the chain's, which ``sampling.tool_choice`` chooses among, calls
+    spelled in the model's ``syntax``."""
     s = data.sampling
     max_tokens = s.max_tokens
     if max_tokens > max_tokens_per_turn:
@@ -26,7 +28,7 @@ def turn_sampling(data: TurnCreate, tools: list[dict[str, Any]] | None, max_toke
                                                      f"sampling.max_tokens ({max_tokens})")
     if any(t >= vocab for t in s.forced_token_ids):
         raise bad_field("sampling.forced_token_ids", f"every id must be < the vocabulary size {vocab}")
-    structured, _ = structured_spec(s.response_format, s.tool_choice, tools, s.parallel_tool_calls,
+    structured, _ = structured_spec(s.response_format, s.tool_choice, tools, s.parallel_tool_calls, syntax,
                                     prefix="sampling.", tools_key="sampling.tool_choice")
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
                           max_tokens=max_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),

@@ -19,7 +19,7 @@ import msgspec
 from sqlalchemy import update
 
 from agentrt.chain_state import ChainState, policy_of, region_row
-from agentrt.chat import Appended, Message, parse_tool_calls
+from agentrt.chat import Appended, Message
 from agentrt.engine_worker import RequestStream, prefill_counts
 from agentrt.errors import TurnFailed
 from agentrt.models import ChainRow, RegionRow, TurnRow
@@ -128,7 +128,7 @@ class PendingTurn:
             engine_status = EngineResumeStatus.RECOMPUTED
         status = cast(ResumeStatus, engine_status.value)  # the wire's and the database's plain string
         content = (self.data.assistant_prefix or "") + out.text
-        calls = parse_tool_calls(content)
+        calls = self.service.renderer.reader(st.row.tools).reply_calls(content)
         usage = Usage(prompt_tokens=len(self.prompt), appended_tokens=len(appended.token_ids),
                       prefilled_tokens=prefilled, resumed_tokens=resumed, cached_tokens=cached,
                       completion_tokens=len(generated))

@@ -92,15 +92,22 @@ class StructuredSpec:
     def tool_calls(cls, tools: Sequence[tuple[str, dict | None]], *, required: bool = True,
                    max_calls: int | None = None, content: dict | None = None, begin: str = TOOL_CALL_BEGIN,
                    end: str = TOOL_CALL_END, separator: str = TOOL_CALL_SEPARATOR,
-                   trigger: str = TOOL_CALL_TRIGGER) -> StructuredSpec:
+                   trigger: str = TOOL_CALL_TRIGGER, open: str = "", close: str = "",
+                   parameter_begin: str = "", parameter_end: str = "") -> StructuredSpec:
         """Calls of ``tools``: (name, JSON schema of the arguments, or None for any JSON object). A call is
-        ``begin`` (``{name}`` replaced by the name as JSON), the arguments, ``end``. ``required``: one or more
-        calls joined by ``separator`` and nothing else; otherwise free text in which a call starts at ``trigger``
-        (a prefix of ``begin``) and must then be whole and valid, or, with ``content`` (a JSON schema), either
-        one JSON value of that schema or calls as under ``required``. ``max_calls`` 1: at most one call."""
+        ``begin`` (``{name}`` replaced by the name as JSON, ``{bare_name}`` by the name itself), the arguments,
+        ``end``; the calls are joined by ``separator`` and, where the syntax wraps them, written between ``open``
+        and ``close``. The arguments are one JSON value, or with ``parameter_begin`` one part per parameter in
+        the schema's order (the required ones present): ``parameter_begin`` (``{key}`` replaced by the
+        parameter's name), the value (a string parameter's as bare text without ``parameter_end``, any other's
+        as JSON), ``parameter_end``. ``required``: one or more calls and nothing else; otherwise free text in
+        which calls start at ``trigger`` (a prefix of ``open``, or of ``begin`` where nothing wraps the calls)
+        and must then be whole and valid, or, with ``content`` (a JSON schema), either one JSON value of that
+        schema or calls as under ``required``. ``max_calls`` 1: at most one call."""
         body = {"tools": [{"name": n, "parameters": p} for n, p in tools], "required": required,
                 "max_calls": max_calls, "content": content, "begin": begin, "end": end, "separator": separator,
-                "trigger": trigger}
+                "trigger": trigger, "open": open, "close": close, "parameter_begin": parameter_begin,
+                "parameter_end": parameter_end}
         return cls("tool_calls", json.dumps(body, ensure_ascii=False))
 
 
@@ -112,17 +119,29 @@ def _check_tool_calls(body: Any) -> None:
             raise _bad("tool_calls: every tool needs a non-empty name")
         if t.get("parameters") is not None and not isinstance(t["parameters"], dict):
             raise _bad(f"tool_calls: the parameters of {t['name']!r} must be a JSON schema object")
-    for key in ("begin", "end", "separator", "trigger"):
-        if not isinstance(body.get(key), str):
+    for key in ("begin", "end", "separator", "trigger", "open", "close", "parameter_begin", "parameter_end"):
+        if not isinstance(body.setdefault(key, ""), str):
             raise _bad(f"tool_calls: {key} must be a str")
-    if "{name}" not in body["begin"]:
-        raise _bad("tool_calls: begin must hold {name}")
-    if not body["trigger"] or not body["begin"].startswith(body["trigger"]):
-        raise _bad("tool_calls: the trigger must be a non-empty prefix of begin")
+    if "{name}" not in body["begin"] and "{bare_name}" not in body["begin"]:
+        raise _bad("tool_calls: begin must hold {name} or {bare_name}")
+    if not body["trigger"] or not (body["open"] or body["begin"]).startswith(body["trigger"]):
+        raise _bad("tool_calls: the trigger must be a non-empty prefix of open (or of begin, without open)")
+    if bool(body["open"]) != bool(body["close"]):
+        raise _bad("tool_calls: open and close come together")
+    if body["parameter_begin"] and ("{key}" not in body["parameter_begin"] or not body["parameter_end"]):
+        raise _bad("tool_calls: parameter_begin must hold {key}, and parameter_end must follow it")
     if body.get("max_calls") not in (None, 1):
         raise _bad("tool_calls: max_calls must be 1 or None")
     if body.get("content") is not None and not isinstance(body["content"], dict):
         raise _bad("tool_calls: content must be a JSON schema object")
+
+
+def _spelled_bare(schema: dict) -> bool:
+    """Whether a parameter's value is written as bare text (a string), not as JSON."""
+    choices = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    if choices is not None:
+        return all(isinstance(c, str) for c in choices)
+    return schema.get("type") == "string"
 
 
 def _with_json_options(schema: dict) -> dict:
@@ -194,39 +213,97 @@ class StructuredOutputs:
 
     def _tool_call_lark(self, body: dict) -> str:
         """The Lark grammar of ``StructuredSpec.tool_calls``. Added tokens (``<tool_call>``) are special to
-        llguidance, so where ``begin`` / ``end`` hold one the grammar names the token. The lazy form's free text
+        llguidance, so where the syntax's texts hold one the grammar names the token. The lazy form's free text
         may not spell a special trigger out in plain text either, so that no call escapes the grammar; a plain
         text trigger ends the free text at its first occurrence (a lazy lexeme). A trigger that starts with a
         special token triggers on that token."""
         trigger, required, one = body["trigger"], body["required"], body["max_calls"] == 1
-        content = body.get("content")
+        content, wrapped = body.get("content"), bool(body["open"])
         lazy = not required and content is None
         special = lazy and next((t for t in self._special_texts if trigger.startswith(t)), None)
         if special:
             trigger = special
         lines, names = ["%llguidance {}"], []
         for i, tool in enumerate(body["tools"]):
-            schema = _with_json_options(tool["parameters"] if tool["parameters"] is not None else {"type": "object"})
-            begin = body["begin"].replace("{name}", json.dumps(tool["name"], ensure_ascii=False))
-            items = [self._lark_text(begin), "%json", json.dumps(schema), self._lark_text(body["end"])]
-            if lazy:
+            name = tool["name"]
+            begin = body["begin"].replace("{name}", json.dumps(name, ensure_ascii=False)).replace("{bare_name}", name)
+            items = [self._lark_text(begin), self._arguments_lark(body, tool, f"call_{i}", lines),
+                     self._lark_text(body["end"])]
+            if lazy and not wrapped:
                 items[0] = self._lark_text(begin[len(trigger):])
                 items.insert(0, f"TEXT <[{self._special[trigger]}]>" if special else "trigger")
             lines.append(f"call_{i}: " + " ".join(items))
             names.append(f"call_{i}")
         lines.append("call: " + " | ".join(names))
         calls = "call" if one else f"call ({self._lark_text(body['separator'])} call)*"
+        if wrapped:
+            opening = body["open"]
+            if lazy:
+                head = f"TEXT <[{self._special[trigger]}]>" if special else "trigger"
+                lines.append(f"section: {head} {self._lark_text(opening[len(trigger):])} {calls} "
+                             f"{self._lark_text(body['close'])}")
+            else:
+                lines.append(f"section: {self._lark_text(opening)} {calls} {self._lark_text(body['close'])}")
+            calls = "section"
         if required:
             lines.append(f"start: {calls}")
         elif content is not None:
             lines.append(f"start: %json {json.dumps(_with_json_options(content))} | {calls}")
         else:
-            lines.append(f"start: call{'?' if one else '*'} TEXT")
+            if wrapped:
+                lines.append("start: section? TEXT")
+            else:
+                lines.append(f"start: call{'?' if one else '*'} TEXT")
             if special:
                 lines.append(f"TEXT: /(?s:.*)/ & ~/(?s:.*){_regex_literal(trigger)}(?s:.*)/")
             else:
                 lines += ["TEXT: /(?s:.*)/", f"trigger[lazy]: TEXT {json.dumps(trigger, ensure_ascii=False)}"]
         return "\n".join(lines)
+
+    def _arguments_lark(self, body: dict, tool: dict, rule: str, lines: list[str]) -> str:
+        """The Lark items of one call's arguments (helper rules appended to ``lines``, named after ``rule``):
+        one JSON value, or one part per parameter (``StructuredSpec.tool_calls``)."""
+        schema = tool["parameters"] if tool["parameters"] is not None else {"type": "object"}
+        if not body["parameter_begin"]:
+            return "%json " + json.dumps(_with_json_options(schema))
+        before, after = body["parameter_begin"].split("{key}", 1)
+        end = body["parameter_end"]
+        properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        if not properties:  # any parameters: names and values as bare text
+            if not any(line.startswith("PARAMETER_NAME") for line in lines):
+                lines.append("PARAMETER_NAME: /[^<>\\n]+/")
+            lines.append(f"{rule}_any: {self._lark_text(before)} PARAMETER_NAME {self._lark_text(after)} "
+                         f"{self._bare_value({}, end, lines)}")
+            return f"{rule}_any*"
+        required, parts = set(schema.get("required") or []), []
+        for k, (key, sub) in enumerate(properties.items()):
+            sub = sub if isinstance(sub, dict) else {}
+            value = self._bare_value(sub, end, lines) if _spelled_bare(sub) else \
+                f"%json {json.dumps(_with_json_options(sub))} {self._lark_text(end)}"
+            lines.append(f"{rule}_p{k}: {self._lark_text(before + key + after)} {value}")
+            parts.append(f"{rule}_p{k}" + ("" if key in required else "?"))
+        return " ".join(parts)
+
+    def _bare_value(self, schema: dict, end: str, lines: list[str]) -> str:
+        """The items of a string parameter's bare value and the ``end`` after it: one of its ``enum`` / ``const``
+        strings, else any text within its length bounds that ends at the first ``end`` (a lazy lexeme; where
+        ``end`` starts with a special token, at that token, and the text may not spell the token out). Patterns
+        and formats are not followed in this form."""
+        choices = schema.get("enum") if "enum" in schema else [schema["const"]] if "const" in schema else None
+        if choices is not None:
+            return "(" + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices) + f") {self._lark_text(end)}"
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        name = f"bare_{low}_{high if high is not None else 'n'}"
+        if not any(line.startswith(name) for line in lines):
+            text = f"(?s:.{{{low},{int(high) if high is not None else ''}}})"
+            special = next((t for t in self._special_texts if end.startswith(t)), None)
+            if special:
+                lines.append(f"{name.upper()}: /{text}/ & ~/(?s:.*){_regex_literal(special)}(?s:.*)/")
+                lines.append(f"{name}: {name.upper()} {self._lark_text(end)}")
+            else:
+                lines += [f"{name.upper()}: /{text}/",
+                          f"{name}[lazy]: {name.upper()} {json.dumps(end, ensure_ascii=False)}"]
+        return name
 
     def _lark_text(self, text: str) -> str:
         """``text`` as Lark items: string literals, with each special token it holds named by id (``<[510]>``)."""

@@ -20,7 +20,7 @@ import pytest
 import torch
 from pydantic import BaseModel
 
-from agentrt.chat import parse_tool_calls, strip_tool_calls
+from agentrt.tool_syntax import ToolCallReader, by_name
 from engine import LLM, LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from engine.errors import InvalidSamplingParamsError
@@ -28,6 +28,8 @@ from engine.sampler import Sampler, make_generator
 from engine.structured_output import StructuredOutputs, StructuredSpec, apply_token_bitmask
 from engine.tiny_checkpoint import embedded_model_dir, random_model_dir
 from tests.live_servers import client, model, server  # noqa: F401 (fixtures)
+
+HERMES = ToolCallReader(by_name("hermes"))  # the embedded model's tool-call syntax
 
 try:
     from jsonschema import validate as _validate
@@ -117,10 +119,10 @@ def _by_hand(x, s, root) -> None:  # pragma: no cover - only without jsonschema
 def check_calls(text: str, allowed: dict, only_calls: bool = True) -> list:
     """The calls in ``text``: at least one, each of an allowed tool with arguments that follow its parameters;
     ``only_calls``: nothing else in the text."""
-    calls = parse_tool_calls(text)
+    calls = HERMES.reply_calls(text)
     assert calls and text.count("<tool_call>") == len(calls), text
     if only_calls:
-        assert strip_tool_calls(text) == "", text
+        assert HERMES.reply_content(text) == "", text
     for call in calls:
         assert call.function.name in allowed, text
         args = json.loads(call.function.arguments)
@@ -213,7 +215,7 @@ def test_lazy_tool_calls_leave_text_free_and_constrain_each_call(llm, tokenizer)
         if out.finish_reason == "stop":
             check_calls(out.text, PARAMS_OF, only_calls=False)
     free = llm.generate(["Hi"], SamplingParams(temperature=1.0, seed=5, max_tokens=30, structured=spec))[0]
-    assert strip_tool_calls(free.text)  # text alone is allowed
+    assert HERMES.reply_content(free.text)  # text alone is allowed
     # the trigger spelled out in plain text (not the tag's token) is refused in free text
     so, m = llm.engine.structured_outputs, llm.engine.structured_outputs.matcher(spec)
     for t in tokenizer.encode("a <tool_call", add_special_tokens=False):
@@ -426,8 +428,6 @@ def test_compiled_grammars_are_cached_by_spec(llm):
 WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
 SEARCH_TOOL = {"type": "function", "function": {"name": "search", "parameters": SEARCH}}
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
-
-
 
 
 def test_openai_json_schema_and_json_object_round_trip(client, model):

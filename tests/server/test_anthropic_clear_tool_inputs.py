@@ -17,10 +17,13 @@ import anthropic
 import pytest
 from transformers import AutoTokenizer
 
+from agentrt.tool_syntax import ToolCallReader, by_name
 from engine.tiny_checkpoint import embedded_model_dir
 from tests.server.test_anthropic_messages import (END, GREEDY, SEARCH, WEATHER, _chain, _returned,  # noqa: F401
                                                   alice, model)
 from tests.tenant_servers import db_url, http, keys, server, tokens  # noqa: F401 (fixtures)
+
+HERMES = ToolCallReader(by_name("hermes"))  # the embedded model's tool-call syntax
 
 LOOKUP = {"name": "lookup", "description": "Look a record up",
           "input_schema": {"type": "object", "properties": {"id": {"type": "string"}}}}
@@ -228,7 +231,7 @@ def test_call_input_spans_are_the_fewest_tokens_that_spell_the_arguments(decode,
     from agentrt.tool_input_spans import call_input_spans
 
     ids = tokens(text)
-    found = call_input_spans(decode, ids)
+    found = call_input_spans(decode, ids, HERMES)
     calls = [c for c in (json.loads(b.split("</tool_call>")[0]) for b in text.split("<tool_call>")[1:]
                          if not b.startswith("{not"))]
     assert len(found) == len(calls)

@@ -28,13 +28,15 @@ from jsonschema import validate
 from agentrt.anthropic_events import BlockWriter, Pending
 from agentrt.anthropic_messages import MessagesService
 from agentrt.anthropic_types import TextBlock, ToolUseBlock
-from agentrt.chat import parse_tool_calls, strip_tool_calls
 from agentrt.engine_worker import EngineUnavailable
 from agentrt.implicit_chains import Resolved
+from agentrt.tool_syntax import ToolCallReader, by_name
 from sdk.schema import TurnDelta
 from tests.live_servers import app_server
 from tests.server_helpers import TOOL_CALL, bearer, sse_events
 from tests.tenant_servers import db_url, http, keys, server, tokens  # noqa: F401 (fixtures)
+
+HERMES = ToolCallReader(by_name("hermes"))  # the embedded model's tool-call syntax
 
 WEATHER = {"name": "get_weather", "description": "Current weather for a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
@@ -54,7 +56,7 @@ FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "call>", "</tool", "<", ">
 
 
 def _blocks(pieces: list[str]) -> list:
-    writer = BlockWriter()
+    writer = BlockWriter(HERMES)
     events = [e for p in pieces for e in writer.feed(p)] + writer.finish()
     built: list = []  # the blocks as a client assembles them from the events
     for e in events:
@@ -81,8 +83,8 @@ def test_blocks_do_not_depend_on_how_the_text_was_cut(fragments, data):
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     whole, split = _blocks([text]), _blocks(pieces)
     assert [_key(b) for b in split] == [_key(b) for b in whole]
-    assert "".join(b.text for b in whole if isinstance(b, TextBlock)) == strip_tool_calls(text)
-    calls = [(c.function.name, c.function.arguments) for c in parse_tool_calls(text)]
+    assert "".join(b.text for b in whole if isinstance(b, TextBlock)) == HERMES.reply_content(text)
+    calls = [(c.function.name, c.function.arguments) for c in HERMES.reply_calls(text)]
     assert [b.name for b in whole if isinstance(b, ToolUseBlock)] == [name for name, _ in calls]
     assert all(b.text for b in whole if isinstance(b, TextBlock))  # no empty text block
 
@@ -103,7 +105,7 @@ class _FailingTurn:
 
 def test_an_error_in_a_started_stream_is_an_error_event_the_client_raises():
     pending = Pending(id="msg_1", turn=_FailingTurn(), resolved=Resolved(chain_id="c", offset=0, how="created",
-                                                                         state=None), parse_calls=True, prefix=None,
+                                                                         state=None), calls=HERMES, prefix=None,
                       stop_sequences=[])
 
     async def collect() -> bytes:

@@ -13,12 +13,14 @@ import pytest
 from transformers import AutoTokenizer
 
 from agentrt.app import create_app
-from agentrt.chat import strip_tool_calls
 from agentrt.config import ServerConfig
+from agentrt.tool_syntax import ToolCallReader, by_name
 from engine.tiny_checkpoint import random_model_dir
 from tests.live_servers import client, model, server  # noqa: F401 (fixtures)
 from tests.server_helpers import (ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, bearer, generate_direct, make_engine,
                                   make_keys)
+
+HERMES = ToolCallReader(by_name("hermes"))  # the embedded model's tool-call syntax
 
 SYSTEM = "Be brief."
 MAX_TOKENS = 5
@@ -28,7 +30,6 @@ MAX_TOKENS = 5
 def http(server):
     with httpx.Client(base_url=server.url, timeout=60) as c:
         yield c
-
 
 
 def _chain(http) -> str:
@@ -60,7 +61,7 @@ def test_chain_id_resumes_the_chain_and_appends_the_turn(http, client, model):
     assert first.usage.prompt_tokens == len(chain["turns"][0]["appended_token_ids"])
     assert first.usage.completion_tokens == len(chain["turns"][0]["generated_token_ids"])
     # the route returns the turn's text as strip_tool_calls gives it (None when nothing is left)
-    assert (strip_tool_calls(chain["turns"][0]["message"]["content"]) or None) == first.choices[0].message.content
+    assert (HERMES.reply_content(chain["turns"][0]["message"]["content"]) or None) == first.choices[0].message.content
 
     history = [{"role": "system", "content": SYSTEM}, ask, _returned(first.choices[0])]
     engine = make_engine(random_model_dir())  # the reference: a bare engine over the chain's whole token log
@@ -83,7 +84,7 @@ def test_chain_id_resumes_the_chain_and_appends_the_turn(http, client, model):
         new = after["turns"][turn]
         assert info == {"id": cid, "turn": turn, "resume_status": "resumed"}
         assert after["num_turns"] == turn + 1 and new["messages"] == [history[-2]]
-        assert strip_tool_calls(new["message"]["content"]) == (text or "")
+        assert HERMES.reply_content(new["message"]["content"]) == (text or "")
         assert after["token_ids"][: before["num_tokens"]] == before["token_ids"]  # appended, never rewritten
         prompt = before["token_ids"] + new["appended_token_ids"]
         assert used.prompt_tokens == len(prompt) and used.completion_tokens == len(new["generated_token_ids"])

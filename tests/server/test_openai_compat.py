@@ -19,12 +19,13 @@ from litestar.testing import TestClient
 from transformers import AutoTokenizer
 
 from agentrt.app import create_app
-from agentrt.chat import parse_tool_calls, strip_tool_calls
 from agentrt.config import ServerConfig
-from agentrt.tool_call_stream import ToolCallStream
+from agentrt.tool_syntax import ToolCallReader, by_name
 from engine.tiny_checkpoint import random_model_dir
 from tests.live_servers import client, model, server  # noqa: F401 (fixtures)
 from tests.server_helpers import ENGINE_OPTIONS, TOOL_CALL, WEATHER_TOOL, make_engine
+
+HERMES = ToolCallReader(by_name("hermes"))  # the embedded model's tool-call syntax
 
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 SECOND_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
@@ -37,7 +38,7 @@ FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "call>", "</tool", "<", ">
 
 
 def _run(pieces: list[str]) -> tuple[list[str], list]:
-    parser, released, calls = ToolCallStream(), [], []
+    parser, released, calls = HERMES.stream(), [], []
     for piece in pieces:
         text, new = parser.feed(piece)
         released.append(text)
@@ -57,12 +58,12 @@ def test_tool_call_stream_equals_the_whole_text_rules_on_any_split(fragments, da
     cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     released, calls = _run(pieces)
-    assert "".join(released) == strip_tool_calls(text)
-    assert _named(calls) == _named(parse_tool_calls(text))
+    assert "".join(released) == HERMES.reply_content(text)
+    assert _named(calls) == _named(HERMES.reply_calls(text))
 
 
 def test_tool_call_stream_releases_text_as_soon_as_it_is_decided():
-    parser = ToolCallStream()
+    parser = HERMES.stream()
     assert parser.feed("  Let me") == ("Let me", [])  # leading whitespace: strip() would drop it
     assert parser.feed(" check. <tool") == (" check.", [])  # the trailing space and a partial tag wait
     assert parser.feed("_call>\n{\"name\": \"get_weather\", ") == ("", [])  # a call may be coming
@@ -235,8 +236,8 @@ def test_a_streamed_tool_call_assembles_to_the_non_streamed_message(client, mode
                   extra_body={"forced_token_ids": _forced(tokenizer, said)})
     done = client.chat.completions.create(**kwargs)
     message, finish = done.choices[0].message, done.choices[0].finish_reason
-    assert message.content == (strip_tool_calls(said) or None)
-    assert _calls(message) == _named(parse_tool_calls(said))
+    assert message.content == (HERMES.reply_content(said) or None)
+    assert _calls(message) == _named(HERMES.reply_calls(said))
     assert finish == ("tool_calls" if message.tool_calls else "stop")
 
     final, chunks = _assembled(client, **kwargs)
@@ -277,7 +278,7 @@ def test_streamed_tool_calls_on_a_chain_carry_the_chains_ids(client, model, serv
     cid = chain()
     final, chunks = _assembled(client, **kwargs, extra_body={"chain_id": cid, "forced_token_ids": forced})
     assert final.choices[0].message.content == done.choices[0].message.content == "On it."
-    assert _calls(final.choices[0].message) == _calls(done.choices[0].message) == _named(parse_tool_calls(said))
+    assert _calls(final.choices[0].message) == _calls(done.choices[0].message) == _named(HERMES.reply_calls(said))
     assert final.choices[0].finish_reason == done.choices[0].finish_reason == "tool_calls"
     kept = httpx.get(f"{server.url}/v1/chains/{cid}", timeout=60).json()["turns"][0]["message"]["tool_calls"]
     assert [t.id for t in final.choices[0].message.tool_calls] == [t["id"] for t in kept]

@@ -24,11 +24,14 @@ import pytest
 
 from agentrt.anthropic_events import THINKING_SIGNATURE, BlockWriter
 from agentrt.anthropic_types import ThinkingBlock, ToolUseBlock
-from agentrt.chat import ChatRenderer, parse_tool_calls, strip_tool_calls, template_kwargs
+from agentrt.chat import ChatRenderer, template_kwargs
 from agentrt.reasoning import ReasoningParser, ThinkTokens, opens_think, split_reasoning, think_tokens
+from agentrt.tool_syntax import ToolCallReader, by_name
 from engine.tiny_checkpoint import CHAT_TEMPLATE, embedded_model_dir, random_model_dir
 from tests.live_servers import app_server, client, model, random_model_server  # noqa: F401 (client, model: fixtures over the server below)
 from tests.server_helpers import TOOL_CALL, WEATHER_TOOL
+
+HERMES = ToolCallReader(by_name("hermes"))  # the embedded model's tool-call syntax
 
 THOUGHT = "The user says hello.\nA short greeting back will do."
 ANSWER = "Hello there!"
@@ -122,10 +125,10 @@ def test_infers_the_block_from_the_text_when_the_prompt_is_not_at_hand():
     assert split_reasoning(ANSWER) == ("", ANSWER)
     # the text a route returns for a chain's stored message (what clients echo back), and the calls in it
     said = f"<think>\nMaybe {TOOL_CALL} here?\n</think>\n\nLet me check.\n{TOOL_CALL}"
-    assert strip_tool_calls(said) == "Let me check."
-    assert len(parse_tool_calls(said)) == 1  # the call written inside the reasoning is not a call
-    assert strip_tool_calls(CONTINUED) == ANSWER and parse_tool_calls(CONTINUED) == []
-    assert strip_tool_calls(f"Plain {TOOL_CALL}") == "Plain"
+    assert HERMES.reply_content(said) == "Let me check."
+    assert len(HERMES.reply_calls(said)) == 1  # the call written inside the reasoning is not a call
+    assert HERMES.reply_content(CONTINUED) == ANSWER and HERMES.reply_calls(CONTINUED) == []
+    assert HERMES.reply_content(f"Plain {TOOL_CALL}") == "Plain"
 
 
 def test_opens_think_reads_the_generation_prompt():
@@ -555,17 +558,17 @@ def _without_ids(blocks) -> list[dict]:
 
 def test_block_writer_gives_the_same_blocks_for_any_cut():
     text = f"<think>\nR one\n</think>\n\nSay {TOOL_CALL} done"
-    whole = BlockWriter(thinking=False).whole(text)
+    whole = BlockWriter(HERMES, thinking=False).whole(text)
     assert [b.__struct_config__.tag for b in whole] == ["thinking", "text", "tool_use", "text"]
     assert isinstance(whole[0], ThinkingBlock) and whole[0].thinking == "R one"
     assert isinstance(whole[2], ToolUseBlock)
     for pieces in _every_split(text):
-        writer = BlockWriter(thinking=False)
+        writer = BlockWriter(HERMES, thinking=False)
         for piece in pieces:
             writer.feed(piece)
         writer.finish()
         assert _without_ids(writer.blocks) == _without_ids(whole), pieces
-    assert BlockWriter(thinking=None).whole(text)[0].__struct_config__.tag == "text"  # no thinking model
+    assert BlockWriter(HERMES, thinking=None).whole(text)[0].__struct_config__.tag == "text"  # no thinking model
 
 
 def test_anthropic_clear_thinking_prunes_the_blocks_of_earlier_turns(claude, model, tokens, http, tokenizer):

@@ -6,8 +6,11 @@ import json
 
 import pytest
 
-from agentrt.chat import ChatRenderer, parse_tool_calls, strip_tool_calls
+from agentrt.chat import ChatRenderer
+from agentrt.tool_syntax import ToolCallReader, by_name
 from tests.server_helpers import WEATHER_TOOL
+
+HERMES = ToolCallReader(by_name("hermes"))  # the embedded model's tool-call syntax
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +49,10 @@ def test_tool_calls_are_parsed_and_malformed_ones_skipped():
     text = ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "opts": {"u": "c"}}}\n'
             '</tool_call><tool_call>{"name": "noop"}</tool_call><tool_call>not json</tool_call>'
             '<tool_call>{"arguments": {}}</tool_call><tool_call>{"name": "raw", "arguments": "{\\"a\\": 1}"}</tool_call>')
-    calls = parse_tool_calls(text)
+    calls = HERMES.reply_calls(text)
     assert [c.function.name for c in calls] == ["get_weather", "noop", "raw"]
     assert json.loads(calls[0].function.arguments) == {"city": "Paris", "opts": {"u": "c"}}
     assert calls[1].function.arguments == "{}" and calls[2].function.arguments == '{"a": 1}'
     assert len({c.id for c in calls}) == 3
-    assert strip_tool_calls(text).startswith("Let me check.") and "get_weather" not in strip_tool_calls(text)
-    assert parse_tool_calls("no calls here") == []
+    assert HERMES.reply_content(text).startswith("Let me check.") and "get_weather" not in HERMES.reply_content(text)
+    assert HERMES.reply_calls("no calls here") == []

@@ -1,0 +1,58 @@
+"""GLM-4.5 / 4.6 / 4.7 (GLM-4.7-Flash): ``<tool_call>NAME<arg_key>KEY</arg_key><arg_value>VALUE</arg_value>...
+</tool_call>`` (newlines between the parts as the chat template writes them). A value is bare text where it is
+a string and JSON otherwise: the tools' schemas say which (``argument_value``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+from agentrt.tool_syntax.base import (ParsedCall, Tools, ToolSyntax, argument_value, arguments_of, bare, joined,
+                                      new_call, parameter_schema)
+
+_MAY_START = re.compile(r"<tool_call>\s*(?:[^\s<]|\Z)")
+_NAME = re.compile(r"\s*([^\s<][^<]*?)\s*(?=<arg_key>|\Z)", re.S)
+_PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+_SPACE = re.compile(r"\s*")
+
+
+class Glm45(ToolSyntax):
+    name = "glm45"
+    open = "<tool_call>"
+    close = "</tool_call>"
+    block = re.compile(r"<tool_call>(?=\s*[^\s<])(.*?)</tool_call>", re.S)
+    template_mapping = True  # the template iterates ``arguments.items()``
+    grammar: ClassVar[dict[str, str]] = {
+        "begin": "<tool_call>{bare_name}\n", "end": "</tool_call>", "separator": "\n", "trigger": "<tool_call>",
+        "parameter_begin": "<arg_key>{key}</arg_key>\n<arg_value>", "parameter_end": "</arg_value>\n"}
+
+    def calls(self, match: re.Match[str], tools: Tools) -> list[ParsedCall]:
+        body, base = match.group(1), match.start(1)
+        head = _NAME.match(body)
+        if head is None:
+            return []
+        name, pos, arguments, first, last = head.group(1), head.end(), {}, None, None
+        while pos < len(body):
+            pair = _PAIR.match(body, pos)
+            if pair is None:
+                return []
+            key = pair.group(1).strip()
+            arguments[key] = argument_value(pair.group(2), parameter_schema(tools, name, key))
+            first = pair.start() if first is None else first
+            last = pair.end()
+            pos = _SPACE.match(body, last).end()
+        where = None if first is None else (base + first, base + last)
+        return [ParsedCall(new_call(name, arguments), where)]
+
+    def may_start(self, text: str, at: int) -> bool:
+        return _MAY_START.match(text, at) is not None
+
+    def spell(self, content: str, calls: Sequence[dict[str, Any]]) -> str:
+        blocks = []
+        for call in calls:
+            arguments = arguments_of(call)
+            pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{bare(v)}</arg_value>\n"
+                            for k, v in (arguments.items() if isinstance(arguments, dict) else []))
+            blocks.append(f"\n<tool_call>{call['function']['name']}\n{pairs}</tool_call>")
+        return joined(content.strip(), "", blocks) if content.strip() else "".join(blocks).removeprefix("\n")
