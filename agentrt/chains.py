@@ -207,8 +207,10 @@ class ChainService:
             key = method_key(state.row.method, state.row.method_config)
             if key in self.methods.chains and key not in self.methods.retained:
                 await self.methods.retain(key)  # not retained at start (the engine could not take it on then)
+            renderer = self.renderer.renderer
             params = turn_sampling(data, state.row.tools, self.config.max_tokens_per_turn,
-                                   self.worker.engine.model_config.vocab_size, self.renderer.renderer.tool_syntax)
+                                   self.worker.engine.model_config.vocab_size, renderer.tool_syntax,
+                                   renderer.keeps_special_tokens)
             if params.max_tokens != data.sampling.max_tokens:  # lowered (fit_max_tokens): recorded as it ran
                 data = msgspec.structs.replace(data, sampling=msgspec.structs.replace(data.sampling,
                                                                                       max_tokens=params.max_tokens))

@@ -23,7 +23,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrt.reasoning import ThinkLog, opens_think, think_tokens
+from agentrt.reasoning import THINK_CLOSE, THINK_OPEN, ThinkLog, opens_think, think_tokens
 from agentrt.tool_syntax import ToolSyntax, detect
 from sdk.schema import RegionKind
 
@@ -78,6 +78,10 @@ class ChatRenderer:
         self.stop_token_ids = frozenset(stop_token_ids)
         self._added = sorted({str(t) for t in tokenizer.get_added_vocab()}, key=len, reverse=True)
         self.think = think_tokens(tokenizer)  # None: the model does not think (agentrt.reasoning)
+        # a tokenizer whose tool-call or think tags are special tokens (GLM's): the engine must keep special
+        # tokens in the text, or the tags vanish from it (SamplingParams.skip_special_tokens)
+        special = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special}
+        self.keeps_special_tokens = bool(special & {*self.tool_syntax.markup, THINK_OPEN, THINK_CLOSE})
 
     def render(self, messages: list[Message], tools: list[dict] | None, generation_prompt: bool = False) -> str:
         messages = [self._for_template(m) for m in messages]
@@ -120,11 +124,12 @@ class ChatRenderer:
         final = self.render(history + new, tools, generation_prompt=True)
         log = ThinkLog.of(log_ids, self.think, self.decode) \
             if log_ids and self.think is not None and not final.startswith(base) else None
-        start, dropped = self._history_end(final, base, close, log)
+        opening = self._stop_opening(history, last_token, close)
+        start, dropped = self._history_end(final, base, close, log, opening)
         pieces, pos, tail = [], start, final[start:]
         for i, message in enumerate(new):
             upto = self.render(history + new[: i + 1], tools)
-            at = self._history_end(upto, base, close, log)[0]
+            at = self._history_end(upto, base, close, log, opening)[0]
             end = self._safe_boundary(final, start + _common_prefix(upto[at:], tail, pos - start))
             end = max(end, pos)
             pieces.append(Piece(_KINDS[message["role"]], self.encode(final[pos:end]), message))
@@ -133,16 +138,45 @@ class ChatRenderer:
                         dropped=dropped)
 
     @staticmethod
-    def _history_end(rendering: str, base: str, close: str,
-                     log: ThinkLog | None) -> tuple[int, list[tuple[int, int]]]:
-        """Where the history ends in ``rendering`` (of the history and more), and the log's think blocks that
-        the rendering leaves out."""
-        if rendering.startswith(base):
-            return len(base), []
-        found = log.dropped_in(rendering, close) if log is not None else None
+    def _history_end(rendering: str, base: str, close: str, log: ThinkLog | None,
+                     opening: str = "") -> tuple[int, list[tuple[int, int]]]:
+        """Where the history ends in ``rendering`` (of the history and more; past ``opening``, which the log
+        holds already, where the rendering goes on with it), and the log's reasoning that the rendering leaves
+        out."""
+        found = (len(base), []) if rendering.startswith(base) else \
+            log.dropped_in(rendering, close) if log is not None else None
         if found is None:
             raise TemplateMismatchError("the chat template does not render the conversation append-only")
-        return found
+        end, dropped = found
+        if opening and rendering.startswith(opening, end):
+            end += len(opening)
+        return end, dropped
+
+    def reply_form(self, next_role: str) -> tuple[str, int | None]:
+        """How the template writes an earlier reply before a ``next_role`` message (user or tool): the text it
+        puts between the generation prompt and the reply's content (GLM's ``\n<think></think>\n``; ChatML's
+        nothing), and the stop token that ends the reply there (ChatML's ``<|im_end|>``; GLM's ``<|user|>`` or
+        ``<|observation|>``), None when no stop token does. A reply this server did not generate is imported as
+        that text, the reply, then that token (agentrt.implicit_chains)."""
+        ask = [{"role": "user", "content": "?"}]
+        follow = {"role": "tool", "content": "?", "tool_call_id": "call_0"} if next_role == "tool" else ask[0]
+        try:
+            prompt = self.render(ask, None, generation_prompt=True)
+            whole = self.render(ask + [{"role": "assistant", "content": _MARK}, follow], None)
+        except Exception:  # a template that refuses this probe: no reply can be imported
+            return "", None
+        at = whole.find(_MARK)
+        if at < 0 or not whole.startswith(prompt):
+            return "", None
+        ids = self.encode(whole[at + len(_MARK):])
+        return whole[len(prompt):at], ids[0] if ids and ids[0] in self.stop_token_ids else None
+
+    def _stop_opening(self, history: list[Message], last_token: int | None, close: str) -> str:
+        """The text of the stop token that ended the log's last reply where nothing closes a reply and the next
+        message opens with such a token (GLM's ``<|user|>`` / ``<|observation|>``): the log holds it already."""
+        if close or not history or history[-1]["role"] != "assistant" or last_token not in self.stop_token_ids:
+            return ""
+        return self.decode([last_token])
 
     def _close(self, history: list[Message], tools: list[dict] | None, base: str, last_token: int | None) -> str:
         content = history[-1]["content"]

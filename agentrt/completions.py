@@ -274,4 +274,4 @@ class CompletionService:
             **sampling_knobs(req),
             seed=req.seed, max_tokens=max_tokens, stop=stop, forced_token_ids=forced,
             logprobs=bool(req.logprobs), top_logprobs=req.top_logprobs or 0, structured=structured,
-            fit_max_tokens=True)
+            fit_max_tokens=True, skip_special_tokens=not self.renderer.renderer.keeps_special_tokens)

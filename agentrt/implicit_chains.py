@@ -38,8 +38,8 @@ prefix; queueing them behind one another or refusing them (409) would stall or f
 chain only costs the recomputation of that prefix. Messages after the matched part that the chain cannot
 append as a turn (assistant messages it did not generate: a history from elsewhere, or edited) are imported
 first, one turn per assistant message: its preceding user and tool messages, and the assistant message as the
-turn's ``assistant_prefix``, rendered as the model would have generated it, closed by the end-of-message token
-forced as the turn's only generated token.
+turn's ``assistant_prefix``, written as the template writes an earlier reply (``ChatRenderer.reply_form``),
+closed by the stop token that ends a reply before the next message, forced as the turn's only generated token.
 
 Each tenant keeps at most ``max_chains_per_tenant`` implicit chains; beyond, the least recently used idle one
 is deleted (clients never name implicit chains, so nothing else ever would).
@@ -182,7 +182,7 @@ class ImplicitChains:
         self._loaded: set[str] = set()
         self._seen: dict[str, float] = {}  # tenant -> the creation time of the newest chain read from the database
         self._loading = asyncio.Lock()
-        self._end_token: int | None | Literal[False] = False  # False: not looked up yet
+        self._reply_forms: dict[str, tuple[str, int | None]] = {}  # ChatRenderer.reply_form by the next role
 
     # --- the lookup ------------------------------------------------------------------------------------
     @asynccontextmanager
@@ -307,12 +307,13 @@ class ImplicitChains:
             if i == first:
                 raise bad_field(f"{names[i]}.role", "an assistant message must follow a user message or tool "
                                                     "results")
-            end = self._end_of_message()
+            next_role = messages[i + 1]["role"] if i + 1 < len(messages) else "user"
+            lead, end = self._reply_form(next_role)
             if end is None:
                 raise bad_field(names[i], "this model's chat template cannot take an assistant message that this "
                                           "server did not generate")
             data = turn_create(messages[first:i], {"temperature": 0.0, "max_tokens": 1, "forced_token_ids": [end]},
-                               assistant_prefix=self._generated_text(messages[i]))
+                               assistant_prefix=lead + self._generated_text(messages[i]))
             turn = await self.chains.start_turn(chain_id, data, tenant=tenant)
             try:
                 results.append(await turn.result())
@@ -326,17 +327,12 @@ class ImplicitChains:
         syntax = self.chains.renderer.renderer.tool_syntax
         return syntax.spell(message.get("content") or "", message.get("tool_calls") or [])
 
-    def _end_of_message(self) -> int | None:
-        """The token that ends an assistant message (ChatML's ``<|im_end|>``): forced as an imported turn's
-        only generated token, the chain's log then reads as if the model had generated the message."""
-        if self._end_token is False:
-            renderer = self.chains.renderer.renderer
-            ask = [{"role": "user", "content": "?"}]
-            body = renderer.render(ask, None, generation_prompt=True) + "!"
-            whole = renderer.render(ask + [{"role": "assistant", "content": "!"}], None)
-            ids = renderer.encode(whole[len(body):]) if whole.startswith(body) else []
-            self._end_token = ids[0] if ids and ids[0] in renderer.stop_token_ids else None
-        return self._end_token
+    def _reply_form(self, next_role: str) -> tuple[str, int | None]:
+        """``ChatRenderer.reply_form``, looked up once per role."""
+        role = "tool" if next_role == "tool" else "user"
+        if role not in self._reply_forms:
+            self._reply_forms[role] = self.chains.renderer.renderer.reply_form(role)
+        return self._reply_forms[role]
 
     # --- the index ------------------------------------------------------------------------------------
     def _add(self, tenant: str, chain_id: str, key: tuple[str | None, str]) -> None:

@@ -169,7 +169,6 @@ def answer_of(text: str) -> str:
     return split_reasoning(text)[1]
 
 
-
 def think_blocks(token_ids: Sequence[int], think: ThinkTokens,
                  decode: Callable[[list[int]], str]) -> list[tuple[int, int]]:
     """The closed think blocks of a token log as ``[start, end)`` spans: ``<think>`` through ``</think>`` and the
@@ -198,27 +197,37 @@ class ThinkLog:
     spans: list[tuple[int, int]]  # the closed think blocks
     blocks: list[str]  # their text
     segments: list[str]  # the text before each block, then after the last
+    interiors: list[tuple[int, int]]  # each block's reasoning: the tokens between its tags
+    emptied: list[str]  # each block with its reasoning left out: the tags, then the newlines after them
 
     @classmethod
     def of(cls, token_ids: Sequence[int], think: ThinkTokens, decode: Callable[[list[int]], str]) -> ThinkLog:
         spans = think_blocks(token_ids, think, decode)
         cuts = [0] + [x for span in spans for x in span] + [len(token_ids)]
         segments = [decode(list(token_ids[cuts[i]:cuts[i + 1]])) for i in range(0, len(cuts), 2)]
-        return cls(spans, [decode(list(token_ids[a:b])) for a, b in spans], segments)
+        closes = [next(m for m in range(a, b) if token_ids[m] == think.close_id) for a, b in spans]
+        return cls(spans, [decode(list(token_ids[a:b])) for a, b in spans], segments,
+                   [(a + 1, j) for (a, _), j in zip(spans, closes)],
+                   [THINK_OPEN + THINK_CLOSE + decode(list(token_ids[j + 1:b])) for (_, b), j in zip(spans, closes)])
 
     def dropped_in(self, rendering: str, tail: str) -> tuple[int, list[tuple[int, int]]] | None:
         """Whether ``rendering`` begins with the log, then ``tail`` (what closes its last message), less some of
-        its think blocks: a template that drops earlier replies' reasoning (Qwen3's drops every think block
-        before the last user message and, in a tool loop, the empty ones). Returns where the log ends in
-        ``rendering`` and the dropped blocks' spans; None when the rendering differs from the log otherwise or
-        drops nothing."""
+        its reasoning: a template that drops earlier replies' think blocks (Qwen3's drops every think block
+        before the last user message and, in a tool loop, the empty ones) or empties them (GLM's writes
+        ``<think></think>`` there). Returns where the log ends in ``rendering`` and the spans of the dropped
+        tokens (a block, or an emptied block's reasoning); None when the rendering differs from the log otherwise
+        or drops nothing."""
         pos, dropped = 0, []
-        for segment, span, block in zip(self.segments, self.spans, self.blocks):
+        for segment, span, block, interior, emptied in zip(self.segments, self.spans, self.blocks, self.interiors,
+                                                           self.emptied):
             if not rendering.startswith(segment, pos):
                 return None
             pos += len(segment)
             if rendering.startswith(block, pos):
                 pos += len(block)
+            elif interior[0] < interior[1] and rendering.startswith(emptied, pos):
+                pos += len(emptied)
+                dropped.append(interior)
             else:
                 dropped.append(span)
         rest = self.segments[-1] + tail

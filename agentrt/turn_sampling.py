@@ -13,9 +13,10 @@ from sdk.schema import TurnCreate
 
 
 def turn_sampling(data: TurnCreate, tools: list[dict[str, Any]] | None, max_tokens_per_turn: int,
-                  vocab: int, syntax: ToolSyntax) -> SamplingParams:
+                  vocab: int, syntax: ToolSyntax, keep_special_tokens: bool = False) -> SamplingParams:
     """The turn's engine parameters; ``tools``: the chain's, which ``sampling.tool_choice`` chooses among, calls
-    spelled in the model's ``syntax``."""
+    spelled in the model's ``syntax``; ``keep_special_tokens``: the model's tags are special tokens, which the
+    text must keep (``ChatRenderer.keeps_special_tokens``)."""
     s = data.sampling
     max_tokens = s.max_tokens
     if max_tokens > max_tokens_per_turn:
@@ -33,5 +34,6 @@ def turn_sampling(data: TurnCreate, tools: list[dict[str, Any]] | None, max_toke
     return SamplingParams(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
                           max_tokens=max_tokens, stop=list(s.stop), stop_token_ids=list(s.stop_token_ids),
                           ignore_eos=s.ignore_eos, forced_token_ids=list(s.forced_token_ids),
-                          structured=structured, fit_max_tokens=s.fit_max_tokens)
+                          structured=structured, fit_max_tokens=s.fit_max_tokens,
+                          skip_special_tokens=not keep_special_tokens)
 

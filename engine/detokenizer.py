@@ -11,8 +11,8 @@ from functools import partial
 INCOMPLETE = "\ufffd"
 
 
-def decoder_for(tokenizer) -> Callable[[list[int]], str]:
-    """``tokenizer.decode(ids, skip_special_tokens=True)``; for a fast tokenizer whose decode is exactly its Rust
+def decoder_for(tokenizer, skip_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """``tokenizer.decode(ids, skip_special_tokens=...)``; for a fast tokenizer whose decode is exactly its Rust
     tokenizer's (transformers' own ``_decode``, no clean-up pass) the Rust call itself, which skips ~5 us of
     Python per call -- two calls per request per step, so milliseconds a step at a few hundred requests."""
     try:
@@ -23,8 +23,8 @@ def decoder_for(tokenizer) -> Callable[[list[int]], str]:
     if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend) and backend is not None
             and type(tokenizer)._decode is TokenizersBackend._decode
             and not getattr(tokenizer, "clean_up_tokenization_spaces", True)):
-        return partial(backend.decode, skip_special_tokens=True)
-    return partial(tokenizer.decode, skip_special_tokens=True)
+        return partial(backend.decode, skip_special_tokens=skip_special_tokens)
+    return partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
 @dataclass(slots=True)

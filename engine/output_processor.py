@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.chain_manager import ChainManager
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, decoder_for
 from engine.method_set import MethodSet
 from engine.outputs import RequestOutput
 from engine.request import FinishReason, Request
@@ -23,9 +23,11 @@ from engine.structured_output import advance
 
 class OutputProcessor:
     def __init__(self, tokenizer, decode: Callable, scheduler: Scheduler, chains: ChainManager, methods: MethodSet):
-        """``decode``: what every request's detokenizer decodes with (``engine.detokenizer.decoder_for``)."""
+        """``decode``: what every request's detokenizer decodes with (``engine.detokenizer.decoder_for``); a
+        request that keeps special tokens (``SamplingParams.skip_special_tokens`` False) decodes with them."""
         self.tokenizer = tokenizer
         self.decode = decode
+        self.decode_special = decoder_for(tokenizer, skip_special_tokens=False)
         self.scheduler = scheduler
         self.chains = chains
         self.methods = methods
@@ -35,8 +37,9 @@ class OutputProcessor:
     def add(self, req: Request) -> None:
         self.requests[req.request_id] = req
         self.methods.hold(req.method)  # dropped in forget: a retained configuration outlives its running requests
+        decode = self.decode if req.params.skip_special_tokens else self.decode_special
         self.detokenizers[req.request_id] = IncrementalDetokenizer(self.tokenizer, req.num_prompt_tokens,
-                                                                   decode=self.decode)
+                                                                   decode=decode)
 
     def text_length(self, req: Request) -> int:
         """Characters of text ``req`` has generated so far (where the next delta starts)."""
@@ -55,9 +58,12 @@ class OutputProcessor:
         req.append_output(token_id, logprob, top)
         grammar_ended = req.grammar is not None and advance(req.grammar, token_id)
         detok = self.detokenizers[req.request_id]
-        delta = detok.update(req.token_ids)
+        stop_token = req.stop_by_token(token_id)
+        # the stop token is no part of the text, also where special tokens are kept
+        delta = detok.update(req.token_ids[:-1] if stop_token and not req.params.skip_special_tokens else
+                             req.token_ids)
         stop_reason: str | int | None = None
-        if req.stop_by_token(token_id):
+        if stop_token:
             stop_reason = token_id
         elif (stop := detok.truncate_at_stop(req.params.stop, len(delta), req.params.include_stop_str_in_output)):
             stop_reason = stop

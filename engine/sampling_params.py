@@ -36,6 +36,9 @@ class SamplingParams:
     forced_token_ids: list[int] = field(default_factory=list)  # emitted first, in order (replays, tests)
     top_logprobs: int = 0  # with logprobs: also the K most likely tokens of each step, K <= MAX_TOP_LOGPROBS
     structured: StructuredSpec | None = None  # the output must match this grammar (engine.structured_output)
+    # False: special tokens stay in the text (a chat format whose tool-call or think tags are special tokens),
+    # except a stop token that ends the request
+    skip_special_tokens: bool = True
     # max_tokens is a ceiling: the engine lowers it to what the model's context and the KV pool can hold for the
     # prompt (the request ends with finish_reason "length" there) instead of refusing the request
     fit_max_tokens: bool = False

@@ -39,6 +39,7 @@ class ToolSyntax:
     name: ClassVar[str]
     open: ClassVar[str]  # the text a block starts with
     close: ClassVar[str]  # the text every block ends with
+    markup: ClassVar[tuple[str, ...]]  # the tags a tokenizer may hold as tokens of their own
     block: ClassVar[re.Pattern[str]]  # a whole block, from ``open`` to its closing text
     # whether a call's arguments reach the chat template as a mapping (templates that iterate them) or as the
     # JSON text the API carries

@@ -21,6 +21,8 @@ class DeepSeek(ToolSyntax):
     name = "deepseek"
     open = "<｜tool▁calls▁begin｜>"
     close = "<｜tool▁calls▁end｜>"
+    markup = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
+              "<｜tool▁sep｜>")
     block = re.compile(r"<｜tool▁calls▁begin｜>\s*(.*?)<｜tool▁calls▁end｜>", re.S)
     grammar: ClassVar[dict[str, str]] = {
         "open": "<｜tool▁calls▁begin｜>", "close": "<｜tool▁calls▁end｜>", "trigger": "<｜tool▁calls▁begin｜>",

@@ -21,6 +21,7 @@ class Glm45(ToolSyntax):
     name = "glm45"
     open = "<tool_call>"
     close = "</tool_call>"
+    markup = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
     block = re.compile(r"<tool_call>(?=\s*[^\s<])(.*?)</tool_call>", re.S)
     template_mapping = True  # the template iterates ``arguments.items()``
     grammar: ClassVar[dict[str, str]] = {

@@ -19,6 +19,7 @@ class Hermes(ToolSyntax):
     open = "<tool_call>"
     close = "</tool_call>"
     # the opening tag, a JSON object (up to the first `}` that the closing tag follows), the closing tag
+    markup = ("<tool_call>", "</tool_call>")
     block = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.S)
     grammar: ClassVar[dict[str, str]] = {}  # StructuredSpec.tool_calls' defaults are this syntax
 

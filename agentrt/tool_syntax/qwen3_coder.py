@@ -21,6 +21,7 @@ class Qwen3Coder(ToolSyntax):
     name = "qwen3_coder"
     open = "<tool_call>"
     close = "</tool_call>"
+    markup = ("<tool_call>", "</tool_call>")
     block = re.compile(r"<tool_call>\s*<function=([^>\n]+)>\s*(.*?)</function>\s*</tool_call>", re.S)
     template_mapping = True  # the template iterates ``arguments | items``
     grammar: ClassVar[dict[str, str]] = {
