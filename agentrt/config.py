@@ -44,8 +44,8 @@ class ServerConfig:
     # of the request's messages (agentrt.implicit_chains); False: a stateless engine request (prefix caching only)
     implicit_chains: bool = True
     max_tokens_per_turn: int = 4096
-    # how the model spells tool calls (agentrt.tool_syntax: hermes, glm45, qwen3_coder, deepseek); None: the one
-    # its chat template shows
+    # how the model spells tool calls (agentrt.tool_syntax: hermes, glm45, qwen3_coder, deepseek, kimi_k2); None:
+    # the one its chat template shows
     tool_call_syntax: str | None = None
     # --- auth and limits (docs/server.md "Auth" and "Limits") ---
     host: str = "127.0.0.1"  # the bind address; without auth only a loopback address is allowed

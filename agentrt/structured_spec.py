@@ -45,9 +45,10 @@ def structured_spec(response_format: Any, tool_choice: Any, tools: list[dict[str
             if not functions:
                 raise bad_field(tc_key, f"names the function {name!r}, which is not among the tools", "invalid_value")
         _check_parameters(functions, tools_key)
+        grammar = _grammar(syntax, tc_key, f"{tool_choice!r} forces calls")
         calls = [(f["name"], f.get("parameters")) for _, f in functions]
         return StructuredSpec.tool_calls(calls, required=True, max_calls=1 if one or mode == "function" else None,
-                                         **syntax.grammar), tc_key
+                                         **grammar), tc_key
     strict = [(i, f) for i, f in functions if f.get("strict")]
     if mode == "none" or not functions or (not strict and content is None):
         if content is None:
@@ -55,9 +56,21 @@ def structured_spec(response_format: Any, tool_choice: Any, tools: list[dict[str
         return (StructuredSpec.json_object() if content == {"type": "object"} else
                 StructuredSpec.json_schema(content)), rf_key
     _check_parameters(strict, tools_key)
+    if strict:
+        grammar = _grammar(syntax, tools_key or f"tools[{strict[0][0]}].function.strict",
+                           "a strict tool constrains its calls")
+    else:
+        grammar = _grammar(syntax, rf_key, "a JSON response_format beside tools constrains the calls too")
     calls = [(f["name"], f.get("parameters") if f.get("strict") else None) for _, f in functions]
     return StructuredSpec.tool_calls(calls, required=False, content=content, max_calls=1 if one else None,
-                                     **syntax.grammar), tc_key
+                                     **grammar), tc_key
+
+
+def _grammar(syntax: ToolSyntax, key: str, what: str) -> dict[str, str]:
+    if syntax.grammar is None:
+        raise bad_field(key, f"{what}, which this model's tool-call syntax ({syntax.name}) cannot be made to follow",
+                        "unsupported_value")
+    return syntax.grammar
 
 
 def _content_schema(response_format: Any, key: str) -> dict[str, Any] | None:

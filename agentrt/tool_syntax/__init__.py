@@ -9,13 +9,14 @@ from agentrt.tool_syntax.base import ToolSyntax
 from agentrt.tool_syntax.deepseek import DeepSeek
 from agentrt.tool_syntax.glm45 import Glm45
 from agentrt.tool_syntax.hermes import Hermes
+from agentrt.tool_syntax.kimi_k2 import KimiK2
 from agentrt.tool_syntax.qwen3_coder import Qwen3Coder
 from agentrt.tool_syntax.reader import ToolCallReader, ToolCallStream
 
-SYNTAXES: dict[str, type[ToolSyntax]] = {s.name: s for s in (Hermes, Glm45, Qwen3Coder, DeepSeek)}
+SYNTAXES: dict[str, type[ToolSyntax]] = {s.name: s for s in (Hermes, Glm45, Qwen3Coder, DeepSeek, KimiK2)}
 # what in a chat template shows its syntax, most specific first (Qwen3.5's template also holds "<tool_call>")
 _SIGNS = (("<arg_key>", Glm45), ("<parameter=", Qwen3Coder), ("<｜tool▁call▁begin｜>", DeepSeek),
-          ("<tool_call>", Hermes))
+          ("<|tool_call_begin|>", KimiK2), ("<tool_call>", Hermes))
 
 __all__ = ["SYNTAXES", "ToolCallReader", "ToolCallStream", "ToolSyntax", "by_name", "detect"]
 

@@ -44,8 +44,9 @@ class ToolSyntax:
     # whether a call's arguments reach the chat template as a mapping (templates that iterate them) or as the
     # JSON text the API carries
     template_mapping: ClassVar[bool] = False
-    # StructuredSpec.tool_calls' arguments that spell calls in this syntax (forced calls, strict tools)
-    grammar: ClassVar[dict[str, str]]
+    # StructuredSpec.tool_calls' arguments that spell calls in this syntax (forced calls, strict tools); None:
+    # calls of this syntax cannot be forced
+    grammar: ClassVar[dict[str, str] | None]
 
     def calls(self, match: re.Match[str], tools: Tools) -> list[ParsedCall]:
         """The calls of a block; [] when it is malformed. Spans are offsets into ``match.string``."""

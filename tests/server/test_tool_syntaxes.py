@@ -49,6 +49,9 @@ SPELLED = {
     "deepseek": "Checking.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>bash<｜tool▁sep｜>{\"cmd\": \"ls -la\", "
                 "\"timeout\": 30, \"dry\": true, \"env\": {\"A\": \"1\"}, \"note\": \"42\"}<｜tool▁call▁end｜>"
                 "<｜tool▁calls▁end｜>",
+    "kimi_k2": "Checking.<|tool_calls_section_begin|><|tool_call_begin|>functions.bash:0<|tool_call_argument_begin|>"
+               "{\"cmd\": \"ls -la\", \"timeout\": 30, \"dry\": true, \"env\": {\"A\": \"1\"}, \"note\": \"42\"}"
+               "<|tool_call_end|><|tool_calls_section_end|>",
 }
 # the V3-0324 form of a DeepSeek call reads the same
 DEEPSEEK_FENCED = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>bash\n```json\n{\"cmd\": \"ls\"}\n```"
@@ -79,6 +82,16 @@ def test_bare_values_follow_the_schema(name):
     assert typed["note"] == "42" and typed["timeout"] == 30 and typed["dry"] is True and typed["env"] == {"A": "1"}
 
 
+def test_kimi_calls_keep_the_models_ids():
+    """The template writes a call's id back (and into its result): the call keeps the id the model wrote."""
+    reader = ToolCallReader(by_name("kimi_k2"))
+    two = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.read_file:3<|tool_call_argument_begin|>{}"
+           "<|tool_call_end|><|tool_call_begin|>functions.ls:4<|tool_call_argument_begin|>{\"d\": 1}<|tool_call_end|>"
+           "<|tool_calls_section_end|>")
+    assert [(c.id, c.function.name, json.loads(c.function.arguments)) for c in reader.calls_in(two)] == \
+        [("functions.read_file:3", "read_file", {}), ("functions.ls:4", "ls", {"d": 1})]
+
+
 def test_deepseek_reads_the_fenced_form_and_several_calls():
     reader = ToolCallReader(by_name("deepseek"))
     assert _calls(reader.calls_in(DEEPSEEK_FENCED)) == [("bash", {"cmd": "ls"})]
@@ -93,7 +106,9 @@ def test_malformed_blocks_are_markup_without_calls(name):
               "glm45": "<tool_call>bash\n<arg_key>cmd</arg_key>\n</tool_call>",
               "qwen3_coder": "<tool_call>\n<function=bash>\n<parameter=cmd>\nls\n</function>\n</tool_call>",
               "deepseek": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>bash<｜tool▁sep｜>[1]<｜tool▁call▁end｜>"
-                          "<｜tool▁calls▁end｜>"}[name]
+                          "<｜tool▁calls▁end｜>",
+              "kimi_k2": "<|tool_calls_section_begin|><|tool_call_begin|>functions.bash:0<|tool_call_argument_begin|>"
+                         "{\"cmd\"<|tool_call_end|><|tool_calls_section_end|>"}[name]
     reader = ToolCallReader(by_name(name), TOOLS)
     assert reader.calls_in("Before " + broken + " after") == []
     assert reader.without_calls("Before " + broken + " after") == "Before  after"
@@ -125,7 +140,7 @@ def test_argument_spans_cover_exactly_the_arguments(name):
     assert "bash" not in spelled and "ls -la" in spelled and "42" in spelled
     first, last = {"hermes": ('{"cmd"', "}}"), "glm45": ("<arg_key>", "</arg_value>\n</tool_call>"),
                    "qwen3_coder": ("<parameter=", "\n</function>"),
-                   "deepseek": ('{"cmd"', "<｜tool▁call▁end｜>")}[name]
+                   "deepseek": ('{"cmd"', "<｜tool▁call▁end｜>"), "kimi_k2": ('{"cmd"', "<|tool_call_end|>")}[name]
     end = text.rindex(last) + (1 if name == "hermes" else 0) + (len("</arg_value>") if name == "glm45" else 0)
     assert spelled == text[text.index(first):end]
 
@@ -138,6 +153,8 @@ FRAGMENTS = {
                     "</parameter>", "<func", "text ", "\n", " "],
     "deepseek": ["<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>f<｜tool▁sep｜>",
                  '{"a": 1}', "<｜tool▁call▁end｜>", "<｜tool", "text ", "\n", " "],
+    "kimi_k2": ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>functions.f:0",
+                "<|tool_call_argument_begin|>", '{"a": 1}', "<|tool_call_end|>", "<|tool", "text ", "\n", " "],
 }
 
 
@@ -174,6 +191,7 @@ TEMPLATE_SIGNS = {
     "qwen3_coder": "<tool_call>\n<function={{ tool_call.name }}>\n<parameter={{ k }}>",
     "deepseek": "{{'<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name']}}",
     "hermes": '<tool_call>\n{"name": "{{ tool_call.name }}", "arguments": {{ tool_call.arguments | tojson }}}',
+    "kimi_k2": "<|tool_calls_section_begin|>{% for tc in message.tool_calls %}<|tool_call_begin|>{{ tc.id }}",
 }
 
 
@@ -235,7 +253,10 @@ def _valid(arguments: dict, schema: dict) -> None:
             assert len(value) <= properties[key]["maxLength"]
 
 
-@pytest.mark.parametrize("name", sorted(SYNTAXES))
+FORCEABLE = sorted(name for name, syntax in SYNTAXES.items() if syntax.grammar is not None)
+
+
+@pytest.mark.parametrize("name", FORCEABLE)
 def test_forced_calls_in_each_syntax_read_back_as_valid_calls(llm, name):
     """A random model under ``tool_choice`` "required" (and a named tool, one call) writes garbage unconstrained;
     every constrained output here reads back, under the syntax's own reader, as calls of the tools whose
@@ -260,7 +281,7 @@ def test_forced_calls_in_each_syntax_read_back_as_valid_calls(llm, name):
     assert sum(out.finish_reason == "stop" for out in outs) >= 4
 
 
-@pytest.mark.parametrize("name", sorted(SYNTAXES))
+@pytest.mark.parametrize("name", FORCEABLE)
 def test_a_strict_tools_started_call_is_constrained_in_each_syntax(llm, name):
     """``tool_choice`` "auto" with a strict tool: free text, but a call that starts (forced here by its
     opening) is whole and valid."""
@@ -279,3 +300,18 @@ def test_a_strict_tools_started_call_is_constrained_in_each_syntax(llm, name):
         assert calls, out.text
         for call in calls:
             _valid(json.loads(call.function.arguments), schema)
+
+
+def test_a_syntax_without_a_grammar_refuses_forced_calls_naming_the_field():
+    from litestar.exceptions import HTTPException
+
+    from agentrt.structured_spec import structured_spec
+
+    syntax = by_name("kimi_k2")
+    assert FORCEABLE == sorted(set(SYNTAXES) - {"kimi_k2"})
+    strict = [{**BASH, "function": {**BASH["function"], "strict": True}}]
+    for choice, tools, field in (("required", TOOLS, "tool_choice"), ("auto", strict, "tools[0].function.strict")):
+        with pytest.raises(HTTPException) as err:
+            structured_spec(None, choice, tools, None, syntax)
+        assert err.value.status_code == 400 and field in str(err.value.extra) + str(err.value.detail), err.value
+    assert structured_spec(None, "auto", TOOLS, None, syntax) == (None, "response_format")  # free text: no grammar
