@@ -1,4 +1,4 @@
-"""A GLM-style chat (tests/glm_style.py: tags as special tokens, no end-of-message token, earlier reasoning
+"""A GLM-style chat (tests/chat_styles.py: tags as special tokens, no end-of-message token, earlier reasoning
 emptied to ``<think></think>``, ``<arg_key>`` calls) through the server, as an agent loop runs it with the
 official clients: the tags stay in the replies' text so the reasoning and the calls are read; each re-sent turn
 resumes the chain and prefills only its new tokens, never a second copy of the role tag the model stopped on; the
@@ -15,7 +15,7 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.glm_style import make_glm_style_checkpoint
+from tests.chat_styles import make_glm_style_checkpoint
 from tests.live_servers import app_server, openai_client
 
 BASH = {"type": "function", "function": {"name": "bash", "parameters": {
