@@ -35,6 +35,7 @@
 #   mlasweep   the Triton MLA decode kernel's launch grid and split counts beside flashinfer's MLA wrapper
 #   mlasweepfp8  the same over E4M3 latent rows (which launch the coded tile should default to)
 #   mlaprefill absorbed vs expanded MLA prefill (one layer's attention at GLM-4.7-Flash's shape)
+#   mlaprefill128k  the same for a 128K prompt's 16K-token chunks at 64K and 112K contexts (expanded in blocks)
 #   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
 #   hybrid     Qwen3.6-27B shape (gated DeltaNet hybrid, fla-core) decode at bs8 @ 4K
 #   hybridsnap128k  SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, largest batches, decode only
@@ -319,6 +320,9 @@ for step in "$@"; do
         run mlasweepfp8 400 python -m benchmarks.mla_decode_sweep --coded --json "$OUT/mlasweepfp8.json" ;;
     mlaprefill)  # absorbed vs expanded MLA prefill (one layer's attention, GLM-4.7-Flash shape), chunks 512-8K
         run mlaprefill 200 python -m benchmarks.mla_prefill --json "$OUT/mlaprefill.json" ;;
+    mlaprefill128k)  # the same for the 16K-token chunks of a 128K prompt: contexts past one 1 GiB block of expansion
+        run mlaprefill128k 300 python -m benchmarks.mla_prefill --chunks 16384 --contexts 65536,114688 \
+            --json "$OUT/mlaprefill128k.json" ;;
     mlafp8)  # the Triton MLA decode kernel over fp8 latent rows against bf16 rows, GLM-4.7-Flash shape, 4K
         run mlafp8 300 python -m benchmarks.sparse_decode --shape glm-4.7-flash --decode-steps 16 --context 4096 --max-batch 32 --admit-group 32 \
             --methods 'dense;dense+fp8' --repeats 3 --json "$OUT/mlafp8.json" ;;

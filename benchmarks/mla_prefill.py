@@ -17,7 +17,8 @@ A chunk of C new tokens (positions L - C .. L - 1) attends causally over the L l
 
 Each path's time includes its projections (absorption or expansion) and its attention; the two outputs are
 checked against each other. A third column times the engine's own expanded path (``engine.latent_expansion``:
-SDPA with a lower-right causal bias, a fused kernel on a GPU). Times are medians of eager launches
+the context expanded a block of rows at a time, flash attention with its log-sum-exp per block, the blocks
+merged). Times are medians of eager launches
 (``triton.testing.do_bench``), as prefill runs. The output table gives both per (C, L) and their ratio;
 docs/methods.md ("Latent ...") says which the engine takes and why.
 """
@@ -111,8 +112,8 @@ def expanded(q_nope, q_pe, rows, w_uk, w_uv, scale) -> torch.Tensor:
 
 
 def engine_expanded(q_nope, q_pe, rows, w_uk, w_uv, scale) -> torch.Tensor:
-    """[C, H, v]: what the engine runs for an expanded prompt chunk (``engine.latent_expansion``: the expansion,
-    then SDPA with a lower-right causal bias)."""
+    """[C, H, v]: what the engine runs for an expanded prompt chunk (``engine.latent_expansion``: blocks of rows
+    expanded and attended with their log-sum-exps, then merged)."""
     from engine.latent_expansion import LatentExpansion
 
     return LatentExpansion(q_nope, q_pe, w_uk, w_uv, scale).attend(rows, 0, q_nope.shape[0])

@@ -13,8 +13,10 @@ expansion) and so does every step a method reads scores from, or a view that is 
 
 ``EngineConfig.mla_prefill`` picks: ``absorbed`` (every step as before), ``expanded`` (every prompt chunk of two
 or more tokens expanded), ``auto`` (on a GPU, for shapes flash attention runs (``fused_on_gpu``), chunks of at
-least ``crossover_query_len`` tokens whose expanded context fits ``MAX_EXPANDED_BYTES``; on a CPU absorbed).
-The expansion is transient: one layer's K / V of one request at a time.
+least ``crossover_query_len`` tokens; on a CPU absorbed). The expansion is transient and bounded: a request's
+context is expanded a block of rows at a time (at most ``MAX_EXPANDED_BYTES`` of K and V), each block attended
+with its log-sum-exp, the blocks' outputs merged by it; the rows before the chunk need no mask, the chunk's own
+rows a plain causal one, so flash attention runs every block.
 """
 
 from __future__ import annotations
@@ -23,12 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.contract.view import PagedView
 
 MLA_PREFILL_MODES = ("auto", "absorbed", "expanded")
-MAX_EXPANDED_BYTES = 1 << 30  # one request's expanded K and V of one layer, under ``auto``
+MAX_EXPANDED_BYTES = 1 << 30  # the expanded K and V of one block of one request's rows in one layer
 
 
 @dataclass(slots=True)
@@ -66,29 +67,61 @@ class LatentExpansion:
         qk = self.q_nope.shape[-1] + self.q_pe.shape[-1]
         return self.q_nope.dtype in (torch.float16, torch.bfloat16) and qk == self.w_uv.shape[1] <= 256
 
-    def expanded_bytes(self, kv_len: int) -> int:
+    def bytes_per_row(self) -> int:
+        """Bytes of one cached row's expanded key and value (this rank's heads)."""
         heads, nope, rope, v = self.q_nope.shape[1], self.q_nope.shape[2], self.q_pe.shape[2], self.w_uv.shape[1]
-        return kv_len * heads * (nope + rope + v) * self.q_nope.element_size()
+        return heads * (nope + rope + v) * self.q_nope.element_size()
 
-    def attend(self, rows: torch.Tensor, first: int, count: int) -> torch.Tensor:
-        """Query rows ``first .. first + count`` (one request's chunk, the last ``count`` of its ``L`` cached
-        latent rows ``rows`` [L, kv_lora_rank + rope]) over the expanded keys and values -> [count, H, v]."""
-        # imported here: torch.nn.attention.bias imports torch._dynamo, a second at every engine import
-        from torch.nn.attention.bias import causal_lower_right
-
+    def expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Latent rows [n, kv_lora_rank + rope] -> per-head keys [1, H, n, nope + rope] and values [1, H, n, v]."""
         rank = self.w_uk.shape[2]
         latent, k_pe = rows[:, :rank], rows[:, rank:]
         k_nope = torch.einsum("lr,hnr->hln", latent, self.w_uk)
         value = torch.einsum("lr,hvr->hlv", latent, self.w_uv)
         key = torch.cat([k_nope, k_pe[None].expand(k_nope.shape[0], -1, -1)], dim=-1)
+        return key[None], value[None]
+
+    def attend(self, rows: torch.Tensor, first: int, count: int) -> torch.Tensor:
+        """Query rows ``first .. first + count`` (one request's chunk, the last ``count`` of its ``L`` cached
+        latent rows ``rows`` [L, kv_lora_rank + rope]) over the expanded keys and values -> [count, H, v]: the
+        rows before the chunk in blocks of at most ``MAX_EXPANDED_BYTES``, all visible to every query, then the
+        chunk's own rows, query j seeing the first j + 1; merged by their log-sum-exps."""
         query = torch.cat([self.q_nope[first:first + count], self.q_pe[first:first + count]], dim=-1)
-        # query j sees keys < L - count + j + 1: the chunk's own tokens are the last of its rows; 4-d inputs and
-        # the lower-right causal bias let a GPU take a fused kernel (flash / memory-efficient) instead of
-        # materializing the [H, count, L] logits
-        out = F.scaled_dot_product_attention(query.transpose(0, 1)[None], key[None], value[None],
-                                             attn_mask=causal_lower_right(count, rows.shape[0]),
-                                             scale=self.softmax_scale)
+        query = query.transpose(0, 1)[None]  # [1, H, count, nope + rope]
+        before = rows.shape[0] - count
+        block = max(1, MAX_EXPANDED_BYTES // self.bytes_per_row())
+        parts = [_attention_with_lse(query, *self.expand(rows[start:min(start + block, before)]), False,
+                                     self.softmax_scale) for start in range(0, before, block)]
+        parts.append(_attention_with_lse(query, *self.expand(rows[before:]), True, self.softmax_scale))
+        if len(parts) == 1:
+            out = parts[0][0]
+        else:
+            lse = torch.stack([p[1] for p in parts])  # [blocks, 1, H, count], fp32
+            weights = torch.softmax(lse, dim=0)[..., None]
+            out = sum(w * p[0].float() for w, p in zip(weights, parts)).to(query.dtype)
         return out[0].transpose(0, 1)
+
+
+def _attention_with_lse(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention [1, H, C, v] of ``query`` [1, H, C, d] over ``key`` / ``value`` [1, H, n, .] and each query's
+    log-sum-exp of its scaled logits [1, H, C] (fp32); ``causal``: query j sees keys <= j (C == n). Flash
+    attention where it runs (the same head size for keys and values; on a GPU fp16 / bf16), else written out."""
+    same_size = key.shape[-1] == value.shape[-1]
+    if query.is_cuda and same_size and query.dtype in (torch.float16, torch.bfloat16):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, causal, False,
+                                                                      scale=scale)[:2]
+        return out, lse
+    if not query.is_cuda and same_size:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
+                                                                              scale=scale)[:2]
+        return out, lse
+    logits = torch.einsum("bhcd,bhnd->bhcn", query.float(), key.float()) * scale
+    if causal:
+        logits = logits.masked_fill(torch.ones_like(logits, dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    out = torch.einsum("bhcn,bhnv->bhcv", torch.exp(logits - lse[..., None]), value.float())
+    return out.to(query.dtype), lse
 
 
 def latent_rows(cache_rows: torch.Tensor, block_table: torch.Tensor, kv_len: int) -> torch.Tensor:
@@ -99,8 +132,7 @@ def latent_rows(cache_rows: torch.Tensor, block_table: torch.Tensor, kv_len: int
     return cache_rows[pages].reshape(-1, cache_rows.shape[-1])[:kv_len]
 
 
-def requests_to_expand(mode: str, expansion: LatentExpansion, query_lens: list[int], kv_lens: list[int],
-                       on_gpu: bool) -> list[bool]:
+def requests_to_expand(mode: str, expansion: LatentExpansion, query_lens: list[int], on_gpu: bool) -> list[bool]:
     """Which requests of a plain step take the expanded form under ``mode`` (``EngineConfig.mla_prefill``)."""
     if mode == "absorbed" or (mode == "auto" and not on_gpu):
         return [False] * len(query_lens)
@@ -109,7 +141,7 @@ def requests_to_expand(mode: str, expansion: LatentExpansion, query_lens: list[i
     if not expansion.fused_on_gpu():
         return [False] * len(query_lens)
     least = expansion.crossover_query_len()
-    return [q >= least and expansion.expanded_bytes(n) <= MAX_EXPANDED_BYTES for q, n in zip(query_lens, kv_lens)]
+    return [q >= least for q in query_lens]
 
 
 def attend_split(q: torch.Tensor, view: PagedView, cache_rows: torch.Tensor, expand: list[bool],

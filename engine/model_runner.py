@@ -113,7 +113,7 @@ class ModelRunner:
         plain = (type(view) is PagedView and isinstance(k_cache, torch.Tensor)
                  and not (method.needs.attention_scores or method.needs.received_attention))
         expand = requests_to_expand(self.mla_prefill if plain else "absorbed", expansion, view.query_lens_cpu,
-                                    view.kv_lens_cpu, q.is_cuda)
+                                    q.is_cuda)
         if not any(expand):
             return expansion.absorb(self._run_backend(method, layer_idx, q, batch, view, k_cache, v_cache))
         out = attend_split(q, view, k_cache, expand, expansion,

@@ -47,6 +47,29 @@ def test_the_expanded_attention_equals_the_absorbed_form():
     torch.testing.assert_close(exp.absorb(out), torch.einsum("hvr,thr->thv", exp.w_uv, out))
 
 
+@pytest.mark.parametrize("block_rows", [1, 5, 12, 100])
+@pytest.mark.parametrize("v", [6, 12])  # values narrower than the keys (written out), or as wide (flash attention)
+def test_the_context_expanded_a_block_at_a_time_equals_the_absorbed_form(monkeypatch, block_rows, v):
+    """The rows before the chunk expanded ``block_rows`` at a time (the byte budget set to that many rows), each
+    block attended with its log-sum-exp and merged: the absorbed definition's output, whatever the cut."""
+    import engine.latent_expansion as latent_expansion
+
+    gen = torch.Generator().manual_seed(4)
+    exp = random_expansion(gen, t=7, v=v)
+    monkeypatch.setattr(latent_expansion, "MAX_EXPANDED_BYTES", block_rows * exp.bytes_per_row())
+    rows = torch.randn(19, 10 + 4, generator=gen)
+    torch.testing.assert_close(exp.attend(rows, 0, 7),
+                               absorbed_reference(exp.q_nope, exp.q_pe, exp.w_uk, exp.w_uv, rows, 0.3, 7),
+                               atol=1e-5, rtol=1e-5)
+    # a chunk that is the whole context (no rows before it) and one of a single token
+    torch.testing.assert_close(exp.attend(rows[:7], 0, 7),
+                               absorbed_reference(exp.q_nope, exp.q_pe, exp.w_uk, exp.w_uv, rows[:7], 0.3, 7),
+                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(exp.attend(rows, 6, 1),
+                               absorbed_reference(exp.q_nope[6:], exp.q_pe[6:], exp.w_uk, exp.w_uv, rows, 0.3, 1),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_a_step_is_split_into_expanded_requests_and_absorbed_runs():
     """Three requests over one paged latent cache (pages shuffled): a 5-token chunk over 9 rows (expanded), a
     decode row and a 4-token chunk (absorbed together, through the callback on their sub-view)."""
@@ -99,17 +122,16 @@ def test_which_chunks_expand():
     ds = LatentExpansion(torch.zeros(1, 2, 128, **bf16), torch.zeros(1, 2, 64, **bf16),
                          torch.zeros(2, 128, 512, **bf16), torch.zeros(2, 128, 512, **bf16), 1.0)
     assert glm.crossover_query_len() == 399 and ds.crossover_query_len() == 171
-    assert requests_to_expand("auto", glm, [1, 500, 300], [900, 900, 900], on_gpu=True) == [False, True, False]
-    assert requests_to_expand("auto", glm, [500], [900], on_gpu=False) == [False]
-    assert requests_to_expand("expanded", glm, [1, 2, 500], [9, 9, 900], on_gpu=False) == [False, True, True]
-    assert requests_to_expand("absorbed", glm, [500], [900], on_gpu=True) == [False]
-    # a context whose expansion exceeds the byte cap stays absorbed under auto, and so does a shape whose keys and
-    # values differ in size (flash attention does not run it) or an fp32 model
-    assert requests_to_expand("auto", glm, [500], [10_000_000], on_gpu=True) == [False]
-    assert requests_to_expand("auto", ds, [500], [900], on_gpu=True) == [False]
-    assert requests_to_expand("expanded", ds, [500], [900], on_gpu=True) == [True]
+    assert requests_to_expand("auto", glm, [1, 500, 300], on_gpu=True) == [False, True, False]
+    assert requests_to_expand("auto", glm, [500], on_gpu=False) == [False]
+    assert requests_to_expand("expanded", glm, [1, 2, 500], on_gpu=False) == [False, True, True]
+    assert requests_to_expand("absorbed", glm, [500], on_gpu=True) == [False]
+    # a shape whose keys and values differ in size (flash attention does not run it) or an fp32 model stays
+    # absorbed under auto (a long context expands a block at a time: it no longer decides)
+    assert requests_to_expand("auto", ds, [500], on_gpu=True) == [False]
+    assert requests_to_expand("expanded", ds, [500], on_gpu=True) == [True]
     glm32 = LatentExpansion(*(t.float() for t in (glm.q_nope, glm.q_pe, glm.w_uk, glm.w_uv)), 1.0)
-    assert requests_to_expand("auto", glm32, [500], [900], on_gpu=True) == [False]
+    assert requests_to_expand("auto", glm32, [500], on_gpu=True) == [False]
     del gen
 
 
@@ -150,9 +172,12 @@ def test_engines_expanding_every_prompt_chunk_match_transformers_and_the_absorbe
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused SDPA kernels need a GPU")
-def test_on_a_gpu_the_expanded_attention_at_glm_sizes_equals_the_absorbed_form():
-    """GLM-4.7-Flash's head sizes in bf16 (flash attention with the lower-right causal bias) against the absorbed
-    definition in fp32: a 512-token chunk over 2048 rows."""
+def test_on_a_gpu_the_expanded_attention_at_glm_sizes_equals_the_absorbed_form(monkeypatch):
+    """GLM-4.7-Flash's head sizes in bf16 (flash attention over the earlier rows, then causal over the chunk's own)
+    against the absorbed definition in fp32: a 512-token chunk over 2048 rows, the earlier rows in one block and in
+    blocks of 500."""
+    import engine.latent_expansion as latent_expansion
+
     gen = torch.Generator().manual_seed(3)
     heads, nope, rope, v, rank, t, length = 20, 192, 64, 256, 512, 512, 2048
     r = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen) * s)  # noqa: E731
@@ -160,6 +185,9 @@ def test_on_a_gpu_the_expanded_attention_at_glm_sizes_equals_the_absorbed_form()
     rows = r(length, rank + rope)
     exp = LatentExpansion(*(p.cuda().bfloat16() for p in parts), (nope + rope) ** -0.5)
     assert exp.fused_on_gpu()
-    got = exp.attend(rows.cuda().bfloat16(), 0, t).float().cpu()
     want = absorbed_reference(*parts, rows, (nope + rope) ** -0.5, t)
+    got = exp.attend(rows.cuda().bfloat16(), 0, t).float().cpu()
+    assert (got - want).abs().max().item() < 2e-2 * want.abs().max().item()
+    monkeypatch.setattr(latent_expansion, "MAX_EXPANDED_BYTES", 500 * exp.bytes_per_row())
+    got = exp.attend(rows.cuda().bfloat16(), 0, t).float().cpu()
     assert (got - want).abs().max().item() < 2e-2 * want.abs().max().item()
