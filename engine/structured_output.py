@@ -209,7 +209,9 @@ class StructuredOutputs:
                 return self._llg.grammar_from("grammar", spec.value)
             except ValueError as exc:
                 raise _bad(f"ebnf does not parse: {_first_line(str(exc))}") from None
-        return m.grammar_from_lark(self._tool_call_lark(json.loads(spec.value)))
+        body = json.loads(spec.value)
+        _check_tool_calls(body)  # fills in the keys a spec written without them leaves out
+        return m.grammar_from_lark(self._tool_call_lark(body))
 
     def _tool_call_lark(self, body: dict) -> str:
         """The Lark grammar of ``StructuredSpec.tool_calls``. Added tokens (``<tool_call>``) are special to

@@ -415,6 +415,18 @@ def test_bad_specs_and_forced_tokens_are_typed_errors_naming_the_field(llm, toke
     assert not engine.has_unfinished()
 
 
+def test_a_tool_calls_spec_written_with_only_the_first_keys_still_compiles(llm, tokenizer):
+    """The wrapping and per-parameter keys are optional in a spec's JSON: one written without them (as before
+    they existed) compiles to the Hermes calls it always meant."""
+    body = {"tools": [{"name": "search", "parameters": SEARCH}], "required": True, "max_calls": 1, "content": None,
+            "begin": '<tool_call>\n{"name": {name}, "arguments": ', "end": "}\n</tool_call>", "separator": "\n",
+            "trigger": "<tool_call>"}
+    spec = StructuredSpec("tool_calls", json.dumps(body))
+    out = llm.generate(["Call:"], SamplingParams(temperature=1.0, seed=0, max_tokens=200, structured=spec))[0]
+    assert out.finish_reason == "stop"
+    check_calls(out.text, {"search": SEARCH})
+
+
 def test_compiled_grammars_are_cached_by_spec(llm):
     so = llm.engine.structured_outputs
     schema = {"type": "object", "properties": {"cache_probe": {"type": "integer"}}}
