@@ -2,11 +2,13 @@
 
 New messages are rendered with the model's chat template: the conversation is rendered before and after
 adding them, the old rendering must be a prefix of the new one (true of ChatML), and only the new suffix is
-tokenized and appended. A template that drops earlier replies' think blocks (Qwen3's) is matched against the
-log less those blocks (``agentrt.reasoning.ThinkLog``); the caller prunes them from the KV (``Appended.dropped``).
-Each message's share of that suffix becomes one region. Generated tokens are never
-re-tokenized: the previous assistant message is closed by appending what the template puts after its
-content (``<|im_end|>\\n``, minus a stop token the model already produced).
+tokenized and appended. A template that drops earlier replies' think blocks (Qwen3's) or empties them (GLM's) is
+matched against the log less those blocks or their reasoning (``agentrt.reasoning.ThinkLog``); the caller prunes
+them from the KV (``Appended.dropped``). Each message's share of that suffix becomes one region. Generated tokens
+are never re-tokenized: the previous assistant message is closed by appending what the template puts after its
+content (``<|im_end|>\\n``, minus a stop token the model already produced); where nothing follows a reply's content
+and the next message opens with the stop token the model ended on (GLM's role tags), that token is not appended
+again.
 
 Per-request template arguments (``enable_thinking``: agentrt.reasoning) reach every rendering inside
 ``template_kwargs(...)``, a context variable, so they follow a request through the chain service into the render
@@ -154,7 +156,7 @@ class ChatRenderer:
 
     def reply_form(self, next_role: str) -> tuple[str, int | None]:
         """How the template writes an earlier reply before a ``next_role`` message (user or tool): the text it
-        puts between the generation prompt and the reply's content (GLM's ``\n<think></think>\n``; ChatML's
+        puts between the generation prompt and the reply's content (GLM's ``\\n<think></think>\\n``; ChatML's
         nothing), and the stop token that ends the reply there (ChatML's ``<|im_end|>``; GLM's ``<|user|>`` or
         ``<|observation|>``), None when no stop token does. A reply this server did not generate is imported as
         that text, the reply, then that token (agentrt.implicit_chains)."""
