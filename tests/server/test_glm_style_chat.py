@@ -3,7 +3,7 @@ emptied to ``<think></think>``, ``<arg_key>`` calls) through the server, as an a
 official clients: the tags stay in the replies' text so the reasoning and the calls are read; each re-sent turn
 resumes the chain and prefills only its new tokens, never a second copy of the role tag the model stopped on; the
 reasoning the template empties leaves the KV; history from elsewhere is imported token for token as the template
-writes it. The replies are forced (``forced_token_ids``) as a trained model would write them."""
+writes it; Anthropic's ``clear_tool_inputs`` prunes a cleared call's ``<arg_key>`` pairs. The replies are forced (``forced_token_ids``) as a trained model would write them."""
 
 from __future__ import annotations
 
@@ -150,3 +150,45 @@ def test_a_stateless_server_reads_the_tags_too(mla_dirs, tmp_path):
         message = r.choices[0].message
         assert message.model_extra["reasoning_content"] == "Plan it." and message.content == "Listing."
         assert json.loads(message.tool_calls[0].function.arguments) == {"cmd": "ls", "n": 2}
+
+
+def test_clear_tool_inputs_prunes_the_arg_key_pairs_of_a_cleared_call(glm):
+    """Anthropic's ``clear_tool_inputs`` on GLM's calls: the cleared use's arguments are the tokens from its first
+    ``<arg_key>`` to its last ``</arg_value>`` (tags of their own here), which leave the KV with its result; the
+    call's name and the newest use stay."""
+    server, _, tokenizer = glm
+    client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    tools = [{"name": "bash", "input_schema": BASH["function"]["parameters"]}]
+    edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 1},
+            "keep": {"type": "tool_uses", "value": 1}, "clear_tool_inputs": True}
+    forced = _forced(tokenizer, CALL, "<|observation|>")
+    history: list = [{"role": "user", "content": "Clear: list the files."}]
+    for step in range(2):
+        raw = client.beta.messages.with_raw_response.create(
+            model="glm", max_tokens=len(forced) + 2, messages=history, tools=tools,
+            betas=["context-management-2025-06-27"], context_management={"edits": [edit]},
+            extra_body={"agentrt_forced_token_ids": forced})
+        m, chain_id = raw.parse(), raw.headers["agentrt-chain-id"]
+        history += [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": m.content[-1].id,
+                                                  "content": f"a{step}.py"}]}]
+    m = client.beta.messages.create(model="glm", max_tokens=2, messages=history, tools=tools,
+                                    betas=["context-management-2025-06-27"], context_management={"edits": [edit]})
+    (applied,) = m.context_management.applied_edits
+    assert applied.cleared_tool_uses == 1 and applied.cleared_input_tokens > 0
+    chain = _chain(server.url, chain_id)
+    first = chain["turns"][0]
+    at = len(first["appended_token_ids"])  # the first reply's tokens start here in the log
+    reply = first["generated_token_ids"]
+    arg_key, arg_value_end = (tokenizer.convert_tokens_to_ids(t) for t in ("<arg_key>", "</arg_value>"))
+    lo = at + reply.index(arg_key)
+    hi = at + len(reply) - reply[::-1].index(arg_value_end)
+    pruned = chain["pruned_intervals"]
+    assert any(a <= lo and hi <= b for a, b in pruned), (lo, hi, pruned)
+    name = at + reply.index(tokenizer.convert_tokens_to_ids("<tool_call>")) + 1  # the name's first token
+    assert not any(a <= name < b for a, b in pruned)
+    # what was cleared: the first result and exactly those argument tokens
+    results = [r for r in chain["regions"] if r["kind"] == "tool_result"]
+    assert [r["pruned"] for r in results] == [True, False]
+    assert sum(b - a for a, b in pruned) == applied.cleared_input_tokens == \
+        results[0]["end"] - results[0]["start"] + hi - lo
