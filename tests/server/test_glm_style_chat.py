@@ -3,7 +3,8 @@ emptied to ``<think></think>``, ``<arg_key>`` calls) through the server, as an a
 official clients: the tags stay in the replies' text so the reasoning and the calls are read; each re-sent turn
 resumes the chain and prefills only its new tokens, never a second copy of the role tag the model stopped on; the
 reasoning the template empties leaves the KV; history from elsewhere is imported token for token as the template
-writes it; Anthropic's ``clear_tool_inputs`` prunes a cleared call's ``<arg_key>`` pairs. The replies are forced (``forced_token_ids``) as a trained model would write them."""
+writes it; Anthropic's ``clear_tool_inputs`` prunes a cleared call's ``<arg_key>`` pairs. The replies are forced
+(``forced_token_ids``) as a trained model would write them."""
 
 from __future__ import annotations
 
