@@ -106,6 +106,27 @@ def joined(content: str, separator: str, blocks: Sequence[str]) -> str:
     return content + separator + "".join(blocks) if content else "".join(blocks)
 
 
+_SPACE = re.compile(r"\s*")
+
+
+def parameter_call(name: str, body: str, start: int, base: int, part: re.Pattern[str],
+                   tools: Tools) -> list[ParsedCall]:
+    """The call of ``name`` whose arguments are ``body[start:]``: parts matching ``part`` (group 1 a parameter's
+    name, group 2 its bare value, ``argument_value`` typing it by the tools' schemas), whitespace between; [] when
+    anything else is there. ``base``: where ``body`` starts in the text (for the arguments' span)."""
+    pos, arguments, first, last = start, {}, None, None
+    while pos < len(body):
+        found = part.match(body, pos)
+        if found is None:
+            return []
+        key = found.group(1).strip()
+        arguments[key] = argument_value(found.group(2), parameter_schema(tools, name, key))
+        first = found.start() if first is None else first
+        last = found.end()
+        pos = _SPACE.match(body, last).end()  # type: ignore[union-attr]
+    return [ParsedCall(new_call(name, arguments), None if first is None else (base + first, base + last))]
+
+
 def parameter_schema(tools: Tools, name: str, parameter: str) -> dict[str, Any] | None:
     """The JSON schema of tool ``name``'s ``parameter`` (None when the tools do not say)."""
     for tool in tools:

@@ -8,13 +8,12 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from agentrt.tool_syntax.base import (ParsedCall, Tools, ToolSyntax, argument_value, arguments_of, bare, joined,
-                                      new_call, parameter_schema)
+from agentrt.tool_syntax.base import (ParsedCall, Tools, ToolSyntax, arguments_of, bare, joined,
+                                      parameter_call)
 
 _MAY_START = re.compile(r"<tool_call>\s*(?:[^\s<]|\Z)")
 _NAME = re.compile(r"\s*([^\s<][^<]*?)\s*(?=<arg_key>|\Z)", re.S)
 _PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
-_SPACE = re.compile(r"\s*")
 
 
 class Glm45(ToolSyntax):
@@ -33,18 +32,7 @@ class Glm45(ToolSyntax):
         head = _NAME.match(body)
         if head is None:
             return []
-        name, pos, arguments, first, last = head.group(1), head.end(), {}, None, None
-        while pos < len(body):
-            pair = _PAIR.match(body, pos)
-            if pair is None:
-                return []
-            key = pair.group(1).strip()
-            arguments[key] = argument_value(pair.group(2), parameter_schema(tools, name, key))
-            first = pair.start() if first is None else first
-            last = pair.end()
-            pos = _SPACE.match(body, last).end()
-        where = None if first is None else (base + first, base + last)
-        return [ParsedCall(new_call(name, arguments), where)]
+        return parameter_call(head.group(1), body, head.end(), base, _PAIR, tools)
 
     def may_start(self, text: str, at: int) -> bool:
         return _MAY_START.match(text, at) is not None

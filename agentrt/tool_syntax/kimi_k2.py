@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
 from typing import Any
 
-from agentrt.tool_syntax.base import ParsedCall, Tools, ToolSyntax, arguments_of, joined, new_call
+from agentrt.tool_syntax.base import arguments_of
+from agentrt.tool_syntax.section import SectionSyntax
 
-_CALL = re.compile(r"<\|tool_call_begin\|>\s*([^<]+?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>\s*",
-                   re.S)
 _MODEL_ID = re.compile(r"functions\.[^:<]+:\d+")
 
 
@@ -25,44 +23,23 @@ def name_of(call_id: str) -> str:
     return name.rsplit(":", 1)[0] if ":" in name else name
 
 
-class KimiK2(ToolSyntax):
+class KimiK2(SectionSyntax):
     name = "kimi_k2"
     open = "<|tool_calls_section_begin|>"
     close = "<|tool_calls_section_end|>"
     markup = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
               "<|tool_call_argument_begin|>", "<|tool_call_end|>")
     block = re.compile(r"<\|tool_calls_section_begin\|>\s*(.*?)<\|tool_calls_section_end\|>", re.S)
+    call = re.compile(r"<\|tool_call_begin\|>\s*([^<]+?)\s*<\|tool_call_argument_begin\|>(.*?)<\|tool_call_end\|>\s*",
+                      re.S)
     grammar = None
 
-    def calls(self, match: re.Match[str], tools: Tools) -> list[ParsedCall]:
-        body, base, pos, found = match.group(1), match.start(1), 0, []
-        while pos < len(body):
-            call = _CALL.match(body, pos)
-            if call is None:
-                return []
-            try:
-                arguments = json.loads(call.group(2))
-            except json.JSONDecodeError:
-                return []
-            call_id = call.group(1)
-            if not isinstance(arguments, dict) or not name_of(call_id):
-                return []
-            found.append(ParsedCall(new_call(name_of(call_id), arguments, call_id),
-                                    (base + call.start(2), base + call.end(2))))
-            pos = call.end()
-        return found
+    def call_parts(self, match: re.Match[str]) -> tuple[str, str | None, int]:
+        return name_of(match.group(1)), match.group(1), 2
 
-    def may_start(self, text: str, at: int) -> bool:
-        return True  # the section's opening is a token of its own: what follows it is calls
-
-    def spell(self, content: str, calls: Sequence[dict[str, Any]]) -> str:
-        if not calls:
-            return content
-        blocks = []
-        for i, call in enumerate(calls):
-            call_id = call.get("id") or ""
-            if not _MODEL_ID.fullmatch(call_id):  # another server's id would read as the function's name
-                call_id = "functions.{}:{}".format(call["function"]["name"], i)
-            arguments = json.dumps(arguments_of(call), ensure_ascii=False)
-            blocks.append(f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>")
-        return joined(content, "", [self.open, *blocks, self.close])
+    def spell_call(self, index: int, call: dict[str, Any]) -> str:
+        call_id = call.get("id") or ""
+        if not _MODEL_ID.fullmatch(call_id):  # another server's id would read as the function's name
+            call_id = "functions.{}:{}".format(call["function"]["name"], index)
+        arguments = json.dumps(arguments_of(call), ensure_ascii=False)
+        return f"<|tool_call_begin|>{call_id}<|tool_call_argument_begin|>{arguments}<|tool_call_end|>"

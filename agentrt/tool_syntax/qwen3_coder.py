@@ -9,12 +9,11 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from agentrt.tool_syntax.base import (ParsedCall, Tools, ToolSyntax, argument_value, arguments_of, bare, joined,
-                                      new_call, parameter_schema)
+from agentrt.tool_syntax.base import (ParsedCall, Tools, ToolSyntax, arguments_of, bare, joined,
+                                      parameter_call)
 
 _FUNCTION = "<function="
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
-_SPACE = re.compile(r"\s*")
 
 
 class Qwen3Coder(ToolSyntax):
@@ -29,19 +28,7 @@ class Qwen3Coder(ToolSyntax):
         "trigger": "<tool_call>", "parameter_begin": "<parameter={key}>\n", "parameter_end": "\n</parameter>\n"}
 
     def calls(self, match: re.Match[str], tools: Tools) -> list[ParsedCall]:
-        name, body, base = match.group(1).strip(), match.group(2), match.start(2)
-        pos, arguments, first, last = 0, {}, None, None
-        while pos < len(body):
-            parameter = _PARAMETER.match(body, pos)
-            if parameter is None:
-                return []
-            key = parameter.group(1).strip()
-            arguments[key] = argument_value(parameter.group(2), parameter_schema(tools, name, key))
-            first = parameter.start() if first is None else first
-            last = parameter.end()
-            pos = _SPACE.match(body, last).end()
-        where = None if first is None else (base + first, base + last)
-        return [ParsedCall(new_call(name, arguments), where)]
+        return parameter_call(match.group(1).strip(), match.group(2), 0, match.start(2), _PARAMETER, tools)
 
     def may_start(self, text: str, at: int) -> bool:
         rest = text[at + len(self.open):].lstrip()
