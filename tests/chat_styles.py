@@ -138,3 +138,25 @@ def make_styled_checkpoint(out: Path, source: Path, tags: tuple[str, ...], stops
             weights[key] = torch.cat([w, grown])
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+# --- what the styled chats' tests share -------------------------------------------------------------------
+def forced_reply(tokenizer, text: str, stop: str) -> list[int]:
+    """The tokens of ``text`` as the model's reply, then the stop token ``stop`` that ends it."""
+    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids(stop)]
+
+
+def chain_record(url: str, chain_id: str) -> dict:
+    """A chain as GET /v1/chains/{id} returns it, with its token ids."""
+    import httpx
+
+    r = httpx.get(f"{url}/v1/chains/{chain_id}?include_tokens=true", timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def prompt_log(chain: dict) -> list[int]:
+    """The chain's token log up to its last turn's reply (what that turn's prompt was)."""
+    turns = chain["turns"]
+    log = [t for turn in turns for t in turn["appended_token_ids"] + turn["generated_token_ids"]]
+    return log[:len(log) - len(turns[-1]["generated_token_ids"])]

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.chat_styles import make_deepseek_style_checkpoint
+from tests.chat_styles import chain_record, forced_reply, make_deepseek_style_checkpoint, prompt_log
 from tests.live_servers import app_server, openai_client
 
 BASH = {"type": "function", "function": {"name": "bash", "parameters": {
@@ -32,16 +31,7 @@ def deepseek(mla_dirs, tmp_path_factory):
 
 
 def _forced(tokenizer, text: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids(END)]
-
-
-def _prompt_log(url: str, chain_id: str) -> list[int]:
-    """The chain's token log up to its last turn's reply (what that turn's prompt was)."""
-    r = httpx.get(f"{url}/v1/chains/{chain_id}?include_tokens=true", timeout=60)
-    assert r.status_code == 200, r.text
-    turns = r.json()["turns"]
-    log = [t for turn in turns for t in turn["appended_token_ids"] + turn["generated_token_ids"]]
-    return log[:len(log) - len(turns[-1]["generated_token_ids"])], turns
+    return forced_reply(tokenizer, text, END)
 
 
 def test_an_agent_loop_resumes_its_chain_token_for_token(deepseek):
@@ -67,7 +57,8 @@ def test_an_agent_loop_resumes_its_chain_token_for_token(deepseek):
                  {"role": "user", "content": "Thanks."}]
     r = client.chat.completions.create(model="ds", messages=messages, tools=[BASH], temperature=0, max_tokens=2)
     assert r.model_extra["chain"]["id"] == chain_id
-    log, turns = _prompt_log(server.url, chain_id)
+    chain = chain_record(server.url, chain_id)
+    log, turns = prompt_log(chain), chain["turns"]
     for turn in turns[1:]:
         assert turn["resume_status"] == "resumed"
         assert turn["usage"]["prefilled_tokens"] == len(turn["appended_token_ids"]) + 1
@@ -82,7 +73,7 @@ def test_history_from_elsewhere_is_imported_token_for_token(deepseek):
                     {"id": "call_1", "type": "function", "function": {"name": "bash", "arguments": '{"cmd": "ls"}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "a.py"}]
     r = client.chat.completions.create(model="ds", messages=messages, tools=[BASH], temperature=0, max_tokens=2)
-    log, _ = _prompt_log(server.url, r.model_extra["chain"]["id"])
+    log = prompt_log(chain_record(server.url, r.model_extra["chain"]["id"]))
     rendered = tokenizer.apply_chat_template(messages, tools=[BASH], tokenize=False, add_generation_prompt=True)
     assert log == tokenizer.encode(rendered, add_special_tokens=False)
 

@@ -12,11 +12,10 @@ import copy
 import json
 
 import anthropic
-import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from tests.chat_styles import make_glm_style_checkpoint
+from tests.chat_styles import chain_record, forced_reply, make_glm_style_checkpoint, prompt_log
 from tests.live_servers import app_server, openai_client
 
 BASH = {"type": "function", "function": {"name": "bash", "parameters": {
@@ -36,24 +35,10 @@ def glm(mla_dirs, tmp_path_factory):
         yield server, openai_client(server.url), AutoTokenizer.from_pretrained(model_dir)
 
 
-def _forced(tokenizer, text: str, stop: str) -> list[int]:
-    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids(stop)]
-
-
-def _chain(url: str, chain_id: str) -> dict:
-    r = httpx.get(f"{url}/v1/chains/{chain_id}?include_tokens=true", timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
-def _log(chain: dict) -> list[int]:
-    return [t for turn in chain["turns"] for t in turn["appended_token_ids"] + turn["generated_token_ids"]]
-
-
 def test_an_agent_loop_resumes_its_chain_and_drops_emptied_reasoning(glm):
     server, client, tokenizer = glm
     messages = [SYSTEM, {"role": "user", "content": "List the files."}]
-    forced = _forced(tokenizer, CALL, "<|observation|>")
+    forced = forced_reply(tokenizer, CALL, "<|observation|>")
     r = client.chat.completions.create(model="glm", messages=messages, tools=[BASH], temperature=0,
                                        max_tokens=len(forced) + 2, extra_body={"forced_token_ids": forced})
     message = r.choices[0].message
@@ -67,7 +52,7 @@ def test_an_agent_loop_resumes_its_chain_and_drops_emptied_reasoning(glm):
                                                                    "arguments": c.function.arguments}}
                      for c in message.tool_calls]},
                  {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "a.py"}]
-    forced = _forced(tokenizer, ANSWER, "<|user|>")
+    forced = forced_reply(tokenizer, ANSWER, "<|user|>")
     r = client.chat.completions.create(model="glm", messages=messages, tools=[BASH], temperature=0,
                                        max_tokens=len(forced) + 2, extra_body={"forced_token_ids": forced})
     assert r.choices[0].message.content == "There is a.py." and r.choices[0].finish_reason == "stop"
@@ -75,7 +60,7 @@ def test_an_agent_loop_resumes_its_chain_and_drops_emptied_reasoning(glm):
                  {"role": "user", "content": "Thanks."}]
     r = client.chat.completions.create(model="glm", messages=messages, tools=[BASH], temperature=0, max_tokens=2)
     assert r.model_extra["chain"]["id"] == chain_id
-    chain = _chain(server.url, chain_id)
+    chain = chain_record(server.url, chain_id)
     observation, user = (tokenizer.convert_tokens_to_ids(t) for t in ("<|observation|>", "<|user|>"))
     for turn, stop in zip(chain["turns"][1:], (observation, user)):
         assert turn["resume_status"] == "resumed"
@@ -85,14 +70,15 @@ def test_an_agent_loop_resumes_its_chain_and_drops_emptied_reasoning(glm):
     # after the new user message the template empties both earlier think blocks: their reasoning left the KV
     reasoning = sum(len(tokenizer.encode(t, add_special_tokens=False)) for t in ("Plan it.", "Read it."))
     kv = chain["kv"]
-    assert kv["logical_tokens"] == len(_log(chain))
+    last_reply = len(chain["turns"][-1]["generated_token_ids"])
+    assert kv["logical_tokens"] == len(prompt_log(chain)) + last_reply
     assert kv["computed_tokens"] - kv["physical_tokens"] == reasoning
     # the log is what a fresh rendering of the conversation holds, the emptied reasoning apart
     fresh = copy.deepcopy(messages)
     fresh[2]["tool_calls"][0]["function"]["arguments"] = {"cmd": "ls", "n": 2}
     fresh[2]["content"], fresh[4]["content"] = CALL.split("\nListing.")[0] + "\nListing.", ANSWER
     rendered = tokenizer.apply_chat_template(fresh, tools=[BASH], tokenize=False, add_generation_prompt=True)
-    logged = tokenizer.decode(_log(chain)[:-len(chain["turns"][-1]["generated_token_ids"])])
+    logged = tokenizer.decode(prompt_log(chain))
     assert logged.replace("Plan it.", "").replace("Read it.", "") == rendered
 
 
@@ -104,18 +90,18 @@ def test_history_from_elsewhere_is_imported_as_the_template_writes_it(glm):
                                                                        "arguments": '{"cmd": "ls", "n": 2}'}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "a.py"}]
     r = client.chat.completions.create(model="glm", messages=messages, tools=[BASH], temperature=0, max_tokens=2)
-    chain = _chain(server.url, r.model_extra["chain"]["id"])
+    chain = chain_record(server.url, r.model_extra["chain"]["id"])
     fresh = copy.deepcopy(messages)
     fresh[2]["tool_calls"][0]["function"]["arguments"] = {"cmd": "ls", "n": 2}
     rendered = tokenizer.apply_chat_template(fresh, tools=[BASH], tokenize=False, add_generation_prompt=True)
-    assert _log(chain)[:-len(chain["turns"][-1]["generated_token_ids"])] == \
+    assert prompt_log(chain) == \
         tokenizer.encode(rendered, add_special_tokens=False)
 
 
 def test_the_anthropic_client_gets_thinking_text_and_tool_use(glm):
     server, _, tokenizer = glm
     client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-    forced = _forced(tokenizer, CALL, "<|observation|>")
+    forced = forced_reply(tokenizer, CALL, "<|observation|>")
     tools = [{"name": "bash", "input_schema": BASH["function"]["parameters"]}]
     m = client.messages.create(model="glm", max_tokens=len(forced) + 2, tools=tools,
                                messages=[{"role": "user", "content": "Anthropic: list the files."}],
@@ -139,7 +125,7 @@ def test_a_stateless_server_reads_the_tags_too(mla_dirs, tmp_path):
     with app_server(f"sqlite+aiosqlite:///{tmp_path / 'server.db'}", model=model_dir, model_name="glm",
                     implicit_chains=False) as server:
         client = openai_client(server.url)
-        forced = _forced(tokenizer, CALL, "<|observation|>")
+        forced = forced_reply(tokenizer, CALL, "<|observation|>")
         messages = [SYSTEM, {"role": "user", "content": "List the files."},
                     {"role": "assistant", "content": "Earlier.", "tool_calls": [
                         {"id": "call_1", "type": "function",
@@ -162,7 +148,7 @@ def test_clear_tool_inputs_prunes_the_arg_key_pairs_of_a_cleared_call(glm):
     tools = [{"name": "bash", "input_schema": BASH["function"]["parameters"]}]
     edit = {"type": "clear_tool_uses_20250919", "trigger": {"type": "tool_uses", "value": 1},
             "keep": {"type": "tool_uses", "value": 1}, "clear_tool_inputs": True}
-    forced = _forced(tokenizer, CALL, "<|observation|>")
+    forced = forced_reply(tokenizer, CALL, "<|observation|>")
     history: list = [{"role": "user", "content": "Clear: list the files."}]
     for step in range(2):
         raw = client.beta.messages.with_raw_response.create(
@@ -177,7 +163,7 @@ def test_clear_tool_inputs_prunes_the_arg_key_pairs_of_a_cleared_call(glm):
                                     betas=["context-management-2025-06-27"], context_management={"edits": [edit]})
     (applied,) = m.context_management.applied_edits
     assert applied.cleared_tool_uses == 1 and applied.cleared_input_tokens > 0
-    chain = _chain(server.url, chain_id)
+    chain = chain_record(server.url, chain_id)
     first = chain["turns"][0]
     at = len(first["appended_token_ids"])  # the first reply's tokens start here in the log
     reply = first["generated_token_ids"]

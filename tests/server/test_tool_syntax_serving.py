@@ -16,12 +16,12 @@ import re
 import shutil
 
 import anthropic
-import httpx
 import openai
 import pytest
 from transformers import AutoTokenizer
 
 from engine.tiny_tokenizer import CHAT_TEMPLATE
+from tests.chat_styles import chain_record, forced_reply
 from tests.live_servers import app_server, openai_client
 
 # each family's rendering of one call of an assistant message (``tool_call``: the call's function)
@@ -83,14 +83,7 @@ def served(request, mla_dirs, tmp_path_factory):
 
 
 def _forced(tokenizer, text: str) -> list[int]:
-    """The tokens of ``text`` as the model's reply, then the end of the message."""
-    return tokenizer.encode(text, add_special_tokens=False) + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
-
-
-def _chain(url: str, chain_id: str) -> dict:
-    r = httpx.get(f"{url}/v1/chains/{chain_id}?include_tokens=true", timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
+    return forced_reply(tokenizer, text, "<|im_end|>")
 
 
 def _call(client, tokenizer, syntax: str, messages: list, **kwargs):
@@ -131,7 +124,7 @@ def test_a_streamed_call_assembles_to_the_same_message(served):
     assert [(name, json.loads(arguments)) for name, arguments in calls.values()] == [("bash", ARGUMENTS)]
 
 
-def test_the_resent_call_and_its_result_resume_the_chain(served):
+def test_the_resent_call_and_its_result_resume_thechain_record(served):
     """The client re-sends the call as it got it (arguments as JSON text) with the tool's result: the template
     renders it (a mapping for the templates that iterate it), the chain matches it in the syntax, and the next
     turn prefills only the result's tokens (and the previous turn's last token)."""
@@ -147,7 +140,7 @@ def test_the_resent_call_and_its_result_resume_the_chain(served):
                                             max_tokens=3)
     chain_id = first.model_extra["chain"]["id"]
     assert second.model_extra["chain"]["id"] == chain_id
-    turn = _chain(server.url, chain_id)["turns"][-1]
+    turn = chain_record(server.url, chain_id)["turns"][-1]
     assert turn["resume_status"] == "resumed"
     assert turn["usage"]["prefilled_tokens"] == len(turn["appended_token_ids"]) + 1
     appended = tokenizer.decode(turn["appended_token_ids"])
@@ -204,7 +197,7 @@ def test_history_written_elsewhere_is_imported_in_the_syntax(served):
                            "function": {"name": "bash", "arguments": json.dumps(ARGUMENTS)}}]},
                       {"role": "tool", "tool_call_id": "call_x", "content": "a.py"}]
     r = client.chat.completions.create(model="glm", messages=messages, tools=[BASH], temperature=0, max_tokens=2)
-    imported = _chain(server.url, r.model_extra["chain"]["id"])["turns"][0]["message"]
+    imported = chain_record(server.url, r.model_extra["chain"]["id"])["turns"][0]["message"]
     assert imported["content"] == WRITTEN[syntax]
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in imported["tool_calls"]] == \
         [("bash", ARGUMENTS)]
