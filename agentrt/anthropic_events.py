@@ -28,9 +28,10 @@ from agentrt.anthropic_types import (ContentBlock, ContentBlockDeltaEvent, Conte
                                      MessageDelta, MessageDeltaEvent, MessageStartEvent, MessageStopEvent,
                                      SignatureDelta, StopReason, TextBlock, TextDelta, ThinkingBlock, ThinkingDelta,
                                      ToolUseBlock, Usage)
-from agentrt.implicit_chains import Resolved, arguments_value
+from agentrt.implicit_chains import Resolved
 from agentrt.reasoning import parser as reasoning_parser
 from agentrt.tool_syntax import ToolCallReader
+from agentrt.tool_syntax.base import arguments_value
 from sdk.schema import ToolCall, TurnDelta, TurnResult
 
 if TYPE_CHECKING:

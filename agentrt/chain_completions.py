@@ -13,7 +13,6 @@ Log-probabilities (``logprobs``) are refused with ``chain_id``: a chain turn doe
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import msgspec
@@ -27,6 +26,7 @@ from agentrt.openai_types import (AssistantMessageIn, CompletionUsage, Content, 
                                   UserMessage)
 from agentrt.openai_types import Message as OpenAIMessage
 from agentrt.tool_syntax import ToolCallReader
+from agentrt.tool_syntax.base import arguments_value
 from sdk.schema import ToolCall, TurnCreate, Usage
 
 
@@ -48,15 +48,8 @@ def text_of(content: Content | None) -> str:
                    for part in content)
 
 
-def _arguments(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
 def _calls(calls: list[ToolCall]) -> list[tuple[str, Any]]:
-    return [(c.function.name, _arguments(c.function.arguments)) for c in calls]
+    return [(c.function.name, arguments_value(c.function.arguments)) for c in calls]
 
 
 def _differs(sent: OpenAIMessage, kept: Message, reader: ToolCallReader) -> str | None:

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 from agentrt.anthropic_input import Conversation
 from agentrt.anthropic_types import (ClearToolUsesApplied, ClearToolUsesEdit, ContextManagementResponse, InputTokens,
                                      ToolUses)
-from agentrt.implicit_chains import Resolved, arguments_value
+from agentrt.implicit_chains import Resolved
 from agentrt.tool_input_spans import call_input_spans, covered, merged
+from agentrt.tool_syntax.base import arguments_value
 from engine.errors import InvalidRequestError
 from sdk.schema import PruneRequest
 

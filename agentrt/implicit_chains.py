@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import logging
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
@@ -63,6 +62,7 @@ from agentrt.chain_state import ChainState
 from agentrt.chat import Message
 from agentrt.errors import ChainBusy, ChainNotFound, bad_field
 from agentrt.tool_syntax import ToolCallReader
+from agentrt.tool_syntax.base import arguments_value
 from sdk.schema import ChainCreate, ForkRequest, RewindRequest, Tool, TurnCreate, TurnResult
 
 if TYPE_CHECKING:
@@ -99,16 +99,6 @@ def session_hash(session: str | None) -> str | None:
 def _head(system: str, tools: list[dict[str, Any]], first: Message) -> str:
     key = [system, tools, first.get("role"), first.get("content"), first.get("tool_call_id")]
     return hashlib.sha256(msgspec.json.encode(key, order="sorted")).hexdigest()[:32]
-
-
-def arguments_value(arguments: Any) -> Any:
-    """A call's arguments as a value: JSON text decoded (text that is not JSON stays text)."""
-    if not isinstance(arguments, str):
-        return arguments
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:
-        return arguments
 
 
 def _sent_calls(message: Message) -> list[tuple[str, Any]]:

@@ -4,10 +4,10 @@ such spans. Text offsets come from decoding the tokens; no tokenizer offsets are
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from agentrt.tool_syntax import ToolCallReader
+from agentrt.tool_syntax.base import arguments_value
 
 
 def _token_offsets(decode: Any, ids: list[int]) -> tuple[str, list[int | None]]:
@@ -47,15 +47,8 @@ def call_input_spans(decode: Any, ids: list[int], reader: ToolCallReader) -> lis
         a, b = parsed.arguments
         lo = max(i for i, at in enumerate(offsets) if at is not None and at <= a)
         hi = min(i for i, at in enumerate(offsets) if at is not None and at >= b)
-        found.append((parsed.call.function.name, _value(parsed.call.function.arguments), lo, hi))
+        found.append((parsed.call.function.name, arguments_value(parsed.call.function.arguments), lo, hi))
     return found
-
-
-def _value(arguments: str) -> Any:
-    try:
-        return json.loads(arguments)
-    except json.JSONDecodeError:  # a Hermes call may give its arguments as text
-        return arguments
 
 
 def merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -83,15 +83,20 @@ class ToolSyntax:
             pos = match.end()
 
 
-def arguments_of(call: dict[str, Any]) -> Any:
-    """An OpenAI tool-call dict's arguments as a value (JSON text decoded; text that is no JSON stays text)."""
-    arguments = call["function"].get("arguments")
+def arguments_value(arguments: Any) -> Any:
+    """A call's arguments as a value: JSON text decoded (text that is not JSON stays text)."""
     if not isinstance(arguments, str):
-        return arguments if arguments is not None else {}
+        return arguments
     try:
         return json.loads(arguments)
     except json.JSONDecodeError:
         return arguments
+
+
+def arguments_of(call: dict[str, Any]) -> Any:
+    """An OpenAI tool-call dict's arguments as a value (none: an empty object)."""
+    arguments = call["function"].get("arguments")
+    return arguments_value(arguments) if arguments is not None else {}
 
 
 def bare(value: Any) -> str:

@@ -8,8 +8,7 @@ import re
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from agentrt.tool_syntax.base import (ParsedCall, Tools, ToolSyntax, arguments_of, bare, joined,
-                                      parameter_call)
+from agentrt.tool_syntax.base import ParsedCall, Tools, ToolSyntax, arguments_of, bare, parameter_call
 
 _MAY_START = re.compile(r"<tool_call>\s*(?:[^\s<]|\Z)")
 _NAME = re.compile(r"\s*([^\s<][^<]*?)\s*(?=<arg_key>|\Z)", re.S)
@@ -44,4 +43,4 @@ class Glm45(ToolSyntax):
             pairs = "".join(f"<arg_key>{k}</arg_key>\n<arg_value>{bare(v)}</arg_value>\n"
                             for k, v in (arguments.items() if isinstance(arguments, dict) else []))
             blocks.append(f"\n<tool_call>{call['function']['name']}\n{pairs}</tool_call>")
-        return joined(content.strip(), "", blocks) if content.strip() else "".join(blocks).removeprefix("\n")
+        return (content.strip() + "".join(blocks)).removeprefix("\n")  # each block opens on a line of its own
