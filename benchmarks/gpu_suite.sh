@@ -334,9 +334,10 @@ for step in "$@"; do
         run "$step" 580 python -m benchmarks.serving --shape "${SHAPE:-llama-3.1-8b}" --input-len $input --output-lens 1024 \
             --num-requests 32 --max-num-batched-tokens 16384 --json "$OUT/$step.json" ;;
     serving128klong)  # one method a call: METHODS='snapkv:{"budget":4096}' OUT=... bash benchmarks/gpu_suite.sh ...
+        # (REQUESTS: how many 128K requests, 8 unless set)
         # (--max-batch 8: no more run at once than the 8 requests; a hybrid allocates a state slot per max-batch)
         run "$step" 580 python -m benchmarks.serving --shape "${SHAPE:-llama-3.1-8b}" --input-len 114688 \
-            --output-lens "${OUTPUT:-4096}" --num-requests 8 --max-batch 8 --max-num-batched-tokens 16384 \
+            --output-lens "${OUTPUT:-4096}" --num-requests "${REQUESTS:-8}" --max-batch 8 --max-num-batched-tokens 16384 \
             --methods "${METHODS:-dense}" --repeats "${REPEATS:-3}" --json "$OUT/$step.json" ;;
     *)
         echo "unknown step $step" >&2
