@@ -187,7 +187,7 @@ for step in "$@"; do
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/moe8.json" ;;
     mla)  # GLM-4.7-Flash shape (latent attention, 64 experts): decode roofline at bs8 / bs32 @ 4K (weights read:
         # dense layer, routed and shared experts; plus latent KV), 8 decode steps per schedule (70 s on an H200)
-        run mla 560 python -m benchmarks.throughput --shape glm-4.7-flash --cases 8@4096,32@4096 --decode-tokens 32 \
+        run mla 560 python -m benchmarks.throughput --shape glm-4.7-flash --cases 8@4096,32@4096 --decode-tokens 128 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/mla.json" ;;
     mlasnap128k)  # SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, each at its largest batch (decode only)
         # one request admitted at a time (each holds its 128K latent rows, ~7 GB, until SnapKV compacts it), one
@@ -195,8 +195,9 @@ for step in "$@"; do
         run mlasnap128k 560 python -m benchmarks.sparse_decode --shape glm-4.7-flash --decode-steps 16 \
             --context 128000 --max-batch 128 --admit-group 1 --admit-time-limit 300 --repeats 1 \
             --methods 'dense;snapkv:{"budget":4096}' --json "$OUT/mlasnap128k.json" ;;
-    hybrid)  # Qwen3.6-27B shape (3 of 4 layers gated DeltaNet on fla-core's kernels) bs8 @ 4K (150 s on an H200)
-        run hybrid 560 python -m benchmarks.throughput --shape qwen3.6-27b --cases 8@4096 --decode-tokens 32 \
+    hybrid)  # Qwen3.6-27B shape (3 of 4 layers gated DeltaNet on fla-core's kernels) bs8 @ 4K (150 s on an H200);
+        # 128 decode tokens: a window holds a one-time ~31 ms (docs/benchmarks.md, 2026-12-07) that 32 tokens overweigh
+        run hybrid 560 python -m benchmarks.throughput --shape qwen3.6-27b --cases 8@4096 --decode-tokens 128 \
             --max-num-batched-tokens 16384 --json "$OUT/hybrid.json" ;;
     hybridsnap128k)  # SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, each at its largest batch (decode only;
         # SnapKV applies to the full-attention layers, each request also holds its linear layers' states). The
