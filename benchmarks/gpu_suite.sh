@@ -196,7 +196,7 @@ for step in "$@"; do
             --context 128000 --max-batch 128 --admit-group 1 --admit-time-limit 300 --repeats 1 \
             --methods 'dense;snapkv:{"budget":4096}' --json "$OUT/mlasnap128k.json" ;;
     hybrid)  # Qwen3.6-27B shape (3 of 4 layers gated DeltaNet on fla-core's kernels) bs8 @ 4K (150 s on an H200);
-        # 128 decode tokens: a window holds a one-time ~31 ms (docs/benchmarks.md, 2026-12-07) that 32 tokens overweigh
+        # 128 decode tokens: a timed window holds a one-time cost (docs/benchmarks.md, 2026-12-07) that 32 overweigh
         run hybrid 560 python -m benchmarks.throughput --shape qwen3.6-27b --cases 8@4096 --decode-tokens 128 \
             --max-num-batched-tokens 16384 --json "$OUT/hybrid.json" ;;
     hybridsnap128k)  # SnapKV(4096) vs dense on the Qwen3.6-27B shape at 128K, each at its largest batch (decode only;
