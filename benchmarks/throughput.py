@@ -173,6 +173,7 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
     overheads, steps = [], 0
     phases: dict[str, list[float]] = {"schedule": [], "prepare": [], "execute": [], "update": []}
     full_steps: list[float] = []  # wall time of each step in which every request decodes
+    walls: list[tuple[float, int, int, int]] = []  # (ms, index in the window, decode steps, requests) per step()
     while engine.has_unfinished():
         ts = time.perf_counter()
         engine.step()
@@ -183,6 +184,7 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
         # a step() may run several decode steps, or (overlap_decode) only launch a window the next one takes
         k = timing.decode_steps if timing is not None and counted else 0
         steps += k
+        walls.append((1e3 * (te - ts), len(walls), k, timing.num_requests if timing is not None else 0))
         if k and timing.num_requests == batch:  # per decode step from here on
             full_steps.append((te - ts) / k)
             overheads.append((timing.schedule_s + timing.prepare_s) / k)
@@ -216,6 +218,11 @@ def run_one(engine: LLMEngine, batch: int, context: int, decode_tokens: int, see
         # decode steps after t1, how many of them replayed a decode CUDA graph, and how many of those replays
         # carried padding rows (a live batch below its bucket)
         "timed_decode_steps": steps,
+        # the window's three longest step() calls (wall ms, position among the window's calls, decode steps they
+        # counted, requests): where a one-time cost inside the window sits
+        "slowest_steps": [{"ms": ms, "index": i, "decode_steps": k, "requests": n}
+                          for ms, i, k, n in sorted(walls, reverse=True)[:3]],
+        "window_step_calls": len(walls),
         "graph_replayed_steps": replayed,
         "graph_padded_steps": padded,
     }
@@ -573,6 +580,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"({r['speedup_vs_hf_compiled']:.1f}x; warm-up {r['hf_compiled_warmup_s']:.0f} s untimed)")
         extra += (f"  graphs {r['graph_replayed_steps']}/{r['timed_decode_steps']} steps"
                   f" ({r['graph_padded_steps']} padded)")
+        if r.get("slowest_steps"):
+            top = r["slowest_steps"][0]
+            extra += f"  slowest step() {top['ms']:.1f} ms (call {top['index'] + 1}/{r['window_step_calls']})"
         print(f"{r['batch']:>5} {r['context']:>7} {str(r['overlap_decode']):>7} {str(r['fused_decode_linears']):>5} "
               f"{with_spread(r, 'prefill_tok_s'):>26} {with_spread(r, 'decode_tok_s'):>26} "
               f"{with_spread(r, 'decode_step_ms', '.2f'):>20} {sp if sp is None else round(sp, 3):>14}{extra}")

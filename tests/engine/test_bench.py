@@ -13,6 +13,12 @@ def test_timed_steps_and_graph_replays_are_counted(decode_steps):
                  "--decode-steps", str(decode_steps)])
     assert r["timed_decode_steps"] == 8 and r["graph_replayed_steps"] == 0 and r["cuda_graphs"] is False
     assert r["decode_steps"] == decode_steps
+    # one step() call a window of decode steps; the slowest three listed longest first, each counting its steps
+    assert r["window_step_calls"] == 8 // decode_steps
+    slowest = r["slowest_steps"]
+    assert len(slowest) == min(3, r["window_step_calls"])
+    assert [s["ms"] for s in slowest] == sorted((s["ms"] for s in slowest), reverse=True)
+    assert all(s["decode_steps"] == decode_steps and 0 <= s["index"] < r["window_step_calls"] for s in slowest)
 
 
 def test_spec_bandwidth_by_gpu_name():
