@@ -144,8 +144,11 @@ class HybridKV(DenseKV):
         self._free.append(slot)
 
     def drop_table_state(self, table: TableHandle) -> None:
-        """The table's pages go back to the pool: its state goes with them."""
-        self.close_table(table)
+        """The table's pages go back to the pool: its state goes with them, its slot freed without a host copy
+        (``close_table``'s copy is for a table that runs again; a finished request would pay it for nothing)."""
+        if table.window is not None:
+            self._free.append(table.window)
+            table.window = None
         table.state = None
 
     def fork_table_state(self, src: TableHandle, dst: TableHandle) -> None:

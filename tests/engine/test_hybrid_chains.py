@@ -116,3 +116,25 @@ def test_a_hybrid_model_is_no_reason_against_decode_graphs(tiny_dirs):
     reasons = reasons_against_graphs(engine.config, torch.device("cuda"), engine.backend, engine.method, 1,
                                      engine.model, engine.model_config.architecture)
     assert not any("Qwen3NextForCausalLM" in r for r in reasons)
+
+
+def test_only_a_table_that_runs_again_copies_its_state_out(tiny_dirs, monkeypatch):
+    """A finished stateless request frees its state slot without copying the state to host memory; a chain's
+    turn keeps exactly one copy (conv and recurrent states) for its next turn, and deleting the chain drops it."""
+    import engine.storage.recurrent as recurrent
+
+    copies = []
+    to_host = recurrent._to_host
+    monkeypatch.setattr(recurrent, "_to_host", lambda x: copies.append(x.shape) or to_host(x))
+    llm = LLM(tiny_dirs["qwen3_5"], dtype="float32", device="cpu", page_size=PAGE, enable_prefix_caching=False)
+    engine, rng = llm.engine, random.Random(5)
+    llm.generate([random_tokens(rng, 19), random_tokens(rng, 26)], PARAMS)
+    assert copies == []
+    assert_all_free(engine)
+    run_chain_turn(engine, "c", random_tokens(rng, 21), PARAMS)
+    storage = engine.cache.storage
+    assert copies == [storage.conv[:, 0].shape, storage.recurrent[:, 0].shape]
+    assert storage.free_states == engine.cache.spec.max_states  # the idle chain holds no slot
+    engine.delete_chain("c")
+    assert copies == [storage.conv[:, 0].shape, storage.recurrent[:, 0].shape]
+    assert_all_free(engine)
