@@ -214,6 +214,8 @@ def _serve(args: argparse.Namespace) -> int:
     prog = "agentrt serve"
     model = args.model or embedded_model_dir()
     engine_options = {"device": args.device, "tensor_parallel_size": args.tp, "decode_steps": args.decode_steps}
+    if args.no_warmup:
+        engine_options["warmup"] = False
     if args.num_pages is not None:
         engine_options["num_pages"] = args.num_pages
     if args.kv_cache_memory is not None:
@@ -428,6 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="tensor-parallel ranks: GPUs (NCCL) from --device on, or gloo processes on CPU")
     serve.add_argument("--decode-steps", type=positive_int, default=1,
                        help="decode steps run back to back on the device per schedule (deltas of up to N tokens)")
+    serve.add_argument("--no-warmup", action="store_true",
+                       help="start without the warm-up prefill that compiles the GPU kernels before the first "
+                            "request (default on a GPU at one rank: warm up)")
     pool = serve.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=positive_int,
                       help="KV pool size in pages of 16 tokens (default: sized from --kv-cache-memory)")

@@ -48,6 +48,9 @@ class EngineConfig:
     # (agentrt_kernels.triton.decode_linear: a GPU, or TRITON_INTERPRET=1 on the CPU); None: on a GPU at one rank
     # for the architectures that have the fused path
     fused_decode_linears: bool | None = None
+    # one untimed prefill of a full step's tokens when the engine starts (engine.warmup), so that the first
+    # request does not pay the kernels' compilation and autotuning; None: on a GPU at one rank
+    warmup: bool | None = None
     tensor_parallel_size: int = 1  # ranks (GPUs; gloo processes on CPU) the model and its KV heads split over
     # idle chains under memory pressure move to host memory (this many bytes; 0: off, they are recomputed), a
     # full host tier moves its oldest to disk (chain_disk_dir, at most chain_disk_bytes), and a chain's next turn
@@ -98,6 +101,10 @@ class EngineConfig:
                               "them, which overlapping would delay)")
         if self.fused_decode_linears is not None and not isinstance(self.fused_decode_linears, bool):
             raise ConfigError(f"fused_decode_linears must be true, false or None, got {self.fused_decode_linears!r}")
+        if self.warmup is not None and not isinstance(self.warmup, bool):
+            raise ConfigError(f"warmup must be true, false or None, got {self.warmup!r}")
+        if self.warmup and self.tensor_parallel_size > 1:
+            raise ConfigError("warmup needs tensor_parallel_size 1 (it runs before the ranks serve requests)")
         if self.fused_decode_linears and self.tensor_parallel_size > 1:
             raise ConfigError("fused_decode_linears needs tensor_parallel_size 1 (its kernels take whole weights)")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -133,6 +140,11 @@ class EngineConfig:
     def resolved_fused_decode_linears(self, device: torch.device, world_size: int) -> bool:
         if self.fused_decode_linears is not None:
             return self.fused_decode_linears
+        return device.type == "cuda" and world_size == 1
+
+    def resolved_warmup(self, device: torch.device, world_size: int) -> bool:
+        if self.warmup is not None:
+            return self.warmup
         return device.type == "cuda" and world_size == 1
 
     def resolved_overlap_decode(self, device: torch.device, world_size: int) -> bool:

@@ -30,6 +30,7 @@ from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.step_timing import StepTiming, prefill_tokens
 from engine.structured_output import StructuredOutputs
+from engine.warmup import warm_up
 
 __all__ = ["LLMEngine", "StepTiming", "load_tokenizer"]  # the server and tools import these from here
 
@@ -66,6 +67,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self.last_step: StepTiming | None = None
         self._structured: StructuredOutputs | None = None  # made by the first request with a grammar
+        self.warmup_tokens = 0  # the warm-up prefill's prompt tokens (engine.warmup; 0: none ran)
+        if _tp is None and config.resolved_warmup(self.device, self.tp.world_size):
+            self.warmup_tokens = warm_up(self)
         log.info("engine ready: %s, %d pages of %d tokens, method %s, decode windows of %d%s",
                  self.model_config.architecture, self.pool.num_pages, config.page_size, self.method.name,
                  config.decode_steps, " (overlapped)" if self.windows.overlap else "")

@@ -30,6 +30,14 @@ def test_kv_storage_and_method_reach_the_engine(tiny_dirs, built, tmp_path):
     assert engine.method.name == "streaming_llm" and engine.method.config.window == 64
     assert engine.codec.name == "kivi" and engine.codec.config.bits == 2
     assert engine.config.decode_steps == 4
+    assert engine.config.warmup is None  # the default: warm up on a GPU at one rank
+
+
+def test_no_warmup_reaches_the_engine(tiny_dirs, built, tmp_path):
+    engines, _ = built
+    assert main(["serve", "--model", str(tiny_dirs["llama"]), "--no-auth", "--device", "cpu",
+                 "--db", f"sqlite+aiosqlite:///{tmp_path / 'a.db'}", "--no-warmup"]) == 0
+    assert engines[-1].config.warmup is False and engines[-1].warmup_tokens == 0
 
 
 def test_kv_pool_flags_size_the_pool(tiny_dirs, built, tmp_path):
