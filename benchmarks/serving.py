@@ -279,7 +279,9 @@ def run_method(model_dir: Path, spec: tuple[str, dict, str | None, dict], args) 
                  "+ output), capped by --max-batch and --num-requests" if args.concurrency == "auto"
                  and args.rate is None else "given"),
              **r, "pool_pages": engine.pool.num_pages, "pages_per_request_at_end": per_request,
-             "build_s": build_s, **warm, "backend": engine.backend.name, "device": str(engine.device),
+             # build_s includes the engine's own warm-up prefill (engine.warmup: on a GPU) of these tokens
+             "build_s": build_s, "engine_warmup_tokens": engine.warmup_tokens, **warm,
+             "backend": engine.backend.name, "device": str(engine.device),
              "cuda_graphs": engine.runner.graphs is not None, "decode_steps": args.decode_steps,
              "overlap_decode": engine.overlap_decode,
              "timed": "from the first arrival to the last finish: admission waits, every prompt's prefill, "

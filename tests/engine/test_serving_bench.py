@@ -20,6 +20,7 @@ def test_every_default_method_config_serves_every_request():
         kinds = r["step_kinds"]  # the prompts' prefill is part of the timed span
         assert kinds.get("prefill", {}).get("steps", 0) + kinds.get("mixed", {}).get("steps", 0) >= 1
         assert sum(k["s"] for k in kinds.values()) <= r["duration_s"]
+        assert r["engine_warmup_tokens"] == 0  # no engine warm-up on a CPU (engine.warmup)
     assert results[-1]["kv_storage"] == "fp8" and results[1]["config"] == {"budget": 4096}
 
 
