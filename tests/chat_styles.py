@@ -12,6 +12,7 @@ after a user message and nothing after tool output (the model goes on right afte
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -160,3 +161,14 @@ def prompt_log(chain: dict) -> list[int]:
     turns = chain["turns"]
     log = [t for turn in turns for t in turn["appended_token_ids"] + turn["generated_token_ids"]]
     return log[:len(log) - len(turns[-1]["generated_token_ids"])]
+
+
+@contextlib.contextmanager
+def styled_server(root: Path, model_dir: Path, model_name: str):
+    """(server, openai client, tokenizer) serving a styled checkpoint over SQLite under ``root``."""
+    from transformers import AutoTokenizer
+
+    from tests.live_servers import app_server, openai_client
+
+    with app_server(f"sqlite+aiosqlite:///{root / 'server.db'}", model=model_dir, model_name=model_name) as server:
+        yield server, openai_client(server.url), AutoTokenizer.from_pretrained(model_dir)

@@ -12,7 +12,8 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from tests.chat_styles import chain_record, forced_reply, make_deepseek_style_checkpoint, prompt_log
+from tests.chat_styles import (chain_record, forced_reply, make_deepseek_style_checkpoint, prompt_log,
+                               styled_server)
 from tests.live_servers import app_server, openai_client
 
 BASH = {"type": "function", "function": {"name": "bash", "parameters": {
@@ -26,8 +27,8 @@ END = "<｜end▁of▁sentence｜>"
 def deepseek(mla_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("deepseek-style")
     model_dir = make_deepseek_style_checkpoint(root, mla_dirs["deepseek_v3"])
-    with app_server(f"sqlite+aiosqlite:///{root / 'server.db'}", model=model_dir, model_name="ds") as server:
-        yield server, openai_client(server.url), AutoTokenizer.from_pretrained(model_dir)
+    with styled_server(root, model_dir, "ds") as served:
+        yield served
 
 
 def _forced(tokenizer, text: str) -> list[int]:

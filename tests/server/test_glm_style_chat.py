@@ -15,7 +15,7 @@ import anthropic
 import pytest
 from transformers import AutoTokenizer
 
-from tests.chat_styles import chain_record, forced_reply, make_glm_style_checkpoint, prompt_log
+from tests.chat_styles import chain_record, forced_reply, make_glm_style_checkpoint, prompt_log, styled_server
 from tests.live_servers import app_server, openai_client
 
 BASH = {"type": "function", "function": {"name": "bash", "parameters": {
@@ -31,8 +31,8 @@ def glm(mla_dirs, tmp_path_factory):
     """(server, openai client, tokenizer) on the GLM-style checkpoint."""
     root = tmp_path_factory.mktemp("glm-style")
     model_dir = make_glm_style_checkpoint(root, mla_dirs["glm4_moe_lite"])
-    with app_server(f"sqlite+aiosqlite:///{root / 'server.db'}", model=model_dir, model_name="glm") as server:
-        yield server, openai_client(server.url), AutoTokenizer.from_pretrained(model_dir)
+    with styled_server(root, model_dir, "glm") as served:
+        yield served
 
 
 def test_an_agent_loop_resumes_its_chain_and_drops_emptied_reasoning(glm):
