@@ -2,12 +2,12 @@
 compilations and autotuning.
 
 On a GPU the first prompt chunk of each shape compiles Triton kernels (the engine's and fla-core's, whose
-autotuning then keeps the launch it chose for every later length, so the chunk it measures on should be a
-full one) and plans flashinfer's; on a large model that is minutes, which a server would otherwise charge to
-the first request it serves. ``warm_up`` runs one request of a full step's tokens (``max_num_batched_tokens``,
-less where the context or the pool is smaller) with the engine's default method, one output token, and then
-leaves the engine as it found it: every page free, nothing published to the prefix cache, no request id
-taken. Decode kernels are compiled by the decode graphs' capture before it.
+autotuning then keeps the launch it chose for every later length, so the chunk it measures on should be a full
+one) and plans flashinfer's, which a server would otherwise charge to the first request it serves. ``warm_up``
+runs one request of a full step's tokens (``max_num_batched_tokens``, less where the context is shorter; none
+where the pool cannot hold them) with the engine's default method and one output token, and then leaves the
+engine as it found it: every page free, nothing published to the prefix cache, no request id taken. Decode
+kernels are compiled by the decode graphs' capture before it.
 """
 
 from __future__ import annotations
