@@ -43,7 +43,7 @@
 #              under torch.profiler (benchmarks/replay_profile.py): busy / idle GPU time by step kind
 #   hostcopies SnapKV chains under the 24-session pressure replay with turn-end host copies on, then off
 #   gputests   the GPU cases added since the last `tests` run: expanded MLA prefill, MLA decode, RMSNorm modes,
-#              chain loads on a side stream
+#              chain loads on a side stream, fla-core and a hybrid chain's turn-end state copy on a side stream
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
 #   profilesteps  whole decode steps under torch.profiler (MoE bs8@4K, dense bs1@4K): device busy / idle
@@ -308,7 +308,7 @@ for step in "$@"; do
             tests/engine/test_mla_expanded_prefill.py tests/kernels/test_mla_prefill_bench.py \
             tests/kernels/test_mla_decode_kernel.py tests/kernels/test_triton_kernels.py tests/engine/test_async_loads.py \
             tests/kernels/test_latent_inputs.py tests/kernels/test_grouped_router.py tests/kernels/test_kv_compact.py \
-            tests/engine/test_mla_gpu_parity.py tests/kernels/test_triton_selection.py ;;
+            tests/engine/test_mla_gpu_parity.py tests/kernels/test_triton_selection.py tests/kernels/test_fla_gated_delta.py ;;
     deltadecode)  # one DeltaNet layer's decode step: the in-place kernels against gather + fla's recurrent + store
         run deltadecode 200 python -m benchmarks.gated_delta_decode --json "$OUT/deltadecode.json" ;;
     chainturn)  # a SnapKV chain turn (16K history compacted to 4096, 2048 new tokens) split into prefill attention,

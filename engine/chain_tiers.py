@@ -394,8 +394,13 @@ def _host(x: torch.Tensor) -> torch.Tensor:
 
 
 def _state_tensors(state: Any) -> list[torch.Tensor]:
-    """A storage's per-table state as tensors (a dataclass of tensors, e.g. a recurrent state), or none."""
+    """A storage's per-table state as tensors (a dataclass whose tensor fields come first, e.g. a recurrent
+    state; its ``wait()``, if it has one, blocks until copies into them are complete), or none."""
     if state is None:
         return []
-    return [getattr(state, name) for name in state.__dataclass_fields__]
+    wait = getattr(state, "wait", None)
+    if wait is not None:
+        wait()
+    fields = (getattr(state, name) for name in state.__dataclass_fields__)
+    return [x for x in fields if isinstance(x, torch.Tensor)]
 

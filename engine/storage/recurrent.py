@@ -6,7 +6,11 @@ those alone); the states live in slots ``[linear_layers, max_states + 1, ...]`` 
 budget first, like a codec's windows (``window_bytes``). A running table holds a slot (``open_table``, the
 table's ``window``): a table that has computed nothing starts from zeros; a table coming back (a chain's next
 turn) copies in the state it saved when it stopped (``close_table`` keeps a copy on the table in host memory,
-pinned on a GPU: an idle chain's state costs no device memory and no pages). A state exists only at its table's end, so a table cannot be cut back
+pinned on a GPU: an idle chain's state costs no device memory and no pages). On a GPU that copy runs on a side
+stream after the step's queued work, so a turn's end never makes the host wait for the device: the saved state
+carries the copy's event (``SavedState.done``), which host readers wait for (``SavedState.wait``) and copies back
+to the device are queued after; the slot it was copied from is not written again before the copy has read it
+(``open_table`` queues the step stream's wait for that event). A state exists only at its table's end, so a table cannot be cut back
 (``cuts_tables`` is False: a rewound or diverging chain is recomputed). For prefix caching the storage keeps
 checkpoints: with ``prefix_checkpoints`` > 0 a prefill chunk that does not end its prompt ends on a page
 boundary (``aligned_prefill``), the state there is copied to host memory under the prefix-cache key of the page
@@ -27,6 +31,7 @@ from engine.contract.cache import CacheSpec
 from engine.contract.storage import TableHandle
 from engine.errors import EngineError
 from engine.kv_memory import zeroed
+from engine.side_stream import SideStream
 from engine.storage.dense import DenseKV
 
 
@@ -82,19 +87,34 @@ class LinearState:
 
 @dataclass(slots=True)
 class SavedState:
-    """A stopped table's states (every linear layer), kept with the table until it runs again."""
+    """A stopped table's states (every linear layer), kept with the table until it runs again. ``done``: the CUDA
+    event recorded after the copies into these host tensors while they may still be running (None: complete);
+    read the tensors on the host only after ``wait``."""
 
     conv: torch.Tensor
     recurrent: torch.Tensor
+    done: Any = None
+
+    def wait(self) -> None:
+        """Block until the copies into the tensors are complete."""
+        if self.done is not None:
+            self.done.synchronize()
+            self.done = None
 
 
 def _to_host(x: torch.Tensor) -> torch.Tensor:
-    """A host copy of a slot's state (pinned when it comes from a GPU, so the copy back runs at full speed)."""
+    """A host copy of a slot's state (pinned when it comes from a GPU, so the copy back runs at full speed); on a
+    GPU queued without waiting for it (the caller records its event after)."""
     if x.device.type == "cpu":
         return x.clone()
     host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    host.copy_(x)
+    host.copy_(x, non_blocking=True)
     return host
+
+
+def _host_clone(x: torch.Tensor) -> torch.Tensor:
+    """A second host copy (pinned where ``x`` is)."""
+    return torch.empty(x.shape, dtype=x.dtype, pin_memory=x.is_pinned()).copy_(x)
 
 
 class HybridKV(DenseKV):
@@ -109,6 +129,8 @@ class HybridKV(DenseKV):
         # the batch's state slots as a device tensor, made once per step (every linear layer asks for the same)
         self._slots: tuple[tuple[int, ...], torch.Tensor] | None = None
         self.checkpoints: OrderedDict[Any, SavedState] = OrderedDict()  # prefix key -> state there, LRU first
+        self._side = SideStream()
+        self._copying: dict[int, Any] = {}  # slot -> the event after a side-stream copy that reads it
 
     @property
     def free_states(self) -> int:
@@ -120,10 +142,15 @@ class HybridKV(DenseKV):
         if not self._free:
             return False
         slot = self._free.pop()
+        read = self._copying.pop(slot, None)
+        if read is not None:  # what the step stream writes into the slot next must wait for that copy
+            torch.cuda.current_stream(self.conv.device).wait_event(read)
         saved = table.state
         if saved is not None:
-            self.conv[:, slot] = saved.conv
-            self.recurrent[:, slot] = saved.recurrent
+            if saved.done is not None:
+                torch.cuda.current_stream(self.conv.device).wait_event(saved.done)
+            self.conv[:, slot].copy_(saved.conv, non_blocking=True)
+            self.recurrent[:, slot].copy_(saved.recurrent, non_blocking=True)
             table.state = None
         elif table.num_slots == 0:
             self.conv[:, slot] = 0
@@ -140,8 +167,18 @@ class HybridKV(DenseKV):
             return
         slot, table.window = table.window, None
         if table.num_slots:
-            table.state = SavedState(_to_host(self.conv[:, slot]), _to_host(self.recurrent[:, slot]))
+            table.state = self._save(slot)
         self._free.append(slot)
+
+    def _save(self, slot: int) -> SavedState:
+        """The slot's states copied to host memory: on a GPU on the side stream after the step's queued work (the
+        host does not wait; the slot is marked as read until the copy's event)."""
+        if self.conv.device.type != "cuda":
+            return SavedState(_to_host(self.conv[:, slot]), _to_host(self.recurrent[:, slot]))
+        (conv, recurrent), done = self._side.run(
+            self.conv.device, lambda: (_to_host(self.conv[:, slot]), _to_host(self.recurrent[:, slot])))
+        self._copying[slot] = done
+        return SavedState(conv, recurrent, done)
 
     def drop_table_state(self, table: TableHandle) -> None:
         """The table's pages go back to the pool: its state goes with them, its slot freed without a host copy
@@ -154,7 +191,8 @@ class HybridKV(DenseKV):
     def fork_table_state(self, src: TableHandle, dst: TableHandle) -> None:
         saved = src.state
         if saved is not None:
-            dst.state = SavedState(saved.conv.clone(), saved.recurrent.clone())
+            saved.wait()
+            dst.state = SavedState(_host_clone(saved.conv), _host_clone(saved.recurrent))
 
     @property
     def aligned_prefill(self) -> bool:
@@ -163,8 +201,12 @@ class HybridKV(DenseKV):
     def checkpoint(self, table: TableHandle, key: Any) -> None:
         if self.spec.prefix_checkpoints <= 0 or table.window is None:
             return
-        slot = table.window
-        self.checkpoints[key] = SavedState(_to_host(self.conv[:, slot]), _to_host(self.recurrent[:, slot]))
+        slot, device = table.window, self.conv.device
+        saved = SavedState(_to_host(self.conv[:, slot]), _to_host(self.recurrent[:, slot]))
+        if device.type == "cuda":  # queued on the step's stream, before the next chunk's writes to the slot
+            saved.done = torch.cuda.Event()
+            saved.done.record(torch.cuda.current_stream(device))
+        self.checkpoints[key] = saved
         self.checkpoints.move_to_end(key)
         while len(self.checkpoints) > self.spec.prefix_checkpoints:
             self.checkpoints.popitem(last=False)
@@ -174,7 +216,7 @@ class HybridKV(DenseKV):
             saved = self.checkpoints.get(keys[n - 1])
             if saved is not None:
                 self.checkpoints.move_to_end(keys[n - 1])
-                return n, SavedState(saved.conv, saved.recurrent)  # ``open_table`` copies it into a slot
+                return n, SavedState(saved.conv, saved.recurrent, saved.done)  # ``open_table`` copies it into a slot
         return 0, None
 
     def linear_state(self, tables: list[TableHandle], layer: int, query_lens: list[int]) -> LinearState:

@@ -85,3 +85,38 @@ def test_a_hybrid_engine_on_the_gpu_gives_the_cpu_engines_tokens(tmp_path):
                                  partial_rotary_factor=0.5, linear_key_head_dim=64, linear_value_head_dim=64,
                                  max_position_embeddings=1024, initializer_range=0.1)
     assert_gpu_engine_matches_cpu(model, num_pages=64, seed=3)
+
+
+def test_a_chains_turn_end_state_copy_does_not_wait_and_survives_its_slots_reuse(tmp_path):
+    """A chain's turn ends with its states copied to host memory on a side stream (an event on the saved state,
+    the slot marked as read); a stateless request that takes the freed slot at once and runs (writing the slot)
+    leaves the saved copy intact: the chain's next turn gives the CPU engine's tokens for the whole history."""
+    import random
+
+    from engine.llm import LLM
+    from engine.sampling_params import SamplingParams
+    from engine.tiny_checkpoint import make_tiny_checkpoint
+    from tests.chain_helpers import random_tokens, run_chain_turn
+
+    model = make_tiny_checkpoint(tmp_path / "qwen3_next", "qwen3_next", seed=7, hidden_size=128, num_heads=4,
+                                 num_kv_heads=2, intermediate_size=192, vocab_size=512, head_dim=32,
+                                 partial_rotary_factor=0.5, linear_key_head_dim=64, linear_value_head_dim=64,
+                                 max_position_embeddings=1024, initializer_range=0.1)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    rng = random.Random(11)
+    first, other, second = random_tokens(rng, 150), random_tokens(rng, 120), random_tokens(rng, 40)
+    outputs = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(model, device=device, dtype="float32", page_size=16, num_pages=128, max_num_batched_tokens=128,
+                  enable_prefix_caching=False)
+        engine = llm.engine
+        turn1 = run_chain_turn(engine, "c", first, params).token_ids
+        state = engine.chains.index.get("c").table.state
+        if device == "cuda":
+            assert state.done is not None and engine.cache.storage._copying  # queued, not waited for
+        # the only free slots include the chain's: a stateless request in between takes and writes one
+        stateless = llm.generate([other], params)[0].token_ids
+        turn2 = run_chain_turn(engine, "c", second, params).token_ids
+        outputs[device] = (turn1, stateless, turn2)
+        llm.close()
+    assert outputs["cuda"] == outputs["cpu"]
