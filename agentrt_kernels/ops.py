@@ -171,16 +171,25 @@ def route_grouped_sigmoid(router_logits: torch.Tensor, correction_bias: torch.Te
 
 def route_grouped_sigmoid_from_hidden(x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor,
                                       top_k: int, groups: int, topk_groups: int, renormalize: bool, scaling: float,
-                                      shared_expert: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                      shared_expert: int | None = None, *,
+                                      norm: tuple[torch.Tensor, float] | None = None,
+                                      residual: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``route_grouped_sigmoid`` of the fp32 gate's logits ``x.float() @ gate_weight.T`` (x [T, H], gate_weight
     [E, H] fp32), weights in x's dtype. On a GPU, a few rows over a small gate (a decode step's) take one launch
-    for the product and the routing together; otherwise the gate GEMM, then ``route_grouped_sigmoid``."""
+    for the product and the routing together; otherwise the gate GEMM, then ``route_grouped_sigmoid``. With
+    ``norm`` = (weight, eps) and ``residual``: the rows are ``rms_norm(x, weight, eps, residual)``'s, computed in
+    the same launch where the routing takes one; returns (topk_ids, topk_weights, normed, x + residual)."""
     args = (correction_bias, top_k, groups, topk_groups, renormalize, scaling, x.dtype, shared_expert)
+    if (norm is None) != (residual is None):
+        raise ValueError("norm and residual go together")
     if uses_triton(x):
         kernels = _kernels("grouped_router")
         if kernels.hidden_route_fits(x.shape[0], gate_weight.shape[0], x.shape[1]):
-            return kernels.route_grouped_sigmoid_from_hidden(x, gate_weight, *args)
-    return route_grouped_sigmoid(torch.nn.functional.linear(x.float(), gate_weight), *args)
+            return kernels.route_grouped_sigmoid_from_hidden(x, gate_weight, *args, norm=norm, residual=residual)
+    if norm is None:
+        return route_grouped_sigmoid(torch.nn.functional.linear(x.float(), gate_weight), *args)
+    normed, residual = rms_norm(x, norm[0], norm[1], residual)
+    return (*route_grouped_sigmoid(torch.nn.functional.linear(normed.float(), gate_weight), *args), normed, residual)
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor,

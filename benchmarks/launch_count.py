@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _NO_LAUNCH = {"empty", "view", "t", "promote_types", "transpose", "slice", "split_with_sizes", "split",
               "_unsafe_view", "detach", "alias", "expand", "unsqueeze", "select", "as_strided", "permute",
               "squeeze", "reshape", "chunk", "lift_fresh", "sym_size", "size", "stride", "dim", "numel", "unbind",
-              "empty_strided", "_local_scalar_dense", "is_nonzero"}
+              "empty_strided", "empty_like", "_local_scalar_dense", "is_nonzero"}
 
 
 class _Counter(TorchDispatchMode):

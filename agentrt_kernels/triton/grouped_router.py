@@ -54,11 +54,13 @@ def hidden_route_fits(tokens: int, experts: int, hidden: int) -> bool:
 
 @triton.jit
 def _route_grouped_sigmoid_kernel(
-    logits_ptr, x_ptr, gate_ptr, bias_ptr, ids_ptr, w_ptr,
-    stride_l, stride_x, stride_g, stride_b, stride_i, stride_w, hidden, scaling, shared_expert,
+    logits_ptr, x_ptr, gate_ptr, bias_ptr, ids_ptr, w_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr,
+    stride_l, stride_x, stride_g, stride_b, stride_i, stride_w, stride_r, stride_ro, stride_n, hidden, scaling,
+    shared_expert, eps,
     GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    SHARED: tl.constexpr, FROM_HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr,
+    SHARED: tl.constexpr, FROM_HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     gcols = tl.arange(0, BLOCK_G)
@@ -68,12 +70,31 @@ def _route_grouped_sigmoid_kernel(
     valid = (gcols[:, None] < GROUPS) & (scols[None, :] < GROUP_SIZE)
     if FROM_HIDDEN:  # the row's logits: x . gate[e] in fp32, BLOCK_H hidden columns at a time
         hcols = tl.arange(0, BLOCK_H)
+        if NORM:  # the residual sum (rounded to x's dtype, as torch adds) and its mean square, the whole row at once
+            cols = tl.arange(0, BLOCK_ROW)
+            c_mask = cols < hidden
+            s = (tl.load(x_ptr + row * stride_x + cols, mask=c_mask, other=0.0).to(tl.float32)
+                 + tl.load(res_ptr + row * stride_r + cols, mask=c_mask, other=0.0).to(tl.float32))
+            s = s.to(x_ptr.dtype.element_ty)
+            tl.store(res_out_ptr + row * stride_ro + cols, s, mask=c_mask)
+            sf = s.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(sf * sf, 0) / hidden + eps)
         logits = tl.zeros([BLOCK_G, BLOCK_S], dtype=tl.float32)
         rows = gate_ptr + expert.to(tl.int64)[:, :, None] * stride_g
         for h0 in range(0, hidden, BLOCK_H):
             h = h0 + hcols
             h_mask = h < hidden
-            xv = tl.load(x_ptr + row * stride_x + h, mask=h_mask, other=0.0).to(tl.float32)
+            if NORM:  # RMSNorm's rounding: normalised in fp32, rounded, times the weight in fp32, rounded
+                part = (tl.load(x_ptr + row * stride_x + h, mask=h_mask, other=0.0).to(tl.float32)
+                        + tl.load(res_ptr + row * stride_r + h, mask=h_mask, other=0.0).to(tl.float32))
+                part = part.to(x_ptr.dtype.element_ty).to(tl.float32)
+                nh = (part * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+                nw = tl.load(nw_ptr + h, mask=h_mask, other=0.0).to(tl.float32)
+                normed = (nh * nw).to(normed_ptr.dtype.element_ty)
+                tl.store(normed_ptr + row * stride_n + h, normed, mask=h_mask)
+                xv = normed.to(tl.float32)
+            else:
+                xv = tl.load(x_ptr + row * stride_x + h, mask=h_mask, other=0.0).to(tl.float32)
             gv = tl.load(rows + h[None, None, :], mask=valid[:, :, None] & h_mask[None, None, :], other=0.0)
             logits += tl.sum(gv * xv[None, None, :], 2)
     else:
@@ -153,7 +174,8 @@ def _check_routing(tokens_device: torch.device, experts: int, correction_bias: t
 
 
 def _launch(logits, x, gate, hidden, correction_bias, tokens, experts, top_k, groups, topk_groups, renormalize,
-            scaling, out_dtype, shared_expert, from_hidden):
+            scaling, out_dtype, shared_expert, from_hidden, norm=None):
+    """``norm``: (residual, norm weight, eps, residual_out, normed), the rows' RMSNorm before the gate product."""
     device = correction_bias.device
     columns = top_k + (shared_expert is not None)
     topk_ids = torch.empty((tokens, columns), dtype=torch.int64, device=device)
@@ -163,13 +185,16 @@ def _launch(logits, x, gate, hidden, correction_bias, tokens, experts, top_k, gr
     group_size = experts // groups
     block_g, block_s = next_pow2(groups), next_pow2(group_size)
     block_h = max(16, min(128, _TILE // (block_g * block_s))) if from_hidden else 16
+    residual, norm_weight, eps, residual_out, normed = norm if norm is not None else (x, x, 0.0, x, x)
     _route_grouped_sigmoid_kernel[(tokens,)](
-        logits, x, gate, correction_bias, topk_ids, topk_weights,
+        logits, x, gate, correction_bias, topk_ids, topk_weights, residual, norm_weight, residual_out, normed,
         logits.stride(0), x.stride(0), gate.stride(0), correction_bias.stride(0), topk_ids.stride(0),
-        topk_weights.stride(0), hidden, float(scaling), -1 if shared_expert is None else shared_expert,
+        topk_weights.stride(0), residual.stride(0), residual_out.stride(0), normed.stride(0), hidden,
+        float(scaling), -1 if shared_expert is None else shared_expert, float(eps),
         GROUPS=groups, GROUP_SIZE=group_size, BLOCK_G=block_g, BLOCK_S=block_s,
         TOPK_GROUPS=topk_groups, TOP_K=top_k, BLOCK_K=next_pow2(top_k), RENORMALIZE=bool(renormalize),
-        SHARED=shared_expert is not None, FROM_HIDDEN=from_hidden, BLOCK_H=block_h,
+        SHARED=shared_expert is not None, FROM_HIDDEN=from_hidden, BLOCK_H=block_h, NORM=norm is not None,
+        BLOCK_ROW=next_pow2(hidden) if norm is not None else 16,
         num_warps=4 if from_hidden else max(1, min(8, block_g * block_s // 256)),
     )
     return topk_ids, topk_weights
@@ -196,9 +221,12 @@ def route_grouped_sigmoid(
 def route_grouped_sigmoid_from_hidden(
     x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int, groups: int,
     topk_groups: int, renormalize: bool, scaling: float, out_dtype: torch.dtype, shared_expert: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    *, norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
     """``route_grouped_sigmoid`` of the logits ``x.float() @ gate_weight.T`` (x [T, H]; gate_weight [E, H] fp32),
-    computed in the same launch."""
+    computed in the same launch. With ``norm`` = (weight [H] in x's dtype, eps) and ``residual`` [T, H]: the
+    logits of ``rms_norm(x + residual)`` (``agentrt_kernels.triton.norm``'s math and rounding), returned with the
+    normed rows and the new residual: (topk_ids, topk_weights, normed, x + residual)."""
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x must be 2-D [tokens, hidden] float32, float16 or bfloat16, got {tuple(x.shape)} "
                          f"{x.dtype}")
@@ -210,5 +238,18 @@ def route_grouped_sigmoid_from_hidden(
     _check_routing(x.device, experts, correction_bias, top_k, groups, topk_groups, out_dtype, shared_expert)
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("gate_weight", gate_weight)
-    return _launch(x, x, gate_weight, hidden, correction_bias, tokens, experts, top_k, groups, topk_groups,
-                   renormalize, scaling, out_dtype, shared_expert, from_hidden=True)
+    if (norm is None) != (residual is None):
+        raise ValueError("norm and residual go together")
+    fused = None
+    if norm is not None:
+        weight, eps = norm
+        if weight.shape != (hidden,) or weight.dtype != x.dtype:
+            raise ValueError(f"norm weight must be [{hidden}] in {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x")
+        check_last_dim_contiguous("residual", residual)
+        fused = (residual, weight, eps, torch.empty_like(x, memory_format=torch.contiguous_format),
+                 torch.empty_like(x, memory_format=torch.contiguous_format))
+    ids, weights = _launch(x, x, gate_weight, hidden, correction_bias, tokens, experts, top_k, groups, topk_groups,
+                           renormalize, scaling, out_dtype, shared_expert, from_hidden=True, norm=fused)
+    return (ids, weights) if fused is None else (ids, weights, fused[4], fused[3])

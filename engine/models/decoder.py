@@ -98,6 +98,9 @@ class DecoderLayer(nn.Module):
         else:
             normed, residual = self.input_layernorm(hidden, residual)
         attn = self.self_attn(normed, positions, rotary, runner)
+        after_norm = getattr(self.mlp, "forward_after_norm", None)
+        if after_norm is not None:  # an MLP that runs the norm inside its own first launch
+            return after_norm(attn, residual, self.post_attention_layernorm)
         normed, residual = self.post_attention_layernorm(attn, residual)
         return self.mlp(normed), residual
 

@@ -25,7 +25,7 @@ from agentrt_kernels import ops
 from engine.errors import ConfigError
 from engine.model_config import ModelConfig
 from engine.models.decoder import DecoderForCausalLM, DenseMLP
-from engine.models.layers import RotaryEmbedding
+from engine.models.layers import RMSNorm, RotaryEmbedding
 from engine.models.mla import LatentAttention
 from engine.models.moe import PerExpertCheckpointNames, StackedExperts
 from engine.parallel.state import current_group
@@ -55,6 +55,18 @@ class GroupedSigmoidRouter(nn.Module):
                                                      self.groups, self.topk_groups, self.renormalize, self.scaling,
                                                      self.shared_expert)
 
+    def route_normed(self, x: torch.Tensor, residual: torch.Tensor,
+                     norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``forward(norm(x, residual))`` with the norm in the routing's launch where it takes one: (topk_ids,
+        topk_weights, the normed rows, x + residual)."""
+        if norm.zero_centered:  # a form the routing's launch does not compute
+            normed, residual = norm(x, residual)
+            return (*self(normed), normed, residual)
+        return ops.route_grouped_sigmoid_from_hidden(x, self.weight, self.e_score_correction_bias, self.top_k,
+                                                     self.groups, self.topk_groups, self.renormalize, self.scaling,
+                                                     self.shared_expert, norm=(norm.weight, norm.eps),
+                                                     residual=residual)
+
 
 def shares_expert_slot(config: ModelConfig) -> bool:
     """Whether the shared experts are one expert of the routed experts' size (GLM-4.7-Flash, DeepSeek-V3, Kimi
@@ -81,7 +93,16 @@ class DeepseekMoE(nn.Module):
                                                reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_ids, topk_weights = self.gate(x)
+        return self._experts(x, *self.gate(x))
+
+    def forward_after_norm(self, x: torch.Tensor, residual: torch.Tensor,
+                           norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``forward(norm(x, residual))``, x + residual): the norm runs inside the router's launch
+        (``DecoderLayer.forward``)."""
+        topk_ids, topk_weights, normed, residual = self.gate.route_normed(x, residual, norm)
+        return self._experts(normed, topk_ids, topk_weights), residual
+
+    def _experts(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         out = self.experts(x, topk_ids, topk_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

@@ -335,3 +335,44 @@ def test_ops_routes_decode_rows_from_hidden_and_larger_batches_through_the_gemm(
     for x in (small.to(DEVICE), large.to(DEVICE)):
         ops.route_grouped_sigmoid_from_hidden(x, gate.to(DEVICE), bias.to(DEVICE), 2, 1, 1, True, 1.5)
     assert calls == ["route_grouped_sigmoid_from_hidden", "route_grouped_sigmoid"]
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_routing_after_the_fused_norm_equals_the_norm_then_routing(x_dtype):
+    """With ``norm`` and ``residual`` the program first adds the residual and takes the RMSNorm of the whole row
+    (torch_ref.norm's math: the sum rounded to x's dtype, normalised in fp32, rounded, times the weight, rounded),
+    then routes the normed rows: the new residual and the normed rows as the reference norm's, the routing as the
+    reference's on those rows (GLM-4.7-Flash's grouping, 300 hidden columns: a partial gate block)."""
+    from agentrt_kernels.torch_ref.norm import rms_norm
+    from agentrt_kernels.triton.grouped_router import route_grouped_sigmoid_from_hidden
+
+    experts, top_k, groups, topk_groups, renormalize, scaling = ROUTE_CASES["glm-4.7-flash"]
+    _seed("hidden-norm", x_dtype)
+    hidden, eps = 300, 1e-5
+    x = torch.randn(6, hidden, device=DEVICE).to(x_dtype)
+    residual = torch.randn(6, hidden, device=DEVICE).to(x_dtype)
+    weight = (1 + 0.3 * torch.randn(hidden, device=DEVICE)).to(x_dtype)
+    gate = 0.2 * torch.randn(experts, hidden, device=DEVICE)
+    bias = 0.2 * torch.randn(experts, device=DEVICE)
+    args = (top_k, groups, topk_groups, renormalize, scaling, x_dtype)
+    ids, weights, normed, new_residual = route_grouped_sigmoid_from_hidden(
+        x, gate, bias, *args, shared_expert=experts, norm=(weight, eps), residual=residual)
+    want_normed, want_residual = rms_norm(x.cpu(), weight.cpu(), eps, residual.cpu())
+    # the interpreter truncates each of the three bf16 roundings (see above); a GPU rounds them to nearest
+    ulp = {torch.float32: 1e-6, torch.bfloat16: 3 * 2**-7 if DEVICE.type == "cpu" else 2**-8}[x_dtype]
+    torch.testing.assert_close(new_residual.cpu().float(), want_residual.float(), atol=ulp, rtol=ulp)
+    torch.testing.assert_close(normed.cpu().float(), want_normed.float(), atol=ulp, rtol=ulp)
+    assert not torch.equal(normed, x) and not torch.equal(new_residual, x)
+    logits = torch.nn.functional.linear(normed.float(), gate)
+    ref_ids, ref_weights = ref.route_grouped_sigmoid(logits, bias, *args, shared_expert=experts)
+    clear = _clear_rows(logits, bias, top_k, groups, topk_groups)
+    assert clear.any()
+    got_ids, got_weights = _by_id(ids[clear], weights[clear])
+    want_ids, want_weights = _by_id(ref_ids[clear], ref_weights[clear])
+    assert torch.equal(got_ids, want_ids)
+    atol, rtol = WEIGHT_TOL[x_dtype]
+    torch.testing.assert_close(got_weights.float(), want_weights.float(), atol=max(atol, 1e-6), rtol=rtol)
+    with pytest.raises(ValueError, match="together"):
+        route_grouped_sigmoid_from_hidden(x, gate, bias, *args, norm=(weight, eps))
+    with pytest.raises(ValueError, match="norm weight"):
+        route_grouped_sigmoid_from_hidden(x, gate, bias, *args, norm=(weight[:-1], eps), residual=residual)
