@@ -134,6 +134,10 @@ for heads, rank, rope, nope, q_lora, experts, hidden, groups, top_k in json.load
         "router": lambda: route_grouped_sigmoid_from_hidden(torch.zeros(t, hidden, **bf), torch.zeros(experts, hidden),
                                                             torch.zeros(experts), top_k, groups, max(1, groups // 2),
                                                             True, 2.5, torch.bfloat16, experts),
+        "router+norm": lambda: route_grouped_sigmoid_from_hidden(
+            torch.zeros(t, hidden, **bf), torch.zeros(experts, hidden), torch.zeros(experts), top_k, groups,
+            max(1, groups // 2), True, 2.5, torch.bfloat16, experts, norm=(torch.zeros(hidden, **bf), 1e-5),
+            residual=torch.zeros(t, hidden, **bf)),
     }
     for name, call in calls.items():
         with captured_launches() as launches:
@@ -146,7 +150,7 @@ print(json.dumps(rows))
 
 
 def test_the_kernels_compile_for_sm90_without_spills():
-    """The MLA input kernel and the router with its gate product inside, at GLM-4.7-Flash's decode-step shapes (20
+    """The MLA input kernel and the router with its gate product inside (and the norm before it), at GLM-4.7-Flash's decode-step shapes (20
     heads, latent 512 + 64, q_lora 768; 64 experts over 2048) and DeepSeek-V3's (128 heads, q_lora 1536; 256 experts
     in 8 groups over 7168, a gate its decode steps route through the GEMM instead), as compiled for an H100 / H200
     (Triton's bundled ptxas, no GPU needed)."""
@@ -154,6 +158,6 @@ def test_the_kernels_compile_for_sm90_without_spills():
 
     rows = compiled_rows(_SM90_SCRIPT, [[20, 512, 64, 192, 768, 64, 2048, 1, 4],
                                         [128, 512, 64, 128, 1536, 256, 7168, 8, 8]])
-    assert len(rows) == 4
+    assert len(rows) == 6
     for r in rows:
         assert r["spill_stores"] == 0, r
