@@ -95,15 +95,20 @@ def apply_rotary(
 def latent_inputs(
     q_latent: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
     cos_cache: torch.Tensor, sin_cache: torch.Tensor, norm_weight: torch.Tensor, eps: float, scale: float,
-    interleave: bool,
+    interleave: bool, cache_rows: torch.Tensor | None = None, slots: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An absorbed MLA layer's attention inputs: q_latent [T, H, R], q_pe [T, H, P] (not yet rotated), kv
     [T, R + P] -> (query [T, H, R + P] = [q_latent, rope(q_pe)] * scale, latent row [T, 1, R + P] =
-    [RMSNorm(latent), rope(k_pe)], rotated q_pe). Use the returned q_pe: the kernel rotates it in place."""
+    [RMSNorm(latent), rope(k_pe)], rotated q_pe). Use the returned q_pe: the kernel rotates it in place. With
+    ``cache_rows`` [S, R + P] and ``slots`` [T]: each row is also stored at ``cache_rows[slots[t]]`` (the kernel
+    in the same launch, skipping slots < 0; the reference needs valid slots)."""
     args = (q_latent, q_pe, kv, positions, cos_cache, sin_cache, norm_weight, eps, scale, interleave)
     if uses_triton(kv):
-        return _kernels("latent_inputs").latent_inputs(*args)
-    return _latent_inputs_ref.latent_inputs(*args)
+        return _kernels("latent_inputs").latent_inputs(*args, cache_rows=cache_rows, slots=slots)
+    out = _latent_inputs_ref.latent_inputs(*args)
+    if cache_rows is not None:
+        cache_rows[slots] = out[1][:, 0].to(cache_rows.dtype)
+    return out
 
 
 def store_kv(

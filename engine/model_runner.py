@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from agentrt_kernels import ops
 from engine.attention_backend import TorchReferenceBackend
 from engine.contract.cache import CacheManager
 from engine.contract.method import SparseMethod
@@ -95,16 +96,33 @@ class ModelRunner:
             return self._attend(batch.method, layer_idx, q, batch)
         return torch.cat([self._attend(g.method, layer_idx, q[g.start:g.stop], g.batch) for g in batch.groups])
 
-    def latent_attention(self, layer_idx: int, q: torch.Tensor, row: torch.Tensor, value_dim: int,
-                         expansion: LatentExpansion) -> torch.Tensor:
-        """``attention`` for a latent (MLA) layer -> [T, H, v]: ``q`` the absorbed queries, ``row`` [T, 1, width]
-        the new latent rows (keys; values their first ``value_dim`` channels). Prompt chunks of a plain view may
-        take the expanded form (``engine.latent_expansion``, by ``mla_prefill``); every method hook runs as for
-        ``attention``, with the absorbed queries; ``after_attention`` then sees outputs of v channels."""
+    def latent_inputs(self, layer_idx: int, q_latent: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor,
+                      positions: torch.Tensor, rotary, norm, scale: float, interleave: bool,
+                      value_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A latent (MLA) layer's attention inputs (``ops.latent_inputs``: query, row, rotated q_pe) with its new
+        rows stored: by the same launch where the storage hands out its rows (``CacheManager.row_target``), else
+        through ``write`` (values the rows' first ``value_dim`` channels). ``latent_attention`` follows."""
         batch = self._batch
         for method, part in batch.by_method():
             method.before_attention(layer_idx, part)
+        args = (q_latent, q_pe, kv, positions, rotary.cos_cache, rotary.sin_cache, norm.weight, norm.eps, scale,
+                interleave)
+        target = self.cache.row_target(layer_idx)
+        if target is not None:
+            slots = batch.slot_mapping if batch.slot_mapping.dim() == 1 else batch.slot_mapping[layer_idx]
+            return ops.latent_inputs(*args, cache_rows=target, slots=slots)
+        query, row, q_pe = ops.latent_inputs(*args)
         self.cache.write(layer_idx, row, row[..., :value_dim], batch.slot_mapping, batch.positions)
+        return query, row, q_pe
+
+    def latent_attention(self, layer_idx: int, q: torch.Tensor, row: torch.Tensor, value_dim: int,
+                         expansion: LatentExpansion) -> torch.Tensor:
+        """``attention`` for a latent (MLA) layer -> [T, H, v], after ``latent_inputs`` stored the step's rows:
+        ``q`` the absorbed queries, ``row`` [T, 1, width] the new latent rows (keys; values their first
+        ``value_dim`` channels). Prompt chunks of a plain view may take the expanded form
+        (``engine.latent_expansion``, by ``mla_prefill``); every method hook runs as for ``attention``, with the
+        absorbed queries; ``after_attention`` then sees outputs of v channels."""
+        batch = self._batch
         if batch.groups is not None:
             return expansion.absorb(self._attend_groups(layer_idx, q))
         method = batch.method

@@ -315,6 +315,9 @@ class PagedCacheManager(CacheManager):
     def all_layer_keys(self):
         return self.storage.all_layer_keys()
 
+    def row_target(self, layer: int):
+        return self.storage.row_target(layer)
+
     def write_prefix(self, req: Request, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [n, Hkv, D] as the request's first n slots outside a step (a restore, a synthetic
         fill), before ``commit(req, n)``; the request holds no slots yet."""

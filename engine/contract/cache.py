@@ -233,6 +233,11 @@ class CacheManager(ABC):
         None where the storage does not hold them so."""
         return None
 
+    def row_target(self, layer: int) -> torch.Tensor | None:
+        """The layer's rows for a kernel to store a step's key rows into at ``slot_mapping`` in the launch that
+        makes them (``KVStorage.row_target``); None: ``write`` them."""
+        return None
+
     @abstractmethod
     def write_prefix(self, req: Request, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store k/v [n, Hkv, D] as the request's first n slots outside a step (a restore, a synthetic fill),

@@ -102,6 +102,13 @@ class KVStorage(ABC):
         self.write(layer, k, v, slots, positions)
         return q
 
+    def row_target(self, layer: int) -> torch.Tensor | None:
+        """Where a kernel that makes a step's key rows may store them itself, in the launch that makes them: the
+        layer's rows as [slots, width] (last dim contiguous) for a storage whose ``write`` would store each token's
+        key row there as it is (values a view of it: one KV head, cast to the storage's dtype); None where rows
+        must go through ``write`` (dense pairs, coded rows; the CPU, whose path is the reference)."""
+        return None
+
     @abstractmethod
     def write_prefix(self, table: TableHandle, layer: int, k: torch.Tensor, v: torch.Tensor,
                      slots: torch.Tensor) -> None:

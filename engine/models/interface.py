@@ -26,6 +26,8 @@ class LayerRunner(Protocol):
     # Optional too: ``latent_attention(layer_idx, q, row, value_dim, expansion)`` for a latent (MLA) layer, which
     # returns the per-head output after ``W_UV`` ([T, num_heads, v]) and may run prompt chunks over expanded keys
     # and values (``engine.latent_expansion.LatentExpansion``); without it the layer calls ``attention`` absorbed.
+    # A runner with it also has ``latent_inputs(layer_idx, q_latent, q_pe, kv, positions, rotary, norm, scale,
+    # interleave, value_dim)``, called first: ``ops.latent_inputs``' (query, row, q_pe), the rows stored by it.
 
     def end_layer(self, layer_idx: int, hidden: torch.Tensor) -> None:
         """Called after layer ``layer_idx`` with its output hidden states [T, hidden_size].

@@ -78,12 +78,17 @@ class LatentAttention(nn.Module):
         q_nope, q_pe = q.view(t, h, -1).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
-        # the latent's norm, both rotations, the concatenations and the scale: one kernel on a GPU
+        # the latent's norm, both rotations, the concatenations and the scale: one kernel on a GPU (with the
+        # row's store where the runner stores rows itself)
         norm = self.kv_a_layernorm
-        query, row, q_pe = ops.latent_inputs(q_latent, q_pe, kv, positions, rotary.cos_cache, rotary.sin_cache,
-                                             norm.weight, norm.eps, self.q_scale, mla.rope_interleave)
-        expansion = LatentExpansion(q_nope, q_pe, w_uk, w_uv, mla.softmax_scale)
         latent_attention = getattr(runner, "latent_attention", None)
+        if latent_attention is not None:  # the runner stores the rows (in the same launch where it can)
+            query, row, q_pe = runner.latent_inputs(self.layer_idx, q_latent, q_pe, kv, positions, rotary, norm,
+                                                    self.q_scale, mla.rope_interleave, mla.kv_lora_rank)
+        else:
+            query, row, q_pe = ops.latent_inputs(q_latent, q_pe, kv, positions, rotary.cos_cache, rotary.sin_cache,
+                                                 norm.weight, norm.eps, self.q_scale, mla.rope_interleave)
+        expansion = LatentExpansion(q_nope, q_pe, w_uk, w_uv, mla.softmax_scale)
         if latent_attention is not None:  # the runner may expand prompt chunks (engine.latent_expansion)
             out = latent_attention(self.layer_idx, query, row, mla.kv_lora_rank, expansion)  # [T, H, v]
         else:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrt_kernels import ops
 from engine.contract.cache import CacheSpec
 from engine.contract.storage import KVStorage, TableHandle
 from engine.kv_memory import zeroed
@@ -46,6 +47,10 @@ class LatentKV(KVStorage):
     def write(self, layer, k, v, slots, positions=None) -> None:
         """``v`` is ``k``'s first ``value_dim`` channels (the model's view of one row): only ``k`` is stored."""
         self.rows[layer].flatten(0, 1)[slots] = k.to(self.rows.dtype)
+
+    def row_target(self, layer):
+        """On a GPU the rows themselves (``ops.latent_inputs`` stores a step's rows as it makes them)."""
+        return self.rows[layer].view(-1, self.spec.head_dim) if ops.uses_triton(self.rows) else None
 
     def write_prefix(self, table: TableHandle, layer, k, v, slots) -> None:
         self.rows[layer].flatten(0, 1)[slots] = k.to(self.rows.dtype)

@@ -127,3 +127,39 @@ def test_tensor_parallel_splits_the_heads_and_replicates_the_latent(tiny_dirs, a
         assert all(torch.equal(g, r) for r, g in zip(ref_layers, layers))
     if method == "snapkv":
         assert ref_kept[2][0].shape == (1, 12)  # the 41-token prompt was cut to the budget
+
+
+def test_rows_stored_by_the_input_kernels_route_equal_the_writes(mla_dirs, monkeypatch):
+    """Where the storage hands out its rows (``LatentKV.row_target``, a GPU's route, forced here on the CPU: the
+    reference op then stores them), the runner stores each layer's rows at that layer's slots: a prompt in chunks
+    and a PyramidKV chain's turns (per-layer slots after its compaction) leave the same pool and tokens as the
+    storage's own ``write``."""
+    import random
+
+    from engine.storage.latent import LatentKV
+    from tests.chain_helpers import random_tokens, run_chain_turn
+
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    method = {"budget": 24, "window": 6, "kernel_size": 3, "beta": 4}
+
+    def run(forced: bool):
+        if forced:
+            monkeypatch.setattr(LatentKV, "row_target",
+                                lambda self, layer: self.rows[layer].view(-1, self.spec.head_dim))
+        llm = LLM(mla_dirs["glm4_moe_lite"], dtype="float32", device="cpu", page_size=4, num_pages=96,
+                  max_num_batched_tokens=16, method="pyramidkv", method_config=method)
+        engine, rng = llm.engine, random.Random(3)
+        history, outputs, per_layer = [], [], []
+        for n in (40, 12, 3):
+            history += random_tokens(rng, n)
+            outputs.append(run_chain_turn(engine, "c", list(history), params).token_ids)
+            history += outputs[-1]
+            per_layer.append(engine.chains.index.get("c").table.layer_lens is not None)
+        rows = engine.cache.storage.rows.clone()
+        monkeypatch.undo()
+        return outputs, rows, per_layer
+
+    plain, forced = run(False), run(True)
+    assert forced[2][-1]  # the chain's layers hold different lengths: per-layer slots were taken
+    assert forced[0] == plain[0]
+    assert torch.equal(forced[1], plain[1])

@@ -60,6 +60,32 @@ def test_latent_inputs_equal_the_reference(dtype, interleave, rank):
     assert torch.equal(q[..., :nope], before[..., :nope])  # the nope part is untouched
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16], ids=["fp32-cache", "bf16-cache"])
+def test_rows_stored_at_their_slots_in_the_same_launch(cache_dtype):
+    """With ``cache_rows`` and ``slots`` each token's row also lands at its slot, cast to the cache's dtype as the
+    storage's ``write`` casts it; a slot < 0 (a graph's padding row) writes nothing; the outputs are unchanged."""
+    tokens, heads, rank, rope, nope = 4, 3, 24, 8, 12
+    q, q_latent, kv, weight, positions, cos, sin = _inputs(tokens, heads, rank, rope, nope, torch.float32, 5)
+    args = (q_latent, kv, positions, cos, sin, weight, 1e-6, 0.7, True)
+    want_query, want_row, _ = latent_inputs(q_latent, q.clone()[..., nope:], *args[1:])
+    cache = torch.full((10, rank + rope), 3.0, dtype=cache_dtype, device=DEVICE)
+    slots = torch.tensor([7, 2, -1, 5], device=DEVICE)
+    query, row, _ = latent_inputs(q_latent, q.clone()[..., nope:], *args[1:], cache_rows=cache, slots=slots)
+    assert torch.equal(query, want_query) and torch.equal(row, want_row)
+    # the interpreter truncates where the GPU and torch round (one bf16 ulp)
+    tol = 0.0 if DEVICE.type == "cuda" or cache_dtype == torch.float32 else 2**-7
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            torch.testing.assert_close(cache[slot].float(), want_row[t, 0].to(cache_dtype).float(), atol=tol,
+                                       rtol=tol)
+    untouched = [i for i in range(10) if i not in (7, 2, 5)]
+    assert torch.all(cache[untouched] == 3.0)
+    with pytest.raises(ValueError, match="go together"):
+        latent_inputs(q_latent, q.clone()[..., nope:], *args[1:], cache_rows=cache)
+    with pytest.raises(ValueError, match="cache_rows"):
+        latent_inputs(q_latent, q.clone()[..., nope:], *args[1:], cache_rows=cache[:, 1:], slots=slots)
+
+
 def test_interleaved_rope_reads_pairs():
     """With pairs the kernel must rotate (x0, x2, ..) against (x1, x3, ..): fed a rope key whose halves-layout
     rotation differs, the two modes give different rows (a kernel that ignored the flag would not)."""
@@ -131,6 +157,10 @@ for heads, rank, rope, nope, q_lora, experts, hidden, groups, top_k in json.load
         "latent_inputs": lambda: latent_inputs(torch.zeros(heads, t, rank, **bf).transpose(0, 1), q[..., nope:],
                                                packed[:, q_lora:], torch.zeros(t, dtype=torch.int64), cos, cos,
                                                torch.zeros(rank, **bf), 1e-6, 0.1, True),
+        "latent_inputs+store": lambda: latent_inputs(
+            torch.zeros(heads, t, rank, **bf).transpose(0, 1), q[..., nope:], packed[:, q_lora:],
+            torch.zeros(t, dtype=torch.int64), cos, cos, torch.zeros(rank, **bf), 1e-6, 0.1, True,
+            cache_rows=torch.zeros(64, rank + rope, **bf), slots=torch.zeros(t, dtype=torch.int64)),
         "router": lambda: route_grouped_sigmoid_from_hidden(torch.zeros(t, hidden, **bf), torch.zeros(experts, hidden),
                                                             torch.zeros(experts), top_k, groups, max(1, groups // 2),
                                                             True, 2.5, torch.bfloat16, experts),
@@ -150,14 +180,14 @@ print(json.dumps(rows))
 
 
 def test_the_kernels_compile_for_sm90_without_spills():
-    """The MLA input kernel and the router with its gate product inside (and the norm before it), at GLM-4.7-Flash's decode-step shapes (20
-    heads, latent 512 + 64, q_lora 768; 64 experts over 2048) and DeepSeek-V3's (128 heads, q_lora 1536; 256 experts
-    in 8 groups over 7168, a gate its decode steps route through the GEMM instead), as compiled for an H100 / H200
-    (Triton's bundled ptxas, no GPU needed)."""
+    """The MLA input kernel (storing its rows or not) and the router with its gate product inside (and the norm
+    before it), at GLM-4.7-Flash's decode-step shapes (20 heads, latent 512 + 64, q_lora 768; 64 experts over 2048)
+    and DeepSeek-V3's (128 heads, q_lora 1536; 256 experts in 8 groups over 7168, a gate its decode steps route
+    through the GEMM instead), as compiled for an H100 / H200 (Triton's bundled ptxas, no GPU needed)."""
     from tests.kernels.sm90_compile import compiled_rows
 
     rows = compiled_rows(_SM90_SCRIPT, [[20, 512, 64, 192, 768, 64, 2048, 1, 4],
                                         [128, 512, 64, 128, 1536, 256, 7168, 8, 8]])
-    assert len(rows) == 6
+    assert len(rows) == 8
     for r in rows:
         assert r["spill_stores"] == 0, r
