@@ -1,4 +1,4 @@
-"""DeepSeek-V3's MoE router (GLM-4.7-Flash, Kimi K2) after or with its fp32 gate product, in one launch.
+"""DeepSeek-V3's MoE router (GLM-4.7-Flash, Kimi K2) after its fp32 gate product in one launch, or with it in two.
 
 ``route_grouped_sigmoid(router_logits, correction_bias, top_k, groups, topk_groups, renormalize, scaling,
 out_dtype, shared_expert=None) -> (topk_ids, topk_weights)``
@@ -10,11 +10,16 @@ out_dtype, shared_expert=None) -> (topk_ids, topk_weights)``
                      bias-corrected score
     topk_weights:    same shape, in out_dtype
 
-``route_grouped_sigmoid_from_hidden(x, gate_weight, correction_bias, ...)`` takes the hidden rows x [T, H] and the
-fp32 gate weight [E, H] instead of the logits and computes each row's logits in the same program (fp32 products
-of x's values, summed in fp32): the cast of x and the gate GEMM are not launches of their own. Each program reads
-the whole gate weight, so ``hidden_route_fits`` keeps it to a few rows of a small gate (a decode step's): L2 serves
-the re-reads.
+``route_grouped_sigmoid_from_hidden(x, gate_weight, correction_bias, ..., norm=None, residual=None)`` takes the
+hidden rows x [T, H] and the fp32 gate weight [E, H] instead of the logits, for a decode step's few rows: the cast of
+x and the gate GEMM are not launches of their own. A first launch splits the hidden dim over programs (grid
+H / BLOCK_H): each multiplies its slice of every row with its [E, BLOCK_H] slice of the gate (fp32 products, summed
+in fp32 by an IEEE-precision dot) into partial logits [T, H / BLOCK_H, E]; the routing launch sums a row's partials
+(a fixed order: the same logits every run). The gate is read once, by many SMs at once (one program a token reading the whole gate left a
+decode step's 8 rows to 8 SMs: ~24 us a layer at GLM-4.7-Flash's 64 x 2048 on an H100, docs/benchmarks.md). With
+``norm`` and ``residual`` the first launch also takes the rows' RMSNorm (``agentrt_kernels.triton.norm``'s math and
+rounding) of x + residual: every program reads the whole rows for their mean squares (L2-resident), then writes
+its slice of the new residual and of the normed rows, which it multiplies.
 
 Matches agentrt_kernels.torch_ref.moe_router.route_grouped_sigmoid (DeepSeek-V3's router after the gate
 GEMM: sigmoid, bias, group top-2 scores, group top-k, mask, top-k, gather, renormalise, scale, cast) in one
@@ -40,27 +45,70 @@ from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2
 
 _MAX_EXPERTS = 65536  # one tile per row
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-_TILE = 8192  # elements of one gate-weight tile [groups, group size, hidden block] in a program's registers
+_TILE = 8192  # elements of one tile in a program's registers
 HIDDEN_ROUTE_MAX_ROWS = 32
-HIDDEN_ROUTE_MAX_GATE = 1 << 20  # gate elements (E x H): 4 MiB of fp32 each row's program reads
+HIDDEN_ROUTE_MAX_GATE = 1 << 20  # gate elements (E x H): the partial-logit programs' [E, GATE_BLOCK_H] slices
+GATE_BLOCK_H = 64  # hidden columns a partial-logit program takes: 32 programs over GLM-4.7-Flash's 2048
 
 
 def hidden_route_fits(tokens: int, experts: int, hidden: int) -> bool:
-    """Whether ``route_grouped_sigmoid_from_hidden`` serves this shape: a few rows over a small gate (GLM-4.7-Flash's
-    64 x 2048 at a decode step), where each row's program re-reading the whole gate weight stays in L2; larger
-    ones take the gate GEMM and ``route_grouped_sigmoid``."""
+    """Whether ``route_grouped_sigmoid_from_hidden`` serves this shape: a decode step's few rows (one dot tile of
+    them) over a small gate (GLM-4.7-Flash's 64 x 2048); larger ones take the gate GEMM and
+    ``route_grouped_sigmoid``."""
     return 0 < tokens <= HIDDEN_ROUTE_MAX_ROWS and experts * hidden <= HIDDEN_ROUTE_MAX_GATE
 
 
 @triton.jit
+def _gate_partials_kernel(
+    x_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, gate_ptr, part_ptr,
+    tokens, hidden, eps, stride_x, stride_r, stride_ro, stride_n, stride_g, stride_pt, stride_ps,
+    E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
+    NORM: tl.constexpr,
+):
+    split = tl.program_id(0)
+    tt = tl.arange(0, BLOCK_T)
+    t_mask = tt < tokens
+    rows = tt.to(tl.int64)
+    hh = split * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = hh < hidden
+    mask = t_mask[:, None] & h_mask[None, :]
+    xv = tl.load(x_ptr + rows[:, None] * stride_x + hh[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:  # the residual sum (rounded to x's dtype, as torch adds), normalised by the whole row's mean square
+        ssq = tl.zeros([BLOCK_T], dtype=tl.float32)
+        cc = tl.arange(0, CHUNK)
+        for c0 in range(0, hidden, CHUNK):
+            c = c0 + cc
+            cm = t_mask[:, None] & (c < hidden)[None, :]
+            a = (tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=cm, other=0.0).to(tl.float32)
+                 + tl.load(res_ptr + rows[:, None] * stride_r + c[None, :], mask=cm, other=0.0).to(tl.float32))
+            a = a.to(x_ptr.dtype.element_ty).to(tl.float32)
+            ssq += tl.sum(a * a, 1)
+        rstd = tl.rsqrt(ssq / hidden + eps)
+        sv = (xv + tl.load(res_ptr + rows[:, None] * stride_r + hh[None, :], mask=mask, other=0.0).to(tl.float32))
+        sv = sv.to(x_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + rows[:, None] * stride_ro + hh[None, :], sv, mask=mask)
+        nh = (sv.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        nw = tl.load(nw_ptr + hh, mask=h_mask, other=0.0).to(tl.float32)
+        normed = (nh * nw[None, :]).to(normed_ptr.dtype.element_ty)
+        tl.store(normed_ptr + rows[:, None] * stride_n + hh[None, :], normed, mask=mask)
+        xv = normed.to(tl.float32)
+    for e0 in range(0, E, BLOCK_E):
+        ee = e0 + tl.arange(0, BLOCK_E)
+        e_mask = ee < E
+        g = tl.load(gate_ptr + ee.to(tl.int64)[:, None] * stride_g + hh[None, :],
+                    mask=e_mask[:, None] & h_mask[None, :], other=0.0)
+        part = tl.dot(xv, tl.trans(g), input_precision="ieee")  # [BLOCK_T, BLOCK_E]
+        dst = part_ptr + rows[:, None] * stride_pt + split * stride_ps + ee[None, :]
+        tl.store(dst, part, mask=t_mask[:, None] & e_mask[None, :])
+
+
+@triton.jit
 def _route_grouped_sigmoid_kernel(
-    logits_ptr, x_ptr, gate_ptr, bias_ptr, ids_ptr, w_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr,
-    stride_l, stride_x, stride_g, stride_b, stride_i, stride_w, stride_r, stride_ro, stride_n, hidden, scaling,
-    shared_expert, eps,
+    logits_ptr, bias_ptr, ids_ptr, w_ptr,
+    stride_l, stride_ls, stride_b, stride_i, stride_w, splits, scaling, shared_expert,
     GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
-    SHARED: tl.constexpr, FROM_HIDDEN: tl.constexpr, BLOCK_H: tl.constexpr, NORM: tl.constexpr,
-    BLOCK_ROW: tl.constexpr,
+    SHARED: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     gcols = tl.arange(0, BLOCK_G)
@@ -68,35 +116,14 @@ def _route_grouped_sigmoid_kernel(
     expert = gcols[:, None] * GROUP_SIZE + scols[None, :]
     # padding lanes past a group's end alias the next group's expert ids, so every use of "expert" is masked
     valid = (gcols[:, None] < GROUPS) & (scols[None, :] < GROUP_SIZE)
-    if FROM_HIDDEN:  # the row's logits: x . gate[e] in fp32, BLOCK_H hidden columns at a time
-        hcols = tl.arange(0, BLOCK_H)
-        if NORM:  # the residual sum (rounded to x's dtype, as torch adds) and its mean square, the whole row at once
-            cols = tl.arange(0, BLOCK_ROW)
-            c_mask = cols < hidden
-            s = (tl.load(x_ptr + row * stride_x + cols, mask=c_mask, other=0.0).to(tl.float32)
-                 + tl.load(res_ptr + row * stride_r + cols, mask=c_mask, other=0.0).to(tl.float32))
-            s = s.to(x_ptr.dtype.element_ty)
-            tl.store(res_out_ptr + row * stride_ro + cols, s, mask=c_mask)
-            sf = s.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(sf * sf, 0) / hidden + eps)
+    if PARTIALS:  # the row's logits: its partial sums over hidden slices [splits, E], added in split order
+        pp = tl.arange(0, BLOCK_P)
         logits = tl.zeros([BLOCK_G, BLOCK_S], dtype=tl.float32)
-        rows = gate_ptr + expert.to(tl.int64)[:, :, None] * stride_g
-        for h0 in range(0, hidden, BLOCK_H):
-            h = h0 + hcols
-            h_mask = h < hidden
-            if NORM:  # RMSNorm's rounding: normalised in fp32, rounded, times the weight in fp32, rounded
-                part = (tl.load(x_ptr + row * stride_x + h, mask=h_mask, other=0.0).to(tl.float32)
-                        + tl.load(res_ptr + row * stride_r + h, mask=h_mask, other=0.0).to(tl.float32))
-                part = part.to(x_ptr.dtype.element_ty).to(tl.float32)
-                nh = (part * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-                nw = tl.load(nw_ptr + h, mask=h_mask, other=0.0).to(tl.float32)
-                normed = (nh * nw).to(normed_ptr.dtype.element_ty)
-                tl.store(normed_ptr + row * stride_n + h, normed, mask=h_mask)
-                xv = normed.to(tl.float32)
-            else:
-                xv = tl.load(x_ptr + row * stride_x + h, mask=h_mask, other=0.0).to(tl.float32)
-            gv = tl.load(rows + h[None, None, :], mask=valid[:, :, None] & h_mask[None, None, :], other=0.0)
-            logits += tl.sum(gv * xv[None, None, :], 2)
+        for p0 in range(0, splits, BLOCK_P):
+            p = p0 + pp
+            tile = tl.load(logits_ptr + row * stride_l + p[:, None, None] * stride_ls + expert[None, :, :],
+                           mask=(p < splits)[:, None, None] & valid[None, :, :], other=0.0)
+            logits += tl.sum(tile, 0)
     else:
         logits = tl.load(logits_ptr + row * stride_l + expert, mask=valid, other=0.0).to(tl.float32)
     bias = tl.load(bias_ptr + expert * stride_b, mask=valid, other=0.0)
@@ -173,9 +200,9 @@ def _check_routing(tokens_device: torch.device, experts: int, correction_bias: t
         raise ValueError(f"shared_expert must be None or a non-negative int, got {shared_expert!r}")
 
 
-def _launch(logits, x, gate, hidden, correction_bias, tokens, experts, top_k, groups, topk_groups, renormalize,
-            scaling, out_dtype, shared_expert, from_hidden, norm=None):
-    """``norm``: (residual, norm weight, eps, residual_out, normed), the rows' RMSNorm before the gate product."""
+def _route(logits, correction_bias, tokens, experts, top_k, groups, topk_groups, renormalize, scaling, out_dtype,
+           shared_expert, splits=0):
+    """The routing launch over logits [T, E], or (``splits`` > 0) over partial logits [T, splits, E]."""
     device = correction_bias.device
     columns = top_k + (shared_expert is not None)
     topk_ids = torch.empty((tokens, columns), dtype=torch.int64, device=device)
@@ -184,18 +211,15 @@ def _launch(logits, x, gate, hidden, correction_bias, tokens, experts, top_k, gr
         return topk_ids, topk_weights
     group_size = experts // groups
     block_g, block_s = next_pow2(groups), next_pow2(group_size)
-    block_h = max(16, min(128, _TILE // (block_g * block_s))) if from_hidden else 16
-    residual, norm_weight, eps, residual_out, normed = norm if norm is not None else (x, x, 0.0, x, x)
+    block_p = max(1, min(next_pow2(splits), _TILE // (block_g * block_s))) if splits else 1
     _route_grouped_sigmoid_kernel[(tokens,)](
-        logits, x, gate, correction_bias, topk_ids, topk_weights, residual, norm_weight, residual_out, normed,
-        logits.stride(0), x.stride(0), gate.stride(0), correction_bias.stride(0), topk_ids.stride(0),
-        topk_weights.stride(0), residual.stride(0), residual_out.stride(0), normed.stride(0), hidden,
-        float(scaling), -1 if shared_expert is None else shared_expert, float(eps),
+        logits, correction_bias, topk_ids, topk_weights,
+        logits.stride(0), logits.stride(1) if splits else 0, correction_bias.stride(0), topk_ids.stride(0),
+        topk_weights.stride(0), splits, float(scaling), -1 if shared_expert is None else shared_expert,
         GROUPS=groups, GROUP_SIZE=group_size, BLOCK_G=block_g, BLOCK_S=block_s,
         TOPK_GROUPS=topk_groups, TOP_K=top_k, BLOCK_K=next_pow2(top_k), RENORMALIZE=bool(renormalize),
-        SHARED=shared_expert is not None, FROM_HIDDEN=from_hidden, BLOCK_H=block_h, NORM=norm is not None,
-        BLOCK_ROW=next_pow2(hidden) if norm is not None else 16,
-        num_warps=4 if from_hidden else max(1, min(8, block_g * block_s // 256)),
+        SHARED=shared_expert is not None, PARTIALS=splits > 0, BLOCK_P=block_p,
+        num_warps=max(1, min(8, block_g * block_s // 256)) if not splits else 4,
     )
     return topk_ids, topk_weights
 
@@ -214,8 +238,8 @@ def route_grouped_sigmoid(
     _check_routing(router_logits.device, experts, correction_bias, top_k, groups, topk_groups, out_dtype,
                    shared_expert)
     check_last_dim_contiguous("router_logits", router_logits)
-    return _launch(router_logits, router_logits, router_logits, 0, correction_bias, tokens, experts, top_k, groups,
-                   topk_groups, renormalize, scaling, out_dtype, shared_expert, from_hidden=False)
+    return _route(router_logits, correction_bias, tokens, experts, top_k, groups, topk_groups, renormalize, scaling,
+                  out_dtype, shared_expert)
 
 
 def route_grouped_sigmoid_from_hidden(
@@ -240,7 +264,6 @@ def route_grouped_sigmoid_from_hidden(
     check_last_dim_contiguous("gate_weight", gate_weight)
     if (norm is None) != (residual is None):
         raise ValueError("norm and residual go together")
-    fused = None
     if norm is not None:
         weight, eps = norm
         if weight.shape != (hidden,) or weight.dtype != x.dtype:
@@ -248,8 +271,24 @@ def route_grouped_sigmoid_from_hidden(
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x")
         check_last_dim_contiguous("residual", residual)
-        fused = (residual, weight, eps, torch.empty_like(x, memory_format=torch.contiguous_format),
-                 torch.empty_like(x, memory_format=torch.contiguous_format))
-    ids, weights = _launch(x, x, gate_weight, hidden, correction_bias, tokens, experts, top_k, groups, topk_groups,
-                           renormalize, scaling, out_dtype, shared_expert, from_hidden=True, norm=fused)
-    return (ids, weights) if fused is None else (ids, weights, fused[4], fused[3])
+    if tokens > HIDDEN_ROUTE_MAX_ROWS:
+        raise ValueError(f"at most {HIDDEN_ROUTE_MAX_ROWS} rows route from hidden rows, got {tokens}")
+    splits = triton.cdiv(hidden, GATE_BLOCK_H)
+    partials = torch.empty((tokens, splits, experts), dtype=torch.float32, device=x.device)
+    normed = new_residual = None
+    if norm is not None:
+        normed = torch.empty_like(x, memory_format=torch.contiguous_format)
+        new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if tokens:
+        res, nw, res_out, out = (residual, norm[0], new_residual, normed) if norm is not None else (x, x, x, x)
+        _gate_partials_kernel[(splits,)](
+            x, res, nw, res_out, out, gate_weight, partials,
+            tokens, hidden, float(norm[1]) if norm is not None else 0.0, x.stride(0), res.stride(0),
+            res_out.stride(0), out.stride(0), gate_weight.stride(0), partials.stride(0), partials.stride(1),
+            E=experts, BLOCK_T=max(16, next_pow2(tokens)), BLOCK_E=max(16, min(32, next_pow2(experts))),
+            BLOCK_H=GATE_BLOCK_H, CHUNK=max(16, _TILE // max(16, next_pow2(tokens))), NORM=norm is not None,
+            num_warps=4,
+        )
+    ids, weights = _route(partials, correction_bias, tokens, experts, top_k, groups, topk_groups, renormalize,
+                          scaling, out_dtype, shared_expert, splits=splits)
+    return (ids, weights) if norm is None else (ids, weights, normed, new_residual)

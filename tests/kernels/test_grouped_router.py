@@ -376,3 +376,26 @@ def test_routing_after_the_fused_norm_equals_the_norm_then_routing(x_dtype):
         route_grouped_sigmoid_from_hidden(x, gate, bias, *args, norm=(weight, eps))
     with pytest.raises(ValueError, match="norm weight"):
         route_grouped_sigmoid_from_hidden(x, gate, bias, *args, norm=(weight[:-1], eps), residual=residual)
+
+
+def test_routing_from_hidden_rows_over_several_expert_blocks_and_a_partial_row_tile():
+    """160 experts (the partial-logit program's expert blocks of 64, the last partial), 20 rows (a partial tile of
+    32), 300 hidden columns (three slices, the last partial): the routing equals the gate product then the
+    reference's."""
+    from agentrt_kernels.triton.grouped_router import route_grouped_sigmoid_from_hidden
+
+    experts, top_k, groups, topk_groups = 160, 6, 8, 3
+    _seed("hidden-wide")
+    x = torch.randn(20, 300, device=DEVICE)
+    gate = 0.2 * torch.randn(experts, 300, device=DEVICE)
+    bias = 0.2 * torch.randn(experts, device=DEVICE)
+    args = (top_k, groups, topk_groups, True, 2.0, torch.float32)
+    ids, weights = route_grouped_sigmoid_from_hidden(x, gate, bias, *args)
+    logits = torch.nn.functional.linear(x, gate)
+    ref_ids, ref_weights = ref.route_grouped_sigmoid(logits, bias, *args)
+    clear = _clear_rows(logits, bias, top_k, groups, topk_groups)
+    assert clear.sum() >= 10
+    got_ids, got_weights = _by_id(ids[clear], weights[clear])
+    want_ids, want_weights = _by_id(ref_ids[clear], ref_weights[clear])
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_weights, want_weights, atol=1e-6, rtol=1e-5)

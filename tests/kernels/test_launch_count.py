@@ -23,7 +23,8 @@ def test_launch_counts_of_the_fused_paths(tmp_path):
     assert mla["mm"] == 3  # the packed down-projection, q_b_proj, o_proj: no router or shared-expert GEMMs
     assert "triton:_moe_align_scatter_kernel" not in mla  # a decode step's slots placed in the counting program
     assert mla["triton:_rms_norm_kernel"] == 2  # the input and q_a norms: the post-attention one is the router's
-    assert r["mla-decode"]["launches"] <= 13
+    assert mla["triton:_gate_partials_kernel"] == 1  # the gate product over hidden slices, before the routing
+    assert r["mla-decode"]["launches"] <= 14
     linear, full = r["hybrid-linear"]["by_op"], r["hybrid-attention"]["by_op"]
     assert linear["triton:_conv_update_kernel"] == linear["triton:_delta_step_kernel"] == 1
     assert linear["triton:_gated_rms_norm_kernel"] == 1 and r["hybrid-linear"]["launches"] <= 10
