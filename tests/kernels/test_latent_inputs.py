@@ -168,6 +168,10 @@ for heads, rank, rope, nope, q_lora, experts, hidden, groups, top_k in json.load
             torch.zeros(t, hidden, **bf), torch.zeros(experts, hidden), torch.zeros(experts), top_k, groups,
             max(1, groups // 2), True, 2.5, torch.bfloat16, experts, norm=(torch.zeros(hidden, **bf), 1e-5),
             residual=torch.zeros(t, hidden, **bf)),
+        "router+norm@32": lambda: route_grouped_sigmoid_from_hidden(  # a bs32 decode step's rows: one dot tile
+            torch.zeros(32, hidden, **bf), torch.zeros(experts, hidden), torch.zeros(experts), top_k, groups,
+            max(1, groups // 2), True, 2.5, torch.bfloat16, experts, norm=(torch.zeros(hidden, **bf), 1e-5),
+            residual=torch.zeros(32, hidden, **bf)),
     }
     for name, call in calls.items():
         with captured_launches() as launches:
@@ -189,6 +193,6 @@ def test_the_kernels_compile_for_sm90_without_spills():
 
     rows = compiled_rows(_SM90_SCRIPT, [[20, 512, 64, 192, 768, 64, 2048, 1, 4],
                                         [128, 512, 64, 128, 1536, 256, 7168, 8, 8]])
-    assert len(rows) == 12
+    assert len(rows) == 16
     for r in rows:
         assert r["spill_stores"] == 0, r
