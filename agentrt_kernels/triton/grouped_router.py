@@ -10,15 +10,15 @@ out_dtype, shared_expert=None) -> (topk_ids, topk_weights)``
                      bias-corrected score
     topk_weights:    same shape, in out_dtype
 
-``route_grouped_sigmoid_from_hidden(x, gate_weight, correction_bias, ..., norm=None, residual=None)`` takes the
-hidden rows x [T, H] and the fp32 gate weight [E, H] instead of the logits, for a decode step's few rows: the cast of
-x and the gate GEMM are not launches of their own. A first launch splits the hidden dim over programs (grid
-H / BLOCK_H): each multiplies its slice of every row with its [E, BLOCK_H] slice of the gate (fp32 products, summed
-in fp32 by an IEEE-precision dot) into partial logits [T, H / BLOCK_H, E]; the routing launch sums a row's partials
-(a fixed order: the same logits every run). The gate is read once, by many SMs at once (one program a token reading the whole gate left a
-decode step's 8 rows to 8 SMs: ~24 us a layer at GLM-4.7-Flash's 64 x 2048 on an H100, docs/benchmarks.md). With
-``norm`` and ``residual`` the first launch also takes the rows' RMSNorm (``agentrt_kernels.triton.norm``'s math and
-rounding) of x + residual: every program reads the whole rows for their mean squares (L2-resident), then writes
+``route_grouped_sigmoid_from_hidden(x, gate_weight, correction_bias, ..., norm=None, residual=None)`` takes the hidden
+rows x [T, H] and the fp32 gate weight [E, H] instead of the logits, for a decode step's few rows: the cast of x and
+the gate GEMM are not launches of their own. A first launch splits the hidden dim over programs (grid H / BLOCK_H):
+each multiplies its slice of every row with its [E, BLOCK_H] slice of the gate (fp32 products, summed in fp32 by an
+IEEE-precision dot) into partial logits [T, H / BLOCK_H, E]; the routing launch sums a row's partials (a fixed order:
+the same logits every run). The gate is read once, by many SMs at once (one program a token reading the whole gate
+left a decode step to as many SMs as it has rows: the profile in docs/benchmarks.md, 2026-12-07).
+With ``norm`` and ``residual`` the first launch also takes the rows' RMSNorm (``agentrt_kernels.triton.norm``'s math
+and rounding) of x + residual: every program reads the whole rows for their mean squares (L2-resident), then writes
 its slice of the new residual and of the normed rows, which it multiplies.
 
 Matches agentrt_kernels.torch_ref.moe_router.route_grouped_sigmoid (DeepSeek-V3's router after the gate

@@ -5,18 +5,18 @@ The spec counts only the full-attention layers as ``num_layers`` (pages, views, 
 those alone); the states live in slots ``[linear_layers, max_states + 1, ...]`` whose bytes come out of the KV
 budget first, like a codec's windows (``window_bytes``). A running table holds a slot (``open_table``, the
 table's ``window``): a table that has computed nothing starts from zeros; a table coming back (a chain's next
-turn) copies in the state it saved when it stopped (``close_table`` keeps a copy on the table in host memory,
-pinned on a GPU: an idle chain's state costs no device memory and no pages). On a GPU that copy runs on a side
-stream after the step's queued work, so a turn's end never makes the host wait for the device: the saved state
-carries the copy's event (``SavedState.done``), which host readers wait for (``SavedState.wait``) and copies back
-to the device are queued after; the slot it was copied from is not written again before the copy has read it
-(``open_table`` queues the step stream's wait for that event). A state exists only at its table's end, so a
-table cannot be cut back (``cuts_tables`` is False: a rewound or diverging chain is recomputed). For prefix
-caching the storage keeps checkpoints: with ``prefix_checkpoints`` > 0 a prefill chunk that does not end its prompt ends on a page
-boundary (``aligned_prefill``), the state there is copied to host memory under the prefix-cache key of the page
-that ends there (``checkpoint``; least recently used dropped beyond ``prefix_checkpoints``), and a new request
-whose prefix matches published pages starts from the last matched page that has a checkpoint, with that state
-(``resumable_prefix``). With none the spec is not ``prefix_reusable`` and prefix caching is off.
+turn) copies in the state it saved when it stopped (``close_table`` keeps a copy on the table in host memory, pinned
+on a GPU: an idle chain's state costs no device memory and no pages). On a GPU that copy runs on a side stream after
+the step's queued work, so a turn's end never makes the host wait for the device: the saved state carries the copy's
+event (``SavedState.done``), which host readers wait for (``SavedState.wait``) and copies back to the device are
+queued after; the slot it was copied from is not written again before the copy has read it (``open_table`` queues the
+step stream's wait for that event). A state exists only at its table's end, so a table cannot be cut back
+(``cuts_tables`` is False: a rewound or diverging chain is recomputed). For prefix caching the storage keeps
+checkpoints: with ``prefix_checkpoints`` > 0 a prefill chunk that does not end its prompt ends on a page boundary
+(``aligned_prefill``), the state there is copied to host memory under the prefix-cache key of the page that ends there
+(``checkpoint``; least recently used dropped beyond ``prefix_checkpoints``), and a new request whose prefix matches
+published pages starts from the last matched page that has a checkpoint, with that state (``resumable_prefix``). With
+none the spec is not ``prefix_reusable`` and prefix caching is off.
 """
 
 from __future__ import annotations
