@@ -304,7 +304,7 @@ for step in "$@"; do
                 --out "$OUT/hostcopies_$copies"
         done ;;
     gputests)  # the GPU cases added since the last `tests` run: expanded MLA prefill, the MLA decode launch, RMSNorm
-        run gputests 280 python -m pytest -v -n 4 --tb=short -rf --timeout 150 -p no:cacheprovider \
+        run gputests 420 python -m pytest -v -n 4 --tb=short -rf --timeout 200 -p no:cacheprovider \
             tests/engine/test_mla_expanded_prefill.py tests/kernels/test_mla_prefill_bench.py \
             tests/kernels/test_mla_decode_kernel.py tests/kernels/test_triton_kernels.py tests/engine/test_async_loads.py \
             tests/kernels/test_latent_inputs.py tests/kernels/test_grouped_router.py tests/kernels/test_kv_compact.py \
