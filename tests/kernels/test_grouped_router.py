@@ -60,6 +60,18 @@ def _by_id(ids: torch.Tensor, weights: torch.Tensor):
     return ids.gather(1, order), weights.gather(1, order)
 
 
+def _assert_clear_rows_agree(got, want, logits, bias, top_k, groups, topk_groups, atol, rtol, min_clear=1) -> None:
+    """(ids, weights) ``got`` and ``want`` name the same experts with the same weights on every row the routing of
+    ``logits`` does not decide by (near-)ties; at least ``min_clear`` such rows (random inputs: the comparison is
+    not vacuous)."""
+    clear = _clear_rows(logits, bias, top_k, groups, topk_groups)
+    assert clear.sum() >= min_clear
+    got_ids, got_weights = _by_id(got[0][clear], got[1][clear])
+    want_ids, want_weights = _by_id(want[0][clear], want[1][clear])
+    assert torch.equal(got_ids, want_ids)
+    torch.testing.assert_close(got_weights.float(), want_weights.float(), atol=atol, rtol=rtol)
+
+
 def _check_against_ref(logits, bias, top_k, groups, topk_groups, renormalize, scaling, out_dtype) -> None:
     args = (top_k, groups, topk_groups, renormalize, scaling, out_dtype)
     ids, weights = route_grouped_sigmoid(logits, bias, *args)
@@ -70,13 +82,9 @@ def _check_against_ref(logits, bias, top_k, groups, topk_groups, renormalize, sc
     assert ((ids >= 0) & (ids < experts)).all()
     assert all(len(set(row)) == top_k for row in ids.tolist())  # distinct experts per row
 
-    clear = _clear_rows(logits, bias, top_k, groups, topk_groups)
-    assert clear.any()  # random inputs: (near-)ties are rare, so the comparison below is not vacuous
-    ids, weights = _by_id(ids[clear], weights[clear])
-    ref_ids, ref_weights = _by_id(ref_ids[clear], ref_weights[clear])
-    assert torch.equal(ids, ref_ids)
     atol, rtol = WEIGHT_TOL[out_dtype]
-    torch.testing.assert_close(weights.float(), ref_weights.float(), atol=atol, rtol=rtol)
+    _assert_clear_rows_agree((ids, weights), (ref_ids, ref_weights), logits, bias, top_k, groups, topk_groups, atol,
+                             rtol)
 
 
 def _random_inputs(tokens, experts, dtype=torch.float32):
@@ -302,13 +310,9 @@ def test_routing_from_hidden_rows_equals_the_gate_product_then_routing(case, x_d
     logits = torch.nn.functional.linear(x.float(), gate)
     ref_ids, ref_weights = ref.route_grouped_sigmoid(logits, bias, *args, shared_expert=experts)
     assert ids.shape == weights.shape == (5, top_k + 1) and weights.dtype == x_dtype
-    clear = _clear_rows(logits, bias, top_k, groups, topk_groups)
-    assert clear.any()
-    got_ids, got_weights = _by_id(ids[clear], weights[clear])
-    want_ids, want_weights = _by_id(ref_ids[clear], ref_weights[clear])
-    assert torch.equal(got_ids, want_ids)
     atol, rtol = WEIGHT_TOL[x_dtype]
-    torch.testing.assert_close(got_weights.float(), want_weights.float(), atol=max(atol, 1e-6), rtol=rtol)
+    _assert_clear_rows_agree((ids, weights), (ref_ids, ref_weights), logits, bias, top_k, groups, topk_groups,
+                             max(atol, 1e-6), rtol)
 
 
 def test_ops_routes_decode_rows_from_hidden_and_larger_batches_through_the_gemm(monkeypatch):
@@ -365,13 +369,9 @@ def test_routing_after_the_fused_norm_equals_the_norm_then_routing(x_dtype):
     assert not torch.equal(normed, x) and not torch.equal(new_residual, x)
     logits = torch.nn.functional.linear(normed.float(), gate)
     ref_ids, ref_weights = ref.route_grouped_sigmoid(logits, bias, *args, shared_expert=experts)
-    clear = _clear_rows(logits, bias, top_k, groups, topk_groups)
-    assert clear.any()
-    got_ids, got_weights = _by_id(ids[clear], weights[clear])
-    want_ids, want_weights = _by_id(ref_ids[clear], ref_weights[clear])
-    assert torch.equal(got_ids, want_ids)
     atol, rtol = WEIGHT_TOL[x_dtype]
-    torch.testing.assert_close(got_weights.float(), want_weights.float(), atol=max(atol, 1e-6), rtol=rtol)
+    _assert_clear_rows_agree((ids, weights), (ref_ids, ref_weights), logits, bias, top_k, groups, topk_groups,
+                             max(atol, 1e-6), rtol)
     with pytest.raises(ValueError, match="together"):
         route_grouped_sigmoid_from_hidden(x, gate, bias, *args, norm=(weight, eps))
     with pytest.raises(ValueError, match="norm weight"):
@@ -393,9 +393,5 @@ def test_routing_from_hidden_rows_over_several_expert_blocks_and_a_partial_row_t
     ids, weights = route_grouped_sigmoid_from_hidden(x, gate, bias, *args)
     logits = torch.nn.functional.linear(x, gate)
     ref_ids, ref_weights = ref.route_grouped_sigmoid(logits, bias, *args)
-    clear = _clear_rows(logits, bias, top_k, groups, topk_groups)
-    assert clear.sum() >= 10
-    got_ids, got_weights = _by_id(ids[clear], weights[clear])
-    want_ids, want_weights = _by_id(ref_ids[clear], ref_weights[clear])
-    assert torch.equal(got_ids, want_ids)
-    torch.testing.assert_close(got_weights, want_weights, atol=1e-6, rtol=1e-5)
+    _assert_clear_rows_agree((ids, weights), (ref_ids, ref_weights), logits, bias, top_k, groups, topk_groups, 1e-6,
+                             1e-5, min_clear=10)
