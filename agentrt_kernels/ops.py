@@ -180,10 +180,11 @@ def route_grouped_sigmoid_from_hidden(x: torch.Tensor, gate_weight: torch.Tensor
                                       norm: tuple[torch.Tensor, float] | None = None,
                                       residual: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """``route_grouped_sigmoid`` of the fp32 gate's logits ``x.float() @ gate_weight.T`` (x [T, H], gate_weight
-    [E, H] fp32), weights in x's dtype. On a GPU, a few rows over a small gate (a decode step's) take one launch
-    for the product and the routing together; otherwise the gate GEMM, then ``route_grouped_sigmoid``. With
-    ``norm`` = (weight, eps) and ``residual``: the rows are ``rms_norm(x, weight, eps, residual)``'s, computed in
-    the same launch where the routing takes one; returns (topk_ids, topk_weights, normed, x + residual)."""
+    [E, H] fp32), weights in x's dtype. On a GPU, a few rows over a small gate (a decode step's) take two launches:
+    the product split over hidden slices, then the routing; otherwise the gate GEMM, then
+    ``route_grouped_sigmoid``. With ``norm`` = (weight, eps) and ``residual``: the rows are
+    ``rms_norm(x, weight, eps, residual)``'s, computed in the product's launch where it has one; returns
+    (topk_ids, topk_weights, normed, x + residual)."""
     args = (correction_bias, top_k, groups, topk_groups, renormalize, scaling, x.dtype, shared_expert)
     if (norm is None) != (residual is None):
         raise ValueError("norm and residual go together")

@@ -116,7 +116,7 @@ def _route_grouped_sigmoid_kernel(
     expert = gcols[:, None] * GROUP_SIZE + scols[None, :]
     # padding lanes past a group's end alias the next group's expert ids, so every use of "expert" is masked
     valid = (gcols[:, None] < GROUPS) & (scols[None, :] < GROUP_SIZE)
-    if PARTIALS:  # the row's logits: its partial sums over hidden slices [splits, E], added in split order
+    if PARTIALS:  # the row's logits: its partial sums over hidden slices [splits, E], added in a fixed order
         pp = tl.arange(0, BLOCK_P)
         logits = tl.zeros([BLOCK_G, BLOCK_S], dtype=tl.float32)
         for p0 in range(0, splits, BLOCK_P):
@@ -247,8 +247,8 @@ def route_grouped_sigmoid_from_hidden(
     topk_groups: int, renormalize: bool, scaling: float, out_dtype: torch.dtype, shared_expert: int | None = None,
     *, norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
-    """``route_grouped_sigmoid`` of the logits ``x.float() @ gate_weight.T`` (x [T, H]; gate_weight [E, H] fp32),
-    computed in the same launch. With ``norm`` = (weight [H] in x's dtype, eps) and ``residual`` [T, H]: the
+    """``route_grouped_sigmoid`` of the logits ``x.float() @ gate_weight.T`` (x [T, H], at most
+    ``HIDDEN_ROUTE_MAX_ROWS``; gate_weight [E, H] fp32): partial logits over hidden slices, then the routing. With ``norm`` = (weight [H] in x's dtype, eps) and ``residual`` [T, H]: the
     logits of ``rms_norm(x + residual)`` (``agentrt_kernels.triton.norm``'s math and rounding), returned with the
     normed rows and the new residual: (topk_ids, topk_weights, normed, x + residual)."""
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
