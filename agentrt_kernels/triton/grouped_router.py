@@ -248,9 +248,10 @@ def route_grouped_sigmoid_from_hidden(
     *, norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``route_grouped_sigmoid`` of the logits ``x.float() @ gate_weight.T`` (x [T, H], at most
-    ``HIDDEN_ROUTE_MAX_ROWS``; gate_weight [E, H] fp32): partial logits over hidden slices, then the routing. With ``norm`` = (weight [H] in x's dtype, eps) and ``residual`` [T, H]: the
-    logits of ``rms_norm(x + residual)`` (``agentrt_kernels.triton.norm``'s math and rounding), returned with the
-    normed rows and the new residual: (topk_ids, topk_weights, normed, x + residual)."""
+    ``HIDDEN_ROUTE_MAX_ROWS``; gate_weight [E, H] fp32): partial logits over hidden slices, then the routing.
+    With ``norm`` = (weight [H] in x's dtype, eps) and ``residual`` [T, H]: the logits of
+    ``rms_norm(x + residual)`` (``agentrt_kernels.triton.norm``'s math and rounding), returned with the normed
+    rows and the new residual: (topk_ids, topk_weights, normed, x + residual)."""
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x must be 2-D [tokens, hidden] float32, float16 or bfloat16, got {tuple(x.shape)} "
                          f"{x.dtype}")
