@@ -23,5 +23,8 @@ def test_the_tiny_sweep_agrees_with_the_default_launch(coded):
     timed = [c for c in row["configs"] if "ms" in c]
     assert len(timed) == 2 and all(c["max_rel_vs_default"] < 1e-2 for c in timed)
     assert row["best"]["ms"] == min(c["ms"] for c in timed)
-    assert [s["num_splits"] for s in row["best_by_splits"]] == [1, 2]
-    assert all(s["max_rel_vs_default"] < 1e-2 for s in row["best_by_splits"])
+    # both timed launches (the top ones, at most three) over both split counts, fastest first
+    assert [(s["rank"], s["num_splits"]) for s in row["top_by_splits"]] == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert row["top_by_splits"][0]["block_n"] == row["best"]["block_n"]
+    assert all(s["max_rel_vs_default"] < 1e-2 for s in row["top_by_splits"])
+    assert row["best_split"]["ms"] == min(s["ms"] for s in row["top_by_splits"])
