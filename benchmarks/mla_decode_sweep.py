@@ -99,7 +99,7 @@ def run_case(batch: int, context: int, heads: int, rank: int, rope: int, space: 
                                                  on_gpu)}
     configs = []
     for cfg in grid(space):
-        if cfg["block_h"] > max(16, heads) * 2:  # a head tile more than twice the heads is padding only
+        if cfg.get("block_h", 16) > max(16, heads) * 2:  # a head tile more than twice the heads is padding only
             continue
         try:
             out = decode(**cfg)
@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--heads", type=int, default=20, help="query heads (GLM-4.7-Flash: 20; DeepSeek-V3: 128)")
     ap.add_argument("--cases", default="8@4096,32@4096,8@32768", help="BATCH@CONTEXT,...")
     ap.add_argument("--coded", action="store_true", help="E4M3 latent rows (kv_storage fp8) instead of bf16")
+    ap.add_argument("--default-launch", action="store_true",
+                    help="no launch grid: the default launch alone over --splits (e.g. over contexts, to separate a "
+                         "launch's fixed cost from its cost a row)")
+    ap.add_argument("--splits", help="split counts to time, comma-separated (default: 4-64)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run through the interpreter)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -143,6 +147,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rank, rope, heads = (32, 16, 4) if args.tiny else (512, 64, args.heads)
     cases = [(2, 40)] if args.tiny else [tuple(map(int, c.split("@"))) for c in args.cases.split(",")]
     space, splits = (TINY_GRID, [1, 2]) if args.tiny else (GRID, SPLITS)
+    if args.default_launch:
+        space = {}
+    if args.splits:
+        splits = [int(s) for s in args.splits.split(",")]
     rate = copy_bandwidth(device) if on_gpu else float("nan")  # the smoke run has no roofline
     rows = []
     print(f"copy rate {rate / 1e9:.0f} GB/s" if on_gpu else "copy rate: none (CPU smoke run)")
