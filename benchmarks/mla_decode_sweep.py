@@ -18,6 +18,7 @@ two scales (``kv_storage="fp8"``), the same sweep, beside the bf16 rows at their
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
@@ -26,6 +27,7 @@ import torch
 if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run: Triton's interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from agentrt_kernels.triton._common import next_pow2  # noqa: E402
 from benchmarks.roofline import copy_bandwidth  # noqa: E402
 from benchmarks.sweep_helpers import add_row, finish_rows, grid, max_rel, timed  # noqa: E402
 
@@ -99,7 +101,9 @@ def run_case(batch: int, context: int, heads: int, rank: int, rope: int, space: 
                                                  on_gpu)}
     configs = []
     for cfg in grid(space):
-        if cfg.get("block_h", 16) > max(16, heads) * 2:  # a head tile more than twice the heads is padding only
+        # a head tile more than twice the heads' power of two is padding only; up to it, a wider tile may take
+        # Hopper's wgmma (64 rows a warpgroup) where a narrower one takes mma.sync
+        if cfg.get("block_h", 16) > 2 * max(16, next_pow2(heads)):
             continue
         try:
             out = decode(**cfg)
@@ -139,6 +143,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="no launch grid: the default launch alone over --splits (e.g. over contexts, to separate a "
                          "launch's fixed cost from its cost a row)")
     ap.add_argument("--splits", help="split counts to time, comma-separated (default: 4-64)")
+    ap.add_argument("--grid", help="the launch grid as JSON, e.g. '{\"block_h\": [32, 64], \"block_n\": [32, 64]}' "
+                                   "(keys of GRID; default: GRID)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run through the interpreter)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
@@ -147,6 +153,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rank, rope, heads = (32, 16, 4) if args.tiny else (512, 64, args.heads)
     cases = [(2, 40)] if args.tiny else [tuple(map(int, c.split("@"))) for c in args.cases.split(",")]
     space, splits = (TINY_GRID, [1, 2]) if args.tiny else (GRID, SPLITS)
+    if args.grid:
+        space = json.loads(args.grid)
     if args.default_launch:
         space = {}
     if args.splits:
