@@ -8,7 +8,7 @@
     block_tables: [B, max_pages] int32 page ids; kv_lens: [B] int32 (>= 1; a 0 row yields zeros)
     scale:        softmax scale (python float)
     value_dim:    Dv <= Dk: the values are the FIRST Dv channels of each latent row (V is a slice of K)
-    num_splits:   context splits per request; None: ``mla_num_splits`` of B, the head tiles and max_pages * page_size
+    num_splits:   context splits per request; None: ``choose_launch``'s (one wave of programs; see Tiles)
     out:          optional preallocated [B, Hq, Dv] output (e.g. a CUDA-graph static buffer)
     returns       out [B, Hq, Dv] in q's dtype
 
@@ -25,10 +25,11 @@ latent rows hit L2. The split's token range is derived on the device from kv_len
 ``decode_attention``: equal, BLOCK_N-aligned ranges of at least ``min_split_tokens``; empty tail splits emit an
 empty partial. Partials are (acc / l, log2-sum-exp) in fp32, laid out as ``decode_attention.split_partials``.
 
-Tiles (``default_block_h``, ``_launch_defaults``): 16, 32 or 64 heads a program (the fewest that hold Hq);
-for Dv >= 256 the launch the GPU sweep (``benchmarks.mla_decode_sweep``) found fastest among those that
-compile without spills on sm_90a (cp.async-pipelined loads); small widths (tests) take 64 rows and 4 warps.
-Every knob can be overridden per call.
+Tiles (``default_block_h``, ``_launch_candidates``, ``choose_launch``): 16, 32 or 64 heads a program (the
+fewest that hold Hq); for Dv >= 256 the launches the GPU sweep (``benchmarks.mla_decode_sweep``) found fastest,
+each with the programs a SM holds; a call takes the one whose single wave of programs holds the most context
+splits (``mla_num_splits``: B * head tiles * splits programs, at most one wave). Small widths (tests) take 64
+rows and 4 warps. Every knob can be overridden per call.
 
 Kernel 2, grid (B, Hq): merges the num_splits partials with max-rescaling, one split row [Dv] at a time (no
 [splits, Dv] tile, so Dv = 512 with 64 splits stays in registers). With num_splits == 1 kernel 1 normalises and
@@ -53,10 +54,6 @@ from agentrt_kernels.triton.decode_attention import (
 )
 
 _LOG2E = 1.4426950408889634
-# Split-kernel programs per SM that the default split count aims at (two waves of the ~2 that stay resident:
-# a program holds a [BLOCK_H, Dv] fp32 accumulator and a [BLOCK_N, Dk] latent tile, several times the dense
-# kernel's). Same rule as ``decode_attention.two_wave_splits``, with B * head tiles programs a split.
-MLA_SPLIT_PROGRAMS_PER_SM = 4
 
 
 @triton.jit
@@ -192,38 +189,58 @@ def default_block_h(num_heads: int) -> int:
     return 16 if num_heads <= 16 else 32 if num_heads <= 32 else 64
 
 
-def _launch_defaults(
-    block_h: int, block_dv: int, dtype: torch.dtype, coded: bool = False,
-) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) for a head tile. For latent widths of
-    256 and more (MLA's 512 + 64), bf16 / fp16 rows: the fastest launches of ``benchmarks.mla_decode_sweep`` at
-    GLM-4.7-Flash's 20 heads (bs8 and bs32 at 4K, bs8 at 32K; docs/benchmarks.md) among those ptxas (Triton 3.6,
-    sm_90a; ``benchmarks.kernel_resources.compile_sm90``) compiles without spills: 16 heads x 32 rows on 4 warps
-    (~210 registers, two programs a SM), 32 x 64 on 8 warps (~215 registers, 112 KB of shared memory, one program
-    a SM; 32 x 16 on 8 warps, two a SM, took twice as long), the latent loads pipelined through shared memory
-    (cp.async). 64 x 16, 8 warps, three stages (wgmma): ~215 registers, 128 KB, one program a SM. fp32 latents take
-    16 x 16 (110 registers; fp32 dots run on the FMA units). ``coded`` (E4M3 rows converted in registers): 16 x 32
-    and 32 x 16 on 8 warps (the wider tiles spill there)."""
+# A launch of the split kernel: (BLOCK_N, num_warps, num_stages, programs resident a SM)
+Launch = tuple[int, int, int, int]
+
+
+def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: bool = False) -> list[Launch]:
+    """The launches ``mla_paged_decode`` chooses among for a head tile, each with the programs a SM holds at once
+    (registers and shared memory as ptxas reports them for sm_90a, Triton 3.6;
+    ``benchmarks.kernel_resources.compile_sm90``). For latent widths of 256 and more (MLA's 512 + 64), bf16 /
+    fp16 rows, the fastest of ``benchmarks.mla_decode_sweep`` at GLM-4.7-Flash's 20 heads (docs/benchmarks.md):
+    16 heads x 32 rows on 4 warps (~210 registers, two programs a SM); for 32-head tiles 32 x 64 on 8 warps
+    (~206 registers, 112 KB of shared memory: one a SM), the fastest where a batch's splits fill one wave of those
+    (bs8 @ 4K), and 32 x 32 on 4 warps (255 registers, a few bytes spilled: two a SM), the fastest where the wave
+    of two a SM holds more splits (bs32 @ 4K, bs8 @ 32K); 64 x 16 on 8 warps, three stages (wgmma, ~218
+    registers, 128 KB: one a SM). The latent loads are pipelined through shared memory (cp.async). fp32 latents
+    take 16 x 16 (110 registers; fp32 dots run on the FMA units). ``coded`` (E4M3 rows converted in registers):
+    16 x 32 and 32 x 16 on 8 warps, one a SM (the wider tiles spill there). Small widths (tests): 64 rows on 4
+    warps."""
     if block_dv < 256:
-        return 64, 4, 2
+        return [(64, 4, 2, 4)]
     if dtype == torch.float32:
-        return 16, 8, 2
+        return [(16, 8, 2, 2)]
     if coded and block_h <= 32:
-        return (32 if block_h == 16 else 16), 8, 2
+        return [((32 if block_h == 16 else 16), 8, 2, 1)]
     if block_h == 16:
-        return 32, 4, 2
+        return [(32, 4, 2, 2)]
     if block_h == 32:
-        return 64, 8, 2
-    return 16, 8, 3
+        return [(64, 8, 2, 1), (32, 4, 2, 2)]
+    return [(16, 8, 3, 1)]
 
 
-def mla_num_splits(batch: int, head_tiles: int, max_kv_len: int, sm_count: int = 132) -> int:
-    """Default split count: the most splits whose B * head_tiles * splits programs fit in
-    MLA_SPLIT_PROGRAMS_PER_SM programs a SM, each split keeping >= MIN_TOKENS_PER_SPLIT tokens of the longest
-    request, at most MAX_SPLITS (``decode_attention.two_wave_splits``' rule with the MLA kernel's residency)."""
-    want = (MLA_SPLIT_PROGRAMS_PER_SM * sm_count) // max(1, batch * head_tiles)
+def mla_num_splits(batch: int, head_tiles: int, max_kv_len: int, sm_count: int = 132,
+                   programs_per_sm: int = 1) -> int:
+    """Default split count: the most splits whose B * head_tiles * splits programs run in one wave
+    (``programs_per_sm`` resident on each of ``sm_count`` SMs), each split keeping >= MIN_TOKENS_PER_SPLIT tokens
+    of the longest request, at most MAX_SPLITS. One wave: the sweep's split counts past it (a second, partly
+    filled wave) measured slower than the wave's own (bs8 @ 4K, docs/benchmarks.md)."""
+    want = (programs_per_sm * sm_count) // max(1, batch * head_tiles)
     by_len = max_kv_len // MIN_TOKENS_PER_SPLIT
     return max(1, min(want, by_len, MAX_SPLITS))
+
+
+def choose_launch(candidates: list[Launch], batch: int, head_tiles: int, max_kv_len: int,
+                  sm_count: int) -> tuple[Launch, int]:
+    """(launch, num_splits): the candidate whose one wave holds the most programs at its split count (the most
+    parallel work the context allows, without a second wave); ties go to the first (fewer, wider programs)."""
+    best, best_programs = None, -1
+    for launch in candidates:
+        splits = mla_num_splits(batch, head_tiles, max_kv_len, sm_count, launch[3])
+        programs = min(batch * head_tiles * splits, launch[3] * sm_count)
+        if programs > best_programs:
+            best, best_programs = (launch, splits), programs
+    return best
 
 
 def mla_paged_decode(
@@ -285,13 +302,18 @@ def mla_paged_decode(
     head_tiles = -(-num_heads // block_h)
     block_dv = next_pow2(dv)
     block_dr = max(16, next_pow2(dk - dv))
-    default_n, default_warps, default_stages = _launch_defaults(block_h, block_dv, q.dtype, row_scales is not None)
-    block_n = block_n or default_n
-    num_warps = num_warps or default_warps
-    num_stages = num_stages or default_stages
     max_kv_len = block_tables.shape[1] * page_size
+    candidates = _launch_candidates(block_h, block_dv, q.dtype, row_scales is not None)
+    overrides = (block_n, num_warps, num_stages)
+    if any(overrides):  # a caller's launch: the first candidate's for what it leaves out, and its residency
+        first = candidates[0]
+        launch = tuple(o or d for o, d in zip(overrides, first[:3]))
+        matching = [c for c in candidates if c[:3] == launch]
+        candidates = [(*launch, matching[0][3] if matching else first[3])]
+    (block_n, num_warps, num_stages, _), splits = choose_launch(candidates, batch, head_tiles, max_kv_len,
+                                                                 num_sms(q.device))
     if num_splits is None:
-        num_splits = mla_num_splits(batch, head_tiles, max_kv_len, num_sms(q.device))
+        num_splits = splits
     num_splits, mid_o, mid_lse = split_partials(out, 1, max_kv_len, num_splits)
     upcast, precision = dot_args(_mla_split_kernel, q.dtype)
     _mla_split_kernel[(head_tiles, num_splits, batch)](
