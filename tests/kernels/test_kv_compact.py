@@ -76,7 +76,8 @@ def test_a_snapkv_chain_compacted_by_the_kernels_equals_one_compacted_by_torch(t
     def run(fused: bool):
         monkeypatch.setattr(dense, "fuse_compaction", lambda kv: fused)
         engine = LLMEngine(EngineConfig(tiny_dirs["llama"], dtype="float32", device=str(DEVICE), page_size=4,
-                                        num_pages=256, method="snapkv", method_config={"budget": 24, "window": 4}))
+                                        num_pages=256, method="snapkv", method_config={"budget": 24, "window": 4},
+                                        warmup=False))  # a GPU engine's warm-up prompt would be compacted too
         params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True, logprobs=True)
         first = run_chain_turn(engine, "c", list(range(5, 65)), params)
         second = run_chain_turn(engine, "c", list(range(5, 65)) + first.token_ids + list(range(70, 110)), params)
