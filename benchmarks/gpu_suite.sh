@@ -316,7 +316,10 @@ for step in "$@"; do
         run chainturn 240 python -m benchmarks.chain_turn_profile --shape llama-3.1-8b --history 16384 \
             --new-tokens 2048 --json "$OUT/chainturn.json" ;;
     mlasweep)  # the Triton MLA decode kernel over launch configurations and split counts, beside flashinfer's MLA
-        run mlasweep 400 python -m benchmarks.mla_decode_sweep --json "$OUT/mlasweep.json" ;;
+        # (the three fastest launches each over split counts; ~100 s on an H100 with a warm Triton cache)
+        run mlasweep 400 python -m benchmarks.mla_decode_sweep --cases 8@4096,32@4096 \
+            --grid '{"block_h": [32, 64], "block_n": [16, 32, 64], "num_warps": [4, 8], "num_stages": [2, 3]}' \
+            --splits 8,16,24,32,48,64 --json "$OUT/mlasweep.json" ;;
     mlasweepfp8)  # the same over E4M3 latent rows (kv_storage fp8), beside bf16 rows at their default launch
         run mlasweepfp8 400 python -m benchmarks.mla_decode_sweep --coded --json "$OUT/mlasweepfp8.json" ;;
     mlaprefill)  # absorbed vs expanded MLA prefill (one layer's attention, GLM-4.7-Flash shape), chunks 512-8K
