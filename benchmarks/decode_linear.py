@@ -3,6 +3,7 @@ launches (our Triton RMSNorm / SiLU-and-mul, then cuBLAS through F.linear), in o
 bandwidth measured in the same run.
 
     python -m benchmarks.decode_linear --json decode_linear.json     # GPU: Llama-3.1-8B's decode linears
+    python -m benchmarks.decode_linear --model glm-4.7-flash --rows 8,32   # GLM-4.7-Flash's (MLA) projections
     python -m benchmarks.decode_linear --tiny                        # anywhere (interpreter on a CPU): a smoke run
 
 Cases (bf16, M = 1 and 8 rows): the packed QKV projection (6144 x 4096) after the input norm with its residual
@@ -12,9 +13,9 @@ final norm (a fusion the engine does not make yet: is it worth making). Each pat
 (``triton.testing.do_bench_cudagraph``, as decode steps run) over four copies of the weights taken in turn,
 so no copy stays in the 50 MB L2 between calls. The fused path runs its default launch and a grid of
 launches (tile sizes, warps, which operand is the weight; for one row multiply-adds in registers, ``FMA``); each
-output is checked against the two-launch path, and cuBLAS alone (the GEMV without its prologue) is timed too. The table gives each path's time, its weight
-bytes over the copy rate (the roofline fraction), and the saving per decode step (over Llama-3.1-8B's 32
-layers; the LM head once).
+output is checked against the two-launch path, and cuBLAS alone (the GEMV without its prologue) is timed too.
+The table gives each path's time, its weight bytes over the copy rate (the roofline fraction), and the saving per
+decode step (over the model's layers: Llama-3.1-8B's 32, GLM-4.7-Flash's 47; the LM head once).
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import torch.nn.functional as F  # noqa: E402
 from benchmarks.sweep_helpers import grid, max_rel, save_rows, timer  # noqa: E402
 
 COPIES = 4
-LAYERS = 32
 SHAPES = {  # name: (N, K, prologue)
     "qkv+norm": (6144, 4096, "norm"),
     "gate_up+norm": (28672, 4096, "norm"),
@@ -43,6 +43,15 @@ SHAPES = {  # name: (N, K, prologue)
     "o_proj": (4096, 4096, None),
     "lm_head+norm": (128256, 4096, "norm"),  # the final norm into the LM head (not wired in the engine)
 }
+# GLM-4.7-Flash's attention projections (MLA, 47 layers): the merged q_a / kv_a projection after the input
+# norm, q_b after q_a's norm, o_proj alone; its LM head after the final norm
+MLA_SHAPES = {
+    "qkv_a+norm": (1344, 2048, "norm"),
+    "q_b+norm": (5120, 768, "norm"),
+    "o_proj": (2048, 5120, None),
+    "lm_head+norm": (154880, 2048, "norm"),
+}
+MODELS = {"llama-3.1-8b": (SHAPES, 32), "glm-4.7-flash": (MLA_SHAPES, 47)}  # name: (shapes, layers)
 TINY_SHAPES = {"qkv+norm": (96, 256, "norm"), "down+silu": (64, 128, "silu"), "o_proj": (64, 128, None)}
 SPACE = [  # tl.dot over rows padded to 16 (any rows); SWAP: the weight tile as the dot's left operand
     {"BLOCK_N": [64, 128], "BLOCK_K": [128, 256], "num_warps": [4], "num_stages": [3, 4], "FMA": [False],
@@ -108,6 +117,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, a small grid, wall clock (CPU smoke run)")
     ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS),
+                    help="whose decode linears (and how many layers the saving a step counts)")
     ap.add_argument("--json")
     args = ap.parse_args()
     on_gpu = torch.cuda.is_available() and not args.tiny
@@ -118,7 +129,8 @@ def main() -> None:
         from benchmarks.roofline import copy_bandwidth
 
         copy_bw = copy_bandwidth(device)
-    shapes, space = (TINY_SHAPES, (TINY_SPACE, TINY_FMA_SPACE)) if args.tiny else (SHAPES, (SPACE, FMA_SPACE))
+    model_shapes, layers = MODELS[args.model]
+    shapes, space = (TINY_SHAPES, (TINY_SPACE, TINY_FMA_SPACE)) if args.tiny else (model_shapes, (SPACE, FMA_SPACE))
     rows_out = []
     for name, (n, k, prologue) in shapes.items():  # each shape's rows together: a cut run keeps whole shapes
         for rows in (int(r) for r in args.rows.split(",")):
@@ -144,7 +156,7 @@ def main() -> None:
                 if r.get("unfused_roofline") else "-")
         print(f"{r['case']:>13} {r['rows']:>3} {unf:>11.1f} {1e6 * r['cublas_s']:>10.1f} {default:>9} {best:>8.1f} "
               f"{launch:>26} {roof:>15} "
-              f"{(1 if r['case'].startswith('lm_head') else LAYERS) * (unf - best):>13.1f}")
+              f"{(1 if r['case'].startswith('lm_head') else layers) * (unf - best):>13.1f}")
 
 
 if __name__ == "__main__":

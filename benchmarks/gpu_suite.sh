@@ -22,6 +22,7 @@
 #   dense8hf   the 4K cases with --decode-steps 8, overlapped windows and not, HF transformers in the same run
 #   dense8fused  bs1 / bs8 @ 4K and bs4 @ 32K with --decode-steps 8, fused decode linears off then on, HF once
 #   decodelinear  the fused decode linears' launch sweep alone (fusedlinears: the sweep, then the engine with it)
+#   decodelinearmla  the same over GLM-4.7-Flash's attention projections and LM head (against cuBLAS)
 #   fusedlinears  benchmarks/decode_linear.py (RMSNorm / SiLU-and-mul fused before the decode projections vs
 #              our norm + cuBLAS, over launch configurations), then the 4K cases with them in the engine
 #   overlap    overlapped decode windows vs not (--overlap-decode both): MoE bs8 / bs32 @ 4K, dense bs4 @ 32K
@@ -169,6 +170,9 @@ for step in "$@"; do
         run dense8fused 580 python -m benchmarks.throughput --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both --hf \
             --json "$OUT/dense8fused.json" ;;
+    decodelinearmla)  # the same sweep over GLM-4.7-Flash's (MLA) projections at 8 rows: the fused launches and cuBLAS
+        run decodelinearmla 440 python -m benchmarks.decode_linear --model glm-4.7-flash --rows 8 \
+            --json "$OUT/decodelinearmla.json" ;;
     decodelinear)  # the launch sweep alone
         sweep_decode_linear ;;
     overlap)  # overlapped decode windows vs not, in one engine each: MoE bs8 / bs32 and dense bs4 @ 32K
