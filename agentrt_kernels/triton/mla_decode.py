@@ -8,7 +8,8 @@
     block_tables: [B, max_pages] int32 page ids; kv_lens: [B] int32 (>= 1; a 0 row yields zeros)
     scale:        softmax scale (python float)
     value_dim:    Dv <= Dk: the values are the FIRST Dv channels of each latent row (V is a slice of K)
-    num_splits:   context splits per request; None: ``choose_launch``'s (one wave of programs; see Tiles)
+    num_splits:   context splits per request; None: ``choose_launch``'s (one wave of programs; see Tiles); a
+                  count given keeps the launch chosen for the default one
     out:          optional preallocated [B, Hq, Dv] output (e.g. a CUDA-graph static buffer)
     returns       out [B, Hq, Dv] in q's dtype
 
@@ -205,7 +206,7 @@ def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: b
     registers, 128 KB: one a SM). The latent loads are pipelined through shared memory (cp.async). fp32 latents
     take 16 x 16 (110 registers; fp32 dots run on the FMA units). ``coded`` (E4M3 rows converted in registers):
     16 x 32 and 32 x 16 on 8 warps, one a SM (the wider tiles spill there). Small widths (tests): 64 rows on 4
-    warps."""
+    warps, four a SM assumed (not a shape the sweep or the sm_90a compile checks cover)."""
     if block_dv < 256:
         return [(64, 4, 2, 4)]
     if dtype == torch.float32:
