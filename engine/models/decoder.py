@@ -54,6 +54,12 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
+    @property
+    def input_proj(self) -> nn.Module:
+        """The projection of the normed hidden rows that ``DecoderLayer.forward_fused`` computes with the input
+        norm: the packed q / k / v."""
+        return self.qkv_proj
+
     def forward(
         self, hidden: torch.Tensor | None, positions: torch.Tensor, rotary: RotaryEmbedding, runner: LayerRunner,
         qkv: torch.Tensor | None = None, out_proj=None,
@@ -109,12 +115,13 @@ class DecoderLayer(nn.Module):
         rotary: RotaryEmbedding, runner: LayerRunner,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward`` for a few rows (decode) with each norm fused into the projection after it (under a MoE
-        block: its router's, which hands the normed rows on to the experts), and SiLU-and-mul into the down
-        projection (agentrt_kernels.ops.decode_linear): three launches fewer a dense layer, two a MoE one. The
-        output projection runs through decode_linear too (no prologue: its launch where it measured faster than
-        cuBLAS, cuBLAS where not)."""
+        block: its router's, which hands the normed rows on to the experts; an MLP with ``forward_after_norm``
+        runs the norm in its own first launch), and SiLU-and-mul into the down projection
+        (agentrt_kernels.ops.decode_linear): three launches fewer a dense layer, two a MoE one. The output
+        projection runs through decode_linear too (no prologue: its launch where it measured faster than cuBLAS,
+        cuBLAS where not); latent attention also runs q_b with q_a's norm through it (``LatentAttention``)."""
         decode_linear = ops.decode_linear
-        ln, qkv_proj = self.input_layernorm, self.self_attn.qkv_proj
+        ln, qkv_proj = self.input_layernorm, self.self_attn.input_proj
         if residual is None:
             qkv, residual = decode_linear(hidden, qkv_proj.weight, qkv_proj.bias, norm=(ln.weight, ln.eps)), hidden
         else:
@@ -122,6 +129,9 @@ class DecoderLayer(nn.Module):
                                           residual=residual)
         attn = self.self_attn(None, positions, rotary, runner, qkv=qkv, out_proj=decode_linear)
         post, mlp = self.post_attention_layernorm, self.mlp
+        after_norm = getattr(mlp, "forward_after_norm", None)
+        if after_norm is not None:  # an MLP that runs the norm inside its own first launch (its router's)
+            return after_norm(attn, residual, post)
         if not isinstance(mlp, DenseMLP):  # a sparse MoE block (engine.models.moe)
             logits, residual, normed = decode_linear(attn, mlp.gate.weight, mlp.gate.bias, norm=(post.weight, post.eps),
                                                      residual=residual, return_normed=True)

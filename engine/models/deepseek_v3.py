@@ -111,10 +111,12 @@ class DeepseekMoE(nn.Module):
 
 class DeepseekV3ForCausalLM(PerExpertCheckpointNames, DecoderForCausalLM):
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-    fused_decode_path = False  # DecoderLayer.forward_fused packs q/k/v, which latent attention has not
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
+        # DecoderLayer.forward_fused computes the input norm inside the merged q_a / kv_a projection: a low-rank
+        # query has one (LatentAttention.input_proj)
+        self.fused_decode_path = config.mla.q_lora_rank is not None
         if config.mla.q_lora_rank is not None:  # LatentAttention.qkv_a_proj
             self.packed_modules_mapping = {**self.packed_modules_mapping, "q_a_proj": ("qkv_a_proj", 0),
                                            "kv_a_proj_with_mqa": ("qkv_a_proj", 1)}

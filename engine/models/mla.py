@@ -67,14 +67,29 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
         return w[:, : mla.qk_nope_head_dim], w[:, mla.qk_nope_head_dim:]
 
-    def forward(self, hidden: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                runner: LayerRunner) -> torch.Tensor:
-        mla, t, h = self.mla, hidden.shape[0], self.num_heads
+    @property
+    def input_proj(self) -> nn.Module | None:
+        """The projection of the normed hidden rows that a fused decode path computes with the input norm
+        (``DecoderLayer.forward_fused``): the merged q_a / kv_a projection; None without a low-rank query."""
+        return getattr(self, "qkv_a_proj", None)
+
+    def forward(self, hidden: torch.Tensor | None, positions: torch.Tensor, rotary: RotaryEmbedding,
+                runner: LayerRunner, qkv: torch.Tensor | None = None, out_proj=None) -> torch.Tensor:
+        """``qkv``: ``input_proj`` of the normed hidden, computed by the caller (then ``hidden`` is None);
+        ``out_proj(x, weight, bias, norm=None)``: the decode projection (``ops.decode_linear``) in place of the
+        layers' own for q_b (with q_a's norm inside it) and o_proj (``DecoderLayer.forward_fused``)."""
+        mla, h = self.mla, self.num_heads
         if mla.q_lora_rank is None:
             q, kv = self.q_proj(hidden), self.kv_a_proj_with_mqa(hidden)
         else:
-            q_a, kv = self.qkv_a_proj(hidden).split([mla.q_lora_rank, mla.cache_dim], dim=-1)
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q_a, kv = (self.qkv_a_proj(hidden) if qkv is None else qkv).split([mla.q_lora_rank, mla.cache_dim],
+                                                                             dim=-1)
+            if out_proj is None:
+                q = self.q_b_proj(self.q_a_layernorm(q_a))
+            else:
+                norm = self.q_a_layernorm
+                q = out_proj(q_a, self.q_b_proj.weight, self.q_b_proj.bias, norm=(norm.weight, norm.eps))
+        t = q.shape[0]
         q_nope, q_pe = q.view(t, h, -1).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         w_uk, w_uv = self.absorbed_weights()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
@@ -93,4 +108,5 @@ class LatentAttention(nn.Module):
             out = latent_attention(self.layer_idx, query, row, mla.kv_lora_rank, expansion)  # [T, H, v]
         else:
             out = expansion.absorb(runner.attention(self.layer_idx, query, row, row[..., : mla.kv_lora_rank]))
-        return self.o_proj(out.reshape(t, h * mla.v_head_dim))
+        out = out.reshape(t, h * mla.v_head_dim)
+        return self.o_proj(out) if out_proj is None else out_proj(out, self.o_proj.weight, self.o_proj.bias)

@@ -4,10 +4,12 @@ after it and SiLU-and-mul inside the down projection (agentrt_kernels.triton.dec
 Reference: the same engine without it (the unfused layers, which the engine tests check against HF
 transformers). fp32 on the CPU through Triton's interpreter: the same greedy tokens, log-probabilities to
 fp32 summation order, for every architecture (Qwen2's QKV bias, Qwen3's q/k norms, Qwen3-MoE's router after
-the fused norm), and the fused kernel must really run.
+the fused norm, latent attention's two low-rank norms), and the fused kernel must really run.
 """
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +32,7 @@ def prompts(lens=(9, 23, 14)):
 
 
 @pytest.mark.parametrize("eager", [True] if DEVICE == "cpu" else [True, False], ids=lambda e: "eager" if e else "graphs")
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe_lite"])
 def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, eager, monkeypatch):
     calls = []
     inner = decode_linear_module.decode_linear
@@ -38,7 +40,7 @@ def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, eager, m
     def counting(x, weight, *args, **kw):
         kind = ("silu" if kw.get("silu_mul") else "router" if kw.get("return_normed") else
                 "norm" if kw.get("norm") else "o_proj")
-        calls.append((kind, x.shape[0]))
+        calls.append((kind, x.shape[0], weight.shape[1]))
         return inner(x, weight, *args, **kw)
 
     monkeypatch.setattr(decode_linear_module, "decode_linear", counting)
@@ -52,9 +54,23 @@ def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, eager, m
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     for a, b in zip(ref, got):
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-4)
-    kinds = {k for k, _ in calls}  # (decode graphs: the calls of their capture)
+    kinds = {k for k, _, _ in calls}  # (decode graphs: the calls of their capture)
+    # latent attention: the input norm in q_a / kv_a's projection, q_a's norm in q_b's, o_proj; its dense first
+    # layer's SiLU-and-mul; its MoE layers' router runs the post-attention norm itself (no decode_linear)
     assert kinds == ({"norm", "o_proj", "router"} if arch == "qwen3_moe" else {"norm", "o_proj", "silu"})
-    assert calls and max(rows for _, rows in calls) <= 16
+    if arch == "glm4_moe_lite":  # q_b after q_a's norm: K is the query's low rank
+        q_lora_rank = json.loads((Path(tiny_dirs[arch]) / "config.json").read_text())["q_lora_rank"]
+        assert ("norm", q_lora_rank) in {(kind, k) for kind, _, k in calls}
+    assert calls and max(rows for _, rows, _ in calls) <= 16
+
+
+def test_latent_attention_without_a_low_rank_query_has_no_fused_path(tiny_dirs):
+    """The tiny DeepSeek-V3 has no q_lora_rank (DeepSeek-V2-Lite's layout): no merged input projection for the
+    input norm to run in, so asking for the fused path is refused, and the default leaves it off."""
+    with pytest.raises(ConfigError, match="DeepseekV3ForCausalLM has no fused decode path"):
+        LLM(tiny_dirs["deepseek_v3"], dtype="float32", device=DEVICE, fused_decode_linears=True, num_pages=64)
+    llm = LLM(tiny_dirs["deepseek_v3"], dtype="float32", device=DEVICE, num_pages=64)
+    assert llm.engine.model.model.fused_decode_rows == 0
 
 
 def test_bad_values(tiny_dirs):
