@@ -64,6 +64,31 @@ def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, eager, m
     assert calls and max(rows for _, rows, _ in calls) <= 16
 
 
+def test_latent_attention_one_row_steps_equal_the_unfused_layers(tiny_dirs, monkeypatch):
+    """One request: its decode steps are single rows, which take the register (FMA) launch, q_b's operand a
+    strided view of the merged projection's output."""
+    launches = []
+    inner = decode_linear_module.decode_linear
+
+    def recording(x, weight, *args, **kw):
+        if x.shape[0] == 1:
+            launches.append(decode_linear_module.tuned_launch(weight.shape[0], weight.shape[1], 1, x.device,
+                                                              x.element_size()))
+        return inner(x, weight, *args, **kw)
+
+    monkeypatch.setattr(decode_linear_module, "decode_linear", recording)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=True)
+    outs = []
+    for fused in (False, True):
+        llm = LLM(tiny_dirs["glm4_moe_lite"], dtype="float32", device=DEVICE, page_size=4, max_num_batched_tokens=16,
+                  fused_decode_linears=fused, enforce_eager=True, num_pages=64)
+        outs.append(llm.generate(prompts((11,)), params)[0])
+    ref, got = outs
+    assert got.token_ids == ref.token_ids
+    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), rtol=0, atol=1e-4)
+    assert launches and all(launch.get("FMA") for launch in launches)
+
+
 def test_latent_attention_without_a_low_rank_query_has_no_fused_path(tiny_dirs):
     """The tiny DeepSeek-V3 has no q_lora_rank (DeepSeek-V2-Lite's layout): no merged input projection for the
     input norm to run in, so asking for the fused path is refused, and the default leaves it off."""
