@@ -170,8 +170,9 @@ for step in "$@"; do
         run dense8fused 580 python -m benchmarks.throughput --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both --hf \
             --json "$OUT/dense8fused.json" ;;
-    decodelinearmla)  # the same sweep over GLM-4.7-Flash's (MLA) projections at 8 rows: the fused launches and cuBLAS
-        run decodelinearmla 440 python -m benchmarks.decode_linear --model glm-4.7-flash --rows 8 \
+    decodelinearmla)  # the same sweep over GLM-4.7-Flash's (MLA) projections at 1 and 8 rows: fused launches vs cuBLAS
+        # (its rows are what tuned/decode_linear_<GPU>.json holds: the engine's fused path takes the winners)
+        run decodelinearmla 440 python -m benchmarks.decode_linear --model glm-4.7-flash --rows 1,8 \
             --json "$OUT/decodelinearmla.json" ;;
     decodelinear)  # the launch sweep alone
         sweep_decode_linear ;;
