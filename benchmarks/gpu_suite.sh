@@ -313,7 +313,8 @@ for step in "$@"; do
             tests/engine/test_mla_expanded_prefill.py tests/kernels/test_mla_prefill_bench.py \
             tests/kernels/test_mla_decode_kernel.py tests/kernels/test_triton_kernels.py tests/engine/test_async_loads.py \
             tests/kernels/test_latent_inputs.py tests/kernels/test_grouped_router.py tests/kernels/test_kv_compact.py \
-            tests/engine/test_mla_gpu_parity.py tests/kernels/test_triton_selection.py
+            tests/engine/test_mla_gpu_parity.py tests/kernels/test_triton_selection.py \
+            tests/engine/test_fused_decode_linears.py
         # fla-core's tests in a process of their own: a worker crashed in them while four shared the card
         run gputestsfla 150 python -m pytest -v --tb=short -rf --timeout 120 -p no:cacheprovider \
             tests/kernels/test_fla_gated_delta.py ;;
