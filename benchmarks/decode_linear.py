@@ -33,6 +33,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run:
 
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.model_shapes import GLM_4_7_FLASH  # noqa: E402
 from benchmarks.sweep_helpers import grid, max_rel, save_rows, timer  # noqa: E402
 
 COPIES = 4
@@ -43,15 +44,23 @@ SHAPES = {  # name: (N, K, prologue)
     "o_proj": (4096, 4096, None),
     "lm_head+norm": (128256, 4096, "norm"),  # the final norm into the LM head (not wired in the engine)
 }
-# GLM-4.7-Flash's attention projections (MLA, 47 layers): the merged q_a / kv_a projection after the input
-# norm, q_b after q_a's norm, o_proj alone; its LM head after the final norm
-MLA_SHAPES = {
-    "qkv_a+norm": (1344, 2048, "norm"),
-    "q_b+norm": (5120, 768, "norm"),
-    "o_proj": (2048, 5120, None),
-    "lm_head+norm": (154880, 2048, "norm"),
-}
-MODELS = {"llama-3.1-8b": (SHAPES, 32), "glm-4.7-flash": (MLA_SHAPES, 47)}  # name: (shapes, layers)
+
+
+def latent_shapes(c: dict) -> dict:
+    """A latent (MLA) config's decode projections: the merged q_a / kv_a projection after the input norm, q_b
+    after q_a's norm, o_proj alone, the LM head after the final norm."""
+    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    return {
+        "qkv_a+norm": (c["q_lora_rank"] + c["kv_lora_rank"] + c["qk_rope_head_dim"], hidden, "norm"),
+        "q_b+norm": (heads * (c["qk_nope_head_dim"] + c["qk_rope_head_dim"]), c["q_lora_rank"], "norm"),
+        "o_proj": (hidden, heads * c["v_head_dim"], None),
+        "lm_head+norm": (c["vocab_size"], hidden, "norm"),
+    }
+
+
+# name: (shapes, layers)
+MODELS = {"llama-3.1-8b": (SHAPES, 32),
+          "glm-4.7-flash": (latent_shapes(GLM_4_7_FLASH), GLM_4_7_FLASH["num_hidden_layers"])}
 TINY_SHAPES = {"qkv+norm": (96, 256, "norm"), "down+silu": (64, 128, "silu"), "o_proj": (64, 128, None)}
 SPACE = [  # tl.dot over rows padded to 16 (any rows); SWAP: the weight tile as the dot's left operand
     {"BLOCK_N": [64, 128], "BLOCK_K": [128, 256], "num_warps": [4], "num_stages": [3, 4], "FMA": [False],
