@@ -49,6 +49,11 @@ _TILE = 8192  # elements of one tile in a program's registers
 HIDDEN_ROUTE_MAX_ROWS = 32
 HIDDEN_ROUTE_MAX_GATE = 1 << 20  # gate elements (E x H): the partial-logit programs' [E, GATE_BLOCK_H] slices
 GATE_BLOCK_H = 64  # hidden columns a partial-logit program takes: 32 programs over GLM-4.7-Flash's 2048
+GATE_MAX_BLOCK_E = 128  # experts of one gate tile: up to this many, the program reads its gate slice in one load
+# the partial-logit launch: elements of one (unrolled) chunk of the rows the fused norm reads for its mean
+# squares, and warps
+GATE_LAUNCH = {"norm_tile": 4096, "num_warps": 8}
+_MAX_UNROLLED_CHUNKS = 16  # wider rows loop over their chunks (code size)
 
 
 def hidden_route_fits(tokens: int, experts: int, hidden: int) -> bool:
@@ -59,11 +64,22 @@ def hidden_route_fits(tokens: int, experts: int, hidden: int) -> bool:
 
 
 @triton.jit
+def _chunk_squares(x_ptr, res_ptr, rows, t_mask, c0, hidden, stride_x, stride_r, CHUNK: tl.constexpr):
+    """The squares of (x + residual) over columns [c0, c0 + CHUNK) of each row, the sum rounded to x's dtype."""
+    c = c0 + tl.arange(0, CHUNK)
+    cm = t_mask[:, None] & (c < hidden)[None, :]
+    a = (tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=cm, other=0.0).to(tl.float32)
+         + tl.load(res_ptr + rows[:, None] * stride_r + c[None, :], mask=cm, other=0.0).to(tl.float32))
+    a = a.to(x_ptr.dtype.element_ty).to(tl.float32)
+    return a * a
+
+
+@triton.jit
 def _gate_partials_kernel(
     x_ptr, res_ptr, nw_ptr, res_out_ptr, normed_ptr, gate_ptr, part_ptr,
     tokens, hidden, eps, stride_x, stride_r, stride_ro, stride_n, stride_g, stride_pt, stride_ps,
     E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
-    NORM: tl.constexpr,
+    NUM_CHUNKS: tl.constexpr, MAX_UNROLLED_CHUNKS: tl.constexpr, NORM: tl.constexpr,
 ):
     split = tl.program_id(0)
     tt = tl.arange(0, BLOCK_T)
@@ -72,34 +88,45 @@ def _gate_partials_kernel(
     hh = split * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = hh < hidden
     mask = t_mask[:, None] & h_mask[None, :]
+    # every load this program makes is issued before any is waited on: the gate slice (HBM) when one tile holds
+    # all experts, this slice of the rows, and (NORM) the whole rows for their mean squares in unrolled chunks
+    # (L2), so the program waits about one memory round trip rather than one per chunk
+    ee0 = tl.arange(0, BLOCK_E)
+    if E <= BLOCK_E:
+        g0 = tl.load(gate_ptr + ee0.to(tl.int64)[:, None] * stride_g + hh[None, :],
+                     mask=(ee0 < E)[:, None] & h_mask[None, :], other=0.0)
     xv = tl.load(x_ptr + rows[:, None] * stride_x + hh[None, :], mask=mask, other=0.0).to(tl.float32)
     if NORM:  # the residual sum (rounded to x's dtype, as torch adds), normalised by the whole row's mean square
-        ssq = tl.zeros([BLOCK_T], dtype=tl.float32)
-        cc = tl.arange(0, CHUNK)
-        for c0 in range(0, hidden, CHUNK):
-            c = c0 + cc
-            cm = t_mask[:, None] & (c < hidden)[None, :]
-            a = (tl.load(x_ptr + rows[:, None] * stride_x + c[None, :], mask=cm, other=0.0).to(tl.float32)
-                 + tl.load(res_ptr + rows[:, None] * stride_r + c[None, :], mask=cm, other=0.0).to(tl.float32))
-            a = a.to(x_ptr.dtype.element_ty).to(tl.float32)
-            ssq += tl.sum(a * a, 1)
-        rstd = tl.rsqrt(ssq / hidden + eps)
-        sv = (xv + tl.load(res_ptr + rows[:, None] * stride_r + hh[None, :], mask=mask, other=0.0).to(tl.float32))
-        sv = sv.to(x_ptr.dtype.element_ty)
+        rv = tl.load(res_ptr + rows[:, None] * stride_r + hh[None, :], mask=mask, other=0.0).to(tl.float32)
+        # the squares summed lane-wise over the chunks, then once across a row (no reduction between loads)
+        sq = tl.zeros([BLOCK_T, CHUNK], dtype=tl.float32)
+        if NUM_CHUNKS <= MAX_UNROLLED_CHUNKS:
+            for i in tl.static_range(NUM_CHUNKS):
+                sq += _chunk_squares(x_ptr, res_ptr, rows, t_mask, i * CHUNK, hidden, stride_x, stride_r, CHUNK)
+        else:  # rows too wide to unroll: one chunk after another
+            for c0 in range(0, hidden, CHUNK):
+                sq += _chunk_squares(x_ptr, res_ptr, rows, t_mask, c0, hidden, stride_x, stride_r, CHUNK)
+        rstd = tl.rsqrt(tl.sum(sq, 1) / hidden + eps)
+        sv = (xv + rv).to(x_ptr.dtype.element_ty)
         tl.store(res_out_ptr + rows[:, None] * stride_ro + hh[None, :], sv, mask=mask)
         nh = (sv.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
         nw = tl.load(nw_ptr + hh, mask=h_mask, other=0.0).to(tl.float32)
         normed = (nh * nw[None, :]).to(normed_ptr.dtype.element_ty)
         tl.store(normed_ptr + rows[:, None] * stride_n + hh[None, :], normed, mask=mask)
         xv = normed.to(tl.float32)
-    for e0 in range(0, E, BLOCK_E):
-        ee = e0 + tl.arange(0, BLOCK_E)
-        e_mask = ee < E
-        g = tl.load(gate_ptr + ee.to(tl.int64)[:, None] * stride_g + hh[None, :],
-                    mask=e_mask[:, None] & h_mask[None, :], other=0.0)
-        part = tl.dot(xv, tl.trans(g), input_precision="ieee")  # [BLOCK_T, BLOCK_E]
-        dst = part_ptr + rows[:, None] * stride_pt + split * stride_ps + ee[None, :]
-        tl.store(dst, part, mask=t_mask[:, None] & e_mask[None, :])
+    if E <= BLOCK_E:
+        part = tl.dot(xv, tl.trans(g0), input_precision="ieee")  # [BLOCK_T, BLOCK_E]
+        tl.store(part_ptr + rows[:, None] * stride_pt + split * stride_ps + ee0[None, :], part,
+                 mask=t_mask[:, None] & (ee0 < E)[None, :])
+    else:
+        for e0 in range(0, E, BLOCK_E):
+            ee = e0 + ee0
+            e_mask = ee < E
+            g = tl.load(gate_ptr + ee.to(tl.int64)[:, None] * stride_g + hh[None, :],
+                        mask=e_mask[:, None] & h_mask[None, :], other=0.0)
+            part = tl.dot(xv, tl.trans(g), input_precision="ieee")
+            tl.store(part_ptr + rows[:, None] * stride_pt + split * stride_ps + ee[None, :], part,
+                     mask=t_mask[:, None] & e_mask[None, :])
 
 
 @triton.jit
@@ -246,12 +273,15 @@ def route_grouped_sigmoid_from_hidden(
     x: torch.Tensor, gate_weight: torch.Tensor, correction_bias: torch.Tensor, top_k: int, groups: int,
     topk_groups: int, renormalize: bool, scaling: float, out_dtype: torch.dtype, shared_expert: int | None = None,
     *, norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+    launch: dict | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """``route_grouped_sigmoid`` of the logits ``x.float() @ gate_weight.T`` (x [T, H], at most
     ``HIDDEN_ROUTE_MAX_ROWS``; gate_weight [E, H] fp32): partial logits over hidden slices, then the routing.
     With ``norm`` = (weight [H] in x's dtype, eps) and ``residual`` [T, H]: the logits of
     ``rms_norm(x + residual)`` (``agentrt_kernels.triton.norm``'s math and rounding), returned with the normed
-    rows and the new residual: (topk_ids, topk_weights, normed, x + residual)."""
+    rows and the new residual: (topk_ids, topk_weights, normed, x + residual). ``launch``: the partial-logit
+    launch's ``norm_tile`` (elements of one chunk of the rows the norm reads) and ``num_warps`` over
+    ``GATE_LAUNCH``'s (``benchmarks.router_kernels`` sweeps them)."""
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x must be 2-D [tokens, hidden] float32, float16 or bfloat16, got {tuple(x.shape)} "
                          f"{x.dtype}")
@@ -281,14 +311,18 @@ def route_grouped_sigmoid_from_hidden(
         normed = torch.empty_like(x, memory_format=torch.contiguous_format)
         new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
     if tokens:
+        opts = GATE_LAUNCH | (launch or {})
+        block_t = max(16, next_pow2(tokens))
+        chunk = min(max(16, opts["norm_tile"] // block_t), max(16, next_pow2(hidden)))
         res, nw, res_out, out = (residual, norm[0], new_residual, normed) if norm is not None else (x, x, x, x)
         _gate_partials_kernel[(splits,)](
             x, res, nw, res_out, out, gate_weight, partials,
             tokens, hidden, float(norm[1]) if norm is not None else 0.0, x.stride(0), res.stride(0),
             res_out.stride(0), out.stride(0), gate_weight.stride(0), partials.stride(0), partials.stride(1),
-            E=experts, BLOCK_T=max(16, next_pow2(tokens)), BLOCK_E=max(16, min(32, next_pow2(experts))),
-            BLOCK_H=GATE_BLOCK_H, CHUNK=max(16, _TILE // max(16, next_pow2(tokens))), NORM=norm is not None,
-            num_warps=4,
+            E=experts, BLOCK_T=block_t, BLOCK_E=max(16, min(GATE_MAX_BLOCK_E, next_pow2(experts))),
+            BLOCK_H=GATE_BLOCK_H, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(hidden, chunk),
+            MAX_UNROLLED_CHUNKS=_MAX_UNROLLED_CHUNKS, NORM=norm is not None,
+            num_warps=opts["num_warps"],
         )
     ids, weights = _route(partials, correction_bias, tokens, experts, top_k, groups, topk_groups, renormalize,
                           scaling, out_dtype, shared_expert, splits=splits)

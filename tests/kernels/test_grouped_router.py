@@ -342,19 +342,21 @@ def test_ops_routes_decode_rows_from_hidden_and_larger_batches_through_the_gemm(
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_routing_after_the_fused_norm_equals_the_norm_then_routing(x_dtype):
+@pytest.mark.parametrize("tokens,hidden", [(6, 300), (20, 2100)])
+def test_routing_after_the_fused_norm_equals_the_norm_then_routing(x_dtype, tokens, hidden):
     """With ``norm`` and ``residual`` the program first adds the residual and takes the RMSNorm of the whole row
     (torch_ref.norm's math: the sum rounded to x's dtype, normalised in fp32, rounded, times the weight, rounded),
     then routes the normed rows: the new residual and the normed rows as the reference norm's, the routing as the
-    reference's on those rows (GLM-4.7-Flash's grouping, 300 hidden columns: a partial gate block)."""
+    reference's on those rows (GLM-4.7-Flash's grouping; 300 hidden columns: a partial gate block, the mean squares
+    over unrolled chunks; 20 rows of 2100: more chunks than are unrolled, so a loop over them)."""
     from agentrt_kernels.torch_ref.norm import rms_norm
     from agentrt_kernels.triton.grouped_router import route_grouped_sigmoid_from_hidden
 
     experts, top_k, groups, topk_groups, renormalize, scaling = ROUTE_CASES["glm-4.7-flash"]
-    _seed("hidden-norm", x_dtype)
-    hidden, eps = 300, 1e-5
-    x = torch.randn(6, hidden, device=DEVICE).to(x_dtype)
-    residual = torch.randn(6, hidden, device=DEVICE).to(x_dtype)
+    _seed("hidden-norm", x_dtype, tokens)
+    eps = 1e-5
+    x = torch.randn(tokens, hidden, device=DEVICE).to(x_dtype)
+    residual = torch.randn(tokens, hidden, device=DEVICE).to(x_dtype)
     weight = (1 + 0.3 * torch.randn(hidden, device=DEVICE)).to(x_dtype)
     gate = 0.2 * torch.randn(experts, hidden, device=DEVICE)
     bias = 0.2 * torch.randn(experts, device=DEVICE)
@@ -379,7 +381,7 @@ def test_routing_after_the_fused_norm_equals_the_norm_then_routing(x_dtype):
 
 
 def test_routing_from_hidden_rows_over_several_expert_blocks_and_a_partial_row_tile():
-    """160 experts (the partial-logit program's expert blocks of 64, the last partial), 20 rows (a partial tile of
+    """160 experts (the partial-logit program's expert blocks of 128, the last partial), 20 rows (a partial tile of
     32), 300 hidden columns (three slices, the last partial): the routing equals the gate product then the
     reference's."""
     from agentrt_kernels.triton.grouped_router import route_grouped_sigmoid_from_hidden
