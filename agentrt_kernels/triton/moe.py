@@ -20,8 +20,9 @@ Kernel 1 (gate_up): grid over (block of BLOCK_M sorted slots, BLOCK_N columns of
 to one expert, gathers its tokens' x rows, multiplies by that expert's gate and up rows (two accumulators
 sharing the A tile) and applies silu(gate) * up in the epilogue, writing [T*k, I] (rows in slot order).
 Kernel 2 (down): the same grouped GEMM over the intermediate with w_down, scaled by the routing weight in
-the epilogue, writing [T*k, H]; the k choices of a token are then summed. Intermediates are rounded to
-x's dtype where the torch reference rounds (gate/up products, silu, down product, weight product).
+the epilogue, writing [T*k, H]; a third launch sums a token's k choices in fp32, rounded once.
+Intermediates are rounded to x's dtype where the torch reference rounds (gate/up products, silu, down
+product, weight product).
 Blocks past the padded total exit at once. A GROUP_M swizzle keeps consecutive programs on the same
 expert's weight tiles for L2 reuse.
 """
@@ -177,6 +178,32 @@ def _moe_gemm_kernel(
     tl.store(c_ptrs, res.to(out_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _topk_sum_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out[t] = sum over the TOP_K rows src[t * TOP_K + j], in fp32 in slot order, rounded once (torch's sum
+    over a bf16 / fp16 dim accumulates in fp32 too)."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < hidden
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(src_ptr + (t * TOP_K + j) * hidden + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+TOPK_SUM_BLOCK = 1024  # columns a program of the top-k sum takes
+
+
+def topk_sum(down_out: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """[T * k, H] contiguous rows in slot order -> [T, H]: each token's k rows summed, one program per token and
+    column block (torch's sum over the k dim launches its general reduction kernel)."""
+    hidden = down_out.shape[1]
+    out = torch.empty((num_tokens, hidden), dtype=down_out.dtype, device=down_out.device)
+    _topk_sum_kernel[(num_tokens, triton.cdiv(hidden, TOPK_SUM_BLOCK))](
+        down_out, out, hidden, TOP_K=top_k, BLOCK=TOPK_SUM_BLOCK, num_warps=4)
+    return out
+
+
 def _default_config(num_slots: int, num_experts: int) -> dict[str, int]:
     """Block shapes by tokens per expert (chosen on an H200, bf16, E=128 k=8 H=2048 I=768). Decode (one
     16-row block per expert): narrow, deep tiles, the fastest of ``python -m benchmarks.moe_kernels``' grid at
@@ -242,4 +269,4 @@ def fused_moe(
           top_k, a_by_token=False, gated=False, mul_weight=True, cfg=down_cfg)
     if top_k == 1:
         return down_out.view(num_tokens, hidden)
-    return down_out.view(num_tokens, top_k, hidden).sum(dim=1)
+    return topk_sum(down_out, num_tokens, top_k)

@@ -530,6 +530,26 @@ def test_triton_fused_moe(dtype, on_triton):
 
 
 @triton_only
+@pytest.mark.parametrize("dtype", TRITON_DTYPES)
+def test_triton_topk_sum_is_torchs_sum(dtype):
+    """The fused MoE's last launch: each token's k rows summed in fp32 and rounded once, as torch sums a bf16 /
+    fp16 dim (bit for bit at these magnitudes), over a partial last column block."""
+    from agentrt_kernels.triton.moe import TOPK_SUM_BLOCK, topk_sum
+
+    _seed("tr-topk-sum", dtype)
+    tokens, k, hidden = 3, 5, TOPK_SUM_BLOCK + 40
+    rows = _randn(tokens * k, hidden, dtype=dtype, device=D)
+    got = topk_sum(rows, tokens, k)
+    want = rows.view(tokens, k, hidden).sum(dim=1)
+    if dtype == torch.float32:  # fp32 sums in another order: within rounding
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    elif dtype == torch.bfloat16 and D.type == "cpu":  # the interpreter truncates bf16 stores: an ulp
+        torch.testing.assert_close(got.float(), want.float(), atol=2**-7, rtol=2**-7)
+    else:
+        assert torch.equal(got, want)
+
+
+@triton_only
 @pytest.mark.parametrize("dtype,aggregate", [(torch.float32, "max"), (torch.float16, "sum")])
 def test_triton_quest_ops(dtype, aggregate, on_triton):
     """Page scores, the decode scores (with their bounds update) and the selected table."""
