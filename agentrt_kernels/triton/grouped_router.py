@@ -51,8 +51,9 @@ HIDDEN_ROUTE_MAX_GATE = 1 << 20  # gate elements (E x H): the partial-logit prog
 GATE_BLOCK_H = 64  # hidden columns a partial-logit program takes: 32 programs over GLM-4.7-Flash's 2048
 GATE_MAX_BLOCK_E = 128  # experts of one gate tile: up to this many, the program reads its gate slice in one load
 # the partial-logit launch: elements of one (unrolled) chunk of the rows the fused norm reads for its mean
-# squares, and warps
-GATE_LAUNCH = {"norm_tile": 4096, "num_warps": 8}
+# squares, and warps (None: 4 for one dot tile of 16 rows, 8 for more; the fastest of benchmarks.router_kernels
+# at 8 and 32 rows, docs/benchmarks.md)
+GATE_LAUNCH = {"norm_tile": 4096, "num_warps": None}
 _MAX_UNROLLED_CHUNKS = 16  # wider rows loop over their chunks (code size)
 
 
@@ -322,7 +323,7 @@ def route_grouped_sigmoid_from_hidden(
             E=experts, BLOCK_T=block_t, BLOCK_E=max(16, min(GATE_MAX_BLOCK_E, next_pow2(experts))),
             BLOCK_H=GATE_BLOCK_H, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(hidden, chunk),
             MAX_UNROLLED_CHUNKS=_MAX_UNROLLED_CHUNKS, NORM=norm is not None,
-            num_warps=opts["num_warps"],
+            num_warps=opts["num_warps"] or (4 if block_t <= 16 else 8),
         )
     ids, weights = _route(partials, correction_bias, tokens, experts, top_k, groups, topk_groups, renormalize,
                           scaling, out_dtype, shared_expert, splits=splits)
