@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -67,6 +68,10 @@ SPACE = [  # tl.dot over rows padded to 16 (any rows); SWAP: the weight tile as 
      "SWAP": [True]},
     {"BLOCK_N": [128], "BLOCK_K": [128, 256], "num_warps": [8], "num_stages": [3], "FMA": [False], "SWAP": [True]},
     {"BLOCK_N": [64], "BLOCK_K": [256], "num_warps": [4], "num_stages": [3], "FMA": [False], "SWAP": [False]},
+    # narrow weight tiles: more programs over a few output columns (GLM-4.7-Flash's 1344-, 2048- and 5120-column
+    # projections: 21 to 80 programs at 64 columns)
+    {"BLOCK_N": [16, 32], "BLOCK_K": [256, 512], "num_warps": [4], "num_stages": [3, 4], "FMA": [False],
+     "SWAP": [True]},
 ]
 FMA_SPACE = [  # one row: products in registers
     {"BLOCK_N": [8, 16, 32], "BLOCK_K": [512, 1024], "num_warps": [4, 8], "num_stages": [3], "FMA": [True]},
@@ -122,6 +127,22 @@ def case(name: str, n: int, k: int, prologue: str | None, rows: int, device, dty
     return row
 
 
+TABLE_KEYS = ("case", "rows", "N", "K", "best_launch", "best_s", "unfused_s", "cublas_s")
+
+
+def write_table(rows: list[dict], gpu_name: str, measured: str) -> Path:
+    """Merge the sweep's rows (their winners and times, what ``load_tuned_launches`` reads) into the GPU's tuned
+    table: a row replaces the table's row of the same shape and row count."""
+    from agentrt_kernels.triton.decode_linear import tuned_table_path
+
+    path = tuned_table_path(gpu_name)
+    new = [{**{k: r[k] for k in TABLE_KEYS}, "measured": measured} for r in rows]
+    keys = {(r["N"], r["K"], r["rows"]) for r in new}
+    old = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps([r for r in old if (r["N"], r["K"], r["rows"]) not in keys] + new, indent=1) + "\n")
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tiny", action="store_true", help="tiny shapes, a small grid, wall clock (CPU smoke run)")
@@ -129,6 +150,9 @@ def main() -> None:
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS),
                     help="whose decode linears (and how many layers the saving a step counts)")
     ap.add_argument("--json")
+    ap.add_argument("--write-table", metavar="MEASURED",
+                    help="write each shape's winner into this GPU's tuned table (agentrt_kernels/triton/tuned), "
+                         "over its entries for the same shape and rows, noting MEASURED (date, command, commit)")
     args = ap.parse_args()
     on_gpu = torch.cuda.is_available() and not args.tiny
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -155,6 +179,8 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k != "launches"}), flush=True)
             rows_out.append(row)
             save_rows(args.json, rows_out)
+    if args.write_table and on_gpu:
+        write_table(rows_out, torch.cuda.get_device_name(device), args.write_table)
     print(f"\n{'case':>13} {'M':>3} {'unfused us':>11} {'cuBLAS us':>10} {'fused us':>9} {'best us':>8} "
           f"{'best launch':>26} {'roofline u/c/f':>15} {'saved us/step':>13}")
     for r in rows_out:

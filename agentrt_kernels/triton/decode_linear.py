@@ -70,12 +70,16 @@ def load_tuned_launches(rows: list[dict], replace: bool = True) -> None:
             by_rows[row["rows"]] = launch
 
 
+def tuned_table_path(gpu_name: str) -> Path:
+    """The tuned launches of the GPU of this name (``torch.cuda.get_device_name``)."""
+    return _TUNED_DIR / f"decode_linear_{gpu_name.replace(' ', '_')}.json"
+
+
 def _load_device_table(device: torch.device) -> None:
     if device.type != "cuda" or device in _DEVICES_LOADED:
         return
     _DEVICES_LOADED.add(device)
-    name = torch.cuda.get_device_name(device)
-    path = _TUNED_DIR / f"decode_linear_{name.replace(' ', '_')}.json"
+    path = tuned_table_path(torch.cuda.get_device_name(device))
     if path.exists():
         load_tuned_launches(json.loads(path.read_text()), replace=False)
 

@@ -10,6 +10,8 @@ bit-equal and the output agrees to what a different fp32 summation order and one
 import os
 import zlib
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -207,14 +209,19 @@ def test_a_shape_where_cublas_measured_faster_runs_unfused(monkeypatch):
     assert len(calls) == 2
 
 
-def test_the_h200_table_loads_and_each_of_its_launches_computes_the_product(monkeypatch):
-    """The committed sweep rows (tuned/decode_linear_NVIDIA_H200.json) become launches: UNFUSED exactly where the
+TABLES = sorted(p.name for p in (Path(__file__).parents[2] / "agentrt_kernels" / "triton" / "tuned").glob(
+    "decode_linear_*.json"))
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_each_gpus_table_loads_and_each_of_its_launches_computes_the_product(monkeypatch, table):
+    """The committed sweep rows (tuned/decode_linear_<GPU>.json) become launches: UNFUSED exactly where the
     prologue + cuBLAS measured faster, and every fused launch in it runs the kernel right (a small shape)."""
     import json
 
     from agentrt_kernels.triton import decode_linear as module
 
-    rows = json.loads((module._TUNED_DIR / "decode_linear_NVIDIA_H200.json").read_text())
+    rows = json.loads((module._TUNED_DIR / table).read_text())
     monkeypatch.setattr(module, "TUNED_LAUNCHES", {})
     module.load_tuned_launches(rows)
     for row in rows:
@@ -222,7 +229,7 @@ def test_the_h200_table_loads_and_each_of_its_launches_computes_the_product(monk
         assert (launch is module.UNFUSED) == (row["unfused_s"] <= row["best_s"]), row["case"]
         if launch is module.UNFUSED:
             continue
-        _seed("h200", row["case"], row["rows"])
+        _seed(table, row["case"], row["rows"])
         dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32  # the sweep's dtype on a GPU
         x, w = torch.randn(row["rows"], 320, device=DEVICE), torch.randn(48, 320, device=DEVICE) / 18
         norm_w = 1 + 0.1 * torch.randn(320, device=DEVICE)
@@ -231,5 +238,35 @@ def test_the_h200_table_loads_and_each_of_its_launches_computes_the_product(monk
         want = F.linear(_torch_norm(x, norm_w, 1e-6).float(), w.float()).to(dtype)
         assert_close(got, want, dtype)
     # fp32 rows never take the table (its 16-bit tiles would not fit fp32's shared memory on the GPU)
-    assert module.tuned_launch(4096, 4096, 8, torch.device("cuda"), itemsize=2)["SWAP"]
-    assert module.tuned_launch(4096, 4096, 8, torch.device("cuda"), itemsize=4) is module.UNFUSED
+    fused = next(r for r in rows if r["rows"] > 1 and r["unfused_s"] > r["best_s"])
+    assert module.tuned_launch(fused["N"], fused["K"], 8, torch.device("cuda"), itemsize=2)["SWAP"]
+    assert module.tuned_launch(fused["N"], fused["K"], 8, torch.device("cuda"), itemsize=4) is module.UNFUSED
+
+
+def test_the_sweep_writes_its_winners_over_the_tables_rows_of_the_same_shape(monkeypatch, tmp_path):
+    """``benchmarks.decode_linear --write-table``: a swept shape's row replaces the table's row of the same
+    (N, K, rows); the others stay; the launches it loads are the new winners."""
+    import json
+
+    from agentrt_kernels.triton import decode_linear as module
+    from benchmarks.decode_linear import write_table
+
+    monkeypatch.setattr(module, "_TUNED_DIR", tmp_path)
+    old = {"BLOCK_N": 64, "BLOCK_K": 256, "FMA": False, "SWAP": True, "num_warps": 4, "num_stages": 3}
+    new = {**old, "BLOCK_N": 16}
+
+    def row(n, rows, launch, best_s):
+        return {"case": "c", "rows": rows, "N": n, "K": 256, "best_launch": launch, "best_s": best_s,
+                "unfused_s": 1.0, "cublas_s": 0.5, "launches": []}
+
+    write_table([row(40, 8, old, 0.5), row(48, 8, old, 0.5)], "Some GPU", "then")
+    path = write_table([row(40, 8, new, 0.4), row(40, 1, new, 2.0)], "Some GPU", "now")
+    assert path == tmp_path / "decode_linear_Some_GPU.json"
+    table = json.loads(path.read_text())
+    assert sorted((r["N"], r["rows"], r["measured"]) for r in table) == [(40, 1, "now"), (40, 8, "now"),
+                                                                        (48, 8, "then")]
+    assert all("launches" not in r for r in table)
+    monkeypatch.setattr(module, "TUNED_LAUNCHES", {})
+    module.load_tuned_launches(table)
+    assert module.tuned_launch(40, 256, 8) == new and module.tuned_launch(48, 256, 8) == old
+    assert module.tuned_launch(40, 256, 1) is module.UNFUSED  # cuBLAS measured faster there
