@@ -199,9 +199,9 @@ def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: b
     (registers and shared memory as ptxas reports them for sm_90a, Triton 3.6;
     ``benchmarks.kernel_resources.compile_sm90``). For latent widths of 256 and more (MLA's 512 + 64), bf16 /
     fp16 rows, the fastest of ``benchmarks.mla_decode_sweep`` at GLM-4.7-Flash's 20 heads (docs/benchmarks.md):
-    16 heads x 32 rows on 4 warps (~210 registers, two programs a SM); for 32-head tiles 32 x 64 on 8 warps
-    (~206 registers, 112 KB of shared memory: one a SM), the fastest where a batch's splits fill one wave of those
-    (bs8 @ 4K), and 32 x 32 on 4 warps (255 registers, a few bytes spilled: two a SM), the fastest where the wave
+    16 heads x 32 rows on 4 warps (~210 registers, two programs a SM); for 32-head tiles 32 x 64 on 8 warps, five
+    stages (~176 registers, 185 KB of shared memory: one a SM; the rotary channels' loads pipelined too, which two
+    stages leave synchronous), the fastest where a batch's splits fill one wave of those (bs8 @ 4K), and 32 x 32 on 4 warps (255 registers, a few bytes spilled: two a SM), the fastest where the wave
     of two a SM holds more splits (bs32 @ 4K, bs8 @ 32K); 64 x 16 on 8 warps, three stages (wgmma, ~218
     registers, 128 KB: one a SM). The latent loads are pipelined through shared memory (cp.async). fp32 latents
     take 16 x 16 (110 registers; fp32 dots run on the FMA units). ``coded`` (E4M3 rows converted in registers):
@@ -216,7 +216,7 @@ def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: b
     if block_h == 16:
         return [(32, 4, 2, 2)]
     if block_h == 32:
-        return [(64, 8, 2, 1), (32, 4, 2, 2)]
+        return [(64, 8, 5, 1), (32, 4, 2, 2)]
     return [(16, 8, 3, 1)]
 
 

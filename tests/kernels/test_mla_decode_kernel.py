@@ -186,7 +186,7 @@ def test_the_launch_whose_one_wave_holds_the_most_splits():
     from agentrt_kernels.triton.mla_decode import _launch_candidates, choose_launch
 
     candidates = _launch_candidates(32, 512, torch.bfloat16)
-    assert choose_launch(candidates, 8, 1, 4096, 132) == ((64, 8, 2, 1), 16)
+    assert choose_launch(candidates, 8, 1, 4096, 132) == ((64, 8, 5, 1), 16)
     assert choose_launch(candidates, 32, 1, 4096, 132) == ((32, 4, 2, 2), 8)
     assert choose_launch(candidates, 8, 1, 32768, 132) == ((32, 4, 2, 2), 33)
     # past one wave at one split: two a SM (at bs32 @ 4K it was the faster over 16 splits too, four waves of one
