@@ -1,6 +1,7 @@
 """``benchmarks.launch_count``: the launches of an MLA layer's decode forward, of a hybrid's linear and
 full-attention layers in a decode step, and of a SnapKV chain turn's vote and compaction, with the GPU paths
-taken under Triton's interpreter. Pins what the fused kernels removed: the counts come from the operators and launches dispatched, so code going back to the unfused torch ops fails this."""
+taken under Triton's interpreter. Pins what the fused kernels removed: the counts come from the operators and
+launches dispatched, so code going back to the unfused torch ops fails this."""
 
 import os
 
