@@ -22,7 +22,10 @@
 #   dense8hf   the 4K cases with --decode-steps 8, overlapped windows and not, HF transformers in the same run
 #   dense8fused  bs1 / bs8 @ 4K and bs4 @ 32K with --decode-steps 8, fused decode linears off then on, HF once
 #   decodelinear  the fused decode linears' launch sweep alone (fusedlinears: the sweep, then the engine with it)
-#   decodelinearmla  the same over GLM-4.7-Flash's attention projections and LM head (against cuBLAS)
+#   decodelinearmla  the same over GLM-4.7-Flash's attention projections and LM head (against cuBLAS); writes the
+#              winners into this GPU's tuned table in the checkout (copied to $OUT: commit it from there)
+#   router     the DeepSeek-V3 router at 8 / 32 decode rows (GLM-4.7-Flash's gate, the norm inside) over its launch
+#              options, against the unfused norm + fp32 GEMM + routing
 #   fusedlinears  benchmarks/decode_linear.py (RMSNorm / SiLU-and-mul fused before the decode projections vs
 #              our norm + cuBLAS, over launch configurations), then the 4K cases with them in the engine
 #   overlap    overlapped decode windows vs not (--overlap-decode both): MoE bs8 / bs32 @ 4K, dense bs4 @ 32K
@@ -173,7 +176,11 @@ for step in "$@"; do
     decodelinearmla)  # the same sweep over GLM-4.7-Flash's (MLA) projections at 1 and 8 rows: fused launches vs cuBLAS
         # (its rows are what tuned/decode_linear_<GPU>.json holds: the engine's fused path takes the winners)
         run decodelinearmla 440 python -m benchmarks.decode_linear --model glm-4.7-flash --rows 1,8 \
-            --json "$OUT/decodelinearmla.json" ;;
+            --json "$OUT/decodelinearmla.json" --write-table "$(date -u +%F), python -m benchmarks.decode_linear \
+--model glm-4.7-flash --write-table (docs/benchmarks.md)"
+        cp agentrt_kernels/triton/tuned/decode_linear_*.json "$OUT/" ;;
+    router)  # the router's two launches over their launch options at 8 and 32 rows
+        run router 200 python -m benchmarks.router_kernels --json "$OUT/router.json" ;;
     decodelinear)  # the launch sweep alone
         sweep_decode_linear ;;
     overlap)  # overlapped decode windows vs not, in one engine each: MoE bs8 / bs32 and dense bs4 @ 32K
