@@ -38,6 +38,8 @@
 #   chainturn  a SnapKV chain turn split into prefill attention, vote and compaction (torch.profiler)
 #   mlasweep   the Triton MLA decode kernel's launch grid and split counts beside flashinfer's MLA wrapper
 #   mlasweepfp8  the same over E4M3 latent rows (which launch the coded tile should default to)
+#   mlasweeprows the MLA decode kernel with its products transposed (keys_as_rows: the rows' tile as wgmma's M)
+#              against the default orientation, 64-row tiles, bs8 / bs32 @ 4K
 #   mlaprefill absorbed vs expanded MLA prefill (one layer's attention at GLM-4.7-Flash's shape)
 #   mlaprefill128k  the same for a 128K prompt's 16K-token chunks at 64K and 112K contexts (expanded in blocks)
 #   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
@@ -336,6 +338,10 @@ for step in "$@"; do
         run mlasweep 400 python -m benchmarks.mla_decode_sweep --cases 8@4096,32@4096 \
             --grid '{"block_h": [32, 64], "block_n": [16, 32, 64], "num_warps": [4, 8], "num_stages": [2, 3]}' \
             --splits 8,16,24,32,48,64 --json "$OUT/mlasweep.json" ;;
+    mlasweeprows)  # the products transposed (wgmma on the rows' tile) beside the heads-as-rows launches
+        run mlasweeprows 400 python -m benchmarks.mla_decode_sweep --cases 8@4096,32@4096 \
+            --grid '{"block_h": [32], "block_n": [64], "num_warps": [4, 8], "num_stages": [2, 3, 5], "keys_as_rows": [false, true]}' \
+            --splits 8,16,24,32 --json "$OUT/mlasweeprows.json" ;;
     mlasweepfp8)  # the same over E4M3 latent rows (kv_storage fp8), beside bf16 rows at their default launch
         run mlasweepfp8 400 python -m benchmarks.mla_decode_sweep --coded --json "$OUT/mlasweepfp8.json" ;;
     mlaprefill)  # absorbed vs expanded MLA prefill (one layer's attention, GLM-4.7-Flash shape), chunks 512-8K

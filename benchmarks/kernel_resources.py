@@ -36,7 +36,7 @@ from triton.compiler import ASTSource
 from agentrt_kernels.triton import decode_attention, quant_decode
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-WATCH = ("LDGSTS", "LDG", "HMMA", "I2F", "F2F", "F2FP", "MUFU")
+WATCH = ("LDGSTS", "LDG", "HMMA", "HGMMA", "I2F", "F2F", "F2FP", "MUFU")
 HQ, HKV, D, PAGE, MAX_PAGES = 32, 8, 128, 32, 1040
 H200_SMS, H200_CLOCK_HZ, ISSUE_PER_CLOCK = 132, 1.98e9, 4
 SMEM_PER_SM = 227 * 1024
@@ -171,7 +171,8 @@ def cases() -> dict[str, tuple]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
-    parser.add_argument("--block-n", help="tile sizes to compile every kernel at, e.g. 32,64,128 (default: as launched)")
+    parser.add_argument("--block-n",
+                        help="tile sizes to compile every kernel at, e.g. 32,64,128 (default: as launched)")
     parser.add_argument("--warps", help="warp counts, e.g. 4,8 (default: as launched)")
     args = parser.parse_args(argv)
     rows = []

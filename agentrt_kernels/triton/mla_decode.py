@@ -32,6 +32,11 @@ each with the programs a SM holds; a call takes the one whose single wave of pro
 splits (``mla_num_splits``: B * head tiles * splits programs, at most one wave). Small widths (tests) take 64
 rows and 4 warps. Every knob can be overridden per call.
 
+``keys_as_rows`` transposes both products (S^T = K Q^T, O^T = V^T P^T, the softmax along the rows' axis): the
+tile of latent rows becomes the dots' M, which Hopper's wgmma takes 64 at a time, where a head tile (20 heads
+padded to 32) takes mma.sync. Tested against the dense reference and compiled for sm_90a; not a default until
+``benchmarks.mla_decode_sweep`` measures it faster (step ``mlasweeprows``).
+
 Kernel 2, grid (B, Hq): merges the num_splits partials with max-rescaling, one split row [Dv] at a time (no
 [splits, Dv] tile, so Dv = 512 with 64 splits stays in registers). With num_splits == 1 kernel 1 normalises and
 writes the output directly and kernel 2 is not launched.
@@ -58,6 +63,16 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _row_starts(bt_row, kv_ptr, n0, offs_n, end, PAGE_SIZE: tl.constexpr, stride_kp, stride_ks):
+    """The tile of tokens [n0, n0 + BLOCK_N): (mask, page, slot in the page, latent row start) each."""
+    tok = n0 + offs_n
+    n_mask = tok < end
+    page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+    slot = (tok % PAGE_SIZE).to(tl.int64)
+    return n_mask, page, slot, kv_ptr + page * stride_kp + slot * stride_ks
+
+
+@triton.jit
 def _mla_split_kernel(
     q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, sv_ptr, sr_ptr,
     scale_log2, num_heads,
@@ -69,7 +84,7 @@ def _mla_split_kernel(
     BLOCK_H: tl.constexpr,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, DK: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_REST: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
@@ -99,39 +114,58 @@ def _mla_split_kernel(
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_H, BLOCK_DV], 0.0, dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        tok = n0 + offs_n
-        n_mask = tok < end
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        slot = (tok % PAGE_SIZE).to(tl.int64)
-        rows = kv_ptr + page * stride_kp + slot * stride_ks  # [BLOCK_N] row starts
-        # the value channels: K's first DV channels and all of V, read once
-        kv = tl.load(rows[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0)
-        if CODED:  # E4M3 codes, exact in fp16 / bf16; each row's scales applied to its logits and probabilities
-            kv = kv.to(tl.float8e4nv, bitcast=True)
-            sv = tl.load(sv_ptr + page * stride_sp + slot * stride_ss, mask=n_mask, other=0.0)
-        kv = kv.to(dot_ty)
-        qk = tl.dot(q_v, tl.trans(kv), input_precision=PRECISION)
-        if CODED:
-            qk = qk * sv[None, :]
+    if KEYS_AS_ROWS:  # S^T = K Q^T and O^T = V^T P^T: the rows' tile is the dots' M (wgmma's 64 a warpgroup)
+        tl.static_assert(not CODED, "the coded rows keep the heads as the dots' rows")
+        acc_t = tl.full([BLOCK_DV, BLOCK_H], 0.0, dtype=tl.float32)
+        q_v_t = tl.trans(q_v)
         if HAS_REST:
-            kr = tl.load(rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0)
+            q_r_t = tl.trans(q_r)
+        for n0 in range(start, end, BLOCK_N):
+            n_mask, page, slot, rows = _row_starts(bt_row, kv_ptr, n0, offs_n, end, PAGE_SIZE, stride_kp, stride_ks)
+            kv = tl.load(rows[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0)
+            kv = kv.to(dot_ty)
+            s_t = tl.dot(kv, q_v_t, input_precision=PRECISION)  # [BLOCK_N, BLOCK_H]
+            if HAS_REST:
+                kr = tl.load(rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0)
+                s_t += tl.dot(kr.to(dot_ty), q_r_t, input_precision=PRECISION)
+            s_t = tl.where(n_mask[:, None], s_t * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s_t, 0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s_t - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, 0)
+            acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(kv), p.to(dot_ty), input_precision=PRECISION)
+            m_i = m_new
+        acc = tl.trans(acc_t)
+    else:
+        acc = tl.full([BLOCK_H, BLOCK_DV], 0.0, dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            n_mask, page, slot, rows = _row_starts(bt_row, kv_ptr, n0, offs_n, end, PAGE_SIZE, stride_kp, stride_ks)
+            # the value channels: K's first DV channels and all of V, read once
+            kv = tl.load(rows[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0)
+            if CODED:  # E4M3 codes, exact in fp16 / bf16; each row's scales applied to its logits and probabilities
+                kv = kv.to(tl.float8e4nv, bitcast=True)
+                sv = tl.load(sv_ptr + page * stride_sp + slot * stride_ss, mask=n_mask, other=0.0)
+            kv = kv.to(dot_ty)
+            qk = tl.dot(q_v, tl.trans(kv), input_precision=PRECISION)
             if CODED:
-                sr = tl.load(sr_ptr + page * stride_sp + slot * stride_ss, mask=n_mask, other=0.0)
-                qk += tl.dot(q_r, tl.trans(kr.to(tl.float8e4nv, bitcast=True).to(dot_ty)),
-                             input_precision=PRECISION) * sr[None, :]
-            else:
-                qk += tl.dot(q_r, tl.trans(kr.to(dot_ty)), input_precision=PRECISION)
-        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if CODED:
-            p = p * sv[None, :]  # l_i summed the probabilities themselves; the values' scale rides on p
-        acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), kv, input_precision=PRECISION)
-        m_i = m_new
+                qk = qk * sv[None, :]
+            if HAS_REST:
+                kr = tl.load(rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & r_mask[None, :], other=0)
+                if CODED:
+                    sr = tl.load(sr_ptr + page * stride_sp + slot * stride_ss, mask=n_mask, other=0.0)
+                    qk += tl.dot(q_r, tl.trans(kr.to(tl.float8e4nv, bitcast=True).to(dot_ty)),
+                                 input_precision=PRECISION) * sr[None, :]
+                else:
+                    qk += tl.dot(q_r, tl.trans(kr.to(dot_ty)), input_precision=PRECISION)
+            qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if CODED:
+                p = p * sv[None, :]  # l_i summed the probabilities themselves; the values' scale rides on p
+            acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), kv, input_precision=PRECISION)
+            m_i = m_new
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
     o = acc / l_safe[:, None]
@@ -201,8 +235,9 @@ def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: b
     fp16 rows, the fastest of ``benchmarks.mla_decode_sweep`` at GLM-4.7-Flash's 20 heads (docs/benchmarks.md):
     16 heads x 32 rows on 4 warps (~210 registers, two programs a SM); for 32-head tiles 32 x 64 on 8 warps, five
     stages (~176 registers, 185 KB of shared memory: one a SM; the rotary channels' loads pipelined too, which two
-    stages leave synchronous), the fastest where a batch's splits fill one wave of those (bs8 @ 4K), and 32 x 32 on 4 warps (255 registers, a few bytes spilled: two a SM), the fastest where the wave
-    of two a SM holds more splits (bs32 @ 4K, bs8 @ 32K); 64 x 16 on 8 warps, three stages (wgmma, ~218
+    stages leave synchronous), the fastest where a batch's splits fill one wave of those (bs8 @ 4K), and 32 x 32
+    on 4 warps (255 registers, a few bytes spilled: two a SM), the fastest where the wave of two a SM holds more
+    splits (bs32 @ 4K, bs8 @ 32K); 64 x 16 on 8 warps, three stages (wgmma, ~218
     registers, 128 KB: one a SM). The latent loads are pipelined through shared memory (cp.async). fp32 latents
     take 16 x 16 (110 registers; fp32 dots run on the FMA units). ``coded`` (E4M3 rows converted in registers):
     16 x 32 and 32 x 16 on 8 warps, one a SM (the wider tiles spill there). Small widths (tests): 64 rows on 4
@@ -260,6 +295,7 @@ def mla_paged_decode(
     num_stages: int | None = None,
     min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
     row_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    keys_as_rows: bool = False,
 ) -> torch.Tensor:
     """q [B, Hq, Dk] attends to the first kv_lens[b] latent rows of request b's pages (keys: the whole row,
     values: its first ``value_dim`` channels) -> [B, Hq, value_dim].
@@ -267,7 +303,13 @@ def mla_paged_decode(
     ``row_scales`` (scale, rope_scale), each [num_pages, page_size(, 1, 1)] fp32: the rows are E4M3 codes
     (``latent`` uint8, ``LATENT_ROW_FORMATS``), row value = code * scale over [0, value_dim) and code *
     rope_scale over the rest. The codes are converted to q's dtype (exactly, for fp16 / bf16) and the scales
-    applied to the logits and the probabilities, so the kernel reads one byte a channel."""
+    applied to the logits and the probabilities, so the kernel reads one byte a channel.
+
+    ``keys_as_rows``: the products transposed (S^T = K Q^T, O^T = V^T P^T), so the tile of latent rows, not the
+    head tile, is the dots' M: 64 rows a warpgroup take Hopper's wgmma, where a tile of 20 heads padded to 32
+    takes mma.sync. A launch for ``benchmarks.mla_decode_sweep`` to measure; bf16 / fp16 / fp32 rows only."""
+    if keys_as_rows and row_scales is not None:
+        raise ValueError("keys_as_rows reads plain latent rows, not E4M3 codes (row_scales)")
     batch, num_heads, dk = q.shape
     if latent.dim() == 4:
         assert latent.shape[2] == 1, f"MLA latent cache has one KV head, got {tuple(latent.shape)}"
@@ -327,7 +369,7 @@ def mla_paged_decode(
         out.stride(0), out.stride(1),
         BLOCK_H=block_h, DV=dv, BLOCK_DV=block_dv, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
-        UPCAST=upcast, PRECISION=precision, CODED=row_scales is not None,
+        UPCAST=upcast, PRECISION=precision, CODED=row_scales is not None, KEYS_AS_ROWS=bool(keys_as_rows),
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -93,6 +93,29 @@ def test_mla_decode_matches_dense(dtype, hq, dk, dv, page_size, num_splits, bloc
     _close(got, _dense(q, latent, bt, lens, scale, dv), dtype)
 
 
+@pytest.mark.parametrize("dtype,hq,dk,dv,page_size,num_splits,block_n", [
+    (dtype, hq, 48, 32, page_size, num_splits, block_n)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16)
+    for page_size, block_n in ((16, 16), (64, 64))
+    for hq, num_splits in ((16, 1), (20, 3))
+] + [(torch.float16, 20, 52, 40, 16, 2, 32), (torch.bfloat16, 20, 576, 512, 16, 2, 64),
+     (torch.float32, 72, 576, 512, 64, 1, 16)])
+def test_the_products_transposed_equal_dense_attention(dtype, hq, dk, dv, page_size, num_splits, block_n):
+    """``keys_as_rows``: S^T = K Q^T and O^T = V^T P^T (the rows' tile as the dots' M), the softmax along the
+    rows' axis: dense attention, over every dtype, page size, a partial head tile, splits, padded widths, the real
+    latent (512 + 64) and several head tiles."""
+    kv_lens = [1, 37, 150]
+    q, latent, bt, lens = _case(zlib.crc32(f"rows-{dtype}-{hq}-{dk}-{page_size}".encode()), dtype, kv_lens, hq, dk,
+                                page_size, pad_pages=1)
+    scale = 192 ** -0.5
+    got = mla_paged_decode(q, latent, bt, lens, scale, dv, num_splits=num_splits, block_n=block_n,
+                           keys_as_rows=True)
+    _close(got, _dense(q, latent, bt, lens, scale, dv), dtype)
+    with pytest.raises(ValueError, match="keys_as_rows"):
+        mla_paged_decode(q, latent, bt, lens, scale, dv, keys_as_rows=True,
+                         row_scales=(torch.ones(1), torch.ones(1)))
+
+
 @pytest.mark.parametrize("dtype,hq,dk,dv,page_size,num_splits", [
     (torch.float32, 16, 48, 32, 16, 1), (torch.float32, 20, 48, 32, 16, 3), (torch.float16, 20, 52, 40, 16, 2),
     (torch.bfloat16, 16, 576, 512, 64, 2)])
@@ -246,7 +269,7 @@ for dtype, hq, splits, coded in json.loads(sys.argv[1]):
                     mid_o_ptr="*fp32", mid_lse_ptr="*fp32", sv_ptr="*fp32", sr_ptr="*fp32", scale_log2=0.1,
                     num_heads=hq, stride_qb=hq * 576, stride_qh=576, stride_kp=64 * 576, stride_ks=576,
                     stride_sp=64 if coded else 0, stride_ss=1 if coded else 0, stride_btb=1037,
-                    stride_ob=hq * 512, stride_oh=512, CODED=coded,
+                    stride_ob=hq * 512, stride_oh=512, CODED=coded, KEYS_AS_ROWS=False,
                     BLOCK_H=block_h, DV=512, BLOCK_DV=512, DK=576, BLOCK_DR=64, HAS_REST=True, PAGE_SIZE=64,
                     BLOCK_N=block_n, NUM_SPLITS=splits, MIN_SPLIT=0, UPCAST=False,
                     PRECISION="ieee" if dtype == "float32" else "tf32")
@@ -256,6 +279,38 @@ for dtype, hq, splits, coded in json.loads(sys.argv[1]):
                              "registers", "spill_stores", "shared_bytes", "programs_per_sm", "LDGSTS")}))
 print(json.dumps(rows))
 """
+
+
+_SM90_ROWS_SCRIPT = """
+import json, sys
+import torch
+from benchmarks.kernel_resources import captured_launches, compile_sm90
+from agentrt_kernels.triton.mla_decode import mla_paged_decode
+
+rows = []
+for block_n, warps, stages in json.loads(sys.argv[1]):
+    bf = dict(dtype=torch.bfloat16)
+    with captured_launches() as launches:
+        mla_paged_decode(torch.zeros(8, 20, 576, **bf), torch.zeros(64, 16, 1, 576, **bf),
+                         torch.zeros(8, 256, dtype=torch.int32), torch.full((8,), 4096, dtype=torch.int32),
+                         0.07, 512, block_n=block_n, num_warps=warps, num_stages=stages, keys_as_rows=True)
+    fn, args, options = launches[0]  # the split kernel (the combine follows)
+    r = compile_sm90(fn, args, **options)
+    rows.append(dict(launch=[block_n, warps, stages], **{k: r[k] for k in (
+        "registers", "spill_stores", "shared_bytes", "HGMMA", "HMMA")}))
+print(json.dumps(rows))
+"""
+
+
+def test_the_transposed_products_take_wgmma_on_sm90():
+    """``keys_as_rows`` at GLM-4.7-Flash's decode shape (20 heads, latent 512 + 64, page 16), as compiled for an
+    H100 / H200: the products run on wgmma (HGMMA, none on mma.sync), in one SM's shared memory (227 KB), without
+    spills, for the launches ``benchmarks.mla_decode_sweep`` tries (64 rows on 8 warps, 2 / 3 stages; 4 warps, 3)."""
+    rows = compiled_rows(_SM90_ROWS_SCRIPT, [[64, 8, 2], [64, 8, 3], [64, 4, 3]])
+    assert [r["launch"] for r in rows] == [[64, 8, 2], [64, 8, 3], [64, 4, 3]]
+    for r in rows:
+        assert r["HGMMA"] > 0 and r["HMMA"] == 0, r
+        assert r["spill_stores"] == 0 and r["shared_bytes"] <= 227 * 1024, r
 
 
 def test_default_launches_compile_for_sm90_without_spills():
