@@ -33,7 +33,7 @@ TINY_SPACE = {"norm_tile": [256, 1024], "num_warps": [4]}
 
 def case(rows: int, experts: int, hidden: int, top_k: int, copies: int, device, space: dict, time_fn) -> dict:
     from agentrt_kernels.triton import rms_norm
-    from agentrt_kernels.triton.grouped_router import (GATE_LAUNCH, route_grouped_sigmoid,
+    from agentrt_kernels.triton.grouped_router import (gate_launch, route_grouped_sigmoid,
                                                        route_grouped_sigmoid_from_hidden)
 
     bf = dict(dtype=torch.bfloat16, device=device)
@@ -57,7 +57,7 @@ def case(rows: int, experts: int, hidden: int, top_k: int, copies: int, device, 
 
     want = unfused(gates[0])[0]
     row = {"rows": rows, "experts": experts, "hidden": hidden, "copies": copies,
-           "gate_bytes": experts * hidden * 4, "unfused_s": time_fn(cycling(unfused)), "default": dict(GATE_LAUNCH)}
+           "gate_bytes": experts * hidden * 4, "unfused_s": time_fn(cycling(unfused)), "default": gate_launch(rows)}
     launches = []
     for launch in grid(space):
         try:
@@ -68,8 +68,7 @@ def case(rows: int, experts: int, hidden: int, top_k: int, copies: int, device, 
             continue
         launches.append({**launch, "s": seconds, "same_experts": bool(torch.equal(ids, want))})
     timed = [c for c in launches if "s" in c]
-    default = [c for c in timed if c["norm_tile"] == GATE_LAUNCH["norm_tile"]
-               and c["num_warps"] == (GATE_LAUNCH["num_warps"] or (4 if rows <= 16 else 8))]
+    default = [c for c in timed if all(c[k] == v for k, v in row["default"].items())]
     row["default_s"] = default[0]["s"] if default else None
     best = min(timed, key=lambda c: c["s"])
     row.update(best_s=best["s"], best_launch={k: best[k] for k in SPACE}, launches=launches)

@@ -50,10 +50,6 @@ HIDDEN_ROUTE_MAX_ROWS = 32
 HIDDEN_ROUTE_MAX_GATE = 1 << 20  # gate elements (E x H): the partial-logit programs' [E, GATE_BLOCK_H] slices
 GATE_BLOCK_H = 64  # hidden columns a partial-logit program takes: 32 programs over GLM-4.7-Flash's 2048
 GATE_MAX_BLOCK_E = 128  # experts of one gate tile: up to this many, the program reads its gate slice in one load
-# the partial-logit launch: elements of one (unrolled) chunk of the rows the fused norm reads for its mean
-# squares, and warps (None: 4 for one dot tile of 16 rows, 8 for more; the fastest of benchmarks.router_kernels
-# at 8 and 32 rows, docs/benchmarks.md)
-GATE_LAUNCH = {"norm_tile": 4096, "num_warps": None}
 _MAX_UNROLLED_CHUNKS = 16  # wider rows loop over their chunks (code size)
 
 
@@ -62,6 +58,13 @@ def hidden_route_fits(tokens: int, experts: int, hidden: int) -> bool:
     them) over a small gate (GLM-4.7-Flash's 64 x 2048); larger ones take the gate GEMM and
     ``route_grouped_sigmoid``."""
     return 0 < tokens <= HIDDEN_ROUTE_MAX_ROWS and experts * hidden <= HIDDEN_ROUTE_MAX_GATE
+
+
+def gate_launch(tokens: int) -> dict:
+    """The partial-logit launch for this many rows: elements of one (unrolled) chunk of the rows the fused norm
+    reads for its mean squares, and warps -- 4 for one dot tile of 16 rows, 8 for more (the fastest of
+    ``benchmarks.router_kernels`` at 8 and 32 rows, docs/benchmarks.md)."""
+    return {"norm_tile": 4096, "num_warps": 4 if tokens <= 16 else 8}
 
 
 @triton.jit
@@ -282,7 +285,7 @@ def route_grouped_sigmoid_from_hidden(
     ``rms_norm(x + residual)`` (``agentrt_kernels.triton.norm``'s math and rounding), returned with the normed
     rows and the new residual: (topk_ids, topk_weights, normed, x + residual). ``launch``: the partial-logit
     launch's ``norm_tile`` (elements of one chunk of the rows the norm reads) and ``num_warps`` over
-    ``GATE_LAUNCH``'s (``benchmarks.router_kernels`` sweeps them)."""
+    ``gate_launch``'s (``benchmarks.router_kernels`` sweeps them)."""
     if x.dim() != 2 or x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"x must be 2-D [tokens, hidden] float32, float16 or bfloat16, got {tuple(x.shape)} "
                          f"{x.dtype}")
@@ -312,7 +315,7 @@ def route_grouped_sigmoid_from_hidden(
         normed = torch.empty_like(x, memory_format=torch.contiguous_format)
         new_residual = torch.empty_like(x, memory_format=torch.contiguous_format)
     if tokens:
-        opts = GATE_LAUNCH | (launch or {})
+        opts = gate_launch(tokens) | (launch or {})
         block_t = max(16, next_pow2(tokens))
         chunk = min(max(16, opts["norm_tile"] // block_t), max(16, next_pow2(hidden)))
         res, nw, res_out, out = (residual, norm[0], new_residual, normed) if norm is not None else (x, x, x, x)
@@ -323,7 +326,7 @@ def route_grouped_sigmoid_from_hidden(
             E=experts, BLOCK_T=block_t, BLOCK_E=max(16, min(GATE_MAX_BLOCK_E, next_pow2(experts))),
             BLOCK_H=GATE_BLOCK_H, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(hidden, chunk),
             MAX_UNROLLED_CHUNKS=_MAX_UNROLLED_CHUNKS, NORM=norm is not None,
-            num_warps=opts["num_warps"] or (4 if block_t <= 16 else 8),
+            num_warps=opts["num_warps"],
         )
     ids, weights = _route(partials, correction_bias, tokens, experts, top_k, groups, topk_groups, renormalize,
                           scaling, out_dtype, shared_expert, splits=splits)
