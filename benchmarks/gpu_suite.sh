@@ -340,7 +340,7 @@ for step in "$@"; do
             --splits 8,16,24,32,48,64 --json "$OUT/mlasweep.json" ;;
     mlasweeprows)  # the products transposed (wgmma on the rows' tile) beside the heads-as-rows launches
         run mlasweeprows 400 python -m benchmarks.mla_decode_sweep --cases 8@4096,32@4096 \
-            --grid '{"block_h": [32], "block_n": [64], "num_warps": [4, 8], "num_stages": [2, 3, 5], "keys_as_rows": [false, true]}' \
+            --grid '{"block_h": [32], "block_n": [64], "num_warps": [4, 8], "num_stages": [2, 3, 4], "keys_as_rows": [false, true]}' \
             --splits 8,16,24,32 --json "$OUT/mlasweeprows.json" ;;
     mlasweepfp8)  # the same over E4M3 latent rows (kv_storage fp8), beside bf16 rows at their default launch
         run mlasweepfp8 400 python -m benchmarks.mla_decode_sweep --coded --json "$OUT/mlasweepfp8.json" ;;

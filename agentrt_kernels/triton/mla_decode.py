@@ -228,7 +228,8 @@ def default_block_h(num_heads: int) -> int:
 Launch = tuple[int, int, int, int]
 
 
-def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: bool = False) -> list[Launch]:
+def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: bool = False,
+                       keys_as_rows: bool = False) -> list[Launch]:
     """The launches ``mla_paged_decode`` chooses among for a head tile, each with the programs a SM holds at once
     (registers and shared memory as ptxas reports them for sm_90a, Triton 3.6;
     ``benchmarks.kernel_resources.compile_sm90``). For latent widths of 256 and more (MLA's 512 + 64), bf16 /
@@ -241,9 +242,12 @@ def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: b
     registers, 128 KB: one a SM). The latent loads are pipelined through shared memory (cp.async). fp32 latents
     take 16 x 16 (110 registers; fp32 dots run on the FMA units). ``coded`` (E4M3 rows converted in registers):
     16 x 32 and 32 x 16 on 8 warps, one a SM (the wider tiles spill there). Small widths (tests): 64 rows on 4
-    warps, four a SM assumed (not a shape the sweep or the sm_90a compile checks cover)."""
+    warps, four a SM assumed (not a shape the sweep or the sm_90a compile checks cover). ``keys_as_rows`` (16-bit
+    rows): 64 rows on 8 warps, three stages (wgmma, ~191 registers, 185 KB: one a SM; five stages would not fit)."""
     if block_dv < 256:
         return [(64, 4, 2, 4)]
+    if keys_as_rows and dtype != torch.float32:
+        return [(64, 8, 3, 1)]
     if dtype == torch.float32:
         return [(16, 8, 2, 2)]
     if coded and block_h <= 32:
@@ -346,7 +350,7 @@ def mla_paged_decode(
     block_dv = next_pow2(dv)
     block_dr = max(16, next_pow2(dk - dv))
     max_kv_len = block_tables.shape[1] * page_size
-    candidates = _launch_candidates(block_h, block_dv, q.dtype, row_scales is not None)
+    candidates = _launch_candidates(block_h, block_dv, q.dtype, row_scales is not None, keys_as_rows)
     overrides = (block_n, num_warps, num_stages)
     if any(overrides):  # a caller's launch: the first candidate's for what it leaves out, and its residency
         first = candidates[0]
