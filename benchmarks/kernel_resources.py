@@ -42,12 +42,14 @@ H200_SMS, H200_CLOCK_HZ, ISSUE_PER_CLOCK = 132, 1.98e9, 4
 SMEM_PER_SM = 227 * 1024
 
 
-def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> dict:
+def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3, launch_pdl: bool = False) -> dict:
     """Compile ``fn`` with ``args`` (name -> pointer type like '*bf16', an int or float value, or a constexpr
-    for the UPPER_CASE names) for sm_90a; registers, spills and SASS instruction counts."""
+    for the UPPER_CASE names; a constexpr left out takes its default) for sm_90a; registers, spills and SASS
+    instruction counts."""
     sig, consts, attrs = {}, {}, {}
+    defaults = {p.name: p.default for p in fn.params}
     for i, name in enumerate(fn.arg_names):
-        v = args[name]
+        v = args[name] if name in args or not name.isupper() else defaults[name]
         if isinstance(v, str) and v.startswith("*"):
             sig[name], attrs[(i,)] = v, [["tt.divisibility", 16]]
         elif name.isupper() or v is None:
@@ -61,8 +63,9 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> dic
             if v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
-    report = ptxas_report(kernel.asm["ptx"], sass=True)
+                            options=dict(num_warps=num_warps, num_stages=num_stages, launch_pdl=launch_pdl))
+    ptx = kernel.asm["ptx"]
+    report = ptxas_report(ptx, sass=True)
     ops = collections.Counter(op.split(".")[0] for op in re.findall(
         r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", report["sass"]))
     regs = report["registers"]
@@ -72,7 +75,19 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3) -> dic
             "programs_per_sm": min(32, 65536 // (regs * 32 * num_warps),
                                    SMEM_PER_SM // kernel.metadata.shared if kernel.metadata.shared else 32),
             "instructions": sum(ops.values()),
-            "loop_instructions": main_loop_length(report["sass"]), **{op: ops.get(op, 0) for op in WATCH}}
+            "loop_instructions": main_loop_length(report["sass"]), **{op: ops.get(op, 0) for op in WATCH},
+            "launch_order": launch_order(ptx)}
+
+
+_LAUNCH_MARKS = {"cp.async.bulk.prefetch.L2": "prefetch", "griddepcontrol.wait": "wait",
+                 "griddepcontrol.launch_dependents": "launch_dependents"}
+
+
+def launch_order(ptx: str) -> list[str]:
+    """The programmatic-dependent-launch instructions of a kernel's PTX in program order, each run of one kind
+    once: ["prefetch", "wait", "launch_dependents"] for a kernel that asks L2 for its weights before it waits."""
+    marks = [_LAUNCH_MARKS[m] for m in re.findall("|".join(re.escape(k) for k in _LAUNCH_MARKS), ptx)]
+    return [m for i, m in enumerate(marks) if i == 0 or marks[i - 1] != m]
 
 
 _POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int32: "*i32",
@@ -90,7 +105,7 @@ def captured_launches():
     launches, run = [], JITFunction.run
 
     def record(self, *args, grid, warmup, **kwargs):
-        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "launch_pdl") if k in kwargs}
         values = dict(zip(self.arg_names, args)) | kwargs
         for param in self.params:
             if param.name not in values:

@@ -9,10 +9,12 @@ operands (fp32 accumulation), and fp32 inputs use IEEE fp32 dots (no tf32) so fp
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
 
 
 def _fix_interpreter_scalar_index() -> None:
@@ -122,6 +124,55 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
     return 132
+
+
+PDL_ENV = "AGENTRT_PDL"
+
+
+@functools.lru_cache(maxsize=None)
+def _pdl_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl(device: torch.device) -> bool:
+    """Whether kernels on ``device`` launch with programmatic dependent launch (PDL: Hopper and later, unless
+    ``AGENTRT_PDL=0``). A decode step is a chain of small launches; under PDL a kernel's programs are placed on
+    the SMs while its predecessor runs and wait there (``pdl_enter``) instead of being launched after it ends,
+    which hides the launch gap between dependent kernels, in CUDA graphs too."""
+    if device.type != "cuda" or os.environ.get(PDL_ENV, "1") == "0":
+        return False
+    return _pdl_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@triton.jit
+def pdl_enter(PDL: tl.constexpr):
+    """A kernel's first statement where it may be launched with ``launch_pdl``: wait until the previous kernel
+    in the stream has finished and its writes are visible (before this kernel reads or writes anything), then
+    let the next kernel's programs be placed. Waiting first keeps at most one kernel ahead of the running one;
+    without PDL both instructions do nothing, and the interpreter never sees them."""
+    if PDL:
+        tl_cuda.gdc_wait()
+        tl_cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows_l2(rows, row_bytes, mask):
+    """Ask L2 for ``row_bytes`` bytes at each of ``rows`` (pointers, 16-byte aligned; ``row_bytes`` a multiple of
+    16) where ``mask`` holds, without waiting: Hopper's bulk prefetch, one instruction a row. A hint, so a kernel
+    launched under PDL may issue it before ``pdl_enter`` for what does not depend on the previous kernel (its
+    weights), and those bytes stream in while the previous kernel finishes. sm_90 and later only."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; } // $0",
+        "=r,l,r,r", [rows, mask.to(tl.int32), tl.full(rows.shape, row_bytes, tl.int32)], dtype=tl.int32,
+        is_pure=False, pack=1)
+
+
+def rows_prefetchable(t: torch.Tensor, row_elements: int | None = None) -> bool:
+    """Whether ``prefetch_rows_l2`` may take rows of ``t`` (2-D or more, rows along dim 0 of ``row_elements``
+    contiguous elements, default the last dim's): every row start and length a multiple of 16 bytes."""
+    size = t.element_size()
+    row_bytes = (t.shape[-1] if row_elements is None else row_elements) * size
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 and row_bytes % 16 == 0
 
 
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:

@@ -13,11 +13,12 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2
+from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2, pdl, pdl_enter
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, o_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -44,5 +45,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
     block = min(1024, next_pow2(inter))
     _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](
         x2, o2, x2.stride(0), o2.stride(0), inter, BLOCK=block, num_warps=max(1, min(4, block // 256)),
+        PDL=(on := pdl(x.device)), launch_pdl=on,
     )
     return out

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2, num_sms
+from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2, num_sms, pdl, pdl_enter
 
 _LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
@@ -70,7 +70,9 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, FUSED_COMBINE: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -168,7 +170,9 @@ def _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, head, g_mask, d_mask, offs_
 def _decode_combine_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = b.to(tl.int64) * tl.num_programs(1) + h
@@ -241,7 +245,8 @@ def combine_splits(mid_o: torch.Tensor, mid_lse: torch.Tensor, out: torch.Tensor
     _decode_combine_kernel[(batch, num_q_heads)](
         mid_o, mid_lse, out, out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
-        num_warps=4 if block_d * next_pow2(num_splits) >= 2048 else 2,
+        num_warps=4 if block_d * next_pow2(num_splits) >= 2048 else 2, PDL=(on := pdl(out.device)),
+        launch_pdl=on,
     )
 
 
@@ -305,7 +310,7 @@ def paged_decode_attention(
         GROUP=group, BLOCK_G=block_g, HEAD_DIM=head_dim, BLOCK_D=block_d,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
         UPCAST=upcast, PRECISION=precision, FUSED_COMBINE=fused, BLOCK_S=max(2, next_pow2(num_splits)),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, PDL=(on := pdl(q.device)), launch_pdl=on,
     )
     if not fused:
         combine_splits(mid_o, mid_lse, out)

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2
+from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2, pdl, pdl_enter
 
 _MAX_EXPERTS = 65536  # one tile per row
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -84,7 +84,9 @@ def _gate_partials_kernel(
     tokens, hidden, eps, stride_x, stride_r, stride_ro, stride_n, stride_g, stride_pt, stride_ps,
     E: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
     NUM_CHUNKS: tl.constexpr, MAX_UNROLLED_CHUNKS: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     split = tl.program_id(0)
     tt = tl.arange(0, BLOCK_T)
     t_mask = tt < tokens
@@ -140,7 +142,9 @@ def _route_grouped_sigmoid_kernel(
     GROUPS: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     TOPK_GROUPS: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, RENORMALIZE: tl.constexpr,
     SHARED: tl.constexpr, PARTIALS: tl.constexpr, BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     gcols = tl.arange(0, BLOCK_G)
     scols = tl.arange(0, BLOCK_S)
@@ -251,6 +255,7 @@ def _route(logits, correction_bias, tokens, experts, top_k, groups, topk_groups,
         TOPK_GROUPS=topk_groups, TOP_K=top_k, BLOCK_K=next_pow2(top_k), RENORMALIZE=bool(renormalize),
         SHARED=shared_expert is not None, PARTIALS=splits > 0, BLOCK_P=block_p,
         num_warps=max(1, min(8, block_g * block_s // 256)) if not splits else 4,
+        PDL=(on := pdl(device)), launch_pdl=on,
     )
     return topk_ids, topk_weights
 
@@ -326,7 +331,7 @@ def route_grouped_sigmoid_from_hidden(
             E=experts, BLOCK_T=block_t, BLOCK_E=max(16, min(GATE_MAX_BLOCK_E, next_pow2(experts))),
             BLOCK_H=GATE_BLOCK_H, CHUNK=chunk, NUM_CHUNKS=triton.cdiv(hidden, chunk),
             MAX_UNROLLED_CHUNKS=_MAX_UNROLLED_CHUNKS, NORM=norm is not None,
-            num_warps=opts["num_warps"],
+            num_warps=opts["num_warps"], PDL=(on := pdl(x.device)), launch_pdl=on,
         )
     ids, weights = _route(partials, correction_bias, tokens, experts, top_k, groups, topk_groups, renormalize,
                           scaling, out_dtype, shared_expert, splits=splits)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2
+from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2, pdl, pdl_enter
 
 
 @triton.jit
@@ -29,7 +29,9 @@ def _store_kv_kernel(
     stride_vcp, stride_vcs, stride_vch,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -70,5 +72,5 @@ def store_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_HEADS=num_heads, HEAD_DIM=head_dim, PAGE_SIZE=k_cache.shape[1],
         BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=max(1, min(8, block_h * block_d // 256)),
+        num_warps=max(1, min(8, block_h * block_d // 256)), PDL=(on := pdl(k.device)), launch_pdl=on,
     )

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2
+from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2, pdl, pdl_enter
 from agentrt_kernels.triton.rotary import _TL_DTYPES, _rope, _round
 
 
@@ -41,7 +41,9 @@ def _latent_inputs_kernel(
     s_qlt, s_qlh, s_qpt, s_qph, s_kvt, s_cos, s_sin, s_qt, s_qh, s_rt, s_c,
     H: tl.constexpr, R: tl.constexpr, HALF: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_HALF: tl.constexpr,
     INTERLEAVE: tl.constexpr, CDT: tl.constexpr, XDT: tl.constexpr, STORE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -146,6 +148,6 @@ def latent_inputs(
         cache_rows.stride(0) if store else 0,
         H=heads, R=rank, HALF=rope // 2, BLOCK_R=block_r, BLOCK_HALF=next_pow2(rope // 2),
         INTERLEAVE=bool(interleave), CDT=_TL_DTYPES[compute], XDT=_TL_DTYPES[kv.dtype], STORE=store,
-        num_warps=max(1, min(4, block_r // 128)),
+        num_warps=max(1, min(4, block_r // 128)), PDL=(on := pdl(kv.device)), launch_pdl=on,
     )
     return query, row, q_pe

@@ -51,7 +51,15 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms
+from agentrt_kernels.triton._common import (
+    check_last_dim_contiguous,
+    dot_args,
+    next_pow2,
+    num_sms,
+    pdl,
+    pdl_enter,
+    prefetch_rows_l2,
+)
 from agentrt_kernels.triton.decode_attention import (
     DEFAULT_MIN_SPLIT_TOKENS,
     MAX_SPLITS,
@@ -73,6 +81,16 @@ def _row_starts(bt_row, kv_ptr, n0, offs_n, end, PAGE_SIZE: tl.constexpr, stride
 
 
 @triton.jit
+def _split_range(len_ptr, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """A split's tokens [start, end): equal, BLOCK_N-aligned ranges of at least MIN_SPLIT (``decode_attention``'s)."""
+    kv_len = tl.load(len_ptr)
+    per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    per_split = tl.maximum(per_split, MIN_SPLIT)
+    start = split * per_split
+    return start, tl.minimum(start + per_split, kv_len)
+
+
+@triton.jit
 def _mla_split_kernel(
     q_ptr, kv_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, sv_ptr, sr_ptr,
     scale_log2, num_heads,
@@ -85,16 +103,23 @@ def _mla_split_kernel(
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, DK: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_REST: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
+    PDL: tl.constexpr = False, PREFETCH_PAGES: tl.constexpr = 0,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    if PREFETCH_PAGES > 0:  # the split's first pages hold rows cached before this step: into L2 while the
+        # previous kernel ends (read before the wait, the length and the table only aim a hint)
+        start, end = _split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
+        pages = start // PAGE_SIZE + tl.arange(0, PREFETCH_PAGES)
+        p_mask = pages * PAGE_SIZE < end
+        page_ids = tl.load(bt_row + pages, mask=p_mask, other=0).to(tl.int64)
+        prefetch_rows_l2(kv_ptr + page_ids * stride_kp, stride_kp * (kv_ptr.dtype.element_ty.primitive_bitwidth // 8),
+                         p_mask)
+    pdl_enter(PDL)
 
-    kv_len = tl.load(lens_ptr + b)
-    per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    per_split = tl.maximum(per_split, MIN_SPLIT)
-    start = split * per_split
-    end = tl.minimum(start + per_split, kv_len)
+    start, end = _split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, BLOCK_DV)  # value channels [0, DV)
@@ -111,7 +136,6 @@ def _mla_split_kernel(
     if HAS_REST:
         q_r = tl.load(q_rows + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(dot_ty)
 
-    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
     if KEYS_AS_ROWS:  # S^T = K Q^T and O^T = V^T P^T: the rows' tile is the dots' M (wgmma's 64 a warpgroup)
@@ -185,7 +209,9 @@ def _mla_split_kernel(
 def _mla_combine_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, stride_ob, stride_oh,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = (b.to(tl.int64) * tl.num_programs(1) + h) * NUM_SPLITS  # this head's first split
@@ -283,6 +309,16 @@ def choose_launch(candidates: list[Launch], batch: int, head_tiles: int, max_kv_
     return best
 
 
+def _prefetch_pages(latent: torch.Tensor, block_n: int) -> int:
+    """Pages a split asks of L2 before it waits for the previous kernel: two tiles' worth (what its pipeline
+    reads first; more, over a whole batch, would crowd L2), where whole pages are contiguous 16-byte runs."""
+    page_size = latent.shape[1]
+    page_bytes = latent.stride(0) * latent.element_size()
+    if latent.data_ptr() % 16 or page_bytes % 16 or latent.stride(0) != page_size * latent.stride(1):
+        return 0
+    return next_pow2(max(1, 2 * block_n // page_size))
+
+
 def mla_paged_decode(
     q: torch.Tensor,
     latent: torch.Tensor,
@@ -374,12 +410,13 @@ def mla_paged_decode(
         BLOCK_H=block_h, DV=dv, BLOCK_DV=block_dv, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
         UPCAST=upcast, PRECISION=precision, CODED=row_scales is not None, KEYS_AS_ROWS=bool(keys_as_rows),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, PDL=(on := pdl(q.device)), launch_pdl=on,
+        PREFETCH_PAGES=_prefetch_pages(latent, block_n) if on else 0,
     )
     if num_splits > 1:
         _mla_combine_kernel[(batch, num_heads)](
             mid_o, mid_lse, out, out.stride(0), out.stride(1),
             DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
-            num_warps=4 if block_dv >= 512 else 2,
+            num_warps=4 if block_dv >= 512 else 2, PDL=on, launch_pdl=on,
         )
     return out

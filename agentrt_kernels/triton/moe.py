@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2
+from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2, pdl, pdl_enter
 
 
 @triton.jit
@@ -41,9 +41,11 @@ def _moe_align_count_kernel(
     ids_ptr, sorted_ptr, expert_ids_ptr, cursor_ptr,
     num_slots, num_experts, max_padded, max_blocks,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, BLOCK_B: tl.constexpr, SCATTER: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """One program: expert histogram, padded offsets, per-block expert ids, sentinel fill; with SCATTER (at most
     CHUNK slots: a decode step's) the slots' placement too, after a barrier, so the op is one launch."""
+    pdl_enter(PDL)
     offs_e = tl.arange(0, E_PAD)
     valid_e = offs_e < num_experts
     counts = tl.full([E_PAD], 0, dtype=tl.int32)
@@ -76,8 +78,10 @@ def _place_slots(ids_ptr, sorted_ptr, cursor_ptr, offs, num_slots):
 
 
 @triton.jit
-def _moe_align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, num_slots, CHUNK: tl.constexpr):
+def _moe_align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, num_slots, CHUNK: tl.constexpr,
+                              PDL: tl.constexpr = False):
     """More slots than one program places: CHUNK slots a program."""
+    pdl_enter(PDL)
     _place_slots(ids_ptr, sorted_ptr, cursor_ptr, tl.program_id(0) * CHUNK + tl.arange(0, CHUNK), num_slots)
 
 
@@ -107,11 +111,11 @@ def moe_align_block_size(
     _moe_align_count_kernel[(1,)](
         flat, sorted_ids, expert_ids, cursor, num_slots, num_experts, max_blocks * block_m, max_blocks,
         BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, BLOCK_B=max(16, min(128, 8192 // e_pad)), SCATTER=one_program,
-        num_warps=8,
+        num_warps=8, PDL=(on := pdl(device)), launch_pdl=on,
     )
     if not one_program:
         _moe_align_scatter_kernel[(triton.cdiv(num_slots, chunk),)](flat, sorted_ids, cursor, num_slots,
-                                                                    CHUNK=chunk, num_warps=4)
+                                                                    CHUNK=chunk, num_warps=4, PDL=on, launch_pdl=on)
     return sorted_ids, expert_ids
 
 
@@ -123,7 +127,9 @@ def _moe_gemm_kernel(
     TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     num_pid_n = (N + BLOCK_N - 1) // BLOCK_N
     num_pid_m = tl.num_programs(0) // num_pid_n
@@ -179,9 +185,10 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
-def _topk_sum_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+def _topk_sum_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = sum over the TOP_K rows src[t * TOP_K + j], in fp32 in slot order, rounded once (torch's sum
     over a bf16 / fp16 dim accumulates in fp32 too)."""
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -200,7 +207,8 @@ def topk_sum(down_out: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tenso
     hidden = down_out.shape[1]
     out = torch.empty((num_tokens, hidden), dtype=down_out.dtype, device=down_out.device)
     _topk_sum_kernel[(num_tokens, triton.cdiv(hidden, TOPK_SUM_BLOCK))](
-        down_out, out, hidden, TOP_K=top_k, BLOCK=TOPK_SUM_BLOCK, num_warps=4)
+        down_out, out, hidden, TOP_K=top_k, BLOCK=TOPK_SUM_BLOCK, num_warps=4, PDL=(on := pdl(out.device)),
+        launch_pdl=on)
     return out
 
 
@@ -229,7 +237,7 @@ def _gemm(a, b, c, sorted_ids, expert_ids, weights, n, k, num_slots, num_experts
         TOP_K=top_k, A_BY_TOKEN=a_by_token, GATED=gated, MUL_WEIGHT=mul_weight,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         UPCAST=upcast, PRECISION=precision,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=(on := pdl(c.device)), launch_pdl=on,
     )
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2
+from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2, pdl, pdl_enter
 
 _MAX_EXPERTS = 65536  # one tile per row
 
@@ -35,7 +35,9 @@ def _route_topk_kernel(
     stride_l, stride_i, stride_w,
     E: tl.constexpr, BLOCK_E: tl.constexpr, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_E)
     valid = cols < E
@@ -93,6 +95,6 @@ def route_topk(
         router_logits.stride(0), topk_ids.stride(0), topk_weights.stride(0),
         E=experts, BLOCK_E=block_e, TOP_K=top_k, BLOCK_K=next_pow2(top_k),
         RENORMALIZE=bool(renormalize),
-        num_warps=max(1, min(8, block_e // 256)),
+        num_warps=max(1, min(8, block_e // 256)), PDL=(on := pdl(device)), launch_pdl=on,
     )
     return topk_ids, topk_weights

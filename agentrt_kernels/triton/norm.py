@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2
+from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2, pdl, pdl_enter
 
 
 @triton.jit
@@ -32,7 +32,9 @@ def _rms_norm_kernel(
     eps,
     H: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     ZERO_CENTERED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_H)
     row_mask = rows < n_rows
@@ -113,6 +115,6 @@ def rms_norm(
         n_rows, n_inner, sx0, sx1, sr0, sr1, hidden, hidden,
         eps,
         H=hidden, BLOCK_H=block_h, BLOCK_R=block_r, HAS_RESIDUAL=has_res,
-        ZERO_CENTERED=zero_centered, num_warps=num_warps,
+        ZERO_CENTERED=zero_centered, num_warps=num_warps, PDL=(on := pdl(x.device)), launch_pdl=on,
     )
     return (out, residual_out) if has_res else out

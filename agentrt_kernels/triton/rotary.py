@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2
+from agentrt_kernels.triton._common import check_last_dim_contiguous, next_pow2, pdl, pdl_enter
 
 
 @triton.jit
@@ -104,7 +104,9 @@ def _rotary_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, CDT: tl.constexpr, STORE_KV: tl.constexpr, WRITE_K: tl.constexpr,
     QK_NORM: tl.constexpr, NDT: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -210,7 +212,8 @@ def _launch(positions, q, k, v, cos_cache, sin_cache, k_cache, v_cache, slot_map
         BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv, BLOCK_HALF=block_half, BLOCK_PASS=next_pow2(max(rest, 1)),
         PAGE_SIZE=page_size, CDT=_TL_DTYPES[compute], STORE_KV=store_kv, WRITE_K=write_k,
         QK_NORM=qk_norm, NDT=_TL_DTYPES[norm_dtype], ZERO_CENTERED=zero_centered,
-        num_warps=max(1, min(8, block_hq * next_pow2(head_dim) // 1024)),
+        num_warps=max(1, min(8, block_hq * next_pow2(head_dim) // 1024)), PDL=(on := pdl(q.device)),
+        launch_pdl=on,
     )
 
 

@@ -270,3 +270,39 @@ def test_the_sweep_writes_its_winners_over_the_tables_rows_of_the_same_shape(mon
     module.load_tuned_launches(table)
     assert module.tuned_launch(40, 256, 8) == new and module.tuned_launch(48, 256, 8) == old
     assert module.tuned_launch(40, 256, 1) is module.UNFUSED  # cuBLAS measured faster there
+
+
+_SM90_SCRIPT = """
+import json, sys
+import torch
+from benchmarks.kernel_resources import captured_launches, compile_sm90
+from agentrt_kernels.triton import decode_linear as module
+
+module.pdl = lambda device: True  # launched as on a Hopper GPU: programmatic dependent launch
+rows = []
+for n, k, m, launch in json.loads(sys.argv[1]):
+    bf = dict(dtype=torch.bfloat16)
+    with captured_launches() as launches:
+        module.decode_linear(torch.zeros(m, k, **bf), torch.zeros(n, k, **bf),
+                             norm=(torch.ones(k, **bf), 1e-6), launch=launch)
+    for fn, args, options in launches:
+        r = compile_sm90(fn, args, **options)
+        rows.append(dict(prefetch=args["PREFETCH"], fma=args["FMA"], spill_stores=r["spill_stores"],
+                         launch_order=r["launch_order"]))
+print(json.dumps(rows))
+"""
+
+
+def test_a_hopper_launch_asks_l2_for_its_weights_before_it_waits():
+    """Compiled for sm_90a as an H100 / H200 launches it (q_b's shape, GLM-4.7-Flash, both kinds of launch): the
+    program's weight rows go to L2 before the wait for the previous kernel, then the next kernel is let in."""
+    from tests.kernels.sm90_compile import compiled_rows
+
+    one_row = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "FMA": True, "SWAP": True}
+    rows = compiled_rows(_SM90_SCRIPT, [[5120, 768, 8, {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4,
+                                                        "num_stages": 3, "FMA": False, "SWAP": True}],
+                                        [5120, 768, 1, one_row]])
+    assert [r["fma"] for r in rows] == [False, True]
+    for r in rows:
+        assert r["prefetch"] and r["spill_stores"] == 0, r
+        assert r["launch_order"] == ["prefetch", "wait", "launch_dependents"], r

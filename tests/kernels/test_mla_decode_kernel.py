@@ -272,11 +272,13 @@ for dtype, hq, splits, coded in json.loads(sys.argv[1]):
                     stride_ob=hq * 512, stride_oh=512, CODED=coded, KEYS_AS_ROWS=False,
                     BLOCK_H=block_h, DV=512, BLOCK_DV=512, DK=576, BLOCK_DR=64, HAS_REST=True, PAGE_SIZE=64,
                     BLOCK_N=block_n, NUM_SPLITS=splits, MIN_SPLIT=0, UPCAST=False,
-                    PRECISION="ieee" if dtype == "float32" else "tf32")
-        r = compile_sm90(m._mla_split_kernel, args, num_warps=warps, num_stages=stages)
+                    PRECISION="ieee" if dtype == "float32" else "tf32",
+                    PDL=True, PREFETCH_PAGES=m.next_pow2(max(1, 2 * block_n // 64)))  # as a Hopper launches it
+        r = compile_sm90(m._mla_split_kernel, args, num_warps=warps, num_stages=stages, launch_pdl=True)
         rows.append(dict(dtype=dtype, hq=hq, splits=splits, coded=coded, block_h=block_h,
                          launch=[block_n, warps, stages], declared=declared, **{k: r[k] for k in (
-                             "registers", "spill_stores", "shared_bytes", "programs_per_sm", "LDGSTS")}))
+                             "registers", "spill_stores", "shared_bytes", "programs_per_sm", "LDGSTS",
+                             "launch_order")}))
 print(json.dumps(rows))
 """
 
@@ -329,6 +331,8 @@ def test_default_launches_compile_for_sm90_without_spills():
     for r in rows:
         # as many programs resident a SM as the launch declares (the one-wave split count rests on it)
         assert r["programs_per_sm"] >= r["declared"] and r["LDGSTS"] > 0, r
+        # the split's first pages asked of L2, then the wait for the previous kernel, then the next one let in
+        assert r["launch_order"] == ["prefetch", "wait", "launch_dependents"], r
         if r["coded"]:  # the codes' conversion holds a bf16 tile in registers: at most a few bytes spilled (the
             # one-split variant under an H100's own ptxas: 8)
             assert r["spill_stores"] <= 32, r
