@@ -111,6 +111,17 @@ def latent_inputs(
     return out
 
 
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Each head's rows times its own matrix: x [T, H, K] (last dim contiguous) and w [H, K, N] -> [T, H, N]
+    contiguous (an absorbed MLA layer's query through W_UK, its output through W_UV). A decode step's rows (at
+    most ``head_matmul.MAX_ROWS``) on a GPU take the kernel; other calls the batched GEMM over the heads."""
+    if uses_triton(x) and x.shape[0] <= 16 and x.stride(-1) == 1:
+        return _kernels("head_matmul").head_matmul(x, w)
+    out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
+    torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
+    return out
+
+
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from agentrt_kernels import ops
+
 from engine.contract.view import PagedView
 
 MLA_PREFILL_MODES = ("auto", "absorbed", "expanded")
@@ -44,13 +46,9 @@ class LatentExpansion:
     softmax_scale: float
 
     def absorb(self, out: torch.Tensor) -> torch.Tensor:
-        """An absorbed attention output [T, H, kv_lora_rank] -> [T, H, v] (through ``W_UV``), contiguous: the
-        batched product writes each head's columns straight into the rows the output projection reads (no
-        transposing copy after it)."""
-        t, heads, v = out.shape[0], self.w_uv.shape[0], self.w_uv.shape[1]
-        result = torch.empty(t, heads, v, dtype=out.dtype, device=out.device)
-        torch.bmm(out.transpose(0, 1), self.w_uv.transpose(1, 2), out=result.transpose(0, 1))
-        return result
+        """An absorbed attention output [T, H, kv_lora_rank] -> [T, H, v] (through ``W_UV``), contiguous: each
+        head's columns land straight in the rows the output projection reads (no transposing copy after it)."""
+        return ops.head_matmul(out if out.stride(-1) == 1 else out.contiguous(), self.w_uv.transpose(1, 2))
 
     def crossover_query_len(self) -> int:
         """The chunk length from which expanding costs fewer multiplies than the absorbed form (per cached row:

@@ -92,7 +92,7 @@ class LatentAttention(nn.Module):
         t = q.shape[0]
         q_nope, q_pe = q.view(t, h, -1).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         w_uk, w_uv = self.absorbed_weights()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, rank]
+        q_latent = ops.head_matmul(q_nope, w_uk)  # [T, H, rank]
         # the latent's norm, both rotations, the concatenations and the scale: one kernel on a GPU (with the
         # row's store where the runner stores rows itself)
         norm = self.kv_a_layernorm

@@ -25,6 +25,7 @@ def test_launch_counts_of_the_fused_paths(tmp_path):
     assert "triton:_moe_align_scatter_kernel" not in mla  # a decode step's slots placed in the counting program
     assert mla["triton:_rms_norm_kernel"] == 2  # the input and q_a norms: the post-attention one is the router's
     assert mla["triton:_gate_partials_kernel"] == 1  # the gate product over hidden slices, before the routing
+    assert mla["triton:_head_matmul_kernel"] == 2 and "bmm" not in mla  # the query through W_UK, out through W_UV
     assert mla["triton:_topk_sum_kernel"] == 1 and "sum" not in mla  # the experts' outputs added in one launch
     assert r["mla-decode"]["launches"] <= 14
     linear, full = r["hybrid-linear"]["by_op"], r["hybrid-attention"]["by_op"]
