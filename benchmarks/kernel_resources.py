@@ -76,7 +76,10 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3, launch
                                    SMEM_PER_SM // kernel.metadata.shared if kernel.metadata.shared else 32),
             "instructions": sum(ops.values()),
             "loop_instructions": main_loop_length(report["sass"]), **{op: ops.get(op, 0) for op in WATCH},
-            "launch_order": launch_order(ptx)}
+            "launch_order": launch_order(ptx),
+            # global loads issued before the wait for the previous kernel (what may not depend on it: weights)
+            "loads_before_wait": ptx.split("griddepcontrol.wait")[0].count("ld.global") if "griddepcontrol.wait" in ptx
+            else 0}
 
 
 _LAUNCH_MARKS = {"cp.async.bulk.prefetch.L2": "prefetch", "griddepcontrol.wait": "wait",

@@ -86,21 +86,22 @@ def _gate_partials_kernel(
     NUM_CHUNKS: tl.constexpr, MAX_UNROLLED_CHUNKS: tl.constexpr, NORM: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    pdl_enter(PDL)
     split = tl.program_id(0)
-    tt = tl.arange(0, BLOCK_T)
-    t_mask = tt < tokens
-    rows = tt.to(tl.int64)
     hh = split * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = hh < hidden
-    mask = t_mask[:, None] & h_mask[None, :]
     # every load this program makes is issued before any is waited on: the gate slice (HBM) when one tile holds
-    # all experts, this slice of the rows, and (NORM) the whole rows for their mean squares in unrolled chunks
-    # (L2), so the program waits about one memory round trip rather than one per chunk
+    # all experts (a weight: issued even before the wait for the previous kernel), this slice of the rows, and
+    # (NORM) the whole rows for their mean squares in unrolled chunks (L2), so the program waits about one
+    # memory round trip rather than one per chunk
     ee0 = tl.arange(0, BLOCK_E)
     if E <= BLOCK_E:
         g0 = tl.load(gate_ptr + ee0.to(tl.int64)[:, None] * stride_g + hh[None, :],
                      mask=(ee0 < E)[:, None] & h_mask[None, :], other=0.0)
+    pdl_enter(PDL)
+    tt = tl.arange(0, BLOCK_T)
+    t_mask = tt < tokens
+    rows = tt.to(tl.int64)
+    mask = t_mask[:, None] & h_mask[None, :]
     xv = tl.load(x_ptr + rows[:, None] * stride_x + hh[None, :], mask=mask, other=0.0).to(tl.float32)
     if NORM:  # the residual sum (rounded to x's dtype, as torch adds), normalised by the whole row's mean square
         rv = tl.load(res_ptr + rows[:, None] * stride_r + hh[None, :], mask=mask, other=0.0).to(tl.float32)

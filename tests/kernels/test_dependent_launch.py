@@ -1,10 +1,15 @@
 """Programmatic dependent launch (``agentrt_kernels.triton._common``): which launches take it, and what a kernel
 launched with it compiles to (sm_90a with Triton's bundled ptxas, no GPU needed)."""
 
+import os
+
 import torch
 
-from agentrt_kernels.triton import _common
-from tests.kernels.sm90_compile import compiled_rows
+if not torch.cuda.is_available():  # as the other kernel tests: this process's kernels run in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from agentrt_kernels.triton import _common  # noqa: E402
+from tests.kernels.sm90_compile import compiled_rows  # noqa: E402
 
 
 def test_only_hopper_class_gpus_take_it_and_the_switch_turns_it_off(monkeypatch):
@@ -37,3 +42,29 @@ def test_a_kernel_waits_for_the_previous_one_before_it_lets_the_next_in():
     """Wait first, then launch the dependents: at most one kernel is placed ahead of the one running. Without
     PDL the kernel holds neither instruction."""
     assert compiled_rows(_SCRIPT, [True, False]) == [["wait", "launch_dependents"], []]
+
+
+_ROUTER_SCRIPT = """
+import json, sys
+from benchmarks.kernel_resources import compile_sm90
+from agentrt_kernels.triton import grouped_router as g
+
+rows = []
+for pdl in json.loads(sys.argv[1]):
+    args = dict(x_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", res_out_ptr="*bf16", normed_ptr="*bf16",
+                gate_ptr="*fp32", part_ptr="*fp32", tokens=8, hidden=2048, eps=1e-6, stride_x=2048, stride_r=2048,
+                stride_ro=2048, stride_n=2048, stride_g=2048, stride_pt=2048, stride_ps=64, E=64, BLOCK_T=16,
+                BLOCK_E=64, BLOCK_H=g.GATE_BLOCK_H, CHUNK=256, NUM_CHUNKS=8, MAX_UNROLLED_CHUNKS=16, NORM=True,
+                PDL=pdl)
+    r = compile_sm90(g._gate_partials_kernel, args, num_warps=g.gate_launch(8)["num_warps"], launch_pdl=pdl)
+    rows.append({k: r[k] for k in ("launch_order", "loads_before_wait", "spill_stores")})
+print(json.dumps(rows))
+"""
+
+
+def test_the_router_loads_its_gate_slice_before_it_waits():
+    """GLM-4.7-Flash's gate (64 experts, one tile) at 8 rows: the gate slice's loads are issued before the wait
+    for the previous kernel (the rows after it)."""
+    with_pdl, without = compiled_rows(_ROUTER_SCRIPT, [True, False])
+    assert with_pdl["launch_order"] == ["wait", "launch_dependents"] and with_pdl["loads_before_wait"] > 0
+    assert with_pdl["spill_stores"] == 0 and without["launch_order"] == []
