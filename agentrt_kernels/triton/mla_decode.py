@@ -110,7 +110,8 @@ def _mla_split_kernel(
     b = tl.program_id(2)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     if PREFETCH_PAGES > 0:  # the split's first pages hold rows cached before this step: into L2 while the
-        # previous kernel ends (read before the wait, the length and the table only aim a hint)
+        # previous kernel ends. Only that kernel may still run (it passed its own wait), and it writes neither
+        # the lengths nor the page tables, so these reads before the wait see the step's values.
         start, end = _split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
         pages = start // PAGE_SIZE + tl.arange(0, PREFETCH_PAGES)
         p_mask = pages * PAGE_SIZE < end
