@@ -33,6 +33,7 @@
 #   backendtests  every backend-agreement and per-layer-length graph test, and flashinfer's MLA wrapper against
 #              the torch backend, in one process (most of a call)
 #   mla        GLM-4.7-Flash shape decode roofline at bs8 / bs32 @ 4K (latent attention, MoE)
+#   mlapdl     the same with programmatic dependent launch off, then on, in one call
 #   mlasnap128k  SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, largest batches, decode only
 #   deltadecode  a DeltaNet layer's decode: the in-place kernels against gather + fla's recurrent kernel + store
 #   chainturn  a SnapKV chain turn split into prefill attention, vote and compaction (torch.profiler)
@@ -203,6 +204,14 @@ for step in "$@"; do
         # dense layer, routed and shared experts; plus latent KV), 8 decode steps per schedule (70 s on an H200)
         run mla 560 python -m benchmarks.throughput --shape glm-4.7-flash --cases 8@4096,32@4096 --decode-tokens 128 \
             --max-num-batched-tokens 16384 --decode-steps 8 --json "$OUT/mla.json" ;;
+    mlapdl)  # the `mla` cases with programmatic dependent launch off (AGENTRT_PDL=0), then on (the GPU default)
+        for pdl in 0 1; do
+            export AGENTRT_PDL=$pdl
+            run mlapdl$pdl 300 python -m benchmarks.throughput --shape glm-4.7-flash \
+                --cases 8@4096,32@4096 --decode-tokens 128 --max-num-batched-tokens 16384 --decode-steps 8 \
+                --json "$OUT/mlapdl$pdl.json"
+        done
+        unset AGENTRT_PDL ;;
     mlasnap128k)  # SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, each at its largest batch (decode only)
         # one request admitted at a time (each holds its 128K latent rows, ~7 GB, until SnapKV compacts it), one
         # timed window each (what a call holds on a card whose weights leave ~15 GB of KV)
