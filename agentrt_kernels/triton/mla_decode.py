@@ -34,8 +34,8 @@ rows and 4 warps. Every knob can be overridden per call.
 
 ``keys_as_rows`` transposes both products (S^T = K Q^T, O^T = V^T P^T, the softmax along the rows' axis): the
 tile of latent rows becomes the dots' M, which Hopper's wgmma takes 64 at a time, where a head tile (20 heads
-padded to 32) takes mma.sync. Tested against the dense reference and compiled for sm_90a; not a default until
-``benchmarks.mla_decode_sweep`` measures it faster (step ``mlasweeprows``).
+padded to 32) takes mma.sync. Tested against the dense reference and compiled for sm_90a; not a default:
+``benchmarks.mla_decode_sweep`` measured it slower than the heads-as-rows launches (step ``mlasweeprows``).
 
 Kernel 2, grid (B, Hq): merges the num_splits partials with max-rescaling, one split row [Dv] at a time (no
 [splits, Dv] tile, so Dv = 512 with 64 splits stays in registers). With num_splits == 1 kernel 1 normalises and
