@@ -82,13 +82,12 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3, launch
             else 0}
 
 
-_LAUNCH_MARKS = {"cp.async.bulk.prefetch.L2": "prefetch", "griddepcontrol.wait": "wait",
-                 "griddepcontrol.launch_dependents": "launch_dependents"}
+_LAUNCH_MARKS = {"griddepcontrol.wait": "wait", "griddepcontrol.launch_dependents": "launch_dependents"}
 
 
 def launch_order(ptx: str) -> list[str]:
     """The programmatic-dependent-launch instructions of a kernel's PTX in program order, each run of one kind
-    once: ["prefetch", "wait", "launch_dependents"] for a kernel that asks L2 for its weights before it waits."""
+    once: ["wait", "launch_dependents"] for a kernel that waits for the previous one before it lets the next in."""
     marks = [_LAUNCH_MARKS[m] for m in re.findall("|".join(re.escape(k) for k in _LAUNCH_MARKS), ptx)]
     return [m for i, m in enumerate(marks) if i == 0 or marks[i - 1] != m]
 

@@ -155,26 +155,6 @@ def pdl_enter(PDL: tl.constexpr):
         tl_cuda.gdc_launch_dependents()
 
 
-@triton.jit
-def prefetch_rows_l2(rows, row_bytes, mask):
-    """Ask L2 for ``row_bytes`` bytes at each of ``rows`` (pointers, 16-byte aligned; ``row_bytes`` a multiple of
-    16) where ``mask`` holds, without waiting: Hopper's bulk prefetch, one instruction a row. A hint, so a kernel
-    launched under PDL may issue it before ``pdl_enter`` for what does not depend on the previous kernel (its
-    weights), and those bytes stream in while the previous kernel finishes. sm_90 and later only."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; } // $0",
-        "=r,l,r,r", [rows, mask.to(tl.int32), tl.full(rows.shape, row_bytes, tl.int32)], dtype=tl.int32,
-        is_pure=False, pack=1)
-
-
-def rows_prefetchable(t: torch.Tensor, row_elements: int | None = None) -> bool:
-    """Whether ``prefetch_rows_l2`` may take rows of ``t`` (2-D or more, rows along dim 0 of ``row_elements``
-    contiguous elements, default the last dim's): every row start and length a multiple of 16 bytes."""
-    size = t.element_size()
-    row_bytes = (t.shape[-1] if row_elements is None else row_elements) * size
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.stride(0) * size) % 16 == 0 and row_bytes % 16 == 0
-
-
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")

@@ -40,14 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import (
-    check_last_dim_contiguous,
-    dot_args,
-    pdl,
-    pdl_enter,
-    prefetch_rows_l2,
-    rows_prefetchable,
-)
+from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, pdl, pdl_enter
 from agentrt_kernels.triton.activation import silu_and_mul
 from agentrt_kernels.triton.norm import rms_norm
 
@@ -156,17 +149,14 @@ def _decode_linear_kernel(
     STORE_OPERAND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    pid = tl.program_id(0)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < N
-    if PREFETCH:  # the weight slice does not depend on the previous kernel: into L2 while that one ends
-        prefetch_rows_l2(w_ptr + offs_n.to(tl.int64) * stride_w, K * (w_ptr.dtype.element_ty.primitive_bitwidth // 8),
-                         n_mask)
     pdl_enter(PDL)
+    pid = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
+    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
     # one pass: the sum of squares rides along the weight stream and 1 / rms scales the fp32 sums at the end,
     # so the weight loads start at once (two passes when the normed rows are stored)
     ONE_PASS: tl.constexpr = NORM and not STORE_OPERAND
@@ -288,6 +278,5 @@ def decode_linear(
         BLOCK_M=1 if fma else MAX_ROWS, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], UPCAST=upcast,
         PRECISION=precision, FMA=fma, SWAP=bool(cfg["SWAP"]),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=(on := pdl(x.device)), launch_pdl=on,
-        PREFETCH=on and rows_prefetchable(weight),
     )
     return result

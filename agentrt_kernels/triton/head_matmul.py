@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, pdl, pdl_enter, prefetch_rows_l2
+from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, pdl, pdl_enter
 
 MAX_ROWS = 16  # one dot tile of rows
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -30,7 +30,7 @@ def _head_matmul_kernel(
     x_ptr, w_ptr, out_ptr, rows, K, N,
     stride_xt, stride_xh, stride_wh, stride_wk, stride_wn, stride_ot, stride_oh,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
-    PRECISION: tl.constexpr, PDL: tl.constexpr = False, PREFETCH: tl.constexpr = 0, BLOCK_KP: tl.constexpr = 16,
+    PRECISION: tl.constexpr, PDL: tl.constexpr = False,
 ):
     h = tl.program_id(0).to(tl.int64)
     tt = tl.arange(0, BLOCK_T)
@@ -38,13 +38,6 @@ def _head_matmul_kernel(
     nn = n0 + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     t_mask, n_mask = tt < rows, nn < N
-    # the weight slice does not depend on the previous kernel: into L2 while that one ends, as contiguous runs
-    es: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    if PREFETCH == 1:  # N contiguous: a run of BLOCK_N columns for each k
-        kp = tl.arange(0, BLOCK_KP)
-        prefetch_rows_l2(w_ptr + h * stride_wh + kp.to(tl.int64) * stride_wk + n0, BLOCK_N * es, kp < K)
-    if PREFETCH == 2:  # K contiguous: a run of K for each of the program's columns
-        prefetch_rows_l2(w_ptr + h * stride_wh + nn.to(tl.int64) * stride_wn, K * es, n_mask)
     pdl_enter(PDL)
     dot_ty = tl.float32 if UPCAST else x_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
@@ -58,19 +51,6 @@ def _head_matmul_kernel(
         acc += tl.dot(a.to(dot_ty), b.to(dot_ty), input_precision=PRECISION)
     tl.store(out_ptr + tt[:, None] * stride_ot + h * stride_oh + nn[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=t_mask[:, None] & n_mask[None, :])
-
-
-def _prefetch_layout(w: torch.Tensor, block_n: int) -> int:
-    """How a program's weight slice is asked of L2 (``prefetch_rows_l2``'s 16-byte rule): 1, runs of its
-    ``block_n`` columns (N contiguous: W_UK's rows); 2, runs of K (K contiguous: W_UV transposed); 0, not."""
-    size, (_, k, n) = w.element_size(), w.shape
-    if w.data_ptr() % 16 or (w.stride(0) * size) % 16:
-        return 0
-    if w.stride(2) == 1 and n % block_n == 0 and (block_n * size) % 16 == 0 and (w.stride(1) * size) % 16 == 0:
-        return 1
-    if w.stride(1) == 1 and (k * size) % 16 == 0 and (w.stride(2) * size) % 16 == 0:
-        return 2
-    return 0
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: int = 64,
@@ -94,7 +74,7 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: in
         x, w, out, rows, k, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
         BLOCK_T=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision,
-        PDL=on, PREFETCH=_prefetch_layout(w, block_n) if on else 0, BLOCK_KP=max(16, triton.next_power_of_2(k)),
+        PDL=on,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
     )
     return out

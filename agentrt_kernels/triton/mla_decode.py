@@ -58,7 +58,6 @@ from agentrt_kernels.triton._common import (
     num_sms,
     pdl,
     pdl_enter,
-    prefetch_rows_l2,
 )
 from agentrt_kernels.triton.decode_attention import (
     DEFAULT_MIN_SPLIT_TOKENS,
@@ -103,21 +102,12 @@ def _mla_split_kernel(
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, DK: tl.constexpr, BLOCK_DR: tl.constexpr, HAS_REST: tl.constexpr,
     PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
-    PDL: tl.constexpr = False, PREFETCH_PAGES: tl.constexpr = 0,
+    PDL: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
     bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    if PREFETCH_PAGES > 0:  # the split's first pages hold rows cached before this step: into L2 while the
-        # previous kernel ends. Only that kernel may still run (it passed its own wait), and it writes neither
-        # the lengths nor the page tables, so these reads before the wait see the step's values.
-        start, end = _split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
-        pages = start // PAGE_SIZE + tl.arange(0, PREFETCH_PAGES)
-        p_mask = pages * PAGE_SIZE < end
-        page_ids = tl.load(bt_row + pages, mask=p_mask, other=0).to(tl.int64)
-        prefetch_rows_l2(kv_ptr + page_ids * stride_kp, stride_kp * (kv_ptr.dtype.element_ty.primitive_bitwidth // 8),
-                         p_mask)
     pdl_enter(PDL)
 
     start, end = _split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
@@ -310,16 +300,6 @@ def choose_launch(candidates: list[Launch], batch: int, head_tiles: int, max_kv_
     return best
 
 
-def _prefetch_pages(latent: torch.Tensor, block_n: int) -> int:
-    """Pages a split asks of L2 before it waits for the previous kernel: two tiles' worth (what its pipeline
-    reads first; more, over a whole batch, would crowd L2), where whole pages are contiguous 16-byte runs."""
-    page_size = latent.shape[1]
-    page_bytes = latent.stride(0) * latent.element_size()
-    if latent.data_ptr() % 16 or page_bytes % 16 or latent.stride(0) != page_size * latent.stride(1):
-        return 0
-    return next_pow2(max(1, 2 * block_n // page_size))
-
-
 def mla_paged_decode(
     q: torch.Tensor,
     latent: torch.Tensor,
@@ -412,7 +392,6 @@ def mla_paged_decode(
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
         UPCAST=upcast, PRECISION=precision, CODED=row_scales is not None, KEYS_AS_ROWS=bool(keys_as_rows),
         num_warps=num_warps, num_stages=num_stages, PDL=(on := pdl(q.device)), launch_pdl=on,
-        PREFETCH_PAGES=_prefetch_pages(latent, block_n) if on else 0,
     )
     if num_splits > 1:
         _mla_combine_kernel[(batch, num_heads)](
