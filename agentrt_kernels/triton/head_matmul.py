@@ -10,7 +10,9 @@
 What it replaces: ``torch.bmm`` over the heads at decode sizes, where each head's GEMM has a handful of rows and
 the weights (a few MB a layer) are read by few thread blocks. Grid (H, N / BLOCK_N): a program multiplies one
 head's rows (padded to a 16-row dot tile) by a BLOCK_N-column slice of that head's matrix, K in BLOCK_K chunks;
-GLM-4.7-Flash's 20 heads give 160 programs for both of its products.
+GLM-4.7-Flash's 20 heads give 160 programs for both of its products. Alone it measures the same as cuBLAS's
+batched GEMM; on Hopper it is launched under programmatic dependent launch (``_common.pdl``), so in a decode step
+it starts as the kernel before it ends, where cuBLAS's kernel waits for a launch gap.
 """
 
 from __future__ import annotations
@@ -34,8 +36,7 @@ def _head_matmul_kernel(
 ):
     h = tl.program_id(0).to(tl.int64)
     tt = tl.arange(0, BLOCK_T)
-    n0 = tl.program_id(1) * BLOCK_N
-    nn = n0 + tl.arange(0, BLOCK_N)
+    nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     kk = tl.arange(0, BLOCK_K)
     t_mask, n_mask = tt < rows, nn < N
     pdl_enter(PDL)
@@ -73,8 +74,7 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: in
     _head_matmul_kernel[(heads, triton.cdiv(n, block_n))](
         x, w, out, rows, k, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
-        BLOCK_T=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision,
-        PDL=on,
+        BLOCK_T=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision, PDL=on,
         num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
     )
     return out
