@@ -68,3 +68,54 @@ def test_the_router_loads_its_gate_slice_before_it_waits():
     with_pdl, without = compiled_rows(_ROUTER_SCRIPT, [True, False])
     assert with_pdl["launch_order"] == ["wait", "launch_dependents"] and with_pdl["loads_before_wait"] > 0
     assert with_pdl["spill_stores"] == 0 and without["launch_order"] == []
+
+
+def _kernels_and_launches():
+    """(jit functions with a PDL parameter, launches that pass launch_pdl) across agentrt_kernels/triton."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(_common.__file__).parent
+    kernels, launches = {}, []
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.FunctionDef) and node.name != "pdl_enter"
+                    and any(a.arg == "PDL" for a in node.args.args)):
+                kernels[f"{path.name}:{node.name}"] = node
+            if isinstance(node, ast.Call) and any(k.arg == "launch_pdl" for k in node.keywords):
+                launches.append((f"{path.name}:{node.lineno}", node))
+    return kernels, launches
+
+
+def _name(expr):
+    """The variable a PDL / launch_pdl keyword's value names (``on``, or the target of ``(on := pdl(...))``)."""
+    import ast
+
+    if isinstance(expr, ast.NamedExpr):
+        return expr.target.id
+    return expr.id if isinstance(expr, ast.Name) else ast.dump(expr)
+
+
+def test_every_kernel_launched_with_pdl_waits_before_it_writes():
+    """A kernel launched with ``launch_pdl`` may start while the previous kernel runs, so it must wait
+    (``pdl_enter(PDL)``) before it stores anything, and its launch must pass the same flag as ``PDL`` and
+    ``launch_pdl``: a launch with the attribute but no wait in the kernel would race the previous kernel."""
+    import ast
+
+    kernels, launches = _kernels_and_launches()
+    assert len(kernels) >= 15 and len(launches) >= 15, (len(kernels), len(launches))
+    for where, call in launches:
+        keywords = {k.arg: k.value for k in call.keywords}
+        assert "PDL" in keywords and _name(keywords["PDL"]) == _name(keywords["launch_pdl"]), where
+    writes = ("store", "atomic_add", "atomic_xchg", "atomic_cas", "atomic_max", "atomic_min")
+    for name, fn in kernels.items():
+        entered = False
+        for stmt in fn.body:
+            calls = [n for n in ast.walk(stmt) if isinstance(n, ast.Call)]
+            if any(isinstance(c.func, ast.Name) and c.func.id == "pdl_enter" for c in calls):
+                entered = True
+                continue
+            if not entered:
+                assert not any(isinstance(c.func, ast.Attribute) and c.func.attr in writes for c in calls), name
+        assert entered, f"{name} takes PDL but never calls pdl_enter(PDL)"
