@@ -21,7 +21,6 @@ decode step (over the model's layers: Llama-3.1-8B's 32, GLM-4.7-Flash's 47; the
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -35,7 +34,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run:
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.model_shapes import GLM_4_7_FLASH  # noqa: E402
-from benchmarks.sweep_helpers import grid, max_rel, save_rows, timer  # noqa: E402
+from benchmarks.sweep_helpers import cycling, fastest, grid, max_rel, save_rows, sweep_launches, timer  # noqa: E402
 
 COPIES = 4
 SHAPES = {  # name: (N, K, prologue)
@@ -102,28 +101,17 @@ def case(name: str, n: int, k: int, prologue: str | None, rows: int, device, dty
         out = decode_linear(x, w, launch=launch, **kw)
         return out[0] if prologue == "norm" else out
 
-    def cycling(fn):
-        turn = itertools.cycle(weights)
-        return lambda: fn(next(turn))
-
     operand = x[:, :k].contiguous()  # cuBLAS alone: the GEMV the unfused path runs after its prologue
     want = unfused(weights[0])
     row = {"case": name, "rows": rows, "N": n, "K": k, "weight_bytes": n * k * dtype.itemsize,
-           "unfused_s": time_fn(cycling(unfused)), "cublas_s": time_fn(cycling(lambda w: F.linear(operand, w)))}
-    launches = []
-    for launch in [DEFAULT_LAUNCH] + [c for c in space if c != DEFAULT_LAUNCH]:
-        try:
-            err = max_rel(fused(weights[0], launch), want)
-            seconds = time_fn(cycling(lambda w, launch=launch: fused(w, launch)))
-        except Exception as exc:  # a launch that does not compile (registers, shared memory): skip it
-            launches.append({**launch, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-            continue
-        launches.append({**launch, "s": seconds, "max_rel_err": err})
-    timed = [c for c in launches if "s" in c]
-    row["default_s"] = launches[0].get("s")  # launches[0] is the default
-    best = min(timed, key=lambda c: c["s"])
-    row.update(best_s=best["s"], best_launch={k: best.get(k, v) for k, v in DEFAULT_LAUNCH.items()},
-               max_rel_err=max(c["max_rel_err"] for c in timed), launches=launches)
+           "unfused_s": time_fn(cycling(unfused, weights)),
+           "cublas_s": time_fn(cycling(lambda w: F.linear(operand, w), weights))}
+    launches = sweep_launches(
+        [DEFAULT_LAUNCH] + [c for c in space if c != DEFAULT_LAUNCH],
+        lambda launch: {"max_rel_err": max_rel(fused(weights[0], launch), want)},
+        lambda launch: time_fn(cycling(lambda w: fused(w, launch), weights)))
+    row.update(fastest(launches, DEFAULT_LAUNCH, DEFAULT_LAUNCH), launches=launches,
+               max_rel_err=max(c["max_rel_err"] for c in launches if "s" in c))
     return row
 
 

@@ -11,7 +11,6 @@ steps do; CUDA-graph replays. Only the product is timed.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -22,7 +21,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.model_shapes import GLM_4_7_FLASH  # noqa: E402
-from benchmarks.sweep_helpers import grid, max_rel, save_rows, timer  # noqa: E402
+from benchmarks.sweep_helpers import cycling, fastest, grid, max_rel, save_rows, sweep_launches, timer  # noqa: E402
 
 SPACE = {"block_n": [32, 64, 128], "block_k": [32, 64, 128], "num_warps": [4], "num_stages": [2, 3, 4]}
 TINY_SPACE = {"block_n": [16, 32], "block_k": [16], "num_warps": [4], "num_stages": [2]}
@@ -41,31 +40,17 @@ def case(name: str, rows: int, heads: int, nope: int, rank: int, v: int, copies:
         x = torch.randn(rows, heads, rank, device=device).to(dtype)
         weights = [w[:, nope:].transpose(1, 2) for w in packed]
 
-    def cycling(fn):
-        turn = itertools.cycle(weights)
-        return lambda: fn(next(turn))
-
     def bmm(w):
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
     want = bmm(weights[0])
     row = {"case": name, "rows": rows, "weight_bytes": weights[0].numel() * weights[0].element_size(),
-           "bmm_s": time_fn(cycling(bmm))}
-    launches = []
-    for launch in grid(space):
-        try:
-            err = max_rel(head_matmul(x, weights[0], **launch), want)
-            seconds = time_fn(cycling(lambda w, launch=launch: head_matmul(x, w, **launch)))
-        except Exception as exc:  # a launch that does not compile: recorded, skipped
-            launches.append({**launch, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-            continue
-        launches.append({**launch, "s": seconds, "max_rel_err": err})
-    timed = [c for c in launches if "s" in c]
-    default = [c for c in timed if all(c[k] == v for k, v in DEFAULT.items())]
-    best = min(timed, key=lambda c: c["s"])
-    row.update(default_s=default[0]["s"] if default else None, best_s=best["s"],
-               best_launch={k: best[k] for k in DEFAULT}, max_rel_err=max(c["max_rel_err"] for c in timed),
-               launches=launches)
+           "bmm_s": time_fn(cycling(bmm, weights))}
+    launches = sweep_launches(
+        grid(space), lambda launch: {"max_rel_err": max_rel(head_matmul(x, weights[0], **launch), want)},
+        lambda launch: time_fn(cycling(lambda w: head_matmul(x, w, **launch), weights)))
+    row.update(fastest(launches, DEFAULT, DEFAULT), launches=launches,
+               max_rel_err=max(c["max_rel_err"] for c in launches if "s" in c))
     return row
 
 

@@ -12,7 +12,6 @@ after it are not.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -25,7 +24,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run:
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.model_shapes import GLM_4_7_FLASH  # noqa: E402
-from benchmarks.sweep_helpers import grid, save_rows, timer  # noqa: E402
+from benchmarks.sweep_helpers import cycling, fastest, grid, save_rows, sweep_launches, timer  # noqa: E402
 
 SPACE = {"norm_tile": [2048, 4096, 8192, 16384, 32768], "num_warps": [4, 8, 16]}
 TINY_SPACE = {"norm_tile": [256, 1024], "num_warps": [4]}
@@ -43,10 +42,6 @@ def case(rows: int, experts: int, hidden: int, top_k: int, copies: int, device, 
     bias = 0.1 * torch.randn(experts, device=device)
     args = (top_k, 1, 1, True, 1.8, torch.bfloat16, experts)
 
-    def cycling(fn):
-        turn = itertools.cycle(gates)
-        return lambda: fn(next(turn))
-
     def unfused(gate):
         normed, new_residual = rms_norm(x, weight, eps, residual)
         return route_grouped_sigmoid(F.linear(normed.float(), gate), bias, *args)
@@ -57,21 +52,12 @@ def case(rows: int, experts: int, hidden: int, top_k: int, copies: int, device, 
 
     want = unfused(gates[0])[0]
     row = {"rows": rows, "experts": experts, "hidden": hidden, "copies": copies,
-           "gate_bytes": experts * hidden * 4, "unfused_s": time_fn(cycling(unfused)), "default": gate_launch(rows)}
-    launches = []
-    for launch in grid(space):
-        try:
-            ids = fused(gates[0], launch)[0]
-            seconds = time_fn(cycling(lambda g, launch=launch: fused(g, launch)))
-        except Exception as exc:  # a launch that does not compile (registers): recorded, skipped
-            launches.append({**launch, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
-            continue
-        launches.append({**launch, "s": seconds, "same_experts": bool(torch.equal(ids, want))})
-    timed = [c for c in launches if "s" in c]
-    default = [c for c in timed if all(c[k] == v for k, v in row["default"].items())]
-    row["default_s"] = default[0]["s"] if default else None
-    best = min(timed, key=lambda c: c["s"])
-    row.update(best_s=best["s"], best_launch={k: best[k] for k in SPACE}, launches=launches)
+           "gate_bytes": experts * hidden * 4, "unfused_s": time_fn(cycling(unfused, gates)),
+           "default": gate_launch(rows)}
+    launches = sweep_launches(
+        grid(space), lambda launch: {"same_experts": bool(torch.equal(fused(gates[0], launch)[0], want))},
+        lambda launch: time_fn(cycling(lambda g: fused(g, launch), gates)))
+    row.update(fastest(launches, row["default"], SPACE), launches=launches)
     return row
 
 

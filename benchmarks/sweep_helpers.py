@@ -4,6 +4,7 @@ and the relative difference of two outputs."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -58,6 +59,39 @@ def timed(fn: Callable[[], object], on_gpu: bool, graph: bool = True) -> float:
 def timer(tiny: bool) -> Callable[[Callable[[], object]], float]:
     """``timed`` from CUDA-graph replays, or (``tiny``) the CPU's one call."""
     return lambda fn: timed(fn, on_gpu=not tiny, graph=True)
+
+
+def cycling(fn: Callable[[object], object], operands: list) -> Callable[[], object]:
+    """``fn`` over ``operands`` in turn, one a call: with more weight copies than L2 holds, each timed call
+    reads its weights from HBM, as a decode step reads each layer's."""
+    turn = itertools.cycle(operands)
+    return lambda: fn(next(turn))
+
+
+def sweep_launches(launches: list[dict], check: Callable[[dict], dict], time_launch: Callable[[dict], float]
+                   ) -> list[dict]:
+    """Each launch: ``check(launch)`` (the fields its output is judged by), then ``time_launch(launch)`` in
+    seconds as "s"; a launch that does not compile (registers, shared memory) is recorded with its error."""
+    rows = []
+    for launch in launches:
+        try:
+            checked = check(launch)
+            seconds = time_launch(launch)
+        except Exception as exc:  # noqa: BLE001 -- recorded, not fatal
+            rows.append({**launch, "error": f"{type(exc).__name__}: {str(exc)[:120]}"})
+            continue
+        rows.append({**launch, "s": seconds, **checked})
+    return rows
+
+
+def fastest(launches: list[dict], default: dict, keys) -> dict:
+    """``sweep_launches``' summary: the default launch's seconds (None when it did not compile), the fastest
+    launch's seconds and its ``keys`` (a key it leaves out: the default's value)."""
+    timed = [c for c in launches if "s" in c]
+    matching = [c for c in timed if all(c.get(k) == v for k, v in default.items())]
+    best = min(timed, key=lambda c: c["s"])
+    return {"default_s": matching[0]["s"] if matching else None, "best_s": best["s"],
+            "best_launch": {k: best.get(k, default.get(k)) for k in keys}}
 
 
 def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
