@@ -58,6 +58,18 @@ FUSED_COMBINE = False
 
 
 @triton.jit
+def split_range(len_ptr, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
+    """A split's slots [start, end) of the request whose length is at ``len_ptr``: equal, BLOCK_N-aligned ranges
+    of at least MIN_SPLIT (few full splits for a short request in a grid sized for long ones); a split past the
+    end gets an empty range."""
+    kv_len = tl.load(len_ptr)
+    per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    per_split = tl.maximum(per_split, MIN_SPLIT)
+    start = split * per_split
+    return start, tl.minimum(start + per_split, kv_len)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, counter_ptr,
     scale_log2,
@@ -78,11 +90,7 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     num_q_heads = tl.num_programs(1) * GROUP
 
-    kv_len = tl.load(lens_ptr + b)
-    per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    per_split = tl.maximum(per_split, MIN_SPLIT)
-    start = split * per_split
-    end = tl.minimum(start + per_split, kv_len)
+    start, end = split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)

@@ -51,19 +51,13 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import (
-    check_last_dim_contiguous,
-    dot_args,
-    next_pow2,
-    num_sms,
-    pdl,
-    pdl_enter,
-)
+from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms, pdl, pdl_enter
 from agentrt_kernels.triton.decode_attention import (
     DEFAULT_MIN_SPLIT_TOKENS,
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
     split_partials,
+    split_range,
 )
 
 _LOG2E = 1.4426950408889634
@@ -77,16 +71,6 @@ def _row_starts(bt_row, kv_ptr, n0, offs_n, end, PAGE_SIZE: tl.constexpr, stride
     page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
     slot = (tok % PAGE_SIZE).to(tl.int64)
     return n_mask, page, slot, kv_ptr + page * stride_kp + slot * stride_ks
-
-
-@triton.jit
-def _split_range(len_ptr, split, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_SPLIT: tl.constexpr):
-    """A split's tokens [start, end): equal, BLOCK_N-aligned ranges of at least MIN_SPLIT (``decode_attention``'s)."""
-    kv_len = tl.load(len_ptr)
-    per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    per_split = tl.maximum(per_split, MIN_SPLIT)
-    start = split * per_split
-    return start, tl.minimum(start + per_split, kv_len)
 
 
 @triton.jit
@@ -104,13 +88,11 @@ def _mla_split_kernel(
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, CODED: tl.constexpr, KEYS_AS_ROWS: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
+    pdl_enter(PDL)
     tile = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
-    pdl_enter(PDL)
-
-    start, end = _split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
+    start, end = split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_v = tl.arange(0, BLOCK_DV)  # value channels [0, DV)
@@ -127,6 +109,7 @@ def _mla_split_kernel(
     if HAS_REST:
         q_r = tl.load(q_rows + offs_r[None, :], mask=h_mask[:, None] & r_mask[None, :], other=0.0).to(dot_ty)
 
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
     if KEYS_AS_ROWS:  # S^T = K Q^T and O^T = V^T P^T: the rows' tile is the dots' M (wgmma's 64 a warpgroup)

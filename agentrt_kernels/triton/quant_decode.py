@@ -50,7 +50,12 @@ import triton
 import triton.language as tl
 
 from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2
-from agentrt_kernels.triton.decode_attention import DEFAULT_MIN_SPLIT_TOKENS, combine_splits, split_partials
+from agentrt_kernels.triton.decode_attention import (
+    DEFAULT_MIN_SPLIT_TOKENS,
+    combine_splits,
+    split_partials,
+    split_range,
+)
 
 FORMATS = ("e4m3-token-head", "int4-asym-kchan-vtok", "int2-asym-kchan-vtok", "lloydmax-rotated-bitplanes",
            "lowrank-latent-rope")
@@ -73,11 +78,8 @@ def _split_program(lens_ptr, GROUP: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOC
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    kv_len = tl.load(lens_ptr + b)
-    per_split = ((kv_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    per_split = tl.maximum(per_split, MIN_SPLIT)  # see decode_attention: few full splits for short requests
-    start = split * per_split
-    return b, kvh, split, tl.num_programs(1) * GROUP, start, tl.minimum(start + per_split, kv_len)
+    start, end = split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
+    return b, kvh, split, tl.num_programs(1) * GROUP, start, end
 
 
 @triton.jit
