@@ -71,12 +71,17 @@ SPACE = [  # tl.dot over rows padded to 16 (any rows); SWAP: the weight tile as 
     # projections: 21 to 80 programs at 64 columns)
     {"BLOCK_N": [16, 32], "BLOCK_K": [256, 512], "num_warps": [4], "num_stages": [3, 4], "FMA": [False],
      "SWAP": [True]},
+    # the reduction split among programs: 64-column (wgmma) tiles with more programs than columns allow
+    {"BLOCK_N": [32, 64], "BLOCK_K": [128, 256], "num_warps": [4], "num_stages": [2, 3], "FMA": [False],
+     "SWAP": [True], "SPLIT_K": [2, 4, 8]},
 ]
 FMA_SPACE = [  # one row: products in registers
     {"BLOCK_N": [8, 16, 32], "BLOCK_K": [512, 1024], "num_warps": [4, 8], "num_stages": [3], "FMA": [True]},
+    {"BLOCK_N": [16, 32], "BLOCK_K": [256, 512], "num_warps": [4], "num_stages": [2, 3], "FMA": [True],
+     "SPLIT_K": [2, 4]},
 ]
 TINY_SPACE = [{"BLOCK_N": [16, 32], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [False],
-               "SWAP": [False, True]}]
+               "SWAP": [False, True], "SPLIT_K": [1, 2]}]
 TINY_FMA_SPACE = [{"BLOCK_N": [8], "BLOCK_K": [64], "num_warps": [4], "num_stages": [2], "FMA": [True]}]
 
 
@@ -137,6 +142,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--model", default="llama-3.1-8b", choices=sorted(MODELS),
                     help="whose decode linears (and how many layers the saving a step counts)")
+    ap.add_argument("--shapes", help="comma-separated case names (default: every shape of the model)")
     ap.add_argument("--json")
     ap.add_argument("--write-table", metavar="MEASURED",
                     help="write each shape's winner into this GPU's tuned table (agentrt_kernels/triton/tuned), "
@@ -152,6 +158,11 @@ def main() -> None:
         copy_bw = copy_bandwidth(device)
     model_shapes, layers = MODELS[args.model]
     shapes, space = (TINY_SHAPES, (TINY_SPACE, TINY_FMA_SPACE)) if args.tiny else (model_shapes, (SPACE, FMA_SPACE))
+    if args.shapes:
+        unknown = set(args.shapes.split(",")) - set(shapes)
+        if unknown:
+            ap.error(f"--shapes: no case {sorted(unknown)} (cases: {sorted(shapes)})")
+        shapes = {name: shape for name, shape in shapes.items() if name in args.shapes.split(",")}
     rows_out = []
     for name, (n, k, prologue) in shapes.items():  # each shape's rows together: a cut run keeps whole shapes
         for rows in (int(r) for r in args.rows.split(",")):

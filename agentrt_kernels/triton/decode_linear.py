@@ -22,7 +22,13 @@ M x K elements); program 0 writes the new residual (``residual`` is never writte
 over x the weight loads start at once: the sum of squares rides along. Launch knobs: ``FMA`` (one row) keeps a
 BLOCK_N x BLOCK_K fp32 accumulator of products in registers and reduces it once at the end; otherwise a
 ``tl.dot`` over rows padded to 16, with ``SWAP`` the weight tile as its left operand (BLOCK_N is the MMA's M,
-which Hopper's wgmma wants >= 64) instead of the rows.
+which Hopper's wgmma wants >= 64) instead of the rows. ``SPLIT_K`` splits each column tile's reduction over K
+among that many programs (whole BLOCK_K steps each), for a projection whose few output columns would otherwise
+leave most SMs idle (GLM-4.7-Flash's q_a / kv_a: 1344 columns, 21 tiles of 64): each split stores its fp32 sums
+(and its part of the norm's sum of squares), and the last of the tile's splits to arrive (an arrival counter,
+acquire-release) adds them in split order -- the same bits whichever arrives last -- and finishes the tile as one
+program would. The counters are zero between launches (that last split resets its tile's), so a split launch
+needs no memset launch before it, and one stream's launches share them (``arrival_counts``).
 
 Which launch: ``tuned_launch`` -- the per-shape winners of ``python -m benchmarks.decode_linear`` on this GPU
 (tuned/decode_linear_<GPU name>.json), where the prologue's own kernel plus cuBLAS (``UNFUSED``) may be the
@@ -45,7 +51,8 @@ from agentrt_kernels.triton.activation import silu_and_mul
 from agentrt_kernels.triton.norm import rms_norm
 
 MAX_ROWS = 16
-DEFAULT_LAUNCH = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False, "SWAP": True}
+DEFAULT_LAUNCH = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False, "SWAP": True,
+                  "SPLIT_K": 1}
 ONE_ROW_LAUNCH = {**DEFAULT_LAUNCH, "BLOCK_N": 8, "BLOCK_K": 1024, "FMA": True}  # the one-row winner on an H200
 UNFUSED = {"UNFUSED": True}  # a tuned entry: the prologue's own kernel, then cuBLAS (it measured faster)
 # (N, K) -> {rows: launch}: the fastest launches benchmarks.decode_linear measured (load_tuned_launches); a call
@@ -99,6 +106,22 @@ def tuned_launch(n: int, k: int, rows: int, device: torch.device = torch.device(
     return by_rows[min(fits) if fits else max(by_rows)]
 
 
+# (device, stream) -> the split launches' arrival counters: zeros between launches (each column tile's last split
+# resets its own). Every buffer ever handed out stays referenced: a captured CUDA graph keeps its address.
+_COUNTERS: dict[tuple, list[torch.Tensor]] = {}
+
+
+def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` int32 zeros for a split launch on the current stream of ``device``. Launches on one
+    stream run one after another (under programmatic dependent launch each waits for its predecessor before its
+    first load), so they share a buffer; another stream gets its own."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    held = _COUNTERS.setdefault((device, stream), [])
+    if not held or held[-1].numel() < tiles:
+        held.append(torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 def _unfused(x, weight, bias, norm, residual, silu_mul, return_normed):
     """What ``decode_linear`` computes, as the engine's unfused layers do: the prologue's kernel, then F.linear."""
     if silu_mul:
@@ -115,11 +138,12 @@ def _unfused(x, weight, bias, norm, residual, silu_mul, return_normed):
 
 
 @triton.jit
-def _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r, rstd,
+def _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, k_end, K, stride_x, stride_r, rstd,
              NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, ONE_PASS: tl.constexpr):
-    """The [BLOCK_M, BLOCK_K] tile of what the linear multiplies, in x's dtype (rows past M are 0), and the
-    fp32 (x + residual) tile the sum of squares takes (``ONE_PASS``: the operand is not yet scaled by 1 / rms)."""
-    k_mask = offs_k < K
+    """The [BLOCK_M, BLOCK_K] tile of what the linear multiplies, in x's dtype (rows past M and columns from
+    ``k_end`` on are 0), and the fp32 (x + residual) tile the sum of squares takes (``ONE_PASS``: the operand is
+    not yet scaled by 1 / rms). ``K``: the gate's width, where SiLU-and-mul's up half starts."""
+    k_mask = offs_k < k_end
     mask = m_mask[:, None] & k_mask[None, :]
     ptrs = x_ptr + offs_m[:, None].to(tl.int64) * stride_x + offs_k[None, :]
     x = tl.load(ptrs, mask=mask, other=0.0)
@@ -143,16 +167,20 @@ def _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r
 
 @triton.jit
 def _decode_linear_kernel(
-    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ro_ptr, no_ptr,
-    M, N, K, stride_x, stride_r, stride_w, stride_y, stride_ro, stride_no, eps,
+    x_ptr, r_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, ro_ptr, no_ptr, part_ptr, sq_part_ptr, count_ptr,
+    M, N, K, K_SPLIT, stride_x, stride_r, stride_w, stride_y, stride_ro, stride_no, eps,
     NORM: tl.constexpr, RESIDUAL: tl.constexpr, SILU_MUL: tl.constexpr, HAS_BIAS: tl.constexpr,
     STORE_OPERAND: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, FMA: tl.constexpr, SWAP: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
+    split = tl.program_id(1)  # SPLIT_K > 1: this program's K_SPLIT columns of the reduction
+    k_lo = split * K_SPLIT
+    k_hi = tl.minimum(K, k_lo + K_SPLIT)
     offs_m = tl.arange(0, BLOCK_M)
     m_mask = offs_m < M
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -178,21 +206,21 @@ def _decode_linear_kernel(
     acc_t = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)  # SWAP: W is the dot's left operand (wgmma's M)
     acc2 = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)  # FMA: products summed over K tiles, reduced once
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_w
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < K)[None, :], other=0.0)
-        a, s = _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, K, stride_x, stride_r, rstd,
+        w = tl.load(w_rows + offs_k[None, :], mask=n_mask[:, None] & (offs_k < k_hi)[None, :], other=0.0)
+        a, s = _operand(x_ptr, r_ptr, nw_ptr, offs_m, offs_k, m_mask, k_hi, K, stride_x, stride_r, rstd,
                         NORM, RESIDUAL, SILU_MUL, ONE_PASS)
         if ONE_PASS:
             sq += tl.sum(s * s, 1)
         if RESIDUAL:
             if pid == 0:
                 tl.store(ro_ptr + offs_m[:, None].to(tl.int64) * stride_ro + offs_k[None, :],
-                         s.to(x_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_k < K)[None, :])
+                         s.to(x_ptr.dtype.element_ty), mask=m_mask[:, None] & (offs_k < k_hi)[None, :])
         if STORE_OPERAND:
             if pid == 0:
                 tl.store(no_ptr + offs_m[:, None].to(tl.int64) * stride_no + offs_k[None, :], a,
-                         mask=m_mask[:, None] & (offs_k < K)[None, :])
+                         mask=m_mask[:, None] & (offs_k < k_hi)[None, :])
         if FMA:  # one row: multiply-adds in registers, the weight tile never staged for a dot
             acc2 += a.to(tl.float32) * w.to(tl.float32)
         elif UPCAST:  # the interpreter's bf16 dot is wrong: multiply the (exact) fp32 copies
@@ -205,6 +233,23 @@ def _decode_linear_kernel(
         acc += tl.sum(acc2, 1)[None, :]
     if SWAP and not UPCAST and not FMA:
         acc += tl.trans(acc_t)
+    if SPLIT_K > 1:
+        # each split stores its fp32 sums (and sum of squares); the column tile's last split to arrive adds them
+        # up in split order (the same result whichever arrives last) and finishes as one program would
+        part = (pid * SPLIT_K + split) * BLOCK_M
+        tl.store(part_ptr + (part + offs_m)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], acc)
+        tl.store(sq_part_ptr + part + offs_m, sq)
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
+            return
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for s in range(SPLIT_K):
+            part = (pid * SPLIT_K + s) * BLOCK_M
+            acc += tl.load(part_ptr + (part + offs_m)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :],
+                           cache_modifier=".cg")
+            sq += tl.load(sq_part_ptr + part + offs_m, cache_modifier=".cg")
+        tl.store(count_ptr + pid, 0)  # ready for the next launch, which waits for this one to finish
     if ONE_PASS:
         acc = acc * tl.rsqrt(sq / K + eps)[:, None]
     if HAS_BIAS:  # added to the fp32 sum, rounded once with it (F.linear's addmm epilogue)
@@ -225,7 +270,8 @@ def decode_linear(
     launch: dict | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """See the module docstring. ``launch``: BLOCK_N / BLOCK_K / num_warps / num_stages, FMA (one row:
-    multiply-adds in registers instead of a ``tl.dot`` over 16 padded rows), SWAP; or ``UNFUSED`` (default:
+    multiply-adds in registers instead of a ``tl.dot`` over 16 padded rows), SWAP, SPLIT_K (programs a column
+    tile's reduction is split among; fewer where K has fewer BLOCK_K steps); or ``UNFUSED`` (default:
     ``tuned_launch``)."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}")
@@ -264,19 +310,30 @@ def decode_linear(
         return result
     cfg = {**DEFAULT_LAUNCH, **launch}
     fma = bool(cfg["FMA"]) and rows == 1
+    block_m, block_n, block_k = 1 if fma else MAX_ROWS, cfg["BLOCK_N"], cfg["BLOCK_K"]
+    tiles = triton.cdiv(n, block_n)
+    # splits of whole BLOCK_K steps, none empty
+    k_split = triton.cdiv(triton.cdiv(k, max(1, int(cfg["SPLIT_K"]))), block_k) * block_k
+    split_k = triton.cdiv(k, k_split)
+    if split_k > 1:
+        parts = torch.empty((tiles * split_k * block_m, block_n), dtype=torch.float32, device=x.device)
+        sq_parts = torch.empty((tiles * split_k * block_m,), dtype=torch.float32, device=x.device)
+        counts = arrival_counts(x.device, tiles)
+    else:
+        parts = sq_parts = counts = y
     upcast, precision = dot_args(_decode_linear_kernel, x.dtype)
     r = residual if residual is not None else x
     ro = residual_out if residual_out is not None else x
     nw = norm[0] if norm is not None else x
     no = normed if normed is not None else x
-    _decode_linear_kernel[(triton.cdiv(n, cfg["BLOCK_N"]),)](
-        x, r, nw, weight, bias if bias is not None else weight, y, ro, no,
-        rows, n, k, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), ro.stride(0), no.stride(0),
+    _decode_linear_kernel[(tiles, split_k)](
+        x, r, nw, weight, bias if bias is not None else weight, y, ro, no, parts, sq_parts, counts,
+        rows, n, k, k_split, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), ro.stride(0), no.stride(0),
         norm[1] if norm is not None else 0.0,
         NORM=norm is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
         STORE_OPERAND=return_normed,
-        BLOCK_M=1 if fma else MAX_ROWS, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], UPCAST=upcast,
-        PRECISION=precision, FMA=fma, SWAP=bool(cfg["SWAP"]),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
+        PRECISION=precision, FMA=fma, SWAP=bool(cfg["SWAP"]), SPLIT_K=split_k,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=(on := pdl(x.device)), launch_pdl=on,
     )
     return result

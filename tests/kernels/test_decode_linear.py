@@ -119,6 +119,58 @@ def test_silu_and_mul_then_linear(dtype, rows, n, k, fma, swap):
     assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,n,k,split_k,fma,swap", [
+    (8, 40, 448, 3, False, True),  # K = 7 steps of 64: splits of 3, 3 and 1 steps
+    (5, 64, 384, 2, False, False), (1, 24, 320, 4, True, False), (16, 96, 256, 4, False, True)])
+@pytest.mark.parametrize("prologue", ["norm+residual+bias", "silu", "norm+normed"])
+def test_split_k_launches_equal_the_unfused_ops(dtype, rows, n, k, split_k, fma, swap, prologue):
+    """``SPLIT_K``: each column tile's reduction in several programs; the last to arrive adds the partial sums
+    (and the norm's sums of squares) and writes y, the residual and the normed rows as one program would. Two
+    launches in a row: the arrival counters are back at zero after each."""
+    from agentrt_kernels.triton import decode_linear as module
+
+    _seed("split", dtype, rows, n, k, split_k, prologue)
+    launch = {"BLOCK_N": 16, "BLOCK_K": 64, "FMA": fma, "SWAP": swap, "SPLIT_K": split_k}
+    w = (torch.randn(n, k, device=DEVICE) / k**0.5).to(dtype)
+    for _ in range(2):
+        if prologue == "silu":
+            x = (2 * torch.randn(rows, 2 * k, device=DEVICE)).to(dtype)
+            assert_close(decode_linear(x, w, silu_mul=True, launch=launch),
+                         F.linear(_torch_silu_mul(x).float(), w.float()).to(dtype), dtype)
+            continue
+        x, res = (torch.randn(rows, k, device=DEVICE).to(dtype) for _ in range(2))
+        norm_w = (1 + 0.1 * torch.randn(k, device=DEVICE)).to(dtype)
+        b = torch.randn(n, device=DEVICE).to(dtype) if prologue.endswith("bias") else None
+        normed, want_res = _torch_norm(x, norm_w, 1e-6, res)
+        got, got_res, *got_normed = decode_linear(x, w, b, norm=(norm_w, 1e-6), residual=res, launch=launch,
+                                                  return_normed=prologue.endswith("normed"))
+        if dtype == torch.bfloat16 and DEVICE.type != "cuda":
+            torch.testing.assert_close(got_res, want_res, rtol=8e-3, atol=8e-3)
+        else:
+            assert torch.equal(got_res, want_res)
+        for g in got_normed:
+            assert_close(g, normed, dtype)
+        want = F.linear(normed.float(), w.float(), None if b is None else b.float()).to(dtype)
+        assert_close(got, want, dtype)
+    counts = module._COUNTERS[(DEVICE, torch.cuda.current_stream().cuda_stream if DEVICE.type == "cuda" else 0)]
+    assert all(int(c.abs().sum()) == 0 for c in counts)
+
+
+def test_a_split_launch_sums_its_splits_in_one_order():
+    """Whichever split arrives last, the partial sums are added in split order: the same bits on every run, and
+    the same as the sums of the splits' products taken one split at a time."""
+    _seed("split-order")
+    x, w = torch.randn(4, 512, device=DEVICE), torch.randn(32, 512, device=DEVICE) / 22
+    launch = {"BLOCK_N": 16, "BLOCK_K": 64, "SWAP": True, "SPLIT_K": 4}
+    got = decode_linear(x, w, launch=launch)
+    assert torch.equal(got, decode_linear(x, w, launch=launch))
+    one = {**launch, "SPLIT_K": 1}
+    want = sum(decode_linear(x[:, i:i + 128].contiguous(), w[:, i:i + 128].contiguous(), launch=one)
+               for i in range(0, 512, 128))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_the_normed_rows_and_residual_of_the_two_pass_norm_are_the_torch_ones():
     """return_normed keeps the two-pass norm: the rows it hands on are RMSNorm's, exactly as torch computes them."""
     _seed("normed-two-pass")
@@ -287,20 +339,22 @@ for n, k, m, launch in json.loads(sys.argv[1]):
                              norm=(torch.ones(k, **bf), 1e-6), launch=launch)
     for fn, args, options in launches:
         r = compile_sm90(fn, args, **options)
-        rows.append(dict(fma=args["FMA"], spill_stores=r["spill_stores"], launch_order=r["launch_order"]))
+        rows.append(dict(fma=args["FMA"], split_k=args["SPLIT_K"], spill_stores=r["spill_stores"],
+                         launch_order=r["launch_order"]))
 print(json.dumps(rows))
 """
 
 
 def test_a_hopper_launch_waits_for_the_previous_kernel_first():
-    """Compiled for sm_90a as an H100 / H200 launches it (q_b's shape, GLM-4.7-Flash, both kinds of launch): the
-    wait for the previous kernel, then the next kernel let in, without spills."""
+    """Compiled for sm_90a as an H100 / H200 launches it (q_b's shape, GLM-4.7-Flash, both kinds of launch; qkv_a's
+    with its reduction split): the wait for the previous kernel, then the next kernel let in, without spills."""
     from tests.kernels.sm90_compile import compiled_rows
 
     one_row = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "FMA": True, "SWAP": True}
-    rows = compiled_rows(_SM90_SCRIPT, [[5120, 768, 8, {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4,
-                                                        "num_stages": 3, "FMA": False, "SWAP": True}],
-                                        [5120, 768, 1, one_row]])
-    assert [r["fma"] for r in rows] == [False, True]
+    dot = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False, "SWAP": True}
+    rows = compiled_rows(_SM90_SCRIPT, [[5120, 768, 8, dot], [5120, 768, 1, one_row],
+                                        [1344, 2048, 8, {**dot, "SPLIT_K": 8}],
+                                        [1344, 2048, 1, {**one_row, "BLOCK_K": 256, "SPLIT_K": 4}]])
+    assert [(r["fma"], r["split_k"]) for r in rows] == [(False, 1), (True, 1), (False, 8), (True, 4)]
     for r in rows:
         assert r["spill_stores"] == 0 and r["launch_order"] == ["wait", "launch_dependents"], r
