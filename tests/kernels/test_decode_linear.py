@@ -153,7 +153,7 @@ def test_split_k_launches_equal_the_unfused_ops(dtype, rows, n, k, split_k, fma,
             assert_close(g, normed, dtype)
         want = F.linear(normed.float(), w.float(), None if b is None else b.float()).to(dtype)
         assert_close(got, want, dtype)
-    counts = module._COUNTERS[(DEVICE, torch.cuda.current_stream().cuda_stream if DEVICE.type == "cuda" else 0)]
+    counts = module._COUNTERS[(w.device, torch.cuda.current_stream().cuda_stream if DEVICE.type == "cuda" else 0)]
     assert all(int(c.abs().sum()) == 0 for c in counts)
 
 
