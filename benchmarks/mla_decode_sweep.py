@@ -31,7 +31,7 @@ from agentrt_kernels.triton._common import next_pow2  # noqa: E402
 from benchmarks.roofline import copy_bandwidth  # noqa: E402
 from benchmarks.sweep_helpers import add_row, finish_rows, grid, max_rel, timed  # noqa: E402
 
-PAGE = 16
+PAGE = 16  # tokens a page (the engine's default; --page-size)
 GRID = {"block_h": [16, 32, 64], "block_n": [16, 32, 64], "num_warps": [4, 8], "num_stages": [2, 3]}
 SPLITS = [4, 8, 12, 16, 24, 32, 48, 64]
 TOP_BY_SPLITS = 3
@@ -135,6 +135,7 @@ def run_case(batch: int, context: int, heads: int, rank: int, rope: int, space: 
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
+    global PAGE
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=int, default=20, help="query heads (GLM-4.7-Flash: 20; DeepSeek-V3: 128)")
     ap.add_argument("--cases", default="8@4096,32@4096,8@32768", help="BATCH@CONTEXT,...")
@@ -146,8 +147,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--grid", help="the launch grid as JSON, e.g. '{\"block_h\": [32, 64], \"block_n\": [32, 64]}' "
                                    "(keys of GRID; default: GRID)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run through the interpreter)")
+    ap.add_argument("--page-size", type=int, default=PAGE, help="tokens a page of the latent pool")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
+    PAGE = args.page_size
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda" and not args.tiny
     rank, rope, heads = (32, 16, 4) if args.tiny else (512, 64, args.heads)

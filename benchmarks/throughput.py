@@ -471,6 +471,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", type=device, default="auto", help="auto (a GPU when visible), cpu or cuda[:N]")
     ap.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
                     help="weights and KV dtype (auto: the checkpoint's or the shape's)")
+    ap.add_argument("--page-size", type=positive_int, default=16, help="tokens a page of the KV pool")
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=2048,
                     help="token budget of one engine step (the prefill chunk)")
     ap.add_argument("--attention-backend", default="auto", choices=BACKEND_NAMES,
@@ -519,7 +520,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 load_format="safetensors" if args.model else "dummy",
                 max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
                 max_model_len=max(tokens_per_req + 1, 64), enable_prefix_caching=False,
-                num_pages=max(b * (-(-(c + args.decode_tokens) // 16) + 1) for b, c in cases),
+                page_size=args.page_size,
+                num_pages=max(b * (-(-(c + args.decode_tokens) // args.page_size) + 1) for b, c in cases),
                 attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
                 decode_steps=args.decode_steps,
                 overlap_decode={"auto": None, "off": False}.get(args.overlap_decode, True),

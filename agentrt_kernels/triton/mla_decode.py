@@ -47,11 +47,14 @@ depend only on B, Hq, Dk, Dv and num_splits, and the default num_splits only on 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms, pdl, pdl_enter
+from agentrt_kernels.triton.mla_decode_tma import _mla_split_tma_kernel, tma_descriptors, tma_layout
 from agentrt_kernels.triton.decode_attention import (
     DEFAULT_MIN_SPLIT_TOKENS,
     MAX_SPLITS,
@@ -61,6 +64,8 @@ from agentrt_kernels.triton.decode_attention import (
 )
 
 _LOG2E = 1.4426950408889634
+# ``mla_paged_decode(tma=None)`` on compute capability 9+: AGENTRT_MLA_TMA=1 reads whole tiles through TMA
+TMA_BY_DEFAULT = os.environ.get("AGENTRT_MLA_TMA", "0") == "1"
 
 
 @triton.jit
@@ -300,6 +305,7 @@ def mla_paged_decode(
     min_split_tokens: int = DEFAULT_MIN_SPLIT_TOKENS,
     row_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     keys_as_rows: bool = False,
+    tma: bool | None = None,
 ) -> torch.Tensor:
     """q [B, Hq, Dk] attends to the first kv_lens[b] latent rows of request b's pages (keys: the whole row,
     values: its first ``value_dim`` channels) -> [B, Hq, value_dim].
@@ -311,7 +317,11 @@ def mla_paged_decode(
 
     ``keys_as_rows``: the products transposed (S^T = K Q^T, O^T = V^T P^T), so the tile of latent rows, not the
     head tile, is the dots' M: 64 rows a warpgroup take Hopper's wgmma, where a tile of 20 heads padded to 32
-    takes mma.sync. A launch for ``benchmarks.mla_decode_sweep`` to measure; bf16 / fp16 / fp32 rows only."""
+    takes mma.sync. A launch for ``benchmarks.mla_decode_sweep`` to measure; bf16 / fp16 / fp32 rows only.
+
+    ``tma``: whole tiles of rows read by the tensor memory accelerator (``mla_decode_tma``) where the pool's
+    layout allows it (``tma_layout``: 16-bit rows, BLOCK_N dividing the page size); None: ``TMA_BY_DEFAULT`` on
+    a GPU of compute capability 9 or later. Not with ``row_scales`` or ``keys_as_rows``."""
     if keys_as_rows and row_scales is not None:
         raise ValueError("keys_as_rows reads plain latent rows, not E4M3 codes (row_scales)")
     batch, num_heads, dk = q.shape
@@ -363,6 +373,29 @@ def mla_paged_decode(
         num_splits = splits
     num_splits, mid_o, mid_lse = split_partials(out, 1, max_kv_len, num_splits)
     upcast, precision = dot_args(_mla_split_kernel, q.dtype)
+    if tma and (row_scales is not None or keys_as_rows):
+        raise ValueError("tma reads plain latent rows with the heads as the dots' rows (no row_scales, keys_as_rows)")
+    if tma is None:
+        tma = (TMA_BY_DEFAULT and row_scales is None and not keys_as_rows and q.is_cuda
+               and torch.cuda.get_device_capability(q.device)[0] >= 9)
+    rows = tma_layout(latent, block_n, dv, dk) if tma else None
+    if rows is not None:
+        half = max(16, block_dv // 2)
+        v_desc, r_desc = tma_descriptors(rows, block_n, half, block_dr)
+        _mla_split_tma_kernel[(head_tiles, num_splits, batch)](
+            q, latent, v_desc, r_desc, block_tables, kv_lens, out, mid_o, mid_lse,
+            scale * _LOG2E, num_heads,
+            q.stride(0), q.stride(1),
+            latent.stride(0), latent.stride(1),
+            block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            BLOCK_H=block_h, DV=dv, HALF=half, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
+            PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
+            UPCAST=upcast, PRECISION=precision,
+            num_warps=num_warps, num_stages=num_stages, PDL=(on := pdl(q.device)), launch_pdl=on,
+        )
+        _combine(mid_o, mid_lse, out, num_splits, dv, block_dv, on)
+        return out
     _mla_split_kernel[(head_tiles, num_splits, batch)](
         q, latent, block_tables, kv_lens, out, mid_o, mid_lse, sv, sr,
         scale * _LOG2E, num_heads,
@@ -376,10 +409,14 @@ def mla_paged_decode(
         UPCAST=upcast, PRECISION=precision, CODED=row_scales is not None, KEYS_AS_ROWS=bool(keys_as_rows),
         num_warps=num_warps, num_stages=num_stages, PDL=(on := pdl(q.device)), launch_pdl=on,
     )
+    _combine(mid_o, mid_lse, out, num_splits, dv, block_dv, on)
+    return out
+
+
+def _combine(mid_o, mid_lse, out, num_splits, dv, block_dv, on_pdl):
     if num_splits > 1:
-        _mla_combine_kernel[(batch, num_heads)](
+        _mla_combine_kernel[(out.shape[0], out.shape[1])](
             mid_o, mid_lse, out, out.stride(0), out.stride(1),
             DV=dv, BLOCK_DV=block_dv, NUM_SPLITS=num_splits, BLOCK_S=max(2, next_pow2(num_splits)),
-            num_warps=4 if block_dv >= 512 else 2, PDL=on, launch_pdl=on,
+            num_warps=4 if block_dv >= 512 else 2, PDL=on_pdl, launch_pdl=on_pdl,
         )
-    return out

@@ -116,6 +116,55 @@ def test_the_products_transposed_equal_dense_attention(dtype, hq, dk, dv, page_s
                          row_scales=(torch.ones(1), torch.ones(1)))
 
 
+@pytest.mark.parametrize("dtype,hq,dk,dv,page_size,num_splits,block_n", [
+    (dtype, hq, 48, 32, page_size, num_splits, block_n)
+    for dtype in (torch.float16, torch.bfloat16)
+    for page_size, block_n in ((16, 16), (64, 32), (64, 64))
+    for hq, num_splits in ((16, 1), (20, 3))
+] + [(torch.float16, 20, 52, 40, 16, 2, 16), (torch.bfloat16, 16, 32, 32, 16, 2, 16),
+     (torch.bfloat16, 20, 576, 512, 64, 2, 64), (torch.float16, 72, 576, 512, 16, 1, 16)])
+def test_whole_tiles_read_by_tma_equal_dense_attention(dtype, hq, dk, dv, page_size, num_splits, block_n):
+    """``tma``: full tiles read as blocks of the pool's row view (value channels in two halves), the split's
+    partial last tile gathered with its masks: dense attention over every 16-bit dtype, tiles of a page and of
+    part of one, splits, a partial head tile, padded widths (40 + 12), no rope part, the real latent (512 + 64),
+    several head tiles. The pool's unused rows hold NaN: a tile reading them would poison the output."""
+    kv_lens = [1, 37, 150, 64]
+    q, latent, bt, lens = _case(zlib.crc32(f"tma-{dtype}-{hq}-{dk}-{page_size}-{block_n}".encode()), dtype, kv_lens,
+                                hq, dk, page_size, pad_pages=1)
+    used = torch.zeros(latent.shape[:2], dtype=torch.bool, device=DEVICE)
+    for b, n in enumerate(lens.tolist()):
+        for i in range(n):
+            used[bt[b, i // page_size].long(), i % page_size] = True
+    latent[~used] = float("nan")
+    scale = 192 ** -0.5
+    want = _dense(q, latent, bt, lens, scale, dv)
+    got = mla_paged_decode(q, latent, bt, lens, scale, dv, num_splits=num_splits, block_n=block_n, tma=True)
+    _close(got, want, dtype)
+    with pytest.raises(ValueError, match="tma"):
+        mla_paged_decode(q, latent, bt, lens, scale, dv, tma=True, keys_as_rows=True)
+
+
+def test_tma_takes_only_layouts_whose_tiles_are_blocks_of_the_pool():
+    """``tma_layout``: a page size BLOCK_N does not divide, fp32 rows, pages not one stride of rows apart, rows not
+    16-byte aligned or value halves wider than a TMA box fall back to the gather kernel (same outputs); padded
+    rows at a constant stride are one row view."""
+    from agentrt_kernels.triton.mla_decode_tma import tma_layout
+
+    bf = dict(dtype=torch.bfloat16, device=DEVICE)
+    pool = torch.zeros(4, 64, 576, **bf)
+    assert tma_layout(pool, 64, 512, 576).shape == (256, 576)
+    assert tma_layout(pool, 128, 512, 576) is None  # a tile would cross pages
+    assert tma_layout(pool.float(), 64, 512, 576) is None
+    assert tma_layout(torch.zeros(8, 64, 576, **bf)[::2], 64, 512, 576) is None  # a page apart: not one row view
+    padded = tma_layout(torch.zeros(4, 64, 2, 576, **bf)[:, :, 0], 64, 512, 576)  # rows 1152 channels apart
+    assert padded.shape == (256, 576) and padded.stride() == (1152, 1)
+    assert tma_layout(torch.zeros(4, 64, 20, **bf)[..., :12], 16, 8, 12) is None  # rows of 24 bytes
+    assert tma_layout(torch.zeros(4, 64, 1024, **bf), 64, 1024, 1024) is None  # value halves past one box
+    q, latent, bt, lens = _case(7, torch.float16, [37, 150], 16, 48, 16)
+    want = _dense(q, latent, bt, lens, 0.2, 32)
+    _close(mla_paged_decode(q, latent, bt, lens, 0.2, 32, block_n=32, tma=True), want, torch.float16)
+
+
 @pytest.mark.parametrize("dtype,hq,dk,dv,page_size,num_splits", [
     (torch.float32, 16, 48, 32, 16, 1), (torch.float32, 20, 48, 32, 16, 3), (torch.float16, 20, 52, 40, 16, 2),
     (torch.bfloat16, 16, 576, 512, 64, 2)])

@@ -1,0 +1,150 @@
+"""The MLA split kernel with the latent rows of whole tiles read by the tensor memory accelerator (TMA).
+
+``mla_paged_decode(..., tma=True)`` runs this kernel in place of ``mla_decode._mla_split_kernel`` (same grid,
+same partials, same combine). Why: the gather kernel computes a 64-bit address for every 16 bytes each thread
+copies (``cp.async``) and reads the page table once a row; at decode sizes its instructions are mostly that
+address arithmetic, not tensor-core work (the Nsight Compute counts are in docs/benchmarks.md). A tile of
+BLOCK_N latent rows that lies inside one page is one contiguous block of the pool, so one TMA copy per operand
+brings it into shared memory from a page id and a row number.
+
+Layout: the pool as a 2-D tensor [num_pages * page_size, Dk] (rows of a page consecutive), two descriptors:
+[BLOCK_N, HALF] boxes for the value channels (a TMA box is at most 256 elements a side, so the 512 latent
+channels come as two halves, each its own operand: S = Q_0 K_0^T + Q_1 K_1^T + Q_r K_r^T, O_h = P K_h) and
+[BLOCK_N, BLOCK_DR] for the rest (the rope channels). Channels past Dk arrive as zeros (TMA fills out of
+bounds); channels of the second half past Dv meet zero query channels and are not stored.
+
+Tiles: a split's range starts BLOCK_N-aligned (``decode_attention.split_range``), so every tile but the split's
+last is full; full tiles go through TMA, unmasked; the last, partial tile (if any) is gathered row by row with
+its masks, as the gather kernel does (rows past kv_len read as zeros, never as whatever the pool holds there).
+Needs BLOCK_N dividing the page size (a tile never crosses pages), 16-bit rows, Dv <= 512, 16-byte aligned
+rows (``tma_layout``).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from agentrt_kernels.triton._common import pdl_enter
+from agentrt_kernels.triton.decode_attention import split_range
+
+MAX_BOX = 256  # elements a side of one TMA box
+
+
+def tma_layout(latent: torch.Tensor, block_n: int, dv: int, dk: int) -> torch.Tensor | None:
+    """The pool [num_pages, page_size, Dk] as the 2-D row view the descriptors take, or None where this kernel
+    does not apply (page size not a multiple of BLOCK_N, rows of a page not consecutive, not 16-bit, Dv > 512,
+    rows or base not 16-byte aligned)."""
+    num_pages, page_size = latent.shape[0], latent.shape[1]
+    stride_p, stride_s = latent.stride(0), latent.stride(1)
+    item = latent.element_size()
+    if (latent.dtype not in (torch.float16, torch.bfloat16) or page_size % block_n or block_n > MAX_BOX
+            or triton.next_power_of_2(dv) > 2 * MAX_BOX or latent.stride(-1) != 1
+            or stride_p != page_size * stride_s or (stride_s * item) % 16 or latent.data_ptr() % 16):
+        return None
+    return latent.as_strided((num_pages * page_size, dk), (stride_s, 1))
+
+
+def tma_descriptors(rows: torch.Tensor, block_n: int, half: int, block_dr: int):
+    """(value-halves descriptor, rest descriptor) over ``tma_layout``'s row view."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return (TensorDescriptor.from_tensor(rows, [block_n, half]),
+            TensorDescriptor.from_tensor(rows, [block_n, block_dr]))
+
+
+@triton.jit
+def _softmax_step(qk, m_i, l_i):
+    """Online softmax (base 2) over a tile of scaled logits: (p, rescale of what came before, new max, new sum)."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _mla_split_tma_kernel(
+    q_ptr, kv_ptr, v_desc, r_desc, bt_ptr, lens_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    scale_log2, num_heads,
+    stride_qb, stride_qh,
+    stride_kp, stride_ks,
+    stride_btb,
+    stride_ob, stride_oh,
+    BLOCK_H: tl.constexpr, DV: tl.constexpr, HALF: tl.constexpr, DK: tl.constexpr, BLOCK_DR: tl.constexpr,
+    HAS_REST: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    pdl_enter(PDL)
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    start, end = split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_0 = tl.arange(0, HALF)  # the first half of the value channels
+    offs_1 = HALF + offs_0  # the second half (past DV: channels the query zeroes)
+    offs_r = DV + tl.arange(0, BLOCK_DR)  # the rest of the key (the rope part)
+    offs_n = tl.arange(0, BLOCK_N)
+    head = tile * BLOCK_H + offs_h
+    h_mask = head < num_heads
+
+    dot_ty = tl.float32 if UPCAST else q_ptr.dtype.element_ty
+    q_rows = q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh
+    q_0 = tl.load(q_rows + offs_0[None, :], mask=h_mask[:, None] & (offs_0 < DV)[None, :], other=0.0).to(dot_ty)
+    q_1 = tl.load(q_rows + offs_1[None, :], mask=h_mask[:, None] & (offs_1 < DV)[None, :], other=0.0).to(dot_ty)
+    if HAS_REST:
+        q_r = tl.load(q_rows + offs_r[None, :], mask=h_mask[:, None] & (offs_r < DK)[None, :], other=0.0)
+        q_r = q_r.to(dot_ty)
+
+    bt_row = bt_ptr + b.to(tl.int64) * stride_btb
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
+    acc_0 = tl.full([BLOCK_H, HALF], 0.0, dtype=tl.float32)
+    acc_1 = tl.full([BLOCK_H, HALF], 0.0, dtype=tl.float32)
+    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(start, full_end, BLOCK_N):  # whole tiles: one page's consecutive rows, by TMA
+        row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+        k_0 = v_desc.load([row, 0]).to(dot_ty)
+        k_1 = v_desc.load([row, HALF]).to(dot_ty)
+        qk = tl.dot(q_0, tl.trans(k_0), input_precision=PRECISION)
+        qk += tl.dot(q_1, tl.trans(k_1), input_precision=PRECISION)
+        if HAS_REST:
+            qk += tl.dot(q_r, tl.trans(r_desc.load([row, DV]).to(dot_ty)), input_precision=PRECISION)
+        p, alpha, m_i, l_i = _softmax_step(qk * scale_log2, m_i, l_i)
+        p = p.to(dot_ty)
+        acc_0 = acc_0 * alpha[:, None] + tl.dot(p, k_0, input_precision=PRECISION)
+        acc_1 = acc_1 * alpha[:, None] + tl.dot(p, k_1, input_precision=PRECISION)
+    for n0 in range(full_end, end, BLOCK_N):  # the split's last tile, if partial: gathered, rows masked
+        tok = n0 + offs_n
+        n_mask = tok < end
+        page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
+        rows = kv_ptr + page * stride_kp + (tok % PAGE_SIZE).to(tl.int64) * stride_ks
+        k_0 = tl.load(rows[:, None] + offs_0[None, :], mask=n_mask[:, None] & (offs_0 < DK)[None, :], other=0)
+        k_1 = tl.load(rows[:, None] + offs_1[None, :], mask=n_mask[:, None] & (offs_1 < DK)[None, :], other=0)
+        k_0, k_1 = k_0.to(dot_ty), k_1.to(dot_ty)
+        qk = tl.dot(q_0, tl.trans(k_0), input_precision=PRECISION)
+        qk += tl.dot(q_1, tl.trans(k_1), input_precision=PRECISION)
+        if HAS_REST:
+            k_r = tl.load(rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & (offs_r < DK)[None, :], other=0)
+            qk += tl.dot(q_r, tl.trans(k_r.to(dot_ty)), input_precision=PRECISION)
+        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
+        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
+        p = p.to(dot_ty)
+        acc_0 = acc_0 * alpha[:, None] + tl.dot(p, k_0, input_precision=PRECISION)
+        acc_1 = acc_1 * alpha[:, None] + tl.dot(p, k_1, input_precision=PRECISION)
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    mask_0 = h_mask[:, None] & (offs_0 < DV)[None, :]
+    mask_1 = h_mask[:, None] & (offs_1 < DV)[None, :]
+    if NUM_SPLITS == 1:
+        o_rows = out_ptr + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh
+        tl.store(o_rows + offs_0[None, :], (acc_0 / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask_0)
+        tl.store(o_rows + offs_1[None, :], (acc_1 / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask_1)
+    else:  # the gather kernel's partials: mid_o [B, Hq, NUM_SPLITS, DV], mid_lse [B, Hq, NUM_SPLITS] (log2)
+        row = (b.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
+        tl.store(mid_o_ptr + row[:, None] * DV + offs_0[None, :], acc_0 / l_safe[:, None], mask=mask_0)
+        tl.store(mid_o_ptr + row[:, None] * DV + offs_1[None, :], acc_1 / l_safe[:, None], mask=mask_1)
+        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(mid_lse_ptr + row, lse, mask=h_mask)
