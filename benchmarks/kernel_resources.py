@@ -36,7 +36,7 @@ from triton.compiler import ASTSource
 from agentrt_kernels.triton import decode_attention, quant_decode
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-WATCH = ("LDGSTS", "LDG", "HMMA", "HGMMA", "I2F", "F2F", "F2FP", "MUFU")
+WATCH = ("LDGSTS", "LDG", "HMMA", "HGMMA", "I2F", "F2F", "F2FP", "MUFU", "UTMALDG")
 HQ, HKV, D, PAGE, MAX_PAGES = 32, 8, 128, 32, 1040
 H200_SMS, H200_CLOCK_HZ, ISSUE_PER_CLOCK = 132, 1.98e9, 4
 SMEM_PER_SM = 227 * 1024
@@ -52,6 +52,8 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3, launch
         v = args[name] if name in args or not name.isupper() else defaults[name]
         if isinstance(v, str) and v.startswith("*"):
             sig[name], attrs[(i,)] = v, [["tt.divisibility", 16]]
+        elif isinstance(v, str) and v.startswith("tensordesc<"):  # a host-side TMA descriptor
+            sig[name] = v
         elif name.isupper() or v is None:
             sig[name], consts[name] = "constexpr", v
         elif isinstance(v, float):
@@ -112,14 +114,25 @@ def captured_launches():
         for param in self.params:
             if param.name not in values:
                 values[param.name] = param.default
-        launches.append((self, {name: _POINTER[v.dtype] if isinstance(v, torch.Tensor) else v
-                                for name, v in values.items()}, options))
+        launches.append((self, {name: _signature_value(v) for name, v in values.items()}, options))
 
     JITFunction.run = record
     try:
         yield launches
     finally:
         JITFunction.run = run
+
+
+def _signature_value(v):
+    """A launch argument as ``compile_sm90`` takes it: a tensor as its pointer type, a TMA descriptor as its
+    block type, anything else as is."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if isinstance(v, torch.Tensor):
+        return _POINTER[v.dtype]
+    if isinstance(v, TensorDescriptor):
+        return f"tensordesc<{_POINTER[v.base.dtype][1:]}[{','.join(map(str, v.block_shape))}]>"
+    return v
 
 
 def main_loop_length(sass: str) -> int:

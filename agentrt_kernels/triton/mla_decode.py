@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms, pdl, pdl_enter
-from agentrt_kernels.triton.mla_decode_tma import _mla_split_tma_kernel, tma_descriptors, tma_layout
+from agentrt_kernels.triton.mla_decode_tma import MAX_BOX, _mla_split_tma_kernel, tma_descriptors, tma_layout
 from agentrt_kernels.triton.decode_attention import (
     DEFAULT_MIN_SPLIT_TOKENS,
     MAX_SPLITS,
@@ -234,7 +234,7 @@ Launch = tuple[int, int, int, int]
 
 
 def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: bool = False,
-                       keys_as_rows: bool = False) -> list[Launch]:
+                       keys_as_rows: bool = False, tma: bool = False) -> list[Launch]:
     """The launches ``mla_paged_decode`` chooses among for a head tile, each with the programs a SM holds at once
     (registers and shared memory as ptxas reports them for sm_90a, Triton 3.6;
     ``benchmarks.kernel_resources.compile_sm90``). For latent widths of 256 and more (MLA's 512 + 64), bf16 /
@@ -248,9 +248,13 @@ def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: b
     take 16 x 16 (110 registers; fp32 dots run on the FMA units). ``coded`` (E4M3 rows converted in registers):
     16 x 32 and 32 x 16 on 8 warps, one a SM (the wider tiles spill there). Small widths (tests): 64 rows on 4
     warps, four a SM assumed (not a shape the sweep or the sm_90a compile checks cover). ``keys_as_rows`` (16-bit
-    rows): 64 rows on 8 warps, three stages (wgmma, ~191 registers, 185 KB: one a SM; five stages would not fit)."""
+    rows): 64 rows on 8 warps, three stages (wgmma, ~191 registers, 185 KB: one a SM; five stages would not fit).
+    ``tma`` (``mla_decode_tma``'s kernel, two accumulators of half the values): three stages at most (five spill
+    under TMA), 16 x 32 on 4 warps, 32 x 64 and 64 x 16 on 8 (one a SM)."""
     if block_dv < 256:
         return [(64, 4, 2, 4)]
+    if tma:
+        return [{16: (32, 4, 3, 2), 32: (64, 8, 3, 1)}.get(block_h, (16, 8, 3, 1))]
     if keys_as_rows and dtype != torch.float32:
         return [(64, 8, 3, 1)]
     if dtype == torch.float32:
@@ -319,9 +323,10 @@ def mla_paged_decode(
     head tile, is the dots' M: 64 rows a warpgroup take Hopper's wgmma, where a tile of 20 heads padded to 32
     takes mma.sync. A launch for ``benchmarks.mla_decode_sweep`` to measure; bf16 / fp16 / fp32 rows only.
 
-    ``tma``: whole tiles of rows read by the tensor memory accelerator (``mla_decode_tma``) where the pool's
-    layout allows it (``tma_layout``: 16-bit rows, BLOCK_N dividing the page size); None: ``TMA_BY_DEFAULT`` on
-    a GPU of compute capability 9 or later. Not with ``row_scales`` or ``keys_as_rows``."""
+    ``tma``: the kernel of ``mla_decode_tma`` (16-bit rows, Dv <= 512): the value channels in two halves, and
+    whole tiles of rows read by the tensor memory accelerator where the pool's layout allows it (``tma_layout``:
+    BLOCK_N dividing the page size), else gathered; None: ``TMA_BY_DEFAULT`` on a GPU of compute capability 9 or
+    later. Not with ``row_scales`` or ``keys_as_rows``."""
     if keys_as_rows and row_scales is not None:
         raise ValueError("keys_as_rows reads plain latent rows, not E4M3 codes (row_scales)")
     batch, num_heads, dk = q.shape
@@ -360,7 +365,13 @@ def mla_paged_decode(
     block_dv = next_pow2(dv)
     block_dr = max(16, next_pow2(dk - dv))
     max_kv_len = block_tables.shape[1] * page_size
-    candidates = _launch_candidates(block_h, block_dv, q.dtype, row_scales is not None, keys_as_rows)
+    if tma and (row_scales is not None or keys_as_rows):
+        raise ValueError("tma reads plain latent rows with the heads as the dots' rows (no row_scales, keys_as_rows)")
+    if tma is None:
+        tma = (TMA_BY_DEFAULT and row_scales is None and not keys_as_rows and q.is_cuda
+               and torch.cuda.get_device_capability(q.device)[0] >= 9)
+    tma = bool(tma) and block_dv <= 2 * MAX_BOX and q.dtype != torch.float32
+    candidates = _launch_candidates(block_h, block_dv, q.dtype, row_scales is not None, keys_as_rows, tma)
     overrides = (block_n, num_warps, num_stages)
     if any(overrides):  # a caller's launch: the first candidate's for what it leaves out, and its residency
         first = candidates[0]
@@ -373,15 +384,10 @@ def mla_paged_decode(
         num_splits = splits
     num_splits, mid_o, mid_lse = split_partials(out, 1, max_kv_len, num_splits)
     upcast, precision = dot_args(_mla_split_kernel, q.dtype)
-    if tma and (row_scales is not None or keys_as_rows):
-        raise ValueError("tma reads plain latent rows with the heads as the dots' rows (no row_scales, keys_as_rows)")
-    if tma is None:
-        tma = (TMA_BY_DEFAULT and row_scales is None and not keys_as_rows and q.is_cuda
-               and torch.cuda.get_device_capability(q.device)[0] >= 9)
-    rows = tma_layout(latent, block_n, dv, dk) if tma else None
-    if rows is not None:
+    if tma:
         half = max(16, block_dv // 2)
-        v_desc, r_desc = tma_descriptors(rows, block_n, half, block_dr)
+        rows = tma_layout(latent, block_n, dv, dk)
+        v_desc, r_desc = tma_descriptors(rows, block_n, half, block_dr) if rows is not None else (None, None)
         _mla_split_tma_kernel[(head_tiles, num_splits, batch)](
             q, latent, v_desc, r_desc, block_tables, kv_lens, out, mid_o, mid_lse,
             scale * _LOG2E, num_heads,
@@ -391,7 +397,7 @@ def mla_paged_decode(
             out.stride(0), out.stride(1),
             BLOCK_H=block_h, DV=dv, HALF=half, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
             PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
-            UPCAST=upcast, PRECISION=precision,
+            UPCAST=upcast, PRECISION=precision, TMA=rows is not None,
             num_warps=num_warps, num_stages=num_stages, PDL=(on := pdl(q.device)), launch_pdl=on,
         )
         _combine(mid_o, mid_lse, out, num_splits, dv, block_dv, on)

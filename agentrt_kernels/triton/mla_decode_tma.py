@@ -16,8 +16,13 @@ bounds); channels of the second half past Dv meet zero query channels and are no
 Tiles: a split's range starts BLOCK_N-aligned (``decode_attention.split_range``), so every tile but the split's
 last is full; full tiles go through TMA, unmasked; the last, partial tile (if any) is gathered row by row with
 its masks, as the gather kernel does (rows past kv_len read as zeros, never as whatever the pool holds there).
-Needs BLOCK_N dividing the page size (a tile never crosses pages), 16-bit rows, Dv <= 512, 16-byte aligned
-rows (``tma_layout``).
+TMA needs BLOCK_N dividing the page size (a tile never crosses pages), 16-bit rows, Dv <= 512, 16-byte aligned
+rows (``tma_layout``); where the pool does not allow it (``TMA=False``: the engine's 16-row pages under 64-row
+tiles) every tile is gathered, still in halves.
+
+The halves also shorten the logits' chain of dependent tensor-core ops: a head tile of 32 times 64 rows leaves
+each warp a 16 x 16 piece of S, whose product over K = 576 is one chain of 36 mma.sync when written as one dot
+(or as a sum the compiler folds into one); each part scaled on its own is a chain of its own (16, 16, 4).
 """
 
 from __future__ import annotations
@@ -73,7 +78,7 @@ def _mla_split_tma_kernel(
     stride_ob, stride_oh,
     BLOCK_H: tl.constexpr, DV: tl.constexpr, HALF: tl.constexpr, DK: tl.constexpr, BLOCK_DR: tl.constexpr,
     HAS_REST: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    MIN_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    MIN_SPLIT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, TMA: tl.constexpr = True,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -103,20 +108,26 @@ def _mla_split_tma_kernel(
     l_i = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
     acc_0 = tl.full([BLOCK_H, HALF], 0.0, dtype=tl.float32)
     acc_1 = tl.full([BLOCK_H, HALF], 0.0, dtype=tl.float32)
-    full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(start, full_end, BLOCK_N):  # whole tiles: one page's consecutive rows, by TMA
-        row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
-        k_0 = v_desc.load([row, 0]).to(dot_ty)
-        k_1 = v_desc.load([row, HALF]).to(dot_ty)
-        qk = tl.dot(q_0, tl.trans(k_0), input_precision=PRECISION)
-        qk += tl.dot(q_1, tl.trans(k_1), input_precision=PRECISION)
-        if HAS_REST:
-            qk += tl.dot(q_r, tl.trans(r_desc.load([row, DV]).to(dot_ty)), input_precision=PRECISION)
-        p, alpha, m_i, l_i = _softmax_step(qk * scale_log2, m_i, l_i)
-        p = p.to(dot_ty)
-        acc_0 = acc_0 * alpha[:, None] + tl.dot(p, k_0, input_precision=PRECISION)
-        acc_1 = acc_1 * alpha[:, None] + tl.dot(p, k_1, input_precision=PRECISION)
-    for n0 in range(full_end, end, BLOCK_N):  # the split's last tile, if partial: gathered, rows masked
+    full_end = start
+    if TMA:
+        full_end = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(start, full_end, BLOCK_N):  # whole tiles: one page's consecutive rows, by TMA
+            row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
+            k_0 = v_desc.load([row, 0]).to(dot_ty)
+            k_1 = v_desc.load([row, HALF]).to(dot_ty)
+            # each part's product scaled on its own: the compiler folds a sum of plain products into one chain of
+            # dependent mma over all of K; scaled, the parts' chains run side by side
+            qk = tl.dot(q_0, tl.trans(k_0), input_precision=PRECISION) * scale_log2
+            qk += tl.dot(q_1, tl.trans(k_1), input_precision=PRECISION) * scale_log2
+            if HAS_REST:
+                k_r = r_desc.load([row, DV]).to(dot_ty)
+                qk += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION) * scale_log2
+            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
+            p = p.to(dot_ty)
+            acc_0 = acc_0 * alpha[:, None] + tl.dot(p, k_0, input_precision=PRECISION)
+            acc_1 = acc_1 * alpha[:, None] + tl.dot(p, k_1, input_precision=PRECISION)
+    # without TMA every tile, with it the split's last tile if partial: gathered row by row, rows masked
+    for n0 in range(full_end, end, BLOCK_N):
         tok = n0 + offs_n
         n_mask = tok < end
         page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -124,12 +135,12 @@ def _mla_split_tma_kernel(
         k_0 = tl.load(rows[:, None] + offs_0[None, :], mask=n_mask[:, None] & (offs_0 < DK)[None, :], other=0)
         k_1 = tl.load(rows[:, None] + offs_1[None, :], mask=n_mask[:, None] & (offs_1 < DK)[None, :], other=0)
         k_0, k_1 = k_0.to(dot_ty), k_1.to(dot_ty)
-        qk = tl.dot(q_0, tl.trans(k_0), input_precision=PRECISION)
-        qk += tl.dot(q_1, tl.trans(k_1), input_precision=PRECISION)
+        qk = tl.dot(q_0, tl.trans(k_0), input_precision=PRECISION) * scale_log2
+        qk += tl.dot(q_1, tl.trans(k_1), input_precision=PRECISION) * scale_log2
         if HAS_REST:
             k_r = tl.load(rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & (offs_r < DK)[None, :], other=0)
-            qk += tl.dot(q_r, tl.trans(k_r.to(dot_ty)), input_precision=PRECISION)
-        qk = tl.where(n_mask[None, :], qk * scale_log2, float("-inf"))
+            qk += tl.dot(q_r, tl.trans(k_r.to(dot_ty)), input_precision=PRECISION) * scale_log2
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
         p = p.to(dot_ty)
         acc_0 = acc_0 * alpha[:, None] + tl.dot(p, k_0, input_precision=PRECISION)

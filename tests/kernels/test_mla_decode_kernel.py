@@ -119,15 +119,17 @@ def test_the_products_transposed_equal_dense_attention(dtype, hq, dk, dv, page_s
 @pytest.mark.parametrize("dtype,hq,dk,dv,page_size,num_splits,block_n", [
     (dtype, hq, 48, 32, page_size, num_splits, block_n)
     for dtype in (torch.float16, torch.bfloat16)
-    for page_size, block_n in ((16, 16), (64, 32), (64, 64))
+    for page_size, block_n in ((16, 16), (64, 32), (64, 64), (16, 64))
     for hq, num_splits in ((16, 1), (20, 3))
 ] + [(torch.float16, 20, 52, 40, 16, 2, 16), (torch.bfloat16, 16, 32, 32, 16, 2, 16),
-     (torch.bfloat16, 20, 576, 512, 64, 2, 64), (torch.float16, 72, 576, 512, 16, 1, 16)])
+     (torch.bfloat16, 20, 576, 512, 64, 2, 64), (torch.float16, 72, 576, 512, 16, 1, 16),
+     (torch.bfloat16, 20, 576, 512, 16, 2, 64)])
 def test_whole_tiles_read_by_tma_equal_dense_attention(dtype, hq, dk, dv, page_size, num_splits, block_n):
     """``tma``: full tiles read as blocks of the pool's row view (value channels in two halves), the split's
-    partial last tile gathered with its masks: dense attention over every 16-bit dtype, tiles of a page and of
-    part of one, splits, a partial head tile, padded widths (40 + 12), no rope part, the real latent (512 + 64),
-    several head tiles. The pool's unused rows hold NaN: a tile reading them would poison the output."""
+    partial last tile gathered with its masks; tiles spanning pages (64 rows over 16-row pages) gathered, in
+    halves too: dense attention over every 16-bit dtype, tiles of a page, of part of one and of several, splits, a
+    partial head tile, padded widths (40 + 12), no rope part, the real latent (512 + 64), several head tiles.
+    The pool's unused rows hold NaN: a tile reading them would poison the output."""
     kv_lens = [1, 37, 150, 64]
     q, latent, bt, lens = _case(zlib.crc32(f"tma-{dtype}-{hq}-{dk}-{page_size}-{block_n}".encode()), dtype, kv_lens,
                                 hq, dk, page_size, pad_pages=1)
@@ -390,3 +392,39 @@ def test_default_launches_compile_for_sm90_without_spills():
             assert r["spill_stores"] <= 128, r
         else:
             assert r["spill_stores"] == 0, r
+
+
+_SM90_TMA_SCRIPT = """
+import json, sys
+import torch
+from benchmarks.kernel_resources import captured_launches, compile_sm90
+from agentrt_kernels.triton import mla_decode
+
+mla_decode.pdl = lambda device: True  # launched as on a Hopper GPU
+rows = []
+for page, batch, splits in json.loads(sys.argv[1]):
+    bf = dict(dtype=torch.bfloat16)
+    with captured_launches() as launches:
+        mla_decode.mla_paged_decode(torch.zeros(batch, 20, 576, **bf), torch.zeros(64, page, 1, 576, **bf),
+                                    torch.zeros(batch, 4096 // page, dtype=torch.int32),
+                                    torch.full((batch,), 4096, dtype=torch.int32), 0.07, 512, num_splits=splits,
+                                    tma=True)
+    fn, args, options = launches[0]  # the split kernel (the combine follows)
+    r = compile_sm90(fn, args, **options)
+    rows.append(dict(page=page, tma=args["TMA"], **{k: r[k] for k in (
+        "registers", "spill_stores", "shared_bytes", "HMMA", "LDGSTS", "launch_order")}, tma_loads=r["UTMALDG"]))
+print(json.dumps(rows))
+"""
+
+
+def test_the_halves_kernel_compiles_for_sm90_with_tma_loads_where_pages_allow():
+    """The ``tma`` kernel's default launch at GLM-4.7-Flash's decode shape (20 heads, 512 + 64), as compiled for an
+    H100 / H200: on 64-row pages its whole tiles come by TMA (UTMALDG), only the partial last tile by cp.async; on
+    the engine's 16-row pages (64-row tiles) every tile is gathered. No spills; the wait for the previous kernel
+    first."""
+    rows = compiled_rows(_SM90_TMA_SCRIPT, [[64, 8, 16], [16, 8, 16], [64, 32, 8]])
+    assert [(r["page"], r["tma"]) for r in rows] == [(64, True), (16, False), (64, True)]
+    for r in rows:
+        assert r["spill_stores"] == 0 and r["HMMA"] > 0, r
+        assert r["launch_order"] == ["wait", "launch_dependents"], r
+        assert (r["tma_loads"] > 0) == r["tma"] and r["LDGSTS"] > 0, r
