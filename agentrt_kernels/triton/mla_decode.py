@@ -54,7 +54,6 @@ import triton
 import triton.language as tl
 
 from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, num_sms, pdl, pdl_enter
-from agentrt_kernels.triton.mla_decode_tma import MAX_BOX, _mla_split_tma_kernel, tma_descriptors, tma_layout
 from agentrt_kernels.triton.decode_attention import (
     DEFAULT_MIN_SPLIT_TOKENS,
     MAX_SPLITS,
@@ -62,6 +61,7 @@ from agentrt_kernels.triton.decode_attention import (
     split_partials,
     split_range,
 )
+from agentrt_kernels.triton.mla_decode_tma import MAX_BOX, _mla_split_tma_kernel, tma_descriptors, tma_layout
 
 _LOG2E = 1.4426950408889634
 # ``mla_paged_decode(tma=None)`` on compute capability 9+: AGENTRT_MLA_TMA=1 reads whole tiles through TMA
