@@ -22,6 +22,7 @@
 #   dense8hf   the 4K cases with --decode-steps 8, overlapped windows and not, HF transformers in the same run
 #   dense8fused  bs1 / bs8 @ 4K and bs4 @ 32K with --decode-steps 8, fused decode linears off then on, HF once
 #   decodelinear  the fused decode linears' launch sweep alone (fusedlinears: the sweep, then the engine with it)
+#   mlatma     the MLA decode kernel in value halves / through TMA against the gather kernel, alone and in `mla`
 #   decodelinearmla  the same over GLM-4.7-Flash's attention projections and LM head (against cuBLAS); writes the
 #              winners into this GPU's tuned table in the checkout (copied to $OUT: commit it from there)
 #   router     the DeepSeek-V3 router at 8 / 32 decode rows (GLM-4.7-Flash's gate, the norm inside) over its launch
@@ -212,6 +213,19 @@ for step in "$@"; do
                 --json "$OUT/mlapdl$pdl.json"
         done
         unset AGENTRT_PDL ;;
+    mlatma)  # the MLA decode kernel in value halves (AGENTRT_MLA_TMA=1; TMA reads where a tile is one page's rows)
+        # against the gather kernel: the kernel alone on 16- and 64-row pages, then the `mla` cases on each
+        for page in 16 64; do
+            run mlatmasweep$page 120 python -m benchmarks.mla_decode_sweep --cases 8@4096,32@4096 --page-size $page \
+                --grid '{"block_h":[32],"block_n":[64],"num_warps":[8],"num_stages":[3,5],"tma":[false,true]}' \
+                --splits 8,16,32 --json "$OUT/mlatmasweep$page.json"
+        done
+        for case in "16 0" "16 1" "64 1" "64 0"; do
+            set -- $case
+            AGENTRT_MLA_TMA=$2 run mlatma_p$1_t$2 200 python -m benchmarks.throughput --shape glm-4.7-flash \
+                --cases 8@4096,32@4096 --decode-tokens 128 --max-num-batched-tokens 16384 --decode-steps 8 \
+                --page-size $1 --json "$OUT/mlatma_p$1_t$2.json"
+        done ;;
     mlasnap128k)  # SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, each at its largest batch (decode only)
         # one request admitted at a time (each holds its 128K latent rows, ~7 GB, until SnapKV compacts it), one
         # timed window each (what a call holds on a card whose weights leave ~15 GB of KV)
