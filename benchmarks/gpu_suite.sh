@@ -23,6 +23,7 @@
 #   dense8fused  bs1 / bs8 @ 4K and bs4 @ 32K with --decode-steps 8, fused decode linears off then on, HF once
 #   decodelinear  the fused decode linears' launch sweep alone (fusedlinears: the sweep, then the engine with it)
 #   mlatma     the MLA decode kernel in value halves / through TMA against the gather kernel, alone and in `mla`
+#   moesum     the `mla` cases with the experts' top-k sum as its own launch, then inside the down GEMM
 #   decodelinearmla  the same over GLM-4.7-Flash's attention projections and LM head (against cuBLAS); writes the
 #              winners into this GPU's tuned table in the checkout (copied to $OUT: commit it from there)
 #   router     the DeepSeek-V3 router at 8 / 32 decode rows (GLM-4.7-Flash's gate, the norm inside) over its launch
@@ -225,6 +226,12 @@ for step in "$@"; do
             AGENTRT_MLA_TMA=$2 run mlatma_p$1_t$2 200 python -m benchmarks.throughput --shape glm-4.7-flash \
                 --cases 8@4096,32@4096 --decode-tokens 128 --max-num-batched-tokens 16384 --decode-steps 8 \
                 --page-size $1 --json "$OUT/mlatma_p$1_t$2.json"
+        done ;;
+    moesum)  # the `mla` cases with the experts' top-k sum in its own launch, then inside the down GEMM's
+        for fold in 0 1; do
+            AGENTRT_MOE_SUM_IN_DOWN=$fold run moesum$fold 200 python -m benchmarks.throughput --shape glm-4.7-flash \
+                --cases 8@4096,32@4096 --decode-tokens 128 --max-num-batched-tokens 16384 --decode-steps 8 \
+                --json "$OUT/moesum$fold.json"
         done ;;
     mlasnap128k)  # SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, each at its largest batch (decode only)
         # one request admitted at a time (each holds its 128K latent rows, ~7 GB, until SnapKV compacts it), one

@@ -155,6 +155,23 @@ def pdl_enter(PDL: tl.constexpr):
         tl_cuda.gdc_launch_dependents()
 
 
+# (device, stream) -> arrival counters of launches whose last program to arrive finishes a tile (the split decode
+# linears, the experts' down GEMM adding each token's choices): zeros between launches (that last program resets
+# its tile's). Every buffer ever handed out stays referenced: a captured CUDA graph keeps its address.
+_COUNTERS: dict[tuple, list[torch.Tensor]] = {}
+
+
+def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` int32 zeros for such a launch on the current stream of ``device``. Launches on one
+    stream run one after another (under programmatic dependent launch each waits for its predecessor before its
+    first load), so they share a buffer; another stream gets its own."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    held = _COUNTERS.setdefault((device, stream), [])
+    if not held or held[-1].numel() < tiles:
+        held.append(torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device))
+    return held[-1]
+
+
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, pdl, pdl_enter
+from agentrt_kernels.triton._common import arrival_counts, check_last_dim_contiguous, dot_args, pdl, pdl_enter
 from agentrt_kernels.triton.activation import silu_and_mul
 from agentrt_kernels.triton.norm import rms_norm
 
@@ -104,22 +104,6 @@ def tuned_launch(n: int, k: int, rows: int, device: torch.device = torch.device(
         return _untuned_launch(rows, device)
     fits = [r for r in by_rows if r >= rows]
     return by_rows[min(fits) if fits else max(by_rows)]
-
-
-# (device, stream) -> the split launches' arrival counters: zeros between launches (each column tile's last split
-# resets its own). Every buffer ever handed out stays referenced: a captured CUDA graph keeps its address.
-_COUNTERS: dict[tuple, list[torch.Tensor]] = {}
-
-
-def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least ``tiles`` int32 zeros for a split launch on the current stream of ``device``. Launches on one
-    stream run one after another (under programmatic dependent launch each waits for its predecessor before its
-    first load), so they share a buffer; another stream gets its own."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    held = _COUNTERS.setdefault((device, stream), [])
-    if not held or held[-1].numel() < tiles:
-        held.append(torch.zeros(max(tiles, 1024), dtype=torch.int32, device=device))
-    return held[-1]
 
 
 def _unfused(x, weight, bias, norm, residual, silu_mul, return_normed):

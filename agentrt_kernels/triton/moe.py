@@ -20,7 +20,11 @@ Kernel 1 (gate_up): grid over (block of BLOCK_M sorted slots, BLOCK_N columns of
 to one expert, gathers its tokens' x rows, multiplies by that expert's gate and up rows (two accumulators
 sharing the A tile) and applies silu(gate) * up in the epilogue, writing [T*k, I] (rows in slot order).
 Kernel 2 (down): the same grouped GEMM over the intermediate with w_down, scaled by the routing weight in
-the epilogue, writing [T*k, H]; a third launch sums a token's k choices in fp32, rounded once.
+the epilogue, writing [T*k, H]; a third launch sums a token's k choices in fp32, rounded once -- or, with
+``SUM_IN_DOWN`` (a decode step's few tokens), the down GEMM's own launch does: every program arrives on its
+column block's counter (blocks without an expert too), and the last to arrive adds the tokens' choices for that
+block in slot order (the same bits as the separate launch; ``decode_linear``'s split launches use the same
+arrival counters, ``_common.arrival_counts``).
 Intermediates are rounded to x's dtype where the torch reference rounds (gate/up products, silu, down
 product, weight product).
 Blocks past the padded total exit at once. A GROUP_M swizzle keeps consecutive programs on the same
@@ -29,11 +33,21 @@ expert's weight tiles for L2 reuse.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2, pdl, pdl_enter
+from agentrt_kernels.triton._common import (
+    arrival_counts,
+    cdiv,
+    check_last_dim_contiguous,
+    dot_args,
+    next_pow2,
+    pdl,
+    pdl_enter,
+)
 
 
 @triton.jit
@@ -121,12 +135,12 @@ def moe_align_block_size(
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, sorted_ids_ptr, expert_ids_ptr, w_ptr,
-    N, K, num_slots, num_experts,
+    a_ptr, b_ptr, c_ptr, sorted_ids_ptr, expert_ids_ptr, w_ptr, out_ptr, count_ptr,
+    N, K, num_slots, num_experts, num_tokens,
     stride_am, stride_be, stride_bn, stride_cm,
     TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, SUM_TOPK: tl.constexpr = False, BLOCK_T: tl.constexpr = 16,
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
@@ -141,8 +155,30 @@ def _moe_gemm_kernel(
     pid_n = (pid % pids_in_group) // group_size
 
     expert = tl.load(expert_ids_ptr + pid_m)
-    if expert >= num_experts:
-        return
+    if SUM_TOPK:  # every block of slots arrives, its expert's or none; the column block's last adds the choices
+        if expert < num_experts:
+            _expert_block(a_ptr, b_ptr, c_ptr, sorted_ids_ptr, w_ptr, expert, pid_m, pid_n, N, K, num_slots,
+                          stride_am, stride_be, stride_bn, stride_cm, TOP_K, A_BY_TOKEN, GATED, MUL_WEIGHT,
+                          BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+        tl.debug_barrier()  # this block's rows stored by every thread before the release below
+        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == num_pid_m - 1:
+            _sum_choices(c_ptr, out_ptr, pid_n, N, num_tokens, stride_cm, TOP_K, BLOCK_T, BLOCK_N)
+            tl.store(count_ptr + pid_n, 0)  # ready for the next launch, which waits for this one to finish
+    else:
+        if expert >= num_experts:
+            return
+        _expert_block(a_ptr, b_ptr, c_ptr, sorted_ids_ptr, w_ptr, expert, pid_m, pid_n, N, K, num_slots,
+                      stride_am, stride_be, stride_bn, stride_cm, TOP_K, A_BY_TOKEN, GATED, MUL_WEIGHT,
+                      BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
+
+
+@triton.jit
+def _expert_block(a_ptr, b_ptr, c_ptr, sorted_ids_ptr, w_ptr, expert, pid_m, pid_n, N, K, num_slots,
+                  stride_am, stride_be, stride_bn, stride_cm,
+                  TOP_K: tl.constexpr, A_BY_TOKEN: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """One block of BLOCK_M slots of one expert times BLOCK_N columns of its weights, stored in slot order."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     slots = tl.load(sorted_ids_ptr + offs_m)
     row_mask = slots < num_slots
@@ -185,6 +221,23 @@ def _moe_gemm_kernel(
 
 
 @triton.jit
+def _sum_choices(c_ptr, out_ptr, pid_n, N, num_tokens, stride_cm,
+                 TOP_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """out[t, cols] = the TOP_K slot rows t * TOP_K + j summed in fp32 in slot order, rounded once: what
+    ``_topk_sum_kernel`` computes, for one column block, from rows other programs stored (read from L2)."""
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_t < num_tokens)[:, None] & (offs_n < N)[None, :]
+    acc = tl.zeros([BLOCK_T, BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        rows = (offs_t.to(tl.int64) * TOP_K + j) * stride_cm
+        acc += tl.load(c_ptr + rows[:, None] + offs_n[None, :], mask=mask, other=0.0, cache_modifier=".cg").to(
+            tl.float32)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@triton.jit
 def _topk_sum_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = sum over the TOP_K rows src[t * TOP_K + j], in fp32 in slot order, rounded once (torch's sum
     over a bf16 / fp16 dim accumulates in fp32 too)."""
@@ -199,6 +252,11 @@ def _topk_sum_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.co
 
 
 TOPK_SUM_BLOCK = 1024  # columns a program of the top-k sum takes
+# The top-k sum inside the down GEMM's launch (the last program of each column block adds the tokens' choices)
+# for at most this many tokens; AGENTRT_MOE_SUM_IN_DOWN=1 turns it on (not yet timed on a GPU), a ``config``
+# key of the same name per call
+SUM_IN_DOWN = os.environ.get("AGENTRT_MOE_SUM_IN_DOWN", "0") == "1"
+SUM_IN_DOWN_MAX_TOKENS = 64
 
 
 def topk_sum(down_out: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
@@ -226,17 +284,21 @@ def _default_config(num_slots: int, num_experts: int) -> dict[str, int]:
 
 
 def _gemm(a, b, c, sorted_ids, expert_ids, weights, n, k, num_slots, num_experts, top_k,
-          a_by_token, gated, mul_weight, cfg):
+          a_by_token, gated, mul_weight, cfg, summed=None):
+    """``summed``: [T, n], written with each token's top_k rows of ``c`` added (by the last program of each
+    column block to arrive) -- the top-k sum inside this launch."""
     upcast, precision = dot_args(_moe_gemm_kernel, b.dtype)
     num_blocks_m = expert_ids.shape[0]
-    grid = (num_blocks_m * triton.cdiv(n, cfg["BLOCK_N"]),)
-    _moe_gemm_kernel[grid](
-        a, b, c, sorted_ids, expert_ids, weights,
-        n, k, num_slots, num_experts,
+    n_blocks = triton.cdiv(n, cfg["BLOCK_N"])
+    num_tokens = num_slots // top_k
+    counts = arrival_counts(c.device, n_blocks) if summed is not None else c
+    _moe_gemm_kernel[(num_blocks_m * n_blocks,)](
+        a, b, c, sorted_ids, expert_ids, weights, summed if summed is not None else c, counts,
+        n, k, num_slots, num_experts, num_tokens,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
         TOP_K=top_k, A_BY_TOKEN=a_by_token, GATED=gated, MUL_WEIGHT=mul_weight,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
-        UPCAST=upcast, PRECISION=precision,
+        UPCAST=upcast, PRECISION=precision, SUM_TOPK=summed is not None, BLOCK_T=max(2, next_pow2(num_tokens)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=(on := pdl(c.device)), launch_pdl=on,
     )
 
@@ -265,6 +327,7 @@ def fused_moe(
     for name, t in (("x", x), ("w_gate_up", w_gate_up), ("w_down", w_down)):
         check_last_dim_contiguous(name, t)
     cfg = dict(_default_config(num_slots, num_experts), **(config or {}))
+    sum_in_down = cfg.pop("SUM_IN_DOWN", SUM_IN_DOWN) and 1 < top_k and num_tokens <= SUM_IN_DOWN_MAX_TOKENS
     sorted_ids, expert_ids = moe_align_block_size(topk_ids, num_experts, cfg["BLOCK_M"])
     weights = topk_weights.reshape(-1).to(x.dtype).contiguous()
 
@@ -273,8 +336,11 @@ def fused_moe(
           top_k, a_by_token=True, gated=True, mul_weight=False, cfg=cfg)
     down_cfg = dict(cfg, BLOCK_N=cfg.get("BLOCK_N_DOWN", cfg["BLOCK_N"]))
     down_out = torch.empty((num_slots, hidden), dtype=x.dtype, device=x.device)
+    summed = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device) if sum_in_down else None
     _gemm(inter_out, w_down, down_out, sorted_ids, expert_ids, weights, hidden, inter, num_slots, num_experts,
-          top_k, a_by_token=False, gated=False, mul_weight=True, cfg=down_cfg)
+          top_k, a_by_token=False, gated=False, mul_weight=True, cfg=down_cfg, summed=summed)
+    if summed is not None:
+        return summed
     if top_k == 1:
         return down_out.view(num_tokens, hidden)
     return topk_sum(down_out, num_tokens, top_k)

@@ -128,7 +128,7 @@ def test_split_k_launches_equal_the_unfused_ops(dtype, rows, n, k, split_k, fma,
     """``SPLIT_K``: each column tile's reduction in several programs; the last to arrive adds the partial sums
     (and the norm's sums of squares) and writes y, the residual and the normed rows as one program would. Two
     launches in a row: the arrival counters are back at zero after each."""
-    from agentrt_kernels.triton import decode_linear as module
+    from agentrt_kernels.triton import _common
 
     _seed("split", dtype, rows, n, k, split_k, prologue)
     launch = {"BLOCK_N": 16, "BLOCK_K": 64, "FMA": fma, "SWAP": swap, "SPLIT_K": split_k}
@@ -153,7 +153,7 @@ def test_split_k_launches_equal_the_unfused_ops(dtype, rows, n, k, split_k, fma,
             assert_close(g, normed, dtype)
         want = F.linear(normed.float(), w.float(), None if b is None else b.float()).to(dtype)
         assert_close(got, want, dtype)
-    counts = module._COUNTERS[(w.device, torch.cuda.current_stream().cuda_stream if DEVICE.type == "cuda" else 0)]
+    counts = _common._COUNTERS[(w.device, torch.cuda.current_stream().cuda_stream if DEVICE.type == "cuda" else 0)]
     assert all(int(c.abs().sum()) == 0 for c in counts)
 
 

@@ -653,6 +653,30 @@ def test_fused_moe(dtype, tokens, experts, top_k, hidden, inter, config):
     _close(out, ref, tol)
 
 
+@pytest.mark.parametrize("dtype,tokens,experts,top_k,hidden,inter,config", [
+    c for c in MOE_CASES if c[3] > 1] + [(torch.bfloat16, 8, 9, 5, 96, 32, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32,
+                                                                                GROUP_M=8))])
+def test_the_top_k_sum_inside_the_down_gemm_is_the_separate_sums_bits(dtype, tokens, experts, top_k, hidden, inter,
+                                                                        config):
+    """``SUM_IN_DOWN``: each column block's last program of the down GEMM to arrive (empty expert blocks arrive
+    too) adds every token's top_k rows in slot order: the same bits as the separate top-k sum launch. Three calls
+    in a row on one set of arrival counters, which are zero after each."""
+    from agentrt_kernels.triton import _common
+
+    _seed("moe-sum-in-down", dtype, tokens, experts, top_k)
+    w_gate_up = (_randn(experts, 2 * inter, hidden) / hidden**0.5).to(dtype)
+    w_down = (_randn(experts, hidden, inter) / inter**0.5).to(dtype)
+    for _ in range(3):
+        x = _randn(tokens, hidden, dtype=dtype)
+        topk_weights, topk_ids = torch.topk(torch.softmax(_randn(tokens, experts), dim=-1), top_k, dim=-1)
+        topk_weights = topk_weights.to(dtype)
+        apart, inside = (fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids,
+                                   config={**(config or {}), "SUM_IN_DOWN": fold}) for fold in (False, True))
+        assert torch.equal(inside, apart)
+    stream = torch.cuda.current_stream().cuda_stream if DEVICE.type == "cuda" else 0
+    assert all(int(c.abs().sum()) == 0 for c in _common._COUNTERS[(x.device, stream)])
+
+
 @pytest.mark.parametrize("tokens,top_k,experts,block_m", [(10, 3, 5, 4), (700, 2, 6, 16)])
 def test_moe_align_block_size(tokens, top_k, experts, block_m):
     _seed("moe-align", tokens, top_k, experts, block_m)
