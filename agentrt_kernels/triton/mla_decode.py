@@ -62,20 +62,11 @@ from agentrt_kernels.triton.decode_attention import (
     split_range,
 )
 from agentrt_kernels.triton.mla_decode_tma import MAX_BOX, _mla_split_tma_kernel, tma_descriptors, tma_layout
+from agentrt_kernels.triton.mla_tiles import row_starts, store_split_lse, store_split_values
 
 _LOG2E = 1.4426950408889634
 # ``mla_paged_decode(tma=None)`` on compute capability 9+: AGENTRT_MLA_TMA=1 reads whole tiles through TMA
 TMA_BY_DEFAULT = os.environ.get("AGENTRT_MLA_TMA", "0") == "1"
-
-
-@triton.jit
-def _row_starts(bt_row, kv_ptr, n0, offs_n, end, PAGE_SIZE: tl.constexpr, stride_kp, stride_ks):
-    """The tile of tokens [n0, n0 + BLOCK_N): (mask, page, slot in the page, latent row start) each."""
-    tok = n0 + offs_n
-    n_mask = tok < end
-    page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-    slot = (tok % PAGE_SIZE).to(tl.int64)
-    return n_mask, page, slot, kv_ptr + page * stride_kp + slot * stride_ks
 
 
 @triton.jit
@@ -124,7 +115,7 @@ def _mla_split_kernel(
         if HAS_REST:
             q_r_t = tl.trans(q_r)
         for n0 in range(start, end, BLOCK_N):
-            n_mask, page, slot, rows = _row_starts(bt_row, kv_ptr, n0, offs_n, end, PAGE_SIZE, stride_kp, stride_ks)
+            n_mask, page, slot, rows = row_starts(bt_row, kv_ptr, n0, offs_n, end, PAGE_SIZE, stride_kp, stride_ks)
             kv = tl.load(rows[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0)
             kv = kv.to(dot_ty)
             s_t = tl.dot(kv, q_v_t, input_precision=PRECISION)  # [BLOCK_N, BLOCK_H]
@@ -142,7 +133,7 @@ def _mla_split_kernel(
     else:
         acc = tl.full([BLOCK_H, BLOCK_DV], 0.0, dtype=tl.float32)
         for n0 in range(start, end, BLOCK_N):
-            n_mask, page, slot, rows = _row_starts(bt_row, kv_ptr, n0, offs_n, end, PAGE_SIZE, stride_kp, stride_ks)
+            n_mask, page, slot, rows = row_starts(bt_row, kv_ptr, n0, offs_n, end, PAGE_SIZE, stride_kp, stride_ks)
             # the value channels: K's first DV channels and all of V, read once
             kv = tl.load(rows[:, None] + offs_v[None, :], mask=n_mask[:, None] & v_mask[None, :], other=0)
             if CODED:  # E4M3 codes, exact in fp16 / bf16; each row's scales applied to its logits and probabilities
@@ -170,18 +161,10 @@ def _mla_split_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(dot_ty), kv, input_precision=PRECISION)
             m_i = m_new
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    o = acc / l_safe[:, None]
-    o_mask = h_mask[:, None] & v_mask[None, :]
-    if NUM_SPLITS == 1:
-        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh + offs_v[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
-    else:
-        # mid_o: [B, Hq, NUM_SPLITS, DV] fp32; mid_lse: [B, Hq, NUM_SPLITS] fp32 (log2 domain)
-        row = (b.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
-        tl.store(mid_o_ptr + row[:, None] * DV + offs_v[None, :], o, mask=o_mask)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(mid_lse_ptr + row, lse, mask=h_mask)
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    store_split_values(out_ptr, mid_o_ptr, b, head, split, num_heads, stride_ob, stride_oh, offs_v,
+                       h_mask[:, None] & v_mask[None, :], o, DV, NUM_SPLITS)
+    store_split_lse(mid_lse_ptr, b, head, split, num_heads, h_mask, m_i, l_i, NUM_SPLITS)
 
 
 @triton.jit

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from agentrt_kernels.triton._common import pdl_enter
 from agentrt_kernels.triton.decode_attention import split_range
+from agentrt_kernels.triton.mla_tiles import row_starts, store_split_lse, store_split_values
 
 MAX_BOX = 256  # elements a side of one TMA box
 
@@ -60,12 +61,25 @@ def tma_descriptors(rows: torch.Tensor, block_n: int, half: int, block_dr: int):
 
 
 @triton.jit
-def _softmax_step(qk, m_i, l_i):
-    """Online softmax (base 2) over a tile of scaled logits: (p, rescale of what came before, new max, new sum)."""
+def _attend_tile(q_0, q_1, q_r, k_0, k_1, k_r, n_mask, m_i, l_i, acc_0, acc_1, scale_log2,
+                 HAS_REST: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+    """One tile of rows (k_0, k_1: the value halves, k_r: the rest) into the running softmax (base 2) and the
+    two accumulators. Each part of the logits is scaled on its own: the compiler folds a sum of plain products
+    into one chain of dependent mma over all of K; scaled, the parts' chains run side by side."""
+    qk = tl.dot(q_0, tl.trans(k_0), input_precision=PRECISION) * scale_log2
+    qk += tl.dot(q_1, tl.trans(k_1), input_precision=PRECISION) * scale_log2
+    if HAS_REST:
+        qk += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION) * scale_log2
+    if MASKED:
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
-    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(k_0.dtype)
+    acc_0 = acc_0 * alpha[:, None] + tl.dot(p, k_0, input_precision=PRECISION)
+    acc_1 = acc_1 * alpha[:, None] + tl.dot(p, k_1, input_precision=PRECISION)
+    return m_new, l_i, acc_0, acc_1
 
 
 @triton.jit
@@ -99,6 +113,7 @@ def _mla_split_tma_kernel(
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh
     q_0 = tl.load(q_rows + offs_0[None, :], mask=h_mask[:, None] & (offs_0 < DV)[None, :], other=0.0).to(dot_ty)
     q_1 = tl.load(q_rows + offs_1[None, :], mask=h_mask[:, None] & (offs_1 < DV)[None, :], other=0.0).to(dot_ty)
+    q_r = q_0  # not read without a rest
     if HAS_REST:
         q_r = tl.load(q_rows + offs_r[None, :], mask=h_mask[:, None] & (offs_r < DK)[None, :], other=0.0)
         q_r = q_r.to(dot_ty)
@@ -115,47 +130,27 @@ def _mla_split_tma_kernel(
             row = tl.load(bt_row + n0 // PAGE_SIZE) * PAGE_SIZE + n0 % PAGE_SIZE
             k_0 = v_desc.load([row, 0]).to(dot_ty)
             k_1 = v_desc.load([row, HALF]).to(dot_ty)
-            # each part's product scaled on its own: the compiler folds a sum of plain products into one chain of
-            # dependent mma over all of K; scaled, the parts' chains run side by side
-            qk = tl.dot(q_0, tl.trans(k_0), input_precision=PRECISION) * scale_log2
-            qk += tl.dot(q_1, tl.trans(k_1), input_precision=PRECISION) * scale_log2
+            k_r = k_0  # not read without a rest
             if HAS_REST:
                 k_r = r_desc.load([row, DV]).to(dot_ty)
-                qk += tl.dot(q_r, tl.trans(k_r), input_precision=PRECISION) * scale_log2
-            p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
-            p = p.to(dot_ty)
-            acc_0 = acc_0 * alpha[:, None] + tl.dot(p, k_0, input_precision=PRECISION)
-            acc_1 = acc_1 * alpha[:, None] + tl.dot(p, k_1, input_precision=PRECISION)
+            m_i, l_i, acc_0, acc_1 = _attend_tile(q_0, q_1, q_r, k_0, k_1, k_r, offs_n, m_i, l_i, acc_0, acc_1,
+                                                  scale_log2, HAS_REST, False, PRECISION)
     # without TMA every tile, with it the split's last tile if partial: gathered row by row, rows masked
     for n0 in range(full_end, end, BLOCK_N):
-        tok = n0 + offs_n
-        n_mask = tok < end
-        page = tl.load(bt_row + tok // PAGE_SIZE, mask=n_mask, other=0).to(tl.int64)
-        rows = kv_ptr + page * stride_kp + (tok % PAGE_SIZE).to(tl.int64) * stride_ks
+        n_mask, page, slot, rows = row_starts(bt_row, kv_ptr, n0, offs_n, end, PAGE_SIZE, stride_kp, stride_ks)
         k_0 = tl.load(rows[:, None] + offs_0[None, :], mask=n_mask[:, None] & (offs_0 < DK)[None, :], other=0)
         k_1 = tl.load(rows[:, None] + offs_1[None, :], mask=n_mask[:, None] & (offs_1 < DK)[None, :], other=0)
         k_0, k_1 = k_0.to(dot_ty), k_1.to(dot_ty)
-        qk = tl.dot(q_0, tl.trans(k_0), input_precision=PRECISION) * scale_log2
-        qk += tl.dot(q_1, tl.trans(k_1), input_precision=PRECISION) * scale_log2
+        k_r = k_0
         if HAS_REST:
             k_r = tl.load(rows[:, None] + offs_r[None, :], mask=n_mask[:, None] & (offs_r < DK)[None, :], other=0)
-            qk += tl.dot(q_r, tl.trans(k_r.to(dot_ty)), input_precision=PRECISION) * scale_log2
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(qk, m_i, l_i)
-        p = p.to(dot_ty)
-        acc_0 = acc_0 * alpha[:, None] + tl.dot(p, k_0, input_precision=PRECISION)
-        acc_1 = acc_1 * alpha[:, None] + tl.dot(p, k_1, input_precision=PRECISION)
+            k_r = k_r.to(dot_ty)
+        m_i, l_i, acc_0, acc_1 = _attend_tile(q_0, q_1, q_r, k_0, k_1, k_r, n_mask, m_i, l_i, acc_0, acc_1,
+                                              scale_log2, HAS_REST, True, PRECISION)
 
-    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
-    mask_0 = h_mask[:, None] & (offs_0 < DV)[None, :]
-    mask_1 = h_mask[:, None] & (offs_1 < DV)[None, :]
-    if NUM_SPLITS == 1:
-        o_rows = out_ptr + b.to(tl.int64) * stride_ob + head[:, None] * stride_oh
-        tl.store(o_rows + offs_0[None, :], (acc_0 / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask_0)
-        tl.store(o_rows + offs_1[None, :], (acc_1 / l_safe[:, None]).to(out_ptr.dtype.element_ty), mask=mask_1)
-    else:  # the gather kernel's partials: mid_o [B, Hq, NUM_SPLITS, DV], mid_lse [B, Hq, NUM_SPLITS] (log2)
-        row = (b.to(tl.int64) * num_heads + head) * NUM_SPLITS + split
-        tl.store(mid_o_ptr + row[:, None] * DV + offs_0[None, :], acc_0 / l_safe[:, None], mask=mask_0)
-        tl.store(mid_o_ptr + row[:, None] * DV + offs_1[None, :], acc_1 / l_safe[:, None], mask=mask_1)
-        lse = tl.where(l_i > 0.0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(mid_lse_ptr + row, lse, mask=h_mask)
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    store_split_values(out_ptr, mid_o_ptr, b, head, split, num_heads, stride_ob, stride_oh, offs_0,
+                       h_mask[:, None] & (offs_0 < DV)[None, :], acc_0 / l_safe, DV, NUM_SPLITS)
+    store_split_values(out_ptr, mid_o_ptr, b, head, split, num_heads, stride_ob, stride_oh, offs_1,
+                       h_mask[:, None] & (offs_1 < DV)[None, :], acc_1 / l_safe, DV, NUM_SPLITS)
+    store_split_lse(mid_lse_ptr, b, head, split, num_heads, h_mask, m_i, l_i, NUM_SPLITS)
