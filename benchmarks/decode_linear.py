@@ -34,7 +34,8 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run:
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.model_shapes import GLM_4_7_FLASH  # noqa: E402
-from benchmarks.sweep_helpers import cycling, fastest, grid, max_rel, save_rows, sweep_launches, timer  # noqa: E402
+from benchmarks.sweep_helpers import (  # noqa: E402
+    cycling, fastest, grid, max_rel, micros, report_row, sweep_launches, timer)
 
 COPIES = 4
 SHAPES = {  # name: (N, K, prologue)
@@ -175,16 +176,14 @@ def main() -> None:
                 for path in ("unfused", "cublas", "default", "best"):
                     if row[f"{path}_s"]:
                         row[f"{path}_roofline"] = row["weight_bytes"] / copy_bw / row[f"{path}_s"]
-            print(json.dumps({k: v for k, v in row.items() if k != "launches"}), flush=True)
-            rows_out.append(row)
-            save_rows(args.json, rows_out)
+            report_row(args.json, rows_out, row)
     if args.write_table and on_gpu:
         write_table(rows_out, torch.cuda.get_device_name(device), args.write_table)
     print(f"\n{'case':>13} {'M':>3} {'unfused us':>11} {'cuBLAS us':>10} {'fused us':>9} {'best us':>8} "
           f"{'best launch':>26} {'roofline u/c/f':>15} {'saved us/step':>13}")
     for r in rows_out:
         best, unf = 1e6 * r["best_s"], 1e6 * r["unfused_s"]
-        default = "-" if r["default_s"] is None else f"{1e6 * r['default_s']:.1f}"
+        default = micros(r["default_s"])
         launch = "/".join(str(v) for v in r["best_launch"].values())
         roof = (f"{r['unfused_roofline']:.2f}/{r['cublas_roofline']:.2f}/{r['best_roofline']:.2f}"
                 if r.get("unfused_roofline") else "-")

@@ -21,7 +21,8 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from benchmarks.model_shapes import GLM_4_7_FLASH  # noqa: E402
-from benchmarks.sweep_helpers import cycling, fastest, grid, max_rel, save_rows, sweep_launches, timer  # noqa: E402
+from benchmarks.sweep_helpers import (  # noqa: E402
+    cycling, fastest, grid, max_rel, micros, report_row, sweep_launches, timer)
 
 SPACE = {"block_n": [32, 64, 128], "block_k": [32, 64, 128], "num_warps": [4], "num_stages": [2, 3, 4]}
 TINY_SPACE = {"block_n": [16, 32], "block_k": [16], "num_warps": [4], "num_stages": [2]}
@@ -72,14 +73,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for rows in (int(r) for r in args.rows.split(",")):
         for name in ("w_uk", "w_uv"):
             row = case(name, rows, heads, nope, rank, v, copies, device, dtype, space, timer(not on_gpu))
-            print(json.dumps({k: val for k, val in row.items() if k != "launches"}), flush=True)
-            out.append(row)
-            save_rows(args.json, out)
+            report_row(args.json, out, row)
     print(f"\n{'case':>5} {'rows':>4} {'bmm us':>7} {'default us':>10} {'best us':>8} {'best launch':>40}")
     for r in out:
-        default = "-" if r["default_s"] is None else f"{1e6 * r['default_s']:.1f}"
-        print(f"{r['case']:>5} {r['rows']:>4} {1e6 * r['bmm_s']:>7.1f} {default:>10} {1e6 * r['best_s']:>8.1f} "
-              f"{json.dumps(r['best_launch']):>40}")
+        print(f"{r['case']:>5} {r['rows']:>4} {micros(r['bmm_s']):>7} {micros(r['default_s']):>10} "
+              f"{micros(r['best_s']):>8} {json.dumps(r['best_launch']):>40}")
     return out
 
 

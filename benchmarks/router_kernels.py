@@ -24,7 +24,7 @@ if "--tiny" in sys.argv and not torch.cuda.is_available():  # the CPU smoke run:
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.model_shapes import GLM_4_7_FLASH  # noqa: E402
-from benchmarks.sweep_helpers import cycling, fastest, grid, save_rows, sweep_launches, timer  # noqa: E402
+from benchmarks.sweep_helpers import cycling, fastest, grid, micros, report_row, sweep_launches, timer  # noqa: E402
 
 SPACE = {"norm_tile": [2048, 4096, 8192, 16384, 32768], "num_warps": [4, 8, 16]}
 TINY_SPACE = {"norm_tile": [256, 1024], "num_warps": [4]}
@@ -78,13 +78,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = []
     for rows in (int(r) for r in args.rows.split(",")):
         row = case(rows, experts, hidden, top_k, copies, device, space, timer(not on_gpu))
-        print(json.dumps({k: v for k, v in row.items() if k != "launches"}), flush=True)
-        out.append(row)
-        save_rows(args.json, out)
+        report_row(args.json, out, row)
     print(f"\n{'rows':>4} {'unfused us':>10} {'default us':>10} {'best us':>8} {'best launch':>24}")
     for r in out:
-        default = "-" if r["default_s"] is None else f"{1e6 * r['default_s']:.1f}"
-        print(f"{r['rows']:>4} {1e6 * r['unfused_s']:>10.1f} {default:>10} {1e6 * r['best_s']:>8.1f} "
+        print(f"{r['rows']:>4} {1e6 * r['unfused_s']:>10.1f} {micros(r['default_s']):>10} {1e6 * r['best_s']:>8.1f} "
               f"{json.dumps(r['best_launch']):>24}")
     return out
 

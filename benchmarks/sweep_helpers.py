@@ -26,6 +26,17 @@ def add_row(path: str | None, rows: list, row: dict) -> None:
     save_rows(path, rows)
 
 
+def report_row(path: str | None, rows: list, row: dict) -> None:
+    """A launch sweep's case: its row on stdout (without the per-launch rows), then ``add_row``."""
+    print(json.dumps({k: v for k, v in row.items() if k != "launches"}), flush=True)
+    add_row(path, rows, row)
+
+
+def micros(seconds: float | None) -> str:
+    """Seconds as microseconds for a table, "-" for a time not taken (a launch that failed)."""
+    return "-" if seconds is None else f"{1e6 * seconds:.1f}"
+
+
 def finish_rows(path: str | None, rows: list) -> None:
     """The rows as JSON on stdout when no file was asked for."""
     if not path:
