@@ -172,6 +172,15 @@ def arrival_counts(device: torch.device, tiles: int) -> torch.Tensor:
     return held[-1]
 
 
+@triton.jit
+def last_to_arrive(count_ptr, arrivals):
+    """Whether this program is the last of ``arrivals`` to arrive on the counter at ``count_ptr`` (an
+    ``arrival_counts`` slot): after a barrier (every thread's stores before the release), one acquire-release
+    increment. The last one sees every other program's stores; it resets the counter when done with it."""
+    tl.debug_barrier()
+    return tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+
+
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})")

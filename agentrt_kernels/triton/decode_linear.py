@@ -46,7 +46,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import arrival_counts, check_last_dim_contiguous, dot_args, pdl, pdl_enter
+from agentrt_kernels.triton._common import (
+    arrival_counts,
+    check_last_dim_contiguous,
+    dot_args,
+    last_to_arrive,
+    pdl,
+    pdl_enter,
+)
 from agentrt_kernels.triton.activation import silu_and_mul
 from agentrt_kernels.triton.norm import rms_norm
 
@@ -223,8 +230,7 @@ def _decode_linear_kernel(
         part = (pid * SPLIT_K + split) * BLOCK_M
         tl.store(part_ptr + (part + offs_m)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], acc)
         tl.store(sq_part_ptr + part + offs_m, sq)
-        tl.debug_barrier()  # every thread's partial stored before the release below
-        if tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
+        if not last_to_arrive(count_ptr + pid, SPLIT_K):
             return
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         sq = tl.zeros([BLOCK_M], dtype=tl.float32)

@@ -44,6 +44,7 @@ from agentrt_kernels.triton._common import (
     cdiv,
     check_last_dim_contiguous,
     dot_args,
+    last_to_arrive,
     next_pow2,
     pdl,
     pdl_enter,
@@ -160,8 +161,7 @@ def _moe_gemm_kernel(
             _expert_block(a_ptr, b_ptr, c_ptr, sorted_ids_ptr, w_ptr, expert, pid_m, pid_n, N, K, num_slots,
                           stride_am, stride_be, stride_bn, stride_cm, TOP_K, A_BY_TOKEN, GATED, MUL_WEIGHT,
                           BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
-        tl.debug_barrier()  # this block's rows stored by every thread before the release below
-        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu") == num_pid_m - 1:
+        if last_to_arrive(count_ptr + pid_n, num_pid_m):
             _sum_choices(c_ptr, out_ptr, pid_n, N, num_tokens, stride_cm, TOP_K, BLOCK_T, BLOCK_N)
             tl.store(count_ptr + pid_n, 0)  # ready for the next launch, which waits for this one to finish
     else:
