@@ -115,8 +115,8 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Each head's rows times its own matrix: x [T, H, K] (last dim contiguous) and w [H, K, N] -> [T, H, N]
     contiguous (an absorbed MLA layer's query through W_UK, its output through W_UV). A decode step's rows (at
     most ``head_matmul.MAX_ROWS``) on a GPU take the kernel; other calls the batched GEMM over the heads."""
-    if uses_triton(x) and x.shape[0] <= 16 and x.stride(-1) == 1:
-        return _kernels("head_matmul").head_matmul(x, w)
+    if uses_triton(x) and x.stride(-1) == 1 and x.shape[0] <= (kernels := _kernels("head_matmul")).MAX_ROWS:
+        return kernels.head_matmul(x, w)
     out = torch.empty(x.shape[0], x.shape[1], w.shape[2], dtype=x.dtype, device=x.device)
     torch.bmm(x.transpose(0, 1), w, out=out.transpose(0, 1))
     return out

@@ -63,7 +63,7 @@ def latent_shapes(c: dict) -> dict:
 MODELS = {"llama-3.1-8b": (SHAPES, 32),
           "glm-4.7-flash": (latent_shapes(GLM_4_7_FLASH), GLM_4_7_FLASH["num_hidden_layers"])}
 TINY_SHAPES = {"qkv+norm": (96, 256, "norm"), "down+silu": (64, 128, "silu"), "o_proj": (64, 128, None)}
-SPACE = [  # tl.dot over rows padded to 16 (any rows); SWAP: the weight tile as the dot's left operand
+SPACE = [  # tl.dot over rows padded to 16 or 32 (any rows); SWAP: the weight tile as the dot's left operand
     {"BLOCK_N": [64, 128], "BLOCK_K": [128, 256], "num_warps": [4], "num_stages": [3, 4], "FMA": [False],
      "SWAP": [True]},
     {"BLOCK_N": [128], "BLOCK_K": [128, 256], "num_warps": [8], "num_stages": [3], "FMA": [False], "SWAP": [True]},

@@ -178,9 +178,9 @@ for step in "$@"; do
         run dense8fused 580 python -m benchmarks.throughput --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both --hf \
             --json "$OUT/dense8fused.json" ;;
-    decodelinearmla)  # the same sweep over GLM-4.7-Flash's (MLA) projections at 1 and 8 rows: fused launches vs cuBLAS
+    decodelinearmla)  # the same sweep over GLM-4.7-Flash's (MLA) projections at 1, 8 and 32 rows: fused launches vs cuBLAS
         # (its rows are what tuned/decode_linear_<GPU>.json holds: the engine's fused path takes the winners)
-        run decodelinearmla 440 python -m benchmarks.decode_linear --model glm-4.7-flash --rows 1,8 \
+        run decodelinearmla 440 python -m benchmarks.decode_linear --model glm-4.7-flash --rows 1,8,32 \
             --json "$OUT/decodelinearmla.json" --write-table "$(date -u +%F), python -m benchmarks.decode_linear \
 --model glm-4.7-flash --write-table (docs/benchmarks.md)"
         cp agentrt_kernels/triton/tuned/decode_linear_*.json "$OUT/" ;;

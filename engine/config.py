@@ -43,7 +43,7 @@ class EngineConfig:
     # the host's work between them overlaps the device's (a request that stops in one has the next computed and
     # dropped); None: on a GPU at one rank (engine.decode_window)
     overlap_decode: bool | None = None
-    # decode steps of at most 16 tokens run each RMSNorm inside the projection after it and SiLU-and-mul inside
+    # decode steps of at most 32 tokens run each RMSNorm inside the projection after it and SiLU-and-mul inside
     # the down projection, each projection at its tuned launch or through cuBLAS where that measured faster
     # (agentrt_kernels.triton.decode_linear: a GPU, or TRITON_INTERPRET=1 on the CPU); None: on a GPU at one rank
     # for the architectures that have the fused path

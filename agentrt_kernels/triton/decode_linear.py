@@ -1,7 +1,7 @@
 """A decode-size linear (a few rows) with the elementwise op before it fused in: one launch in place of two.
 
 ``decode_linear(x, weight, bias=None, *, norm=None, residual=None, silu_mul=False, return_normed=False)``
-    x:        [M, K] (``silu_mul``: [M, 2K], gate columns first), fp32 / fp16 / bf16, M <= 16
+    x:        [M, K] (``silu_mul``: [M, 2K], gate columns first), fp32 / fp16 / bf16, M <= 32
     weight:   [N, K] (torch's ``F.linear`` layout), x's dtype
     bias:     optional [N]
     norm:     optional (norm_weight [K], eps): RMSNorm of x (of x + residual) before the product
@@ -21,14 +21,15 @@ weight once (BLOCK_K columns at a time) against the few rows of x, which every p
 M x K elements); program 0 writes the new residual (``residual`` is never written in place). With one pass
 over x the weight loads start at once: the sum of squares rides along. Launch knobs: ``FMA`` (one row) keeps a
 BLOCK_N x BLOCK_K fp32 accumulator of products in registers and reduces it once at the end; otherwise a
-``tl.dot`` over rows padded to 16, with ``SWAP`` the weight tile as its left operand (BLOCK_N is the MMA's M,
-which Hopper's wgmma wants >= 64) instead of the rows. ``SPLIT_K`` splits each column tile's reduction over K
-among that many programs (whole BLOCK_K steps each), for a projection whose few output columns would otherwise
-leave most SMs idle (GLM-4.7-Flash's q_a / kv_a: 1344 columns, 21 tiles of 64): each split stores its fp32 sums
-(and its part of the norm's sum of squares), and the last of the tile's splits to arrive (an arrival counter,
-acquire-release) adds them in split order -- the same bits whichever arrives last -- and finishes the tile as one
-program would. The counters are zero between launches (that last split resets its tile's), so a split launch
-needs no memset launch before it, and one stream's launches share them (``arrival_counts``).
+``tl.dot`` over rows padded to 16 (to 32 past 16 rows), with ``SWAP`` the weight tile as its left operand
+(BLOCK_N is the MMA's M, which Hopper's wgmma wants >= 64) instead of the rows. ``SPLIT_K`` splits each column
+tile's reduction over K among that many programs (whole BLOCK_K steps each), for a projection whose few output
+columns would otherwise leave most SMs idle (GLM-4.7-Flash's q_a / kv_a: 1344 columns, 21 tiles of 64): each
+split stores its fp32 sums (and its part of the norm's sum of squares), and the last of the tile's splits to
+arrive (an arrival counter, acquire-release) adds them in split order -- the same bits whichever arrives last --
+and finishes the tile as one program would. The counters are zero between launches (that last split resets its
+tile's), so a split launch needs no memset launch before it, and one stream's launches share them
+(``arrival_counts``).
 
 Which launch: ``tuned_launch`` -- the per-shape winners of ``python -m benchmarks.decode_linear`` on this GPU
 (tuned/decode_linear_<GPU name>.json), where the prologue's own kernel plus cuBLAS (``UNFUSED``) may be the
@@ -51,19 +52,22 @@ from agentrt_kernels.triton._common import (
     check_last_dim_contiguous,
     dot_args,
     last_to_arrive,
+    next_pow2,
     pdl,
     pdl_enter,
 )
 from agentrt_kernels.triton.activation import silu_and_mul
 from agentrt_kernels.triton.norm import rms_norm
 
-MAX_ROWS = 16
+MAX_ROWS = 32
+ROW_TILE = 16  # rows of the dot's tile up to this many rows, twice that beyond
 DEFAULT_LAUNCH = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False, "SWAP": True,
                   "SPLIT_K": 1}
 ONE_ROW_LAUNCH = {**DEFAULT_LAUNCH, "BLOCK_N": 8, "BLOCK_K": 1024, "FMA": True}  # the one-row winner on an H200
 UNFUSED = {"UNFUSED": True}  # a tuned entry: the prologue's own kernel, then cuBLAS (it measured faster)
 # (N, K) -> {rows: launch}: the fastest launches benchmarks.decode_linear measured (load_tuned_launches); a call
-# takes the entry for the fewest measured rows >= its rows (else the most); other shapes: ``_untuned_launch``.
+# takes the entry for the fewest measured rows >= its rows (else the most), of the rows on its side of 16 (a 16-
+# or 32-row tile); other shapes: ``_untuned_launch``.
 # On a GPU the table of its name (tuned/decode_linear_<name>.json, the sweep's rows) fills what is not set.
 TUNED_LAUNCHES: dict[tuple[int, int], dict[int, dict]] = {}
 _TUNED_DIR = Path(__file__).with_name("tuned")
@@ -105,8 +109,12 @@ def _untuned_launch(rows: int, device: torch.device) -> dict:
 
 
 def tuned_launch(n: int, k: int, rows: int, device: torch.device = torch.device("cpu"), itemsize: int = 2) -> dict:
-    """The table's entry for a 16-bit x (what the sweep measures: its tiles would not fit fp32's shared memory)."""
+    """The table's entry for a 16-bit x (what the sweep measures: its tiles would not fit fp32's shared memory).
+    Rows measured on the call's side of 16 count (a 16- or a 32-row dot tile): one tile's winner says nothing
+    of a tile twice its size, nor cuBLAS's time at 8 rows of its time at 32."""
     by_rows = TUNED_LAUNCHES.get((n, k)) if itemsize == 2 else None
+    if by_rows:
+        by_rows = {r: launch for r, launch in by_rows.items() if (r > ROW_TILE) == (rows > ROW_TILE)}
     if not by_rows:
         return _untuned_launch(rows, device)
     fits = [r for r in by_rows if r >= rows]
@@ -260,7 +268,7 @@ def decode_linear(
     launch: dict | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """See the module docstring. ``launch``: BLOCK_N / BLOCK_K / num_warps / num_stages, FMA (one row:
-    multiply-adds in registers instead of a ``tl.dot`` over 16 padded rows), SWAP, SPLIT_K (programs a column
+    multiply-adds in registers instead of a ``tl.dot`` over rows padded to 16 or 32), SWAP, SPLIT_K (programs a column
     tile's reduction is split among; fewer where K has fewer BLOCK_K steps); or ``UNFUSED`` (default:
     ``tuned_launch``)."""
     if x.dim() != 2 or weight.dim() != 2:
@@ -300,7 +308,7 @@ def decode_linear(
         return result
     cfg = {**DEFAULT_LAUNCH, **launch}
     fma = bool(cfg["FMA"]) and rows == 1
-    block_m, block_n, block_k = 1 if fma else MAX_ROWS, cfg["BLOCK_N"], cfg["BLOCK_K"]
+    block_m, block_n, block_k = 1 if fma else max(ROW_TILE, next_pow2(rows)), cfg["BLOCK_N"], cfg["BLOCK_K"]
     tiles = triton.cdiv(n, block_n)
     # splits of whole BLOCK_K steps, none empty
     k_split = triton.cdiv(triton.cdiv(k, max(1, int(cfg["SPLIT_K"]))), block_k) * block_k

@@ -9,10 +9,10 @@
 
 What it replaces: ``torch.bmm`` over the heads at decode sizes, where each head's GEMM has a handful of rows and
 the weights (a few MB a layer) are read by few thread blocks. Grid (H, N / BLOCK_N): a program multiplies one
-head's rows (padded to a 16-row dot tile) by a BLOCK_N-column slice of that head's matrix, K in BLOCK_K chunks;
-GLM-4.7-Flash's 20 heads give 160 programs for both of its products. Alone it measures the same as cuBLAS's
-batched GEMM; on Hopper it is launched under programmatic dependent launch (``_common.pdl``), so in a decode step
-it starts as the kernel before it ends, where cuBLAS's kernel waits for a launch gap.
+head's rows (padded to a dot tile of 16 rows, or of 32) by a BLOCK_N-column slice of that head's matrix, K in
+BLOCK_K chunks; GLM-4.7-Flash's 20 heads give 160 programs for both of its products. Alone it measures the same
+as cuBLAS's batched GEMM; on Hopper it is launched under programmatic dependent launch (``_common.pdl``), so in a
+decode step it starts as the kernel before it ends, where cuBLAS's kernel waits for a launch gap.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, pdl, pdl_enter
+from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2, pdl, pdl_enter
 
-MAX_ROWS = 16  # one dot tile of rows
+MAX_ROWS = 32  # one dot tile of rows: 16, or 32 past 16 rows
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -74,7 +74,7 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, block_n: int = 64, block_k: in
     _head_matmul_kernel[(heads, triton.cdiv(n, block_n))](
         x, w, out, rows, k, n, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1),
-        BLOCK_T=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision, PDL=on,
-        num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
+        BLOCK_T=max(16, next_pow2(rows)), BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast, PRECISION=precision,
+        PDL=on, num_warps=num_warps, num_stages=num_stages, launch_pdl=on,
     )
     return out

@@ -1,5 +1,5 @@
-"""``EngineConfig.fused_decode_linears``: steps of at most 16 tokens run each RMSNorm inside the projection
-after it and SiLU-and-mul inside the down projection (agentrt_kernels.triton.decode_linear).
+"""``EngineConfig.fused_decode_linears``: steps of at most ``decode_linear.MAX_ROWS`` tokens run each RMSNorm
+inside the projection after it and SiLU-and-mul inside the down projection (agentrt_kernels.triton.decode_linear).
 
 Reference: the same engine without it (the unfused layers, which the engine tests check against HF
 transformers). fp32 on the CPU through Triton's interpreter: the same greedy tokens, log-probabilities to
@@ -61,7 +61,7 @@ def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, eager, m
     if arch == "glm4_moe_lite":  # q_b after q_a's norm: K is the query's low rank
         q_lora_rank = json.loads((Path(tiny_dirs[arch]) / "config.json").read_text())["q_lora_rank"]
         assert ("norm", q_lora_rank) in {(kind, k) for kind, _, k in calls}
-    assert calls and max(rows for _, rows, _ in calls) <= 16
+    assert calls and max(rows for _, rows, _ in calls) <= decode_linear_module.MAX_ROWS
 
 
 def test_latent_attention_one_row_steps_equal_the_unfused_layers(tiny_dirs, monkeypatch):

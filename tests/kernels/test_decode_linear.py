@@ -58,7 +58,7 @@ def _torch_silu_mul(x):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n,k,fma,swap", [
     (1, 96, 160, False, False), (1, 96, 160, True, False), (5, 64, 384, False, False), (16, 40, 256, False, True),
-    (5, 64, 384, False, True)])
+    (5, 64, 384, False, True), (27, 40, 256, False, True), (32, 48, 128, False, False)])
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("bias", [False, True])
 def test_norm_then_linear(dtype, rows, n, k, fma, swap, residual, bias):
@@ -108,7 +108,8 @@ def test_the_normed_rows_come_back_too(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n,k,fma,swap", [
-    (1, 64, 200, False, False), (1, 64, 200, True, False), (8, 48, 128, False, False), (8, 48, 448, False, True)])
+    (1, 64, 200, False, False), (1, 64, 200, True, False), (8, 48, 128, False, False), (8, 48, 448, False, True),
+    (20, 48, 192, False, True)])
 def test_silu_and_mul_then_linear(dtype, rows, n, k, fma, swap):
     _seed("silu", dtype, rows, n, k)
     x = (2 * torch.randn(rows, 2 * k, device=DEVICE)).to(dtype)
@@ -122,7 +123,8 @@ def test_silu_and_mul_then_linear(dtype, rows, n, k, fma, swap):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,n,k,split_k,fma,swap", [
     (8, 40, 448, 3, False, True),  # K = 7 steps of 64: splits of 3, 3 and 1 steps
-    (5, 64, 384, 2, False, False), (1, 24, 320, 4, True, False), (16, 96, 256, 4, False, True)])
+    (5, 64, 384, 2, False, False), (1, 24, 320, 4, True, False), (16, 96, 256, 4, False, True),
+    (32, 40, 256, 2, False, True)])
 @pytest.mark.parametrize("prologue", ["norm+residual+bias", "silu", "norm+normed"])
 def test_split_k_launches_equal_the_unfused_ops(dtype, rows, n, k, split_k, fma, swap, prologue):
     """``SPLIT_K``: each column tile's reduction in several programs; the last to arrive adds the partial sums
@@ -194,8 +196,8 @@ def test_plain_linear_and_the_default_launch():
 
 def test_bad_arguments_are_refused():
     x, w = torch.randn(2, 8, device=DEVICE), torch.randn(4, 8, device=DEVICE)
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        decode_linear(torch.randn(17, 8, device=DEVICE), w)
+    with pytest.raises(ValueError, match="at most 32 rows"):
+        decode_linear(torch.randn(33, 8, device=DEVICE), w)
     with pytest.raises(ValueError, match="exclusive"):
         decode_linear(x, w, norm=(torch.ones(8, device=DEVICE), 1e-6), silu_mul=True)
     with pytest.raises(ValueError, match="residual and return_normed need norm"):
@@ -211,8 +213,8 @@ def test_bad_arguments_are_refused():
 
 
 def test_tuned_launches_are_taken_by_shape_and_rows(monkeypatch):
-    """The sweep's rows become each shape's launch: the fewest measured rows >= the call's, else the most;
-    other shapes keep the default."""
+    """The sweep's rows become each shape's launch: the fewest measured rows >= the call's, else the most, of the
+    rows on the call's side of 16 (a 16- or a 32-row tile); other shapes keep the default."""
     from agentrt_kernels.triton import decode_linear as module
 
     monkeypatch.setattr(module, "TUNED_LAUNCHES", {})
@@ -222,6 +224,11 @@ def test_tuned_launches_are_taken_by_shape_and_rows(monkeypatch):
                                 {"N": 40, "K": 256, "rows": 8, "best_launch": eight}])
     assert module.tuned_launch(40, 256, 1) == one
     assert module.tuned_launch(40, 256, 5) == eight and module.tuned_launch(40, 256, 16) == eight
+    # past 16 rows (a 32-row tile) only rows measured past 16: none here, so the default; then the 24-row one
+    assert module.tuned_launch(40, 256, 17, torch.device("cuda")) is module.UNFUSED
+    assert module.tuned_launch(40, 256, 32) == module.DEFAULT_LAUNCH
+    module.load_tuned_launches([{"N": 40, "K": 256, "rows": 24, "best_launch": one}])
+    assert module.tuned_launch(40, 256, 32) == one and module.tuned_launch(40, 256, 16) == eight
     # a shape not measured: one row the multiply-adds launch; more rows cuBLAS on a GPU (the kernel elsewhere)
     assert module.tuned_launch(40, 512, 1) == module.ONE_ROW_LAUNCH
     assert module.tuned_launch(40, 512, 4, torch.device("cuda")) is module.UNFUSED

@@ -38,7 +38,7 @@ def _absorbed_layer(tokens, heads, nope, rope, rank, v, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 5, MAX_ROWS])
+@pytest.mark.parametrize("tokens", [1, 5, 16, 23, MAX_ROWS])
 def test_both_absorbed_products_equal_the_batched_gemm(dtype, tokens):
     """The query through W_UK (K = 48 nope channels: a partial K block; N = 80 latent channels: a partial
     column block) and the output through W_UV^T (K = 80, N = 40), each as torch.bmm over the heads."""
