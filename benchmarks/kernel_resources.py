@@ -136,12 +136,14 @@ def _signature_value(v):
 
 
 def main_loop_length(sass: str) -> int:
-    """Instructions in the longest loop of a cuobjdump listing: from a backward branch's target to the branch."""
+    """Instructions in the longest loop of a cuobjdump listing: from a predicated backward branch's target (a
+    loop's test) to the branch. An unpredicated branch back is no loop: it returns from a block placed after the
+    kernel's end (ptxas puts a TMA barrier's wait loop there)."""
     ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
     addresses = [int(a, 16) for a, _ in ins]
     longest = 0
     for at, (_, text) in zip(addresses, ins):
-        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        target = re.search(r"^\s*@!?U?P\w+\s+BRA\b.*?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < at:
             longest = max(longest, sum(int(target.group(1), 16) <= a <= at for a in addresses))
     return longest
