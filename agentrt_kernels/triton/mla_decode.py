@@ -65,8 +65,11 @@ from agentrt_kernels.triton.mla_decode_tma import MAX_BOX, _mla_split_tma_kernel
 from agentrt_kernels.triton.mla_tiles import row_starts, store_split_lse, store_split_values
 
 _LOG2E = 1.4426950408889634
-# ``mla_paged_decode(tma=None)`` on compute capability 9+: AGENTRT_MLA_TMA=1 reads whole tiles through TMA
-TMA_BY_DEFAULT = os.environ.get("AGENTRT_MLA_TMA", "0") == "1"
+# ``mla_paged_decode(tma=None)`` on compute capability 9+: AGENTRT_MLA_TMA=1 always takes the halves kernel,
+# 0 never; unset, ``halves_by_default`` decides
+TMA_CHOICE = os.environ.get("AGENTRT_MLA_TMA")
+# the halves kernel by default where its one wave holds at most this many splits a request (long splits)
+HALVES_MAX_SPLITS = 4
 
 
 @triton.jit
@@ -262,6 +265,19 @@ def mla_num_splits(batch: int, head_tiles: int, max_kv_len: int, sm_count: int =
     return max(1, min(want, by_len, MAX_SPLITS))
 
 
+def halves_by_default(batch: int, head_tiles: int, max_kv_len: int, sm_count: int, block_h: int,
+                      choice: str | None = None) -> bool:
+    """Whether ``mla_paged_decode(tma=None)`` takes the halves kernel (``mla_decode_tma``) for 16-bit rows on
+    compute capability 9+: ``choice`` "1" (AGENTRT_MLA_TMA) always, "0" never, else where the halves launch's one
+    wave holds at most ``HALVES_MAX_SPLITS`` splits a request. It costs more a split (two accumulators, three
+    stages) and less a tile of rows: on an H100 at GLM-4.7-Flash's 20 heads it was faster at bs32 @ 4K (4
+    splits of 16 tiles) and not at bs8 (16 splits of 4; docs/benchmarks.md)."""
+    if choice in ("0", "1"):
+        return choice == "1"
+    launch = _launch_candidates(block_h, 512, torch.bfloat16, tma=True)[0]
+    return mla_num_splits(batch, head_tiles, max_kv_len, sm_count, launch[3]) <= HALVES_MAX_SPLITS
+
+
 def choose_launch(candidates: list[Launch], batch: int, head_tiles: int, max_kv_len: int,
                   sm_count: int) -> tuple[Launch, int]:
     """(launch, num_splits): the candidate whose one wave holds the most programs at its split count (the most
@@ -308,8 +324,8 @@ def mla_paged_decode(
 
     ``tma``: the kernel of ``mla_decode_tma`` (16-bit rows, Dv <= 512): the value channels in two halves, and
     whole tiles of rows read by the tensor memory accelerator where the pool's layout allows it (``tma_layout``:
-    BLOCK_N dividing the page size), else gathered; None: ``TMA_BY_DEFAULT`` on a GPU of compute capability 9 or
-    later. Not with ``row_scales`` or ``keys_as_rows``."""
+    BLOCK_N dividing the page size), else gathered; None: ``halves_by_default`` on a GPU of compute capability 9
+    or later. Not with ``row_scales`` or ``keys_as_rows``."""
     if keys_as_rows and row_scales is not None:
         raise ValueError("keys_as_rows reads plain latent rows, not E4M3 codes (row_scales)")
     batch, num_heads, dk = q.shape
@@ -351,8 +367,9 @@ def mla_paged_decode(
     if tma and (row_scales is not None or keys_as_rows):
         raise ValueError("tma reads plain latent rows with the heads as the dots' rows (no row_scales, keys_as_rows)")
     if tma is None:
-        tma = (TMA_BY_DEFAULT and row_scales is None and not keys_as_rows and q.is_cuda
-               and torch.cuda.get_device_capability(q.device)[0] >= 9)
+        tma = (row_scales is None and not keys_as_rows and q.is_cuda
+               and torch.cuda.get_device_capability(q.device)[0] >= 9
+               and halves_by_default(batch, head_tiles, max_kv_len, num_sms(q.device), block_h, TMA_CHOICE))
     tma = bool(tma) and block_dv <= 2 * MAX_BOX and q.dtype != torch.float32
     candidates = _launch_candidates(block_h, block_dv, q.dtype, row_scales is not None, keys_as_rows, tma)
     overrides = (block_n, num_warps, num_stages)

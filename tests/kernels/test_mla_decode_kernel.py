@@ -270,6 +270,20 @@ def test_the_launch_whose_one_wave_holds_the_most_splits():
     assert choose_launch(_launch_candidates(16, 512, torch.bfloat16), 8, 2, 4096, 132) == ((32, 4, 2, 2), 16)
 
 
+def test_the_halves_kernel_by_default_where_its_wave_holds_few_long_splits():
+    """``halves_by_default``: the halves launch (one program a SM) takes a call whose one wave holds at most
+    HALVES_MAX_SPLITS splits a request -- GLM-4.7-Flash's 20 heads (one 32-head tile) at bs32 @ 4K (4 splits),
+    not at bs8 @ 4K (16); a short context caps the splits too (bs8 @ 512: 2). AGENTRT_MLA_TMA's "1" / "0"
+    override both ways."""
+    from agentrt_kernels.triton.mla_decode import HALVES_MAX_SPLITS, halves_by_default
+
+    assert HALVES_MAX_SPLITS == 4
+    assert halves_by_default(32, 1, 4096, 132, 32) and halves_by_default(64, 1, 4096, 132, 32)
+    assert not halves_by_default(8, 1, 4096, 132, 32) and not halves_by_default(16, 1, 4096, 132, 32)
+    assert halves_by_default(8, 1, 512, 132, 32)  # 2 splits of at least 256 rows
+    assert halves_by_default(8, 1, 4096, 132, 32, choice="1") and not halves_by_default(32, 1, 4096, 132, 32, "0")
+
+
 def test_rejects_bad_shapes():
     q, latent, bt, lens = _case(5, torch.float32, [5, 7], 16, 48, 16)
     with pytest.raises(AssertionError):
