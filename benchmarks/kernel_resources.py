@@ -13,7 +13,9 @@ times the warps, the warp-instructions one tile of ``BLOCK_N`` slots costs, and 
 the KV bandwidth at which the SMs would issue nothing but that loop, one warp-instruction per scheduler and
 clock (4 per SM, 132 SMs at 1.98 GHz), an upper limit no real kernel reaches. A kernel whose issue bound is
 near the copy bandwidth is limited by its instructions, not by HBM. ``--block-n 32,64,128 --warps 4,8``
-compiles every kernel over those tile sizes and warp counts. Timings still come from the GPU
+compiles every kernel over those tile sizes and warp counts; ``--mla`` compiles the MLA split kernels instead
+(``mla_cases``) and names the main loop's most frequent opcodes and the warps the tensor-core tiles lie over.
+Timings still come from the GPU
 (``attention_kernels.py``, ``codec_kernels.py``); this is for deciding what to try there.
 """
 
@@ -70,6 +72,9 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3, launch
     report = ptxas_report(ptx, sass=True)
     ops = collections.Counter(op.split(".")[0] for op in re.findall(
         r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]+)", report["sass"]))
+    every_loop = loops(report["sass"])
+    loop = max(every_loop, key=len, default=[])
+    mma = re.search(r"nvidia_mma<\{[^}]*warpsPerCTA = \[([0-9, ]+)\]", kernel.asm["ttgir"])
     regs = report["registers"]
     return {"registers": regs, "spill_stores": report["spill_stores"],
             "shared_bytes": kernel.metadata.shared,
@@ -77,7 +82,11 @@ def compile_sm90(fn, args: dict, num_warps: int = 4, num_stages: int = 3, launch
             "programs_per_sm": min(32, 65536 // (regs * 32 * num_warps),
                                    SMEM_PER_SM // kernel.metadata.shared if kernel.metadata.shared else 32),
             "instructions": sum(ops.values()),
-            "loop_instructions": main_loop_length(report["sass"]), **{op: ops.get(op, 0) for op in WATCH},
+            "loop_instructions": len(loop), "loop_lengths": [len(body) for body in every_loop],
+            **{op: ops.get(op, 0) for op in WATCH},
+            # the main loop's most frequent opcodes, and how the tensor-core tiles lie over the warps
+            "loop_mix": dict(collections.Counter(opcode(t) for t in loop).most_common(8)),
+            "mma_warps": [int(w) for w in mma.group(1).split(",")] if mma else None,
             "launch_order": launch_order(ptx),
             # global loads issued before the wait for the previous kernel (what may not depend on it: weights)
             "loads_before_wait": ptx.split("griddepcontrol.wait")[0].count("ld.global") if "griddepcontrol.wait" in ptx
@@ -135,18 +144,32 @@ def _signature_value(v):
     return v
 
 
-def main_loop_length(sass: str) -> int:
-    """Instructions in the longest loop of a cuobjdump listing: from a predicated backward branch's target (a
-    loop's test) to the branch. An unpredicated branch back is no loop: it returns from a block placed after the
-    kernel's end (ptxas puts a TMA barrier's wait loop there)."""
+def loops(sass: str) -> list[list[str]]:
+    """The loops of a cuobjdump listing in program order, each its instructions: from a predicated backward
+    branch's target (a loop's test) to the branch. An unpredicated branch back is no loop: it returns from a block
+    placed after the kernel's end (ptxas puts a TMA barrier's wait loop there)."""
     ins = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
     addresses = [int(a, 16) for a, _ in ins]
-    longest = 0
+    found = []
     for at, (_, text) in zip(addresses, ins):
         target = re.search(r"^\s*@!?U?P\w+\s+BRA\b.*?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < at:
-            longest = max(longest, sum(int(target.group(1), 16) <= a <= at for a in addresses))
-    return longest
+            found.append([t for a, (_, t) in zip(addresses, ins) if int(target.group(1), 16) <= a <= at])
+    return found
+
+
+def main_loop(sass: str) -> list[str]:
+    """The longest of ``loops``."""
+    return max(loops(sass), key=len, default=[])
+
+
+def main_loop_length(sass: str) -> int:
+    return len(main_loop(sass))
+
+
+def opcode(instruction: str) -> str:
+    """A SASS instruction's opcode without its predicate and modifiers: "@!P1 HMMA.16816.F32 ..." -> "HMMA"."""
+    return re.sub(r"^\s*@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]
 
 
 def issue_bound_tb_s(loop_instructions: int, num_warps: int, tile_bytes: float) -> float:
@@ -200,14 +223,58 @@ def cases() -> dict[str, tuple]:
     return out
 
 
+def mla_cases() -> dict[str, tuple]:
+    """name -> (kernel, args, launch options): the MLA split kernel as ``mla_paged_decode`` launches it at
+    GLM-4.7-Flash's decode (20 heads, 512 + 64 latent channels, bs8 @ 4K, 16 splits): the gather kernel on the
+    engine's 16-row pages, the halves kernel gathering there and reading by TMA on 64-row pages."""
+    from agentrt_kernels.triton import mla_decode
+
+    bf = dict(dtype=torch.bfloat16)
+    out = {}
+    for name, page, tma in (("gather, page 16", 16, False), ("halves, page 16", 16, True),
+                            ("halves by TMA, page 64", 64, True)):
+        with captured_launches() as launches:
+            mla_decode.mla_paged_decode(torch.zeros(8, 20, 576, **bf), torch.zeros(64, page, 1, 576, **bf),
+                                        torch.zeros(8, 4096 // page, dtype=torch.int32),
+                                        torch.full((8,), 4096, dtype=torch.int32), 0.07, 512, num_splits=16, tma=tma)
+        out[name] = launches[0]  # the split kernel (the combine follows)
+    return out
+
+
+def mla_main(args) -> list[dict]:
+    rows = []
+    for name, (fn, kernel_args, options) in mla_cases().items():
+        r = compile_sm90(fn, kernel_args, **options)
+        block_n, warps = kernel_args["BLOCK_N"], options["num_warps"]
+        r["issue_bound_tb_s"] = issue_bound_tb_s(r["loop_instructions"], warps, block_n * 576 * 2)
+        rows.append({"kernel": name, "block_n": block_n, "num_warps": warps, "num_stages": options["num_stages"],
+                     **r})
+        print(json.dumps(rows[-1]), flush=True)
+    cols = ["block_n", "num_warps", "num_stages", "registers", "spill_stores", "programs_per_sm", "loop_instructions"]
+    print("\n" + f"{'kernel':24}" + "".join(f"{c[:10]:>11}" for c in cols)
+          + "  loops        mma warps  main loop's opcodes")
+    for r in rows:
+        print(f"{r['kernel']:24}" + "".join(f"{r[c]:>11}" for c in cols) + f"  {str(r['loop_lengths']):11}"
+              f"  {str(r['mma_warps']):9}  " + ", ".join(f"{k} {v}" for k, v in r["loop_mix"].items()))
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json")
     parser.add_argument("--block-n",
                         help="tile sizes to compile every kernel at, e.g. 32,64,128 (default: as launched)")
     parser.add_argument("--warps", help="warp counts, e.g. 4,8 (default: as launched)")
+    parser.add_argument("--mla", action="store_true",
+                        help="the MLA split kernels at GLM-4.7-Flash's decode instead (mla_cases)")
     args = parser.parse_args(argv)
     rows = []
+    if args.mla:
+        rows = mla_main(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return 0
     for name, (fn, kernel_args, options) in cases().items():
         for block_n in [int(b) for b in args.block_n.split(",")] if args.block_n else [kernel_args["BLOCK_N"]]:
             for warps in [int(w) for w in args.warps.split(",")] if args.warps else [options.get("num_warps", 4)]:

@@ -107,3 +107,22 @@ def test_the_main_loop_is_the_longest_predicated_branch_back():
             (0x50, "SYNCS.PHASECHK.TRANS64 P1, [UR4], R3"), (0x60, "@!P1 BRA 0x50"), (0x70, "BRA 0x20")]
     sass = "\n".join(f"        /*{a:04x}*/                   {text} ;" for a, text in body)
     assert main_loop_length(sass) == 3  # 0x10..0x30, not 0x20..0x70
+
+
+def test_the_mla_split_kernels_compile_with_their_loops_counted(tmp_path):
+    """``--mla``: the MLA split kernels as ``mla_paged_decode`` launches them at GLM-4.7-Flash's decode shape,
+    their loops counted: the halves kernel on 64-row pages has two (whole tiles by TMA, then the partial last tile
+    gathered), the TMA one shorter than the gather kernel's loop, which spends its instructions on addresses."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "mla.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.kernel_resources", "--mla", "--json", str(out)], env=env,
+                   check=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                   capture_output=True, timeout=300)
+    rows = {r["kernel"]: r for r in json.loads(out.read_text())}
+    gather, tma = rows["gather, page 16"], rows["halves by TMA, page 64"]
+    assert set(rows) == {"gather, page 16", "halves, page 16", "halves by TMA, page 64"}
+    for r in rows.values():
+        assert r["spill_stores"] == 0 and r["loop_mix"]["HMMA"] > 0 and len(r["mma_warps"]) == 2, r
+    assert tma["UTMALDG"] > 0 and gather["UTMALDG"] == 0
+    whole_tiles = tma["loop_lengths"][0]
+    assert whole_tiles < gather["loop_instructions"] and gather["loop_mix"]["IMAD"] > gather["loop_mix"]["HMMA"]
