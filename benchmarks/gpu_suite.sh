@@ -24,6 +24,8 @@
 #   decodelinear  the fused decode linears' launch sweep alone (fusedlinears: the sweep, then the engine with it)
 #   mlatma     the MLA decode kernel in value halves / through TMA against the gather kernel, alone and in `mla`
 #   moesum     the `mla` cases with the experts' top-k sum as its own launch, then inside the down GEMM
+#   mla32rows  GLM-4.7-Flash's projections swept at 32 rows into this GPU's table, then the `mla` cases with the
+#              halves kernel's default and with AGENTRT_MLA_TMA=0
 #   decodelinearmla  the same over GLM-4.7-Flash's attention projections and LM head (against cuBLAS); writes the
 #              winners into this GPU's tuned table in the checkout (copied to $OUT: commit it from there)
 #   router     the DeepSeek-V3 router at 8 / 32 decode rows (GLM-4.7-Flash's gate, the norm inside) over its launch
@@ -178,7 +180,7 @@ for step in "$@"; do
         run dense8fused 580 python -m benchmarks.throughput --shape llama-3.1-8b --cases 1@4096,8@4096,4@32768 --decode-tokens 64 \
             --max-num-batched-tokens 16384 --decode-steps 8 --fused-decode-linears both --hf \
             --json "$OUT/dense8fused.json" ;;
-    decodelinearmla)  # the same sweep over GLM-4.7-Flash's (MLA) projections at 1, 8 and 32 rows: fused launches vs cuBLAS
+    decodelinearmla)  # the same sweep over GLM-4.7-Flash's projections at 1, 8 and 32 rows: fused launches vs cuBLAS
         # (its rows are what tuned/decode_linear_<GPU>.json holds: the engine's fused path takes the winners)
         run decodelinearmla 440 python -m benchmarks.decode_linear --model glm-4.7-flash --rows 1,8,32 \
             --json "$OUT/decodelinearmla.json" --write-table "$(date -u +%F), python -m benchmarks.decode_linear \
@@ -214,7 +216,7 @@ for step in "$@"; do
                 --json "$OUT/mlapdl$pdl.json"
         done
         unset AGENTRT_PDL ;;
-    mlatma)  # the MLA decode kernel in value halves (AGENTRT_MLA_TMA=1; TMA reads where a tile is one page's rows)
+    mlatma)  # the MLA decode kernel in value halves (AGENTRT_MLA_TMA=1 / 0 on / off; TMA reads where a tile is one page's rows)
         # against the gather kernel: the kernel alone on 16- and 64-row pages, then the `mla` cases on each
         for page in 16 64; do
             run mlatmasweep$page 120 python -m benchmarks.mla_decode_sweep --cases 8@4096,32@4096 --page-size $page \
@@ -232,6 +234,17 @@ for step in "$@"; do
             AGENTRT_MOE_SUM_IN_DOWN=$fold run moesum$fold 200 python -m benchmarks.throughput --shape glm-4.7-flash \
                 --cases 8@4096,32@4096 --decode-tokens 128 --max-num-batched-tokens 16384 --decode-steps 8 \
                 --json "$OUT/moesum$fold.json"
+        done ;;
+    mla32rows)  # GLM-4.7-Flash's projections swept at 32 rows into this GPU's table (commit it from $OUT), then
+        # the `mla` cases with the halves kernel's default (bs32 takes it) and with the gather kernel throughout
+        run mla32rowssweep 300 python -m benchmarks.decode_linear --model glm-4.7-flash --rows 32 \
+            --json "$OUT/mla32rowssweep.json" --write-table "$(date -u +%F), python -m benchmarks.decode_linear \
+--model glm-4.7-flash --rows 32 --write-table (docs/benchmarks.md)"
+        cp agentrt_kernels/triton/tuned/decode_linear_*.json "$OUT/"
+        for tma in "" 0; do
+            AGENTRT_MLA_TMA=$tma run mla32rows_tma$tma 200 python -m benchmarks.throughput --shape glm-4.7-flash \
+                --cases 8@4096,32@4096 --decode-tokens 128 --max-num-batched-tokens 16384 --decode-steps 8 \
+                --json "$OUT/mla32rows_tma$tma.json"
         done ;;
     mlasnap128k)  # SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, each at its largest batch (decode only)
         # one request admitted at a time (each holds its 128K latent rows, ~7 GB, until SnapKV compacts it), one

@@ -253,8 +253,8 @@ def _topk_sum_kernel(src_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.co
 
 TOPK_SUM_BLOCK = 1024  # columns a program of the top-k sum takes
 # The top-k sum inside the down GEMM's launch (the last program of each column block adds the tokens' choices)
-# for at most this many tokens; AGENTRT_MOE_SUM_IN_DOWN=1 turns it on (not yet timed on a GPU), a ``config``
-# key of the same name per call
+# for at most this many tokens; AGENTRT_MOE_SUM_IN_DOWN=1 turns it on (off by default: a decode step measured no
+# shorter with it, docs/benchmarks.md), a ``config`` key of the same name per call
 SUM_IN_DOWN = os.environ.get("AGENTRT_MOE_SUM_IN_DOWN", "0") == "1"
 SUM_IN_DOWN_MAX_TOKENS = 64
 
