@@ -136,7 +136,8 @@ for step in "$@"; do
             tests/kernels/test_fla_gated_delta.py tests/kernels/test_latent_width_kernels.py tests/engine/test_host_copies.py \
             tests/kernels/test_gated_delta_step.py tests/kernels/test_gated_norm.py \
             tests/engine/test_mla_expanded_prefill.py tests/kernels/test_latent_inputs.py \
-            tests/kernels/test_grouped_router.py tests/kernels/test_kv_compact.py tests/kernels/test_head_matmul.py ;;
+            tests/kernels/test_grouped_router.py tests/kernels/test_kv_compact.py tests/kernels/test_head_matmul.py \
+            tests/kernels/test_arrival_counts.py ;;
     fused)  # the fused paths against the torch code they replace (KIVI encode, SnapKV vote, probe, RoPE+store)
         run fused 150 python -m benchmarks.fused_paths --json "$OUT/fused.json" ;;
     kernels)
