@@ -26,6 +26,7 @@
 #   moesum     the `mla` cases with the experts' top-k sum as its own launch, then inside the down GEMM
 #   mla32rows  GLM-4.7-Flash's projections swept at 32 rows into this GPU's table, then the `mla` cases with the
 #              halves kernel's default and with AGENTRT_MLA_TMA=0
+#   mlancu     Nsight Compute on the MLA split kernels (gather, halves, halves by TMA) at bs8 / bs32 @ 4K
 #   decodelinearmla  the same over GLM-4.7-Flash's attention projections and LM head (against cuBLAS); writes the
 #              winners into this GPU's tuned table in the checkout (copied to $OUT: commit it from there)
 #   router     the DeepSeek-V3 router at 8 / 32 decode rows (GLM-4.7-Flash's gate, the norm inside) over its launch
@@ -246,6 +247,15 @@ for step in "$@"; do
             AGENTRT_MLA_TMA=$tma run mla32rows_tma$tma 200 python -m benchmarks.throughput --shape glm-4.7-flash \
                 --cases 8@4096,32@4096 --decode-tokens 128 --max-num-batched-tokens 16384 --decode-steps 8 \
                 --json "$OUT/mla32rows_tma$tma.json"
+        done ;;
+    mlancu)  # Nsight Compute on the MLA split kernels, PDL off (a kernel's time without its wait for the one before):
+        # the gather and halves kernels on 16-row pages, the halves by TMA on 64-row ones, bs8 and bs32 @ 4K each
+        for c in 'gather 16 {"tma":false}' 'halves 16 {"tma":true}' 'tma 64 {"tma":true}'; do
+            set -- $c
+            AGENTRT_PDL=0 run mlancu_$1 200 /usr/local/cuda/bin/ncu --kernel-name regex:_mla_split --launch-skip 2 \
+                --launch-count 4 --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis_Tables \
+                --section Occupancy python -m benchmarks.mla_decode_sweep --cases 8@4096,32@4096 --page-size $2 \
+                --launch-only "$3" --launches 3
         done ;;
     mlasnap128k)  # SnapKV(4096) vs dense on the GLM-4.7-Flash shape at 128K, each at its largest batch (decode only)
         # one request admitted at a time (each holds its 128K latent rows, ~7 GB, until SnapKV compacts it), one

@@ -134,6 +134,24 @@ def run_case(batch: int, context: int, heads: int, rank: int, rope: int, space: 
     return row
 
 
+def launch_only(cases, heads: int, rank: int, rope: int, keywords: dict, launches: int, device) -> list[dict]:
+    """Each case's kernel launched ``launches`` times with ``keywords``, nothing timed: what a profiler attaches to
+    (``--launch-only``)."""
+    from agentrt_kernels.triton.mla_decode import mla_paged_decode
+
+    rows = []
+    for batch, context in cases:
+        q, latent, tables, lens = make_case(batch, context, heads, rank, rope, device)
+        for _ in range(launches):
+            out = mla_paged_decode(q, latent, tables, lens, (rank + rope) ** -0.5, rank, **keywords)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        rows.append({"batch": batch, "context": context, "page": PAGE, "keywords": keywords,
+                     "finite": bool(torch.isfinite(out).all())})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     global PAGE
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -148,6 +166,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                    "(keys of GRID; default: GRID)")
     ap.add_argument("--tiny", action="store_true", help="tiny sizes (a CPU smoke run through the interpreter)")
     ap.add_argument("--page-size", type=int, default=PAGE, help="tokens a page of the latent pool")
+    ap.add_argument("--launch-only", metavar="JSON",
+                    help="no timing: each case's kernel launched --launches times with these mla_paged_decode "
+                         "keywords (e.g. '{\"tma\": true}'; '{}' the default), for a profiler such as Nsight Compute")
+    ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     PAGE = args.page_size
@@ -155,6 +177,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     on_gpu = device.type == "cuda" and not args.tiny
     rank, rope, heads = (32, 16, 4) if args.tiny else (512, 64, args.heads)
     cases = [(2, 40)] if args.tiny else [tuple(map(int, c.split("@"))) for c in args.cases.split(",")]
+    if args.launch_only is not None:
+        return launch_only(cases, heads, rank, rope, json.loads(args.launch_only), args.launches, device)
     space, splits = (TINY_GRID, [1, 2]) if args.tiny else (GRID, SPLITS)
     if args.grid:
         space = json.loads(args.grid)

@@ -28,3 +28,18 @@ def test_the_tiny_sweep_agrees_with_the_default_launch(coded):
     assert row["top_by_splits"][0]["block_n"] == row["best"]["block_n"]
     assert all(s["max_rel_vs_default"] < 1e-2 for s in row["top_by_splits"])
     assert row["best_split"]["ms"] == min(s["ms"] for s in row["top_by_splits"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the smoke run is the CPU's")
+def test_launch_only_runs_the_kernel_with_the_keywords_given(monkeypatch):
+    """``--launch-only``: the kernel launched as often as asked with the keywords given (what a profiler attaches
+    to), nothing timed."""
+    from agentrt_kernels.triton import mla_decode
+    from benchmarks import mla_decode_sweep
+
+    calls = []
+    inner = mla_decode.mla_paged_decode
+    monkeypatch.setattr(mla_decode, "mla_paged_decode", lambda *a, **kw: calls.append(kw) or inner(*a, **kw))
+    rows = mla_decode_sweep.main(["--tiny", "--launch-only", '{"num_splits": 2}', "--launches", "3"])
+    assert [(r["batch"], r["context"], r["finite"]) for r in rows] == [(2, 40, True)]
+    assert calls == [{"num_splits": 2}] * 3
