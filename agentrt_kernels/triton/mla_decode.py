@@ -268,12 +268,15 @@ def mla_num_splits(batch: int, head_tiles: int, max_kv_len: int, sm_count: int =
 def halves_by_default(batch: int, head_tiles: int, max_kv_len: int, sm_count: int, block_h: int,
                       choice: str | None = None) -> bool:
     """Whether ``mla_paged_decode(tma=None)`` takes the halves kernel (``mla_decode_tma``) for 16-bit rows on
-    compute capability 9+: ``choice`` "1" (AGENTRT_MLA_TMA) always, "0" never, else where the halves launch's one
-    wave holds at most ``HALVES_MAX_SPLITS`` splits a request. It costs more a split (two accumulators, three
-    stages) and less a tile of rows: on an H100 at GLM-4.7-Flash's 20 heads it was faster at bs32 @ 4K (4
-    splits of 16 tiles) and not at bs8 (16 splits of 4; docs/benchmarks.md)."""
+    compute capability 9+: ``choice`` "1" (AGENTRT_MLA_TMA) always, "0" never, else for 32-head tiles (17-32
+    heads: the tile it was measured on) where the halves launch's one wave holds at most ``HALVES_MAX_SPLITS``
+    splits a request. It costs more a split (two accumulators, three stages) and less a tile of rows: on an H100
+    at GLM-4.7-Flash's 20 heads it was faster at bs32 @ 4K (4 splits of 16 tiles) and not at bs8 (16 splits of
+    4; docs/benchmarks.md)."""
     if choice in ("0", "1"):
         return choice == "1"
+    if block_h != 32:
+        return False
     launch = _launch_candidates(block_h, 512, torch.bfloat16, tma=True)[0]
     return mla_num_splits(batch, head_tiles, max_kv_len, sm_count, launch[3]) <= HALVES_MAX_SPLITS
 

@@ -282,6 +282,9 @@ def test_the_halves_kernel_by_default_where_its_wave_holds_few_long_splits():
     assert not halves_by_default(8, 1, 4096, 132, 32) and not halves_by_default(16, 1, 4096, 132, 32)
     assert halves_by_default(8, 1, 512, 132, 32)  # 2 splits of at least 256 rows
     assert halves_by_default(8, 1, 4096, 132, 32, choice="1") and not halves_by_default(32, 1, 4096, 132, 32, "0")
+    # only the 32-head tile it was measured on: 16- and 64-head tiles keep the gather kernel unless asked
+    assert not halves_by_default(64, 1, 4096, 132, 16) and not halves_by_default(32, 2, 4096, 132, 64)
+    assert halves_by_default(32, 2, 4096, 132, 64, choice="1")
 
 
 def test_rejects_bad_shapes():
