@@ -64,6 +64,32 @@ def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, eager, m
     assert calls and max(rows for _, rows, _ in calls) <= decode_linear_module.MAX_ROWS
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3_moe", "glm4_moe_lite"])
+def test_steps_of_17_to_32_tokens_take_the_32_row_tile(tiny_dirs, arch, monkeypatch):
+    """Steps past 16 tokens (here prompt chunks of up to 32) run the fused path on a 32-row dot tile: the same
+    greedy tokens and log-probabilities as the unfused layers (the per-head products at those rows:
+    tests/kernels/test_head_matmul.py)."""
+    rows = []
+    inner = decode_linear_module.decode_linear
+
+    def recording(x, weight, *args, **kw):
+        rows.append(x.shape[0])
+        return inner(x, weight, *args, **kw)
+
+    monkeypatch.setattr(decode_linear_module, "decode_linear", recording)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True)
+    outs = []
+    for fused in (False, True):
+        llm = LLM(tiny_dirs[arch], dtype="float32", device=DEVICE, page_size=4, max_num_batched_tokens=32,
+                  fused_decode_linears=fused, enforce_eager=True, num_pages=256)
+        outs.append(llm.generate(prompts((27, 9)), params))
+    ref, got = outs
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-4)
+    assert any(16 < r <= decode_linear_module.MAX_ROWS for r in rows), rows
+
+
 def test_latent_attention_one_row_steps_equal_the_unfused_layers(tiny_dirs, monkeypatch):
     """One request: its decode steps are single rows, which take the register (FMA) launch, q_b's operand a
     strided view of the merged projection's output."""
