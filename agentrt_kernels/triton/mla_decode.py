@@ -59,10 +59,9 @@ from agentrt_kernels.triton.decode_attention import (
     MAX_SPLITS,
     MIN_TOKENS_PER_SPLIT,
     split_partials,
-    split_range,
 )
 from agentrt_kernels.triton.mla_decode_tma import MAX_BOX, _mla_split_tma_kernel, tma_descriptors, tma_layout
-from agentrt_kernels.triton.mla_tiles import row_starts, store_split_lse, store_split_values
+from agentrt_kernels.triton.mla_tiles import row_starts, split_program, store_split_lse, store_split_values
 
 _LOG2E = 1.4426950408889634
 # ``mla_paged_decode(tma=None)`` on compute capability 9+: AGENTRT_MLA_TMA=1 always takes the halves kernel,
@@ -88,17 +87,10 @@ def _mla_split_kernel(
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    b = tl.program_id(2)
-    start, end = split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
-
-    offs_h = tl.arange(0, BLOCK_H)
+    b, split, start, end, head, h_mask = split_program(lens_ptr, num_heads, BLOCK_H, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
     offs_v = tl.arange(0, BLOCK_DV)  # value channels [0, DV)
     offs_r = DV + tl.arange(0, BLOCK_DR)  # the rest of the key [DV, DK) (the rope part)
     offs_n = tl.arange(0, BLOCK_N)
-    head = tile * BLOCK_H + offs_h
-    h_mask = head < num_heads
     v_mask = offs_v < DV
     r_mask = offs_r < DK
 

@@ -32,8 +32,7 @@ import triton
 import triton.language as tl
 
 from agentrt_kernels.triton._common import pdl_enter
-from agentrt_kernels.triton.decode_attention import split_range
-from agentrt_kernels.triton.mla_tiles import row_starts, store_split_lse, store_split_values
+from agentrt_kernels.triton.mla_tiles import row_starts, split_program, store_split_lse, store_split_values
 
 MAX_BOX = 256  # elements a side of one TMA box
 
@@ -96,18 +95,11 @@ def _mla_split_tma_kernel(
     PDL: tl.constexpr = False,
 ):
     pdl_enter(PDL)
-    tile = tl.program_id(0)
-    split = tl.program_id(1)
-    b = tl.program_id(2)
-    start, end = split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
-
-    offs_h = tl.arange(0, BLOCK_H)
+    b, split, start, end, head, h_mask = split_program(lens_ptr, num_heads, BLOCK_H, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
     offs_0 = tl.arange(0, HALF)  # the first half of the value channels
     offs_1 = HALF + offs_0  # the second half (past DV: channels the query zeroes)
     offs_r = DV + tl.arange(0, BLOCK_DR)  # the rest of the key (the rope part)
     offs_n = tl.arange(0, BLOCK_N)
-    head = tile * BLOCK_H + offs_h
-    h_mask = head < num_heads
 
     dot_ty = tl.float32 if UPCAST else q_ptr.dtype.element_ty
     q_rows = q_ptr + b.to(tl.int64) * stride_qb + head[:, None] * stride_qh

@@ -1,11 +1,26 @@
 """Device helpers the MLA split kernels share (``mla_decode``'s gather kernel, ``mla_decode_tma``'s halves kernel):
-a tile of latent rows found through the page table, and the split's output -- the normalised result itself with
-one split, else the partials ``decode_attention.split_partials`` lays out for the combine."""
+a program's place in the grid, a tile of latent rows found through the page table, and the split's output -- the
+normalised result itself with one split, else the partials ``decode_attention.split_partials`` lays out for the
+combine."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from agentrt_kernels.triton.decode_attention import split_range
+
+
+@triton.jit
+def split_program(lens_ptr, num_heads, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                  MIN_SPLIT: tl.constexpr):
+    """This program of the grid (head tiles, splits, requests): (request b, split, the split's slots [start, end),
+    its heads and their mask)."""
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    start, end = split_range(lens_ptr + b, split, BLOCK_N, NUM_SPLITS, MIN_SPLIT)
+    head = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return b, split, start, end, head, head < num_heads
 
 
 @triton.jit
