@@ -31,29 +31,44 @@ def prompts(lens=(9, 23, 14)):
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lens]
 
 
-@pytest.mark.parametrize("eager", [True] if DEVICE == "cpu" else [True, False], ids=lambda e: "eager" if e else "graphs")
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe_lite"])
-def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, eager, monkeypatch):
-    calls = []
+def record_calls(monkeypatch, note):
+    """Every ``decode_linear`` call goes through ``note(x, weight, keywords)`` first."""
     inner = decode_linear_module.decode_linear
 
-    def counting(x, weight, *args, **kw):
-        kind = ("silu" if kw.get("silu_mul") else "router" if kw.get("return_normed") else
-                "norm" if kw.get("norm") else "o_proj")
-        calls.append((kind, x.shape[0], weight.shape[1]))
+    def recording(x, weight, *args, **kw):
+        note(x, weight, kw)
         return inner(x, weight, *args, **kw)
 
-    monkeypatch.setattr(decode_linear_module, "decode_linear", counting)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=True)
+    monkeypatch.setattr(decode_linear_module, "decode_linear", recording)
+
+
+def assert_fused_equals_unfused(model_dir, prompt_lens, max_tokens, **engine_kw):
+    """Greedy generation without, then with, the fused path: the same tokens, log-probabilities to fp32
+    summation order."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=True)
     outs = []
     for fused in (False, True):
-        llm = LLM(tiny_dirs[arch], dtype="float32", device=DEVICE, page_size=4, max_num_batched_tokens=16,
-                  fused_decode_linears=fused, enforce_eager=eager, num_pages=256)
-        outs.append(llm.generate(prompts(), params))
+        llm = LLM(model_dir, dtype="float32", device=DEVICE, page_size=4, fused_decode_linears=fused, **engine_kw)
+        outs.append(llm.generate(prompts(prompt_lens), params))
     ref, got = outs
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     for a, b in zip(ref, got):
         torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("eager", [True] if DEVICE == "cpu" else [True, False], ids=lambda e: "eager" if e else "graphs")
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "qwen3_moe", "glm4_moe_lite"])
+def test_fused_decode_linears_equal_the_unfused_layers(tiny_dirs, arch, eager, monkeypatch):
+    calls = []
+
+    def counting(x, weight, kw):
+        kind = ("silu" if kw.get("silu_mul") else "router" if kw.get("return_normed") else
+                "norm" if kw.get("norm") else "o_proj")
+        calls.append((kind, x.shape[0], weight.shape[1]))
+
+    record_calls(monkeypatch, counting)
+    assert_fused_equals_unfused(tiny_dirs[arch], (9, 23, 14), 6, max_num_batched_tokens=16, enforce_eager=eager,
+                                num_pages=256)
     kinds = {k for k, _, _ in calls}  # (decode graphs: the calls of their capture)
     # latent attention: the input norm in q_a / kv_a's projection, q_a's norm in q_b's, o_proj; its dense first
     # layer's SiLU-and-mul; its MoE layers' router runs the post-attention norm itself (no decode_linear)
@@ -70,23 +85,9 @@ def test_steps_of_17_to_32_tokens_take_the_32_row_tile(tiny_dirs, arch, monkeypa
     greedy tokens and log-probabilities as the unfused layers (the per-head products at those rows:
     tests/kernels/test_head_matmul.py)."""
     rows = []
-    inner = decode_linear_module.decode_linear
-
-    def recording(x, weight, *args, **kw):
-        rows.append(x.shape[0])
-        return inner(x, weight, *args, **kw)
-
-    monkeypatch.setattr(decode_linear_module, "decode_linear", recording)
-    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=True)
-    outs = []
-    for fused in (False, True):
-        llm = LLM(tiny_dirs[arch], dtype="float32", device=DEVICE, page_size=4, max_num_batched_tokens=32,
-                  fused_decode_linears=fused, enforce_eager=True, num_pages=256)
-        outs.append(llm.generate(prompts((27, 9)), params))
-    ref, got = outs
-    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
-    for a, b in zip(ref, got):
-        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), rtol=0, atol=1e-4)
+    record_calls(monkeypatch, lambda x, weight, kw: rows.append(x.shape[0]))
+    assert_fused_equals_unfused(tiny_dirs[arch], (27, 9), 4, max_num_batched_tokens=32, enforce_eager=True,
+                                num_pages=256)
     assert any(16 < r <= decode_linear_module.MAX_ROWS for r in rows), rows
 
 
@@ -94,24 +95,15 @@ def test_latent_attention_one_row_steps_equal_the_unfused_layers(tiny_dirs, monk
     """One request: its decode steps are single rows, which take the register (FMA) launch, q_b's operand a
     strided view of the merged projection's output."""
     launches = []
-    inner = decode_linear_module.decode_linear
 
-    def recording(x, weight, *args, **kw):
+    def recording(x, weight, kw):
         if x.shape[0] == 1:
             launches.append(decode_linear_module.tuned_launch(weight.shape[0], weight.shape[1], 1, x.device,
                                                               x.element_size()))
-        return inner(x, weight, *args, **kw)
 
-    monkeypatch.setattr(decode_linear_module, "decode_linear", recording)
-    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=True)
-    outs = []
-    for fused in (False, True):
-        llm = LLM(tiny_dirs["glm4_moe_lite"], dtype="float32", device=DEVICE, page_size=4, max_num_batched_tokens=16,
-                  fused_decode_linears=fused, enforce_eager=True, num_pages=64)
-        outs.append(llm.generate(prompts((11,)), params)[0])
-    ref, got = outs
-    assert got.token_ids == ref.token_ids
-    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(ref.logprobs), rtol=0, atol=1e-4)
+    record_calls(monkeypatch, recording)
+    assert_fused_equals_unfused(tiny_dirs["glm4_moe_lite"], (11,), 5, max_num_batched_tokens=16, enforce_eager=True,
+                                num_pages=64)
     assert launches and all(launch.get("FMA") for launch in launches)
 
 
