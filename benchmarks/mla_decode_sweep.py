@@ -38,11 +38,11 @@ TOP_BY_SPLITS = 3
 TINY_GRID = {"block_h": [16], "block_n": [16, 32], "num_warps": [4], "num_stages": [2]}
 
 
-def make_case(batch: int, context: int, heads: int, rank: int, rope: int, device, seed: int = 0):
+def make_case(batch: int, context: int, heads: int, rank: int, rope: int, device, seed: int = 0, page: int = PAGE):
     gen = torch.Generator().manual_seed(seed)
-    pages_per = -(-context // PAGE)
+    pages_per = -(-context // page)
     num_pages = batch * pages_per
-    latent = torch.randn(num_pages, PAGE, 1, rank + rope, generator=gen).to(device, torch.bfloat16)
+    latent = torch.randn(num_pages, page, 1, rank + rope, generator=gen).to(device, torch.bfloat16)
     tables = torch.randperm(num_pages, generator=gen).view(batch, pages_per).to(device, torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, heads, rank + rope, generator=gen).to(device, torch.bfloat16)
@@ -61,8 +61,8 @@ def flashinfer_mla(q, latent, tables, lens, rank: int, scale: float):
     pages_per = tables.shape[1]
     indptr = torch.arange(0, (batch + 1) * pages_per, pages_per, dtype=torch.int32, device=q.device)
     qo = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
-    wrapper.plan(qo, indptr, tables.reshape(-1), lens, heads, rank, latent.shape[-1] - rank, PAGE, causal=False,
-                 sm_scale=scale, q_data_type=q.dtype, kv_data_type=latent.dtype)
+    wrapper.plan(qo, indptr, tables.reshape(-1), lens, heads, rank, latent.shape[-1] - rank, latent.shape[1],
+                 causal=False, sm_scale=scale, q_data_type=q.dtype, kv_data_type=latent.dtype)
     rows = latent[:, :, 0]
     q_nope, q_pe = q[..., :rank].contiguous(), q[..., rank:].contiguous()
     return lambda: wrapper.run(q_nope, q_pe, rows[..., :rank], rows[..., rank:])
@@ -78,10 +78,10 @@ def coded_case(latent: torch.Tensor, rank: int) -> tuple[torch.Tensor, dict]:
 
 
 def run_case(batch: int, context: int, heads: int, rank: int, rope: int, space: dict, splits: list[int],
-             device, on_gpu: bool, rate: float, coded: bool = False) -> dict:
+             device, on_gpu: bool, rate: float, coded: bool = False, page: int = PAGE) -> dict:
     from agentrt_kernels.triton.mla_decode import mla_paged_decode
 
-    q, rows, tables, lens = make_case(batch, context, heads, rank, rope, device)
+    q, rows, tables, lens = make_case(batch, context, heads, rank, rope, device, page=page)
     scale = (rank + rope) ** -0.5
     latent, kw = coded_case(rows, rank) if coded else (rows, {})
     # the rows' bytes (codes and their two fp32 scales a row when coded)
@@ -134,26 +134,26 @@ def run_case(batch: int, context: int, heads: int, rank: int, rope: int, space: 
     return row
 
 
-def launch_only(cases, heads: int, rank: int, rope: int, keywords: dict, launches: int, device) -> list[dict]:
+def launch_only(cases, heads: int, rank: int, rope: int, keywords: dict, launches: int, device,
+                page: int = PAGE) -> list[dict]:
     """Each case's kernel launched ``launches`` times with ``keywords``, nothing timed: what a profiler attaches to
     (``--launch-only``)."""
     from agentrt_kernels.triton.mla_decode import mla_paged_decode
 
     rows = []
     for batch, context in cases:
-        q, latent, tables, lens = make_case(batch, context, heads, rank, rope, device)
+        q, latent, tables, lens = make_case(batch, context, heads, rank, rope, device, page=page)
         for _ in range(launches):
             out = mla_paged_decode(q, latent, tables, lens, (rank + rope) ** -0.5, rank, **keywords)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        rows.append({"batch": batch, "context": context, "page": PAGE, "keywords": keywords,
+        rows.append({"batch": batch, "context": context, "page": page, "keywords": keywords,
                      "finite": bool(torch.isfinite(out).all())})
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    global PAGE
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--heads", type=int, default=20, help="query heads (GLM-4.7-Flash: 20; DeepSeek-V3: 128)")
     ap.add_argument("--cases", default="8@4096,32@4096,8@32768", help="BATCH@CONTEXT,...")
@@ -172,13 +172,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--launches", type=int, default=5)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    PAGE = args.page_size
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = device.type == "cuda" and not args.tiny
     rank, rope, heads = (32, 16, 4) if args.tiny else (512, 64, args.heads)
     cases = [(2, 40)] if args.tiny else [tuple(map(int, c.split("@"))) for c in args.cases.split(",")]
     if args.launch_only is not None:
-        return launch_only(cases, heads, rank, rope, json.loads(args.launch_only), args.launches, device)
+        return launch_only(cases, heads, rank, rope, json.loads(args.launch_only), args.launches, device,
+                           args.page_size)
     space, splits = (TINY_GRID, [1, 2]) if args.tiny else (GRID, SPLITS)
     if args.grid:
         space = json.loads(args.grid)
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     print(f"copy rate {rate / 1e9:.0f} GB/s" if on_gpu else "copy rate: none (CPU smoke run)")
     for batch, context in cases:
-        row = run_case(batch, context, heads, rank, rope, space, splits, device, on_gpu, rate, args.coded)
+        row = run_case(batch, context, heads, rank, rope, space, splits, device, on_gpu, rate, args.coded,
+                       args.page_size)
         row["copy_bytes_per_s"] = rate
         add_row(args.json, rows, row)
         best = row.get("best_split", {})
