@@ -158,15 +158,6 @@ def loops(sass: str) -> list[list[str]]:
     return found
 
 
-def main_loop(sass: str) -> list[str]:
-    """The longest of ``loops``."""
-    return max(loops(sass), key=len, default=[])
-
-
-def main_loop_length(sass: str) -> int:
-    return len(main_loop(sass))
-
-
 def opcode(instruction: str) -> str:
     """A SASS instruction's opcode without its predicate and modifiers: "@!P1 HMMA.16816.F32 ..." -> "HMMA"."""
     return re.sub(r"^\s*@!?U?P\w+\s+", "", instruction).split()[0].split(".")[0]

@@ -100,13 +100,14 @@ for name in ("_channel_groups_kernel", "_token_groups_kernel"):
 def test_the_main_loop_is_the_longest_predicated_branch_back():
     """A loop closes with a predicated branch back to its head; an unpredicated branch back returns from a block
     placed after the kernel's end (a TMA barrier's wait loop) and spans no loop."""
-    from benchmarks.kernel_resources import main_loop_length
+    from benchmarks.kernel_resources import loops
 
     body = [(0x00, "S2R R0, SR_TID.X"), (0x10, "HMMA.16816.F32.BF16 R4, R8, R12, R4"),
             (0x20, "FMUL R1, R1, R2"), (0x30, "@!P1 BRA 0x10"), (0x40, "EXIT"),
             (0x50, "SYNCS.PHASECHK.TRANS64 P1, [UR4], R3"), (0x60, "@!P1 BRA 0x50"), (0x70, "BRA 0x20")]
     sass = "\n".join(f"        /*{a:04x}*/                   {text} ;" for a, text in body)
-    assert main_loop_length(sass) == 3  # 0x10..0x30, not 0x20..0x70
+    found = [len(body) for body in loops(sass)]
+    assert max(found) == 3 and found == [3, 2]  # 0x10..0x30 and the wait 0x50..0x60, not 0x20..0x70
 
 
 def test_the_mla_split_kernels_compile_with_their_loops_counted(tmp_path):
