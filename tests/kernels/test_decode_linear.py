@@ -354,14 +354,16 @@ print(json.dumps(rows))
 
 def test_a_hopper_launch_waits_for_the_previous_kernel_first():
     """Compiled for sm_90a as an H100 / H200 launches it (q_b's shape, GLM-4.7-Flash, both kinds of launch; qkv_a's
-    with its reduction split): the wait for the previous kernel, then the next kernel let in, without spills."""
+    with its reduction split, at 8 rows and on the 32-row tile): the wait for the previous kernel, then the next
+    kernel let in, without spills."""
     from tests.kernels.sm90_compile import compiled_rows
 
     one_row = {"BLOCK_N": 8, "BLOCK_K": 512, "num_warps": 4, "num_stages": 3, "FMA": True, "SWAP": True}
     dot = {"BLOCK_N": 64, "BLOCK_K": 256, "num_warps": 4, "num_stages": 3, "FMA": False, "SWAP": True}
     rows = compiled_rows(_SM90_SCRIPT, [[5120, 768, 8, dot], [5120, 768, 1, one_row],
                                         [1344, 2048, 8, {**dot, "SPLIT_K": 8}],
-                                        [1344, 2048, 1, {**one_row, "BLOCK_K": 256, "SPLIT_K": 4}]])
-    assert [(r["fma"], r["split_k"]) for r in rows] == [(False, 1), (True, 1), (False, 8), (True, 4)]
+                                        [1344, 2048, 1, {**one_row, "BLOCK_K": 256, "SPLIT_K": 4}],
+                                        [1344, 2048, 32, {**dot, "SPLIT_K": 4}]])
+    assert [(r["fma"], r["split_k"]) for r in rows] == [(False, 1), (True, 1), (False, 8), (True, 4), (False, 4)]
     for r in rows:
         assert r["spill_stores"] == 0 and r["launch_order"] == ["wait", "launch_dependents"], r
