@@ -156,8 +156,9 @@ def pdl_enter(PDL: tl.constexpr):
 
 
 # (device, stream) -> arrival counters of launches whose last program to arrive finishes a tile (the split decode
-# linears, the experts' down GEMM adding each token's choices): zeros between launches (that last program resets
-# its tile's). Every buffer ever handed out stays referenced: a captured CUDA graph keeps its address.
+# linears, the experts' down GEMM adding each token's choices, paged decode attention merging its splits): zeros
+# between launches (that last program resets its tile's). Every buffer ever handed out stays referenced: a
+# captured CUDA graph keeps its address.
 _COUNTERS: dict[tuple, list[torch.Tensor]] = {}
 
 

@@ -21,8 +21,9 @@ and empty tail splits just emit an empty partial. Partial results are (acc / l, 
 
 Kernel 2, grid (B, Hq): merges the num_splits partials with max-rescaling. With num_splits == 1 kernel 1
 normalises and writes the output directly and kernel 2 is not launched. With ``fused_combine`` kernel 1
-counts each KV head's finished splits in a persistent int32 counter (an acq_rel atomic after its partial's
-store) and the split that arrives last merges the group's partials and resets the counter: no kernel 2.
+counts each KV head's finished splits on an arrival counter (``_common.arrival_counts``; ``last_to_arrive``: a
+barrier, then an acquire-release increment after its partial's store) and the split that arrives last merges the
+group's partials and resets the counter: no kernel 2.
 
 CUDA-graph safety: no host syncs (no ``.item()``, no reading kv_lens on the host); grid and buffer shapes
 depend only on B, Hq, D and num_splits, and the default num_splits only on B, Hkv and block_tables.shape.
@@ -35,7 +36,17 @@ import torch
 import triton
 import triton.language as tl
 
-from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2, num_sms, pdl, pdl_enter
+from agentrt_kernels.triton._common import (
+    arrival_counts,
+    cdiv,
+    check_last_dim_contiguous,
+    dot_args,
+    last_to_arrive,
+    next_pow2,
+    num_sms,
+    pdl,
+    pdl_enter,
+)
 
 _LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 256
@@ -145,10 +156,10 @@ def _decode_split_kernel(
             # the last of the group's splits to finish merges them (its acquire sees the others' partials)
             # and re-arms the counter for the next launch
             counter = counter_ptr + b.to(tl.int64) * tl.num_programs(1) + kvh
-            if tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SPLITS - 1:
+            if last_to_arrive(counter, NUM_SPLITS):
                 _merge_group(mid_o_ptr, mid_lse_ptr, out_ptr, b, head, g_mask, d_mask, offs_d, num_q_heads,
                              stride_ob, stride_oh, HEAD_DIM, NUM_SPLITS, BLOCK_S, BLOCK_G, BLOCK_D)
-                tl.atomic_xchg(counter, 0, sem="relaxed")
+                tl.store(counter, 0)
 
 
 @triton.jit
@@ -306,7 +317,7 @@ def paged_decode_attention(
     num_splits, mid_o, mid_lse = split_partials(out, num_kv_heads, max_kv_len, num_splits)
     upcast, precision = dot_args(_decode_split_kernel, q.dtype)
     fused = fused_combine and num_splits > 1
-    counters = _split_counters(batch * num_kv_heads, q.device) if fused else kv_lens  # (unused when not fused)
+    counters = arrival_counts(q.device, batch * num_kv_heads) if fused else kv_lens  # (unused when not fused)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, kv_lens, out, mid_o, mid_lse, counters,
         scale * _LOG2E,
@@ -325,15 +336,3 @@ def paged_decode_attention(
     return out
 
 
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _split_counters(n: int, device: torch.device) -> torch.Tensor:
-    """>= n zeroed int32 arrival counters on ``device``, re-armed to zero by the kernel that uses them. A
-    larger set replaces a smaller one for later launches, but every set stays allocated: a captured CUDA
-    graph keeps the address it was captured with."""
-    sets = _COUNTERS.setdefault(device, [])
-    if not sets or sets[-1].numel() < n:
-        sets.append(torch.zeros(max(n, 1024, 2 * (sets[-1].numel() if sets else 0)), dtype=torch.int32,
-                                device=device))
-    return sets[-1]

@@ -171,7 +171,7 @@ def test_paged_decode_attention_strided_q_and_empty_rows():
 def test_paged_decode_attention_fused_combine(dtype, group, num_splits):
     """The last split of each KV head merges the partials itself: the same output as the two-launch merge and
     the reference, empty rows zeros, and the arrival counters back at zero for the next launch."""
-    from agentrt_kernels.triton.decode_attention import _COUNTERS
+    from agentrt_kernels.triton._common import _COUNTERS
 
     _seed("decode-fused-combine", dtype, group, num_splits)
     hkv, d, page_size = 2, 64, 8
@@ -188,7 +188,8 @@ def test_paged_decode_attention_fused_combine(dtype, group, num_splits):
     _close(outs[1][keep], ref, ATTN_TOL[dtype])
     _close(outs[1], outs[0], (1e-6, 1e-6))
     assert torch.equal(outs[2], outs[1])  # the second launch found its counters re-armed
-    assert not _COUNTERS[q.device][-1].any()
+    stream = torch.cuda.current_stream().cuda_stream if q.is_cuda else 0
+    assert not _COUNTERS[(q.device, stream)][-1].any()
 
 
 def test_attention_kernels_refuse_strided_lengths():
