@@ -15,6 +15,8 @@
 #              batches, over tile sizes, warps, stages and splits (coded time vs the bytes it saves)
 #   moekernels the fused MoE kernel at T = 8 / 32 decode tokens (Qwen3-30B-A3B layer) against its routed
 #              experts' bytes at the copy rate, over block sizes, warps and stages
+#   moeglm     the same for GLM-4.7-Flash's MoE layer (64 experts, top-4, the shared expert in its slot) over a wider
+#              grid (16-column tiles, 256-deep, up to 5 stages)
 #   dense      Llama-3.1-8B shape decode roofline at bs1@4K, bs8@4K, bs4@32K (single steps overlapped and not),
 #              HF transformers in the same run
 #   prefill    prefill TFLOP/s of a 32K prompt (and 4 x 8K): triton vs triton+flashinfer
@@ -145,6 +147,8 @@ for step in "$@"; do
         run kernels 200 python benchmarks/attention_kernels.py --json "$OUT/kernels.json" ;;
     moekernels)
         run moekernels 240 python -m benchmarks.moe_kernels --json "$OUT/moekernels.json" ;;
+    moeglm)
+        run moeglm 300 python -m benchmarks.moe_kernels --shape glm-4.7-flash --grid wide --json "$OUT/moeglm.json" ;;
     codeckernels)
         run codeckernels 300 python -m benchmarks.codec_kernels --json "$OUT/codeckernels.json" ;;
     splits)  # our decode kernel over split counts beside flashinfer (TC on and off), one process
