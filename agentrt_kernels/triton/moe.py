@@ -33,6 +33,7 @@ expert's weight tiles for L2 reuse.
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
@@ -270,14 +271,40 @@ def topk_sum(down_out: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tenso
     return out
 
 
+DECODE_CONFIG_KEYS = ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "BLOCK_N_DOWN")
+
+
+def decode_config_override(text: str | None) -> dict[str, int]:
+    """``AGENTRT_MOE_DECODE_CONFIG``'s JSON object: launch keys (``DECODE_CONFIG_KEYS``, positive integers) over
+    the decode-size default -- to time a launch in the engine that ``benchmarks.moe_kernels`` found faster."""
+    if not text:
+        return {}
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"AGENTRT_MOE_DECODE_CONFIG is not JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise ValueError("AGENTRT_MOE_DECODE_CONFIG must be a JSON object of launch keys")
+    for key, value in cfg.items():
+        if key not in DECODE_CONFIG_KEYS:
+            raise ValueError(f"AGENTRT_MOE_DECODE_CONFIG: unknown key {key!r} (one of {', '.join(DECODE_CONFIG_KEYS)})")
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"AGENTRT_MOE_DECODE_CONFIG: {key} must be a positive integer, not {value!r}")
+    return cfg
+
+
+DECODE_CONFIG = decode_config_override(os.environ.get("AGENTRT_MOE_DECODE_CONFIG"))
+
+
 def _default_config(num_slots: int, num_experts: int) -> dict[str, int]:
     """Block shapes by tokens per expert (chosen on an H200, bf16, E=128 k=8 H=2048 I=768). Decode (one
     16-row block per expert): narrow, deep tiles, the fastest of ``python -m benchmarks.moe_kernels``' grid at
-    T = 8 and 32 (closer to the copy rate than 64 x 64 tiles; figures in docs/benchmarks.md)."""
+    T = 8 and 32 (closer to the copy rate than 64 x 64 tiles; figures in docs/benchmarks.md), or
+    ``AGENTRT_MOE_DECODE_CONFIG``'s keys over them."""
     per_expert = max(1, num_slots // max(1, num_experts))
     block_m = min(128, max(16, next_pow2(per_expert)))
     if block_m == 16:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+        return {**dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3), **DECODE_CONFIG}
     block_n = 128 if block_m >= 64 else 64
     num_warps = 8 if block_m * block_n >= 8192 else 4
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=64, GROUP_M=8, num_warps=num_warps, num_stages=3)

@@ -678,6 +678,31 @@ def test_the_top_k_sum_inside_the_down_gemm_is_the_separate_sums_bits(dtype, tok
     assert all(int(c.abs().sum()) == 0 for c in _common._COUNTERS[(x.device, stream)])
 
 
+def test_moe_decode_config_override(monkeypatch):
+    """``AGENTRT_MOE_DECODE_CONFIG``: its keys replace the decode-size default's (one 16-row block an expert) and
+    nothing else; bad JSON, other keys and non-positive values are refused naming the key; and the kernel under an
+    override still equals the dense experts."""
+    from agentrt_kernels.triton import moe
+
+    override = moe.decode_config_override('{"BLOCK_N": 16, "num_stages": 2, "BLOCK_N_DOWN": 64}')
+    monkeypatch.setattr(moe, "DECODE_CONFIG", override)
+    assert moe._default_config(8 * 5, 65) == dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, GROUP_M=8, num_warps=4,
+                                                  num_stages=2, BLOCK_N_DOWN=64)
+    assert moe._default_config(64 * 64, 8)["BLOCK_M"] == 128 and "BLOCK_N_DOWN" not in moe._default_config(4096, 8)
+    assert moe.decode_config_override("") == {} and moe.decode_config_override(None) == {}
+    for text, named in (("{", "not JSON"), ("[16]", "JSON object"), ('{"BLOCK_M": 32}', "'BLOCK_M'"),
+                        ('{"num_warps": 0}', "num_warps"), ('{"BLOCK_K": 64.0}', "BLOCK_K")):
+        with pytest.raises(ValueError, match=named):
+            moe.decode_config_override(text)
+    _seed("moe-override")
+    monkeypatch.setattr(moe, "DECODE_CONFIG", moe.decode_config_override('{"BLOCK_N": 16, "BLOCK_K": 32}'))
+    x = _randn(5, 64)
+    w_gate_up, w_down = _randn(6, 64, 64) / 8, _randn(6, 64, 32) / 6
+    topk_weights, topk_ids = torch.topk(torch.softmax(_randn(5, 6), dim=-1), 2, dim=-1)
+    _close(fused_moe(x, w_gate_up, w_down, topk_weights, topk_ids),
+           _dense_moe(x, w_gate_up, w_down, topk_weights, topk_ids), (1e-5, 1e-5))
+
+
 @pytest.mark.parametrize("tokens,top_k,experts,block_m", [(10, 3, 5, 4), (700, 2, 6, 16)])
 def test_moe_align_block_size(tokens, top_k, experts, block_m):
     _seed("moe-align", tokens, top_k, experts, block_m)
