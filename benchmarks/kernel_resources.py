@@ -36,6 +36,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from agentrt_kernels.triton import decode_attention, quant_decode
+from benchmarks.sweep_helpers import save_rows
 
 _BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 WATCH = ("LDGSTS", "LDG", "HMMA", "HGMMA", "I2F", "F2F", "F2FP", "MUFU", "UTMALDG")
@@ -232,7 +233,7 @@ def mla_cases() -> dict[str, tuple]:
     return out
 
 
-def mla_main(args) -> list[dict]:
+def mla_main() -> list[dict]:
     rows = []
     for name, (fn, kernel_args, options) in mla_cases().items():
         r = compile_sm90(fn, kernel_args, **options)
@@ -259,13 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mla", action="store_true",
                         help="the MLA split kernels at GLM-4.7-Flash's decode instead (mla_cases)")
     args = parser.parse_args(argv)
-    rows = []
     if args.mla:
-        rows = mla_main(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(rows, f, indent=1)
+        save_rows(args.json, mla_main())
         return 0
+    rows = []
     for name, (fn, kernel_args, options) in cases().items():
         for block_n in [int(b) for b in args.block_n.split(",")] if args.block_n else [kernel_args["BLOCK_N"]]:
             for warps in [int(w) for w in args.warps.split(",")] if args.warps else [options.get("num_warps", 4)]:
@@ -278,9 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + f"{'kernel':20}" + "".join(f"{c[:10]:>11}" for c in cols) + f"{'issue TB/s':>11}")
     for r in rows:
         print(f"{r['kernel']:20}" + "".join(f"{r[c]:>11}" for c in cols) + f"{r['issue_bound_tb_s']:>11.2f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+    save_rows(args.json, rows)
     return 0
 
 
