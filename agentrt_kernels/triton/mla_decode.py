@@ -212,7 +212,7 @@ Launch = tuple[int, int, int, int]
 
 
 def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: bool = False,
-                       keys_as_rows: bool = False, tma: bool = False) -> list[Launch]:
+                       keys_as_rows: bool = False, tma: bool = False, gathered: bool = False) -> list[Launch]:
     """The launches ``mla_paged_decode`` chooses among for a head tile, each with the programs a SM holds at once
     (registers and shared memory as ptxas reports them for sm_90a, Triton 3.6;
     ``benchmarks.kernel_resources.compile_sm90``). For latent widths of 256 and more (MLA's 512 + 64), bf16 /
@@ -227,11 +227,15 @@ def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: b
     16 x 32 and 32 x 16 on 8 warps, one a SM (the wider tiles spill there). Small widths (tests): 64 rows on 4
     warps, four a SM assumed (not a shape the sweep or the sm_90a compile checks cover). ``keys_as_rows`` (16-bit
     rows): 64 rows on 8 warps, three stages (wgmma, ~191 registers, 185 KB: one a SM; five stages would not fit).
-    ``tma`` (``mla_decode_tma``'s kernel, two accumulators of half the values): three stages at most (five spill
-    under TMA), 16 x 32 on 4 warps, 32 x 64 and 64 x 16 on 8 (one a SM)."""
+    ``tma`` (``mla_decode_tma``'s kernel, two accumulators of half the values): reading by TMA, three stages
+    (243 registers), 16 x 32 on 4 warps, 32 x 64 and 64 x 16 on 8 (one a SM); ``gathered`` (the pool's pages do
+    not hold whole 64-row tiles, so the halves kernel gathers them, as on the engine's 16-row pages): 32 x 64 on
+    8 warps in five stages (182 registers, 185 KB; the sweep's fastest there at bs8 and bs32 @ 4K)."""
     if block_dv < 256:
         return [(64, 4, 2, 4)]
     if tma:
+        if gathered and block_h == 32:
+            return [(64, 8, 5, 1)]
         return [{16: (32, 4, 3, 2), 32: (64, 8, 3, 1)}.get(block_h, (16, 8, 3, 1))]
     if keys_as_rows and dtype != torch.float32:
         return [(64, 8, 3, 1)]
@@ -258,17 +262,20 @@ def mla_num_splits(batch: int, head_tiles: int, max_kv_len: int, sm_count: int =
 
 
 def halves_by_default(batch: int, head_tiles: int, max_kv_len: int, sm_count: int, block_h: int,
-                      choice: str | None = None) -> bool:
+                      choice: str | None = None, gathered: bool = False) -> bool:
     """Whether ``mla_paged_decode(tma=None)`` takes the halves kernel (``mla_decode_tma``) for 16-bit rows on
     compute capability 9+: ``choice`` "1" (AGENTRT_MLA_TMA) always, "0" never, else for 32-head tiles (17-32
-    heads: the tile it was measured on) where the halves launch's one wave holds at most ``HALVES_MAX_SPLITS``
-    splits a request. It costs more a split (two accumulators, three stages) and less a tile of rows: on an H100
-    at GLM-4.7-Flash's 20 heads it was faster at bs32 @ 4K (4 splits of 16 tiles) and not at bs8 (16 splits of
-    4; docs/benchmarks.md)."""
+    heads: the tile it was measured on) where its tiles are ``gathered`` (pages that do not hold whole 64-row
+    tiles: its five-stage launch was faster than the gather kernel's at bs8 and bs32 @ 4K on 16-row pages), or,
+    reading by TMA (three stages), where its one wave holds at most ``HALVES_MAX_SPLITS`` splits a request: it
+    costs more a split and less a tile of rows, and on an H100 at GLM-4.7-Flash's 20 heads it was faster at bs32 @
+    4K (4 splits of 16 tiles) and not at bs8 (16 splits of 4; docs/benchmarks.md)."""
     if choice in ("0", "1"):
         return choice == "1"
     if block_h != 32:
         return False
+    if gathered:
+        return True
     launch = _launch_candidates(block_h, 512, torch.bfloat16, tma=True)[0]
     return mla_num_splits(batch, head_tiles, max_kv_len, sm_count, launch[3]) <= HALVES_MAX_SPLITS
 
@@ -361,12 +368,15 @@ def mla_paged_decode(
     max_kv_len = block_tables.shape[1] * page_size
     if tma and (row_scales is not None or keys_as_rows):
         raise ValueError("tma reads plain latent rows with the heads as the dots' rows (no row_scales, keys_as_rows)")
+    # the halves kernel's default tile (64 rows) would gather, not read by TMA, on these pages
+    gathered = tma_layout(latent, 64, dv, dk) is None
     if tma is None:
         tma = (row_scales is None and not keys_as_rows and q.is_cuda
                and torch.cuda.get_device_capability(q.device)[0] >= 9
-               and halves_by_default(batch, head_tiles, max_kv_len, num_sms(q.device), block_h, TMA_CHOICE))
+               and halves_by_default(batch, head_tiles, max_kv_len, num_sms(q.device), block_h, TMA_CHOICE,
+                                     gathered))
     tma = bool(tma) and block_dv <= 2 * MAX_BOX and q.dtype != torch.float32
-    candidates = _launch_candidates(block_h, block_dv, q.dtype, row_scales is not None, keys_as_rows, tma)
+    candidates = _launch_candidates(block_h, block_dv, q.dtype, row_scales is not None, keys_as_rows, tma, gathered)
     overrides = (block_n, num_warps, num_stages)
     if any(overrides):  # a caller's launch: the first candidate's for what it leaves out, and its residency
         first = candidates[0]

@@ -271,11 +271,20 @@ def test_the_launch_whose_one_wave_holds_the_most_splits():
 
 
 def test_the_halves_kernel_by_default_where_its_wave_holds_few_long_splits():
-    """``halves_by_default``: the halves launch (one program a SM) takes a call whose one wave holds at most
-    HALVES_MAX_SPLITS splits a request -- GLM-4.7-Flash's 20 heads (one 32-head tile) at bs32 @ 4K (4 splits),
-    not at bs8 @ 4K (16); a short context caps the splits too (bs8 @ 512: 2). AGENTRT_MLA_TMA's "1" / "0"
-    override both ways."""
-    from agentrt_kernels.triton.mla_decode import HALVES_MAX_SPLITS, halves_by_default
+    """``halves_by_default``: reading by TMA, the halves launch (one program a SM) takes a call whose one wave
+    holds at most HALVES_MAX_SPLITS splits a request -- GLM-4.7-Flash's 20 heads (one 32-head tile) at bs32 @ 4K
+    (4 splits), not at bs8 @ 4K (16); a short context caps the splits too (bs8 @ 512: 2). Gathering (pages that
+    do not hold whole tiles), its five-stage launch takes every call of a 32-head tile. AGENTRT_MLA_TMA's "1" /
+    "0" override both ways."""
+    from agentrt_kernels.triton.mla_decode import HALVES_MAX_SPLITS, _launch_candidates, halves_by_default
+
+    assert _launch_candidates(32, 512, torch.bfloat16, tma=True) == [(64, 8, 3, 1)]
+    assert _launch_candidates(32, 512, torch.bfloat16, tma=True, gathered=True) == [(64, 8, 5, 1)]
+    assert _launch_candidates(16, 512, torch.bfloat16, tma=True, gathered=True) == [(32, 4, 3, 2)]
+    assert halves_by_default(8, 1, 4096, 132, 32, gathered=True) and halves_by_default(1, 1, 32768, 132, 32, None, True)
+    assert not halves_by_default(8, 1, 4096, 132, 32, "0", gathered=True)
+    assert not halves_by_default(8, 2, 4096, 132, 16, gathered=True)
+    assert not halves_by_default(8, 1, 4096, 132, 64, gathered=True)
 
     assert HALVES_MAX_SPLITS == 4
     assert halves_by_default(32, 1, 4096, 132, 32) and halves_by_default(64, 1, 4096, 132, 32)
@@ -428,7 +437,7 @@ for page, batch, splits in json.loads(sys.argv[1]):
                                     tma=True)
     fn, args, options = launches[0]  # the split kernel (the combine follows)
     r = compile_sm90(fn, args, **options)
-    rows.append(dict(page=page, tma=args["TMA"], **{k: r[k] for k in (
+    rows.append(dict(page=page, tma=args["TMA"], stages=options["num_stages"], **{k: r[k] for k in (
         "registers", "spill_stores", "shared_bytes", "HMMA", "LDGSTS", "launch_order")}, tma_loads=r["UTMALDG"]))
 print(json.dumps(rows))
 """
@@ -437,11 +446,11 @@ print(json.dumps(rows))
 def test_the_halves_kernel_compiles_for_sm90_with_tma_loads_where_pages_allow():
     """The ``tma`` kernel's default launch at GLM-4.7-Flash's decode shape (20 heads, 512 + 64), as compiled for an
     H100 / H200: on 64-row pages its whole tiles come by TMA (UTMALDG), only the partial last tile by cp.async; on
-    the engine's 16-row pages (64-row tiles) every tile is gathered. No spills; the wait for the previous kernel
-    first."""
+    the engine's 16-row pages (64-row tiles) every tile is gathered, in five stages where TMA reads take three.
+    No spills, one SM's shared memory; the wait for the previous kernel first."""
     rows = compiled_rows(_SM90_TMA_SCRIPT, [[64, 8, 16], [16, 8, 16]])
-    assert [(r["page"], r["tma"]) for r in rows] == [(64, True), (16, False)]
+    assert [(r["page"], r["tma"], r["stages"]) for r in rows] == [(64, True, 3), (16, False, 5)]
     for r in rows:
-        assert r["spill_stores"] == 0 and r["HMMA"] > 0, r
+        assert r["spill_stores"] == 0 and r["HMMA"] > 0 and r["shared_bytes"] <= 227 * 1024, r
         assert r["launch_order"] == ["wait", "launch_dependents"], r
         assert (r["tma_loads"] > 0) == r["tma"] and r["LDGSTS"] > 0, r
