@@ -242,7 +242,7 @@ for step in "$@"; do
                 --json "$OUT/moesum$fold.json"
         done ;;
     mla32rows)  # GLM-4.7-Flash's projections swept at 32 rows into this GPU's table (commit it from $OUT), then
-        # the `mla` cases with the halves kernel's default (bs32 takes it) and with the gather kernel throughout
+        # the `mla` cases with the halves kernel's default (both batches take it) and with the gather kernel throughout
         run mla32rowssweep 300 python -m benchmarks.decode_linear --model glm-4.7-flash --rows 32 \
             --json "$OUT/mla32rowssweep.json" --write-table "$(date -u +%F), python -m benchmarks.decode_linear \
 --model glm-4.7-flash --rows 32 --write-table (docs/benchmarks.md)"
