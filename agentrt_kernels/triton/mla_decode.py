@@ -266,7 +266,8 @@ def halves_by_default(batch: int, head_tiles: int, max_kv_len: int, sm_count: in
     """Whether ``mla_paged_decode(tma=None)`` takes the halves kernel (``mla_decode_tma``) for 16-bit rows on
     compute capability 9+: ``choice`` "1" (AGENTRT_MLA_TMA) always, "0" never, else for 32-head tiles (17-32
     heads: the tile it was measured on) where its tiles are ``gathered`` (pages that do not hold whole 64-row
-    tiles: its five-stage launch was faster than the gather kernel's at bs8 and bs32 @ 4K on 16-row pages), or,
+    tiles: its five-stage launch was the fastest from bs1 to bs32 at 4K and 32K on 16-row pages) and a request's
+    programs fit one wave of one a SM (past that, unmeasured, the gather kernel's two a SM hold twice the wave), or,
     reading by TMA (three stages), where its one wave holds at most ``HALVES_MAX_SPLITS`` splits a request: it
     costs more a split and less a tile of rows, and on an H100 at GLM-4.7-Flash's 20 heads it was faster at bs32 @
     4K (4 splits of 16 tiles) and not at bs8 (16 splits of 4; docs/benchmarks.md)."""
@@ -275,7 +276,7 @@ def halves_by_default(batch: int, head_tiles: int, max_kv_len: int, sm_count: in
     if block_h != 32:
         return False
     if gathered:
-        return True
+        return batch * head_tiles <= sm_count
     launch = _launch_candidates(block_h, 512, torch.bfloat16, tma=True)[0]
     return mla_num_splits(batch, head_tiles, max_kv_len, sm_count, launch[3]) <= HALVES_MAX_SPLITS
 

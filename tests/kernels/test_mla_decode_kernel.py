@@ -274,8 +274,9 @@ def test_the_halves_kernel_by_default_where_its_wave_holds_few_long_splits():
     """``halves_by_default``: reading by TMA, the halves launch (one program a SM) takes a call whose one wave
     holds at most HALVES_MAX_SPLITS splits a request -- GLM-4.7-Flash's 20 heads (one 32-head tile) at bs32 @ 4K
     (4 splits), not at bs8 @ 4K (16); a short context caps the splits too (bs8 @ 512: 2). Gathering (pages that
-    do not hold whole tiles), its five-stage launch takes every call of a 32-head tile. AGENTRT_MLA_TMA's "1" /
-    "0" override both ways."""
+    do not hold whole tiles), its five-stage launch takes every call of a 32-head tile whose requests fit one wave
+    of one program a SM (bs132 of 20 heads on 132 SMs, not bs133). AGENTRT_MLA_TMA's "1" / "0" override both
+    ways."""
     from agentrt_kernels.triton.mla_decode import HALVES_MAX_SPLITS, _launch_candidates, halves_by_default
 
     assert _launch_candidates(32, 512, torch.bfloat16, tma=True) == [(64, 8, 3, 1)]
@@ -283,6 +284,8 @@ def test_the_halves_kernel_by_default_where_its_wave_holds_few_long_splits():
     assert _launch_candidates(16, 512, torch.bfloat16, tma=True, gathered=True) == [(32, 4, 3, 2)]
     assert halves_by_default(8, 1, 4096, 132, 32, gathered=True) and halves_by_default(1, 1, 32768, 132, 32, None, True)
     assert not halves_by_default(8, 1, 4096, 132, 32, "0", gathered=True)
+    assert halves_by_default(132, 1, 4096, 132, 32, gathered=True)
+    assert not halves_by_default(133, 1, 4096, 132, 32, gathered=True)
     assert not halves_by_default(8, 2, 4096, 132, 16, gathered=True)
     assert not halves_by_default(8, 1, 4096, 132, 64, gathered=True)
 
