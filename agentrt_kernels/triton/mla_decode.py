@@ -230,7 +230,7 @@ def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: b
     ``tma`` (``mla_decode_tma``'s kernel, two accumulators of half the values): reading by TMA, three stages
     (243 registers), 16 x 32 on 4 warps, 32 x 64 and 64 x 16 on 8 (one a SM); ``gathered`` (the pool's pages do
     not hold whole 64-row tiles, so the halves kernel gathers them, as on the engine's 16-row pages): 32 x 64 on
-    8 warps in five stages (182 registers, 185 KB; the sweep's fastest there at bs8 and bs32 @ 4K)."""
+    8 warps in five stages (182 registers, 185 KB; the sweep's fastest there, bs1 to bs32 at 4K and 32K)."""
     if block_dv < 256:
         return [(64, 4, 2, 4)]
     if tma:

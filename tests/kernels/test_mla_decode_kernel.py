@@ -270,7 +270,7 @@ def test_the_launch_whose_one_wave_holds_the_most_splits():
     assert choose_launch(_launch_candidates(16, 512, torch.bfloat16), 8, 2, 4096, 132) == ((32, 4, 2, 2), 16)
 
 
-def test_the_halves_kernel_by_default_where_its_wave_holds_few_long_splits():
+def test_when_the_halves_kernel_is_the_default():
     """``halves_by_default``: reading by TMA, the halves launch (one program a SM) takes a call whose one wave
     holds at most HALVES_MAX_SPLITS splits a request -- GLM-4.7-Flash's 20 heads (one 32-head tile) at bs32 @ 4K
     (4 splits), not at bs8 @ 4K (16); a short context caps the splits too (bs8 @ 512: 2). Gathering (pages that
