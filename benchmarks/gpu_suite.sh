@@ -48,6 +48,8 @@
 #   mlasweepfp8  the same over E4M3 latent rows (which launch the coded tile should default to)
 #   mlasweeprows the MLA decode kernel with its products transposed (keys_as_rows: the rows' tile as wgmma's M)
 #              against the default orientation, 64-row tiles, bs8 / bs32 @ 4K
+#   mlaheads   the MLA decode kernel's gather and halves launches (3 and 5 stages) at 16 heads (DeepSeek-V2-Lite's
+#              16-head tile) and 128 (DeepSeek-V3's two 64-head tiles), where the halves default is not measured
 #   mlaprefill absorbed vs expanded MLA prefill (one layer's attention at GLM-4.7-Flash's shape)
 #   mlaprefill128k  the same for a 128K prompt's 16K-token chunks at 64K and 112K contexts (expanded in blocks)
 #   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
@@ -400,6 +402,13 @@ for step in "$@"; do
         run mlasweeprows 400 python -m benchmarks.mla_decode_sweep --cases 8@4096,32@4096 \
             --grid '{"block_h": [32], "block_n": [64], "num_warps": [4, 8], "num_stages": [2, 3, 4], "keys_as_rows": [false, true]}' \
             --splits 8,16,24,32 --json "$OUT/mlasweeprows.json" ;;
+    mlaheads)  # the halves kernel's default covers 17-32 heads (the tile measured); these are the other tiles
+        run mlaheads16 250 python -m benchmarks.mla_decode_sweep --heads 16 --cases 8@4096,32@4096,8@32768 \
+            --grid '{"block_h":[16],"block_n":[32,64],"num_warps":[4,8],"num_stages":[2,3,5],"tma":[false,true]}' \
+            --splits 8,16,33 --json "$OUT/mlaheads16.json"
+        run mlaheads128 250 python -m benchmarks.mla_decode_sweep --heads 128 --cases 8@4096,32@4096,8@32768 \
+            --grid '{"block_h":[64],"block_n":[16,32],"num_warps":[8],"num_stages":[3,5],"tma":[false,true]}' \
+            --splits 4,8,16 --json "$OUT/mlaheads128.json" ;;
     mlasweepfp8)  # the same over E4M3 latent rows (kv_storage fp8), beside bf16 rows at their default launch
         run mlasweepfp8 400 python -m benchmarks.mla_decode_sweep --coded --json "$OUT/mlasweepfp8.json" ;;
     mlaprefill)  # absorbed vs expanded MLA prefill (one layer's attention, GLM-4.7-Flash shape), chunks 512-8K
