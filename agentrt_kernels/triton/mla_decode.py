@@ -60,7 +60,7 @@ from agentrt_kernels.triton.decode_attention import (
     MIN_TOKENS_PER_SPLIT,
     split_partials,
 )
-from agentrt_kernels.triton.mla_decode_tma import MAX_BOX, _mla_split_tma_kernel, tma_descriptors, tma_layout
+from agentrt_kernels.triton.mla_decode_tma import MAX_BOX, _mla_split_tma_kernel, tma_descriptors, tma_fits, tma_layout
 from agentrt_kernels.triton.mla_tiles import row_starts, split_program, store_split_lse, store_split_values
 
 _LOG2E = 1.4426950408889634
@@ -370,7 +370,7 @@ def mla_paged_decode(
     if tma and (row_scales is not None or keys_as_rows):
         raise ValueError("tma reads plain latent rows with the heads as the dots' rows (no row_scales, keys_as_rows)")
     # the halves kernel's default tile (64 rows) would gather, not read by TMA, on these pages
-    gathered = tma_layout(latent, 64, dv, dk) is None
+    gathered = not tma_fits(latent, 64, dv)
     if tma is None:
         tma = (row_scales is None and not keys_as_rows and q.is_cuda
                and torch.cuda.get_device_capability(q.device)[0] >= 9

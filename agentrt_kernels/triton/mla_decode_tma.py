@@ -37,18 +37,22 @@ from agentrt_kernels.triton.mla_tiles import row_starts, split_program, store_sp
 MAX_BOX = 256  # elements a side of one TMA box
 
 
+def tma_fits(latent: torch.Tensor, block_n: int, dv: int) -> bool:
+    """Whether this kernel can read the pool [num_pages, page_size, Dk] by TMA in tiles of ``block_n`` rows: page
+    size a multiple of BLOCK_N, rows of a page consecutive, 16-bit, Dv <= 512, rows and base 16-byte aligned."""
+    page_size, stride_p, stride_s = latent.shape[1], latent.stride(0), latent.stride(1)
+    return not (latent.dtype not in (torch.float16, torch.bfloat16) or page_size % block_n or block_n > MAX_BOX
+                or triton.next_power_of_2(dv) > 2 * MAX_BOX or latent.stride(-1) != 1
+                or stride_p != page_size * stride_s or (stride_s * latent.element_size()) % 16
+                or latent.data_ptr() % 16)
+
+
 def tma_layout(latent: torch.Tensor, block_n: int, dv: int, dk: int) -> torch.Tensor | None:
     """The pool [num_pages, page_size, Dk] as the 2-D row view the descriptors take, or None where this kernel
-    does not apply (page size not a multiple of BLOCK_N, rows of a page not consecutive, not 16-bit, Dv > 512,
-    rows or base not 16-byte aligned)."""
-    num_pages, page_size = latent.shape[0], latent.shape[1]
-    stride_p, stride_s = latent.stride(0), latent.stride(1)
-    item = latent.element_size()
-    if (latent.dtype not in (torch.float16, torch.bfloat16) or page_size % block_n or block_n > MAX_BOX
-            or triton.next_power_of_2(dv) > 2 * MAX_BOX or latent.stride(-1) != 1
-            or stride_p != page_size * stride_s or (stride_s * item) % 16 or latent.data_ptr() % 16):
+    does not apply (``tma_fits``)."""
+    if not tma_fits(latent, block_n, dv):
         return None
-    return latent.as_strided((num_pages * page_size, dk), (stride_s, 1))
+    return latent.as_strided((latent.shape[0] * latent.shape[1], dk), (latent.stride(1), 1))
 
 
 def tma_descriptors(rows: torch.Tensor, block_n: int, half: int, block_dr: int):
