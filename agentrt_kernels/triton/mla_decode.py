@@ -60,6 +60,7 @@ from agentrt_kernels.triton.decode_attention import (
     MIN_TOKENS_PER_SPLIT,
     split_partials,
 )
+from agentrt_kernels.triton.fitting_launch import launch_fitting
 from agentrt_kernels.triton.mla_decode_tma import MAX_BOX, _mla_split_tma_kernel, tma_descriptors, tma_fits, tma_layout
 from agentrt_kernels.triton.mla_tiles import row_starts, split_program, store_split_lse, store_split_values
 
@@ -216,38 +217,41 @@ def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: b
     """The launches ``mla_paged_decode`` chooses among for a head tile, each with the programs a SM holds at once
     (registers and shared memory as ptxas reports them for sm_90a, Triton 3.6;
     ``benchmarks.kernel_resources.compile_sm90``). For latent widths of 256 and more (MLA's 512 + 64), bf16 /
-    fp16 rows, the fastest of ``benchmarks.mla_decode_sweep`` at GLM-4.7-Flash's 20 heads (docs/benchmarks.md):
-    16 heads x 32 rows on 4 warps (~210 registers, two programs a SM); for 32-head tiles 32 x 64 on 8 warps, five
-    stages (~176 registers, 185 KB of shared memory: one a SM; the rotary channels' loads pipelined too, which two
-    stages leave synchronous), the fastest where a batch's splits fill one wave of those (bs8 @ 4K), and 32 x 32
-    on 4 warps (255 registers, a few bytes spilled: two a SM), the fastest where the wave of two a SM holds more
-    splits (bs32 @ 4K, bs8 @ 32K); 64 x 16 on 8 warps, three stages (wgmma, ~218
-    registers, 128 KB: one a SM). The latent loads are pipelined through shared memory (cp.async). fp32 latents
-    take 16 x 16 (110 registers; fp32 dots run on the FMA units). ``coded`` (E4M3 rows converted in registers):
-    16 x 32 and 32 x 16 on 8 warps, one a SM (the wider tiles spill there). Small widths (tests): 64 rows on 4
-    warps, four a SM assumed (not a shape the sweep or the sm_90a compile checks cover). ``keys_as_rows`` (16-bit
-    rows): 64 rows on 8 warps, three stages (wgmma, ~191 registers, 185 KB: one a SM; five stages would not fit).
-    ``tma`` (``mla_decode_tma``'s kernel, two accumulators of half the values): reading by TMA, three stages
-    (243 registers), 16 x 32 on 4 warps, 32 x 64 and 64 x 16 on 8 (one a SM); ``gathered`` (the pool's pages do
-    not hold whole 64-row tiles, so the halves kernel gathers them, as on the engine's 16-row pages): 32 x 64 on
-    8 warps in five stages (182 registers, 185 KB; the sweep's fastest there, bs1 to bs32 at 4K and 32K)."""
+    fp16 rows, the fastest of ``benchmarks.mla_decode_sweep`` (docs/benchmarks.md) at 16, 20 (GLM-4.7-Flash) and
+    128 heads (DeepSeek-V3): 16 heads x 32 rows on 4 warps (~210 registers, two programs a SM); for 32-head tiles
+    32 x 64 on 8 warps, five stages (~176 registers, 185 KB of shared memory: one a SM; the rotary channels' loads
+    pipelined too, which two stages leave synchronous), the fastest where a batch's splits fill one wave of those
+    (bs8 @ 4K), and 32 x 32 on 4 warps (255 registers, a few bytes spilled: two a SM), the fastest where the wave
+    of two a SM holds more splits (bs32 @ 4K, bs8 @ 32K); 64 x 32 on 8 warps, five stages (wgmma, ~246 registers,
+    185 KB: one a SM; 1.7x the 16-row tile). The latent loads are pipelined through shared memory (cp.async);
+    GPUs with less of it than Hopper take fewer stages or rows (``fitting_launch``). fp32 latents take 16 x 16
+    (110 registers; fp32 dots run on the FMA units). ``coded`` (E4M3 rows converted in registers): 64 rows on 8
+    warps, one a SM, for 16- and 32-head tiles (a few bytes spilled; 1.2-1.9x the 16- and 32-row tiles). Small
+    widths (tests): 64 rows on 4 warps, four a SM assumed (not a shape the sweep or the sm_90a compile checks
+    cover). ``keys_as_rows`` (16-bit rows): 64 rows on 8 warps, three stages (wgmma, ~191 registers, 185 KB: one a
+    SM; five stages would not fit). ``tma`` (``mla_decode_tma``'s kernel, two accumulators of half the values):
+    reading by TMA, three stages (243 registers), 16 x 32 on 4 warps, 32 x 64 and 64 x 16 on 8 (one a SM);
+    ``gathered`` (the pool's pages do not hold whole 64-row tiles, so the halves kernel gathers them, as on the
+    engine's 16-row pages), five stages: 16 x 32 on 4 warps (~179 registers, two a SM), 32 x 64 and 64 x 32 on 8
+    (182 and ~232 registers, 185 KB; one a SM) -- the sweep's fastest at each tile, bs8 and bs32 at 4K, bs8 at
+    32K (32-head tiles bs1 to bs32)."""
     if block_dv < 256:
         return [(64, 4, 2, 4)]
     if tma:
-        if gathered and block_h == 32:
-            return [(64, 8, 5, 1)]
+        if gathered:
+            return [{16: (32, 4, 5, 2), 32: (64, 8, 5, 1)}.get(block_h, (32, 8, 5, 1))]
         return [{16: (32, 4, 3, 2), 32: (64, 8, 3, 1)}.get(block_h, (16, 8, 3, 1))]
     if keys_as_rows and dtype != torch.float32:
         return [(64, 8, 3, 1)]
     if dtype == torch.float32:
         return [(16, 8, 2, 2)]
     if coded and block_h <= 32:
-        return [((32 if block_h == 16 else 16), 8, 2, 1)]
+        return [(64, 8, 2, 1)]
     if block_h == 16:
         return [(32, 4, 2, 2)]
     if block_h == 32:
         return [(64, 8, 5, 1), (32, 4, 2, 2)]
-    return [(16, 8, 3, 1)]
+    return [(32, 8, 5, 1)]
 
 
 def mla_num_splits(batch: int, head_tiles: int, max_kv_len: int, sm_count: int = 132,
@@ -264,19 +268,20 @@ def mla_num_splits(batch: int, head_tiles: int, max_kv_len: int, sm_count: int =
 def halves_by_default(batch: int, head_tiles: int, max_kv_len: int, sm_count: int, block_h: int,
                       choice: str | None = None, gathered: bool = False) -> bool:
     """Whether ``mla_paged_decode(tma=None)`` takes the halves kernel (``mla_decode_tma``) for 16-bit rows on
-    compute capability 9+: ``choice`` "1" (AGENTRT_MLA_TMA) always, "0" never, else for 32-head tiles (17-32
-    heads: the tile it was measured on) where its tiles are ``gathered`` (pages that do not hold whole 64-row
-    tiles: its five-stage launch was the fastest from bs1 to bs32 at 4K and 32K on 16-row pages) and a request's
-    programs fit one wave of one a SM (past that, unmeasured, the gather kernel's two a SM hold twice the wave), or,
-    reading by TMA (three stages), where its one wave holds at most ``HALVES_MAX_SPLITS`` splits a request: it
-    costs more a split and less a tile of rows, and on an H100 at GLM-4.7-Flash's 20 heads it was faster at bs32 @
-    4K (4 splits of 16 tiles) and not at bs8 (16 splits of 4; docs/benchmarks.md)."""
+    compute capability 9+: ``choice`` "1" (AGENTRT_MLA_TMA) always, "0" never, else where its tiles are
+    ``gathered`` (pages that do not hold whole 64-row tiles: its five-stage launches were the fastest at 16, 32
+    and 64 heads a tile, bs8 and bs32 at 4K, bs8 at 32K, on 16-row pages) and a call's head tiles fit one wave
+    of one program a SM (past that, unmeasured, the gather kernel's launches take it), or, reading by TMA (three
+    stages), for 32-head tiles (17-32 heads, the tile measured there) where its one wave holds at most
+    ``HALVES_MAX_SPLITS`` splits a request: it costs more a split and less a tile of rows, and on an H100 at
+    GLM-4.7-Flash's 20 heads it was faster at bs32 @ 4K (4 splits of 16 tiles) and not at bs8 (16 splits of 4;
+    docs/benchmarks.md)."""
     if choice in ("0", "1"):
         return choice == "1"
-    if block_h != 32:
-        return False
     if gathered:
         return batch * head_tiles <= sm_count
+    if block_h != 32:
+        return False
     launch = _launch_candidates(block_h, 512, torch.bfloat16, tma=True)[0]
     return mla_num_splits(batch, head_tiles, max_kv_len, sm_count, launch[3]) <= HALVES_MAX_SPLITS
 
@@ -390,37 +395,48 @@ def mla_paged_decode(
         num_splits = splits
     num_splits, mid_o, mid_lse = split_partials(out, 1, max_kv_len, num_splits)
     upcast, precision = dot_args(_mla_split_kernel, q.dtype)
+    on = pdl(q.device)
+    # GPUs with less shared memory a block than Hopper's (A100, L40S, sm_120) take fewer stages or rows
+    fit_key = ("mla", block_h, num_warps, q.dtype, latent.dtype, dk, dv, bool(keys_as_rows), bool(tma))
     if tma:
         half = max(16, block_dv // 2)
-        rows = tma_layout(latent, block_n, dv, dk)
-        v_desc, r_desc = tma_descriptors(rows, block_n, half, block_dr) if rows is not None else (None, None)
-        _mla_split_tma_kernel[(head_tiles, num_splits, batch)](
-            q, latent, v_desc, r_desc, block_tables, kv_lens, out, mid_o, mid_lse,
+
+        def launch_halves(rows_a_tile: int, stages: int) -> None:
+            rows = tma_layout(latent, rows_a_tile, dv, dk)
+            v_desc, r_desc = tma_descriptors(rows, rows_a_tile, half, block_dr) if rows is not None else (None, None)
+            _mla_split_tma_kernel[(head_tiles, num_splits, batch)](
+                q, latent, v_desc, r_desc, block_tables, kv_lens, out, mid_o, mid_lse,
+                scale * _LOG2E, num_heads,
+                q.stride(0), q.stride(1),
+                latent.stride(0), latent.stride(1),
+                block_tables.stride(0),
+                out.stride(0), out.stride(1),
+                BLOCK_H=block_h, DV=dv, HALF=half, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
+                PAGE_SIZE=page_size, BLOCK_N=rows_a_tile, NUM_SPLITS=num_splits,
+                MIN_SPLIT=max(0, int(min_split_tokens)), UPCAST=upcast, PRECISION=precision, TMA=rows is not None,
+                num_warps=num_warps, num_stages=stages, PDL=on, launch_pdl=on,
+            )
+
+        launch_fitting(launch_halves, q.device.index, fit_key, block_n, num_stages)
+        _combine(mid_o, mid_lse, out, num_splits, dv, block_dv, on)
+        return out
+
+    def launch(rows_a_tile: int, stages: int) -> None:
+        _mla_split_kernel[(head_tiles, num_splits, batch)](
+            q, latent, block_tables, kv_lens, out, mid_o, mid_lse, sv, sr,
             scale * _LOG2E, num_heads,
             q.stride(0), q.stride(1),
             latent.stride(0), latent.stride(1),
+            stride_sp, stride_ss,
             block_tables.stride(0),
             out.stride(0), out.stride(1),
-            BLOCK_H=block_h, DV=dv, HALF=half, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
-            PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
-            UPCAST=upcast, PRECISION=precision, TMA=rows is not None,
-            num_warps=num_warps, num_stages=num_stages, PDL=(on := pdl(q.device)), launch_pdl=on,
+            BLOCK_H=block_h, DV=dv, BLOCK_DV=block_dv, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
+            PAGE_SIZE=page_size, BLOCK_N=rows_a_tile, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
+            UPCAST=upcast, PRECISION=precision, CODED=row_scales is not None, KEYS_AS_ROWS=bool(keys_as_rows),
+            num_warps=num_warps, num_stages=stages, PDL=on, launch_pdl=on,
         )
-        _combine(mid_o, mid_lse, out, num_splits, dv, block_dv, on)
-        return out
-    _mla_split_kernel[(head_tiles, num_splits, batch)](
-        q, latent, block_tables, kv_lens, out, mid_o, mid_lse, sv, sr,
-        scale * _LOG2E, num_heads,
-        q.stride(0), q.stride(1),
-        latent.stride(0), latent.stride(1),
-        stride_sp, stride_ss,
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        BLOCK_H=block_h, DV=dv, BLOCK_DV=block_dv, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
-        PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=num_splits, MIN_SPLIT=max(0, int(min_split_tokens)),
-        UPCAST=upcast, PRECISION=precision, CODED=row_scales is not None, KEYS_AS_ROWS=bool(keys_as_rows),
-        num_warps=num_warps, num_stages=num_stages, PDL=(on := pdl(q.device)), launch_pdl=on,
-    )
+
+    launch_fitting(launch, q.device.index, fit_key, block_n, num_stages)
     _combine(mid_o, mid_lse, out, num_splits, dv, block_dv, on)
     return out
 
