@@ -49,7 +49,7 @@
 #   mlasweeprows the MLA decode kernel with its products transposed (keys_as_rows: the rows' tile as wgmma's M)
 #              against the default orientation, 64-row tiles, bs8 / bs32 @ 4K
 #   mlaheads   the MLA decode kernel's gather and halves launches (3 and 5 stages) at 16 heads (DeepSeek-V2-Lite's
-#              16-head tile) and 128 (DeepSeek-V3's two 64-head tiles), where the halves default is not measured
+#              16-head tile) and 128 (DeepSeek-V3's two 64-head tiles), beside flashinfer's MLA wrapper
 #   mlaprefill absorbed vs expanded MLA prefill (one layer's attention at GLM-4.7-Flash's shape)
 #   mlaprefill128k  the same for a 128K prompt's 16K-token chunks at 64K and 112K contexts (expanded in blocks)
 #   mlafp8     the Triton MLA decode kernel over fp8 latent rows vs bf16 rows (GLM-4.7-Flash shape, bs32 @ 4K)
@@ -402,7 +402,7 @@ for step in "$@"; do
         run mlasweeprows 400 python -m benchmarks.mla_decode_sweep --cases 8@4096,32@4096 \
             --grid '{"block_h": [32], "block_n": [64], "num_warps": [4, 8], "num_stages": [2, 3, 4], "keys_as_rows": [false, true]}' \
             --splits 8,16,24,32 --json "$OUT/mlasweeprows.json" ;;
-    mlaheads)  # the halves kernel's default covers 17-32 heads (the tile measured); these are the other tiles
+    mlaheads)  # the 16- and 64-head tiles (GLM-4.7-Flash's 20 heads take the 32-head tile, step `mla32rows`)
         run mlaheads16 250 python -m benchmarks.mla_decode_sweep --heads 16 --cases 8@4096,32@4096,8@32768 \
             --grid '{"block_h":[16],"block_n":[32,64],"num_warps":[4,8],"num_stages":[2,3,5],"tma":[false,true]}' \
             --splits 8,16,33 --json "$OUT/mlaheads16.json"

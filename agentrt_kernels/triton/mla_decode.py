@@ -223,7 +223,7 @@ def _launch_candidates(block_h: int, block_dv: int, dtype: torch.dtype, coded: b
     pipelined too, which two stages leave synchronous), the fastest where a batch's splits fill one wave of those
     (bs8 @ 4K), and 32 x 32 on 4 warps (255 registers, a few bytes spilled: two a SM), the fastest where the wave
     of two a SM holds more splits (bs32 @ 4K, bs8 @ 32K); 64 x 32 on 8 warps, five stages (wgmma, ~246 registers,
-    185 KB: one a SM; 1.7x the 16-row tile). The latent loads are pipelined through shared memory (cp.async);
+    185 KB: one a SM; 1.6-1.7x the 16-row tile). The latent loads are pipelined through shared memory (cp.async);
     GPUs with less of it than Hopper take fewer stages or rows (``fitting_launch``). fp32 latents take 16 x 16
     (110 registers; fp32 dots run on the FMA units). ``coded`` (E4M3 rows converted in registers): 64 rows on 8
     warps, one a SM, for 16- and 32-head tiles (a few bytes spilled; 1.2-1.9x the 16- and 32-row tiles). Small
