@@ -57,6 +57,7 @@ from agentrt_kernels.triton._common import (
     pdl_enter,
 )
 from agentrt_kernels.triton.activation import silu_and_mul
+from agentrt_kernels.triton.fitting_launch import launch_fitting
 from agentrt_kernels.triton.norm import rms_norm
 
 MAX_ROWS = 32
@@ -324,14 +325,22 @@ def decode_linear(
     ro = residual_out if residual_out is not None else x
     nw = norm[0] if norm is not None else x
     no = normed if normed is not None else x
-    _decode_linear_kernel[(tiles, split_k)](
-        x, r, nw, weight, bias if bias is not None else weight, y, ro, no, parts, sq_parts, counts,
-        rows, n, k, k_split, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), ro.stride(0), no.stride(0),
-        norm[1] if norm is not None else 0.0,
-        NORM=norm is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
-        STORE_OPERAND=return_normed,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, UPCAST=upcast,
-        PRECISION=precision, FMA=fma, SWAP=bool(cfg["SWAP"]), SPLIT_K=split_k,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], PDL=(on := pdl(x.device)), launch_pdl=on,
-    )
+    on = pdl(x.device)
+
+    def launch(columns_a_tile: int, stages: int) -> None:
+        _decode_linear_kernel[(tiles, split_k)](
+            x, r, nw, weight, bias if bias is not None else weight, y, ro, no, parts, sq_parts, counts,
+            rows, n, k, k_split, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), ro.stride(0), no.stride(0),
+            norm[1] if norm is not None else 0.0,
+            NORM=norm is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
+            STORE_OPERAND=return_normed,
+            BLOCK_M=block_m, BLOCK_N=columns_a_tile, BLOCK_K=block_k, UPCAST=upcast,
+            PRECISION=precision, FMA=fma, SWAP=bool(cfg["SWAP"]), SPLIT_K=split_k,
+            num_warps=cfg["num_warps"], num_stages=stages, PDL=on, launch_pdl=on,
+        )
+
+    # GPUs with less shared memory a block than Hopper's take two stages (the column tile stays: the grid and
+    # the split partials are laid out by it)
+    launch_fitting(launch, x.device.index, ("decode_linear", block_m, block_k, cfg["num_warps"], x.dtype), block_n,
+                   cfg["num_stages"], min_tile=block_n)
     return result

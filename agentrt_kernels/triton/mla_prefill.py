@@ -60,6 +60,7 @@ import triton
 import triton.language as tl
 
 from agentrt_kernels.triton._common import cdiv, check_last_dim_contiguous, dot_args, next_pow2
+from agentrt_kernels.triton.fitting_launch import launch_fitting
 
 _LOG2E = 1.4426950408889634
 
@@ -280,18 +281,24 @@ def mla_paged_prefill(
     head_tiles = cfg["HEAD_TILES"]
     upcast, precision = dot_args(_mla_prefill_kernel, q.dtype)
     grid = (math.ceil(max_query_len / cfg["BLOCK_Q"]) * head_tiles, batch)
-    _mla_prefill_kernel[grid](
-        q, latent, out, block_tables, kv_lens, query_start_loc, out if lse is None else lse,
-        scale * _LOG2E, num_heads,
-        q.stride(0), q.stride(1),
-        latent.stride(0), latent.stride(1),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        0 if lse is None else lse.stride(0),
-        HEAD_TILES=head_tiles, BLOCK_H=cfg["BLOCK_H"], BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"],
-        BLOCK_N=block_n, DV=dv, BLOCK_DV=block_dv, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
-        PAGE_SIZE=page_size, CAUSAL=bool(causal),
-        UPCAST=upcast, PRECISION=precision, STORE_LSE=lse is not None,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+
+    def launch(rows_a_tile: int, stages: int) -> None:
+        _mla_prefill_kernel[grid](
+            q, latent, out, block_tables, kv_lens, query_start_loc, out if lse is None else lse,
+            scale * _LOG2E, num_heads,
+            q.stride(0), q.stride(1),
+            latent.stride(0), latent.stride(1),
+            block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            0 if lse is None else lse.stride(0),
+            HEAD_TILES=head_tiles, BLOCK_H=cfg["BLOCK_H"], BLOCK_Q=cfg["BLOCK_Q"], BLOCK_M=cfg["BLOCK_M"],
+            BLOCK_N=rows_a_tile, DV=dv, BLOCK_DV=block_dv, DK=dk, BLOCK_DR=block_dr, HAS_REST=dk > dv,
+            PAGE_SIZE=page_size, CAUSAL=bool(causal),
+            UPCAST=upcast, PRECISION=precision, STORE_LSE=lse is not None,
+            num_warps=num_warps, num_stages=stages,
+        )
+
+    # GPUs with less shared memory a block than Hopper's take fewer stages or latent rows a tile
+    launch_fitting(launch, q.device.index, ("mla_prefill", cfg["BLOCK_M"], head_tiles, num_warps, q.dtype, dk, dv,
+                                            bool(causal)), block_n, num_stages)
     return out

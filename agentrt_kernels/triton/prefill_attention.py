@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from agentrt_kernels.triton._common import check_last_dim_contiguous, dot_args, next_pow2
+from agentrt_kernels.triton.fitting_launch import launch_fitting
 
 _LOG2E = 1.4426950408889634
 
@@ -202,17 +203,23 @@ def paged_prefill_attention(
     num_warps = num_warps or (d_warps if block_m >= 64 else 4)
     upcast, precision = dot_args(_prefill_kernel, q.dtype)
     grid = (triton.cdiv(max_query_len, block_q), batch, num_kv_heads)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, kv_lens, query_start_loc, out if lse is None else lse,
-        scale * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
-        out.stride(0), out.stride(1),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=page_size, CAUSAL=causal,
-        UPCAST=upcast, PRECISION=precision, STORE_LSE=lse is not None,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+
+    def launch(keys_a_tile: int, stages: int) -> None:
+        _prefill_kernel[grid](
+            q, k_cache, v_cache, out, block_tables, kv_lens, query_start_loc, out if lse is None else lse,
+            scale * _LOG2E,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            block_tables.stride(0),
+            out.stride(0), out.stride(1),
+            GROUP=group, BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=keys_a_tile,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, PAGE_SIZE=page_size, CAUSAL=causal,
+            UPCAST=upcast, PRECISION=precision, STORE_LSE=lse is not None,
+            num_warps=num_warps, num_stages=stages,
+        )
+
+    # GPUs with less shared memory a block than Hopper's take fewer stages or keys a tile
+    launch_fitting(launch, q.device.index, ("prefill", block_m, num_warps, q.dtype, head_dim, causal), block_n,
+                   num_stages)
     return out
