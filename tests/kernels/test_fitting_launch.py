@@ -1,10 +1,18 @@
 """``agentrt_kernels.triton.fitting_launch``: a launch past the GPU's shared memory steps down to one that fits."""
 
+import os
+
 import pytest
 import torch
-from triton.runtime.errors import OutOfResources
 
-from agentrt_kernels.triton import fitting_launch
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from triton.runtime.errors import OutOfResources  # noqa: E402
+
+from agentrt_kernels.triton import fitting_launch  # noqa: E402
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def test_a_launch_past_the_gpus_shared_memory_steps_down_and_is_remembered():
@@ -88,6 +96,7 @@ def _mla_decode():
     g = torch.Generator().manual_seed(1)
     q, latent = torch.randn(3, 20, 48, generator=g), torch.randn(12, 16, 1, 48, generator=g)
     bt, lens = torch.arange(12, dtype=torch.int32).reshape(3, 4), torch.tensor([60, 17, 33], dtype=torch.int32)
+    q, latent, bt, lens = (t.to(DEVICE) for t in (q, latent, bt, lens))
     return mla_decode, "_mla_split_kernel", lambda: mla_decode.mla_paged_decode(q, latent, bt, lens, 0.2, 32,
                                                                                num_splits=2, num_stages=3)
 
@@ -99,6 +108,7 @@ def _mla_prefill():
     q, latent = torch.randn(40, 20, 48, generator=g), torch.randn(12, 16, 1, 48, generator=g)
     bt, lens = torch.arange(12, dtype=torch.int32).reshape(2, 6), torch.tensor([70, 30], dtype=torch.int32)
     qsl = torch.tensor([0, 30, 40], dtype=torch.int32)
+    q, latent, bt, lens, qsl = (t.to(DEVICE) for t in (q, latent, bt, lens, qsl))
     return mla_prefill, "_mla_prefill_kernel", lambda: mla_prefill.mla_paged_prefill(
         q, latent, bt, lens, qsl, 0.2, 32, max_query_len=30)
 
@@ -111,6 +121,7 @@ def _prefill():
         12, 16, 2, 16, generator=g)
     bt, lens = torch.arange(12, dtype=torch.int32).reshape(2, 6), torch.tensor([70, 30], dtype=torch.int32)
     qsl = torch.tensor([0, 30, 40], dtype=torch.int32)
+    q, k, v, bt, lens, qsl = (t.to(DEVICE) for t in (q, k, v, bt, lens, qsl))
     return prefill_attention, "_prefill_kernel", lambda: prefill_attention.paged_prefill_attention(
         q, k, v, bt, lens, qsl, 0.25, max_query_len=30, num_stages=3)
 
@@ -120,6 +131,7 @@ def _decode_linear():
 
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(5, 128, generator=g), torch.randn(96, 128, generator=g) / 128**0.5
+    x, w = x.to(DEVICE), w.to(DEVICE)
     return decode_linear, "_decode_linear_kernel", lambda: decode_linear.decode_linear(
         x, w, launch={"BLOCK_N": 32, "BLOCK_K": 64, "num_stages": 3})
 
