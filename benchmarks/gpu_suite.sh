@@ -59,7 +59,8 @@
 #              under torch.profiler (benchmarks/replay_profile.py): busy / idle GPU time by step kind
 #   hostcopies SnapKV chains under the 24-session pressure replay with turn-end host copies on, then off
 #   gputests   the GPU cases added since the last `tests` run: expanded MLA prefill, MLA decode, RMSNorm modes,
-#              chain loads on a side stream, fla-core and a hybrid chain's turn-end state copy on a side stream
+#              chain loads on a side stream, fla-core and a hybrid chain's turn-end state copy on a side stream,
+#              launches stepped down for shared memory (fitting_launch), E4M3 latent rows
 #   moe        Qwen3-30B-A3B shape decode roofline (fused MoE), with the host phases of a decode step; then
 #              the same with --decode-steps 8
 #   profilesteps  whole decode steps under torch.profiler (MoE bs8@4K, dense bs1@4K): device busy / idle
@@ -377,13 +378,14 @@ for step in "$@"; do
                 --snapkv-config '{"budget": 4096}' --engine-options "{\"chain_host_copies\": $copies}" \
                 --out "$OUT/hostcopies_$copies"
         done ;;
-    gputests)  # the GPU cases added since the last `tests` run: expanded MLA prefill, the MLA decode launch, RMSNorm
+    gputests)  # the GPU cases added since the last `tests` run: expanded MLA prefill, the MLA decode launch, RMSNorm,
+        # launches stepped down for shared memory, E4M3 latent rows
         run gputests 380 python -m pytest -v -n 4 --tb=short -rf --timeout 200 -p no:cacheprovider \
             tests/engine/test_mla_expanded_prefill.py tests/kernels/test_mla_prefill_bench.py \
             tests/kernels/test_mla_decode_kernel.py tests/kernels/test_triton_kernels.py tests/engine/test_async_loads.py \
             tests/kernels/test_latent_inputs.py tests/kernels/test_grouped_router.py tests/kernels/test_kv_compact.py \
             tests/engine/test_mla_gpu_parity.py tests/kernels/test_triton_selection.py \
-            tests/engine/test_fused_decode_linears.py
+            tests/engine/test_fused_decode_linears.py tests/kernels/test_fitting_launch.py tests/engine/test_mla_fp8.py
         # fla-core's tests in a process of their own: a worker crashed in them while four shared the card
         run gputestsfla 150 python -m pytest -v --tb=short -rf --timeout 120 -p no:cacheprovider \
             tests/kernels/test_fla_gated_delta.py ;;
