@@ -327,20 +327,20 @@ def decode_linear(
     no = normed if normed is not None else x
     on = pdl(x.device)
 
-    def launch(columns_a_tile: int, stages: int) -> None:
+    def launch(depth_a_tile: int, stages: int) -> None:
         _decode_linear_kernel[(tiles, split_k)](
             x, r, nw, weight, bias if bias is not None else weight, y, ro, no, parts, sq_parts, counts,
             rows, n, k, k_split, x.stride(0), r.stride(0), weight.stride(0), y.stride(0), ro.stride(0), no.stride(0),
             norm[1] if norm is not None else 0.0,
             NORM=norm is not None, RESIDUAL=residual is not None, SILU_MUL=silu_mul, HAS_BIAS=bias is not None,
             STORE_OPERAND=return_normed,
-            BLOCK_M=block_m, BLOCK_N=columns_a_tile, BLOCK_K=block_k, UPCAST=upcast,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=depth_a_tile, UPCAST=upcast,
             PRECISION=precision, FMA=fma, SWAP=bool(cfg["SWAP"]), SPLIT_K=split_k,
             num_warps=cfg["num_warps"], num_stages=stages, PDL=on, launch_pdl=on,
         )
 
-    # GPUs with less shared memory a block than Hopper's take two stages (the column tile stays: the grid and
-    # the split partials are laid out by it)
-    launch_fitting(launch, x.device.index, ("decode_linear", block_m, block_k, cfg["num_warps"], x.dtype), block_n,
-                   cfg["num_stages"], min_tile=block_n)
+    # GPUs with less shared memory a block than Hopper's take fewer stages or shallower K tiles (a split's range
+    # is whole BLOCK_K steps, so whole steps of half the depth too)
+    launch_fitting(launch, x.device.index, ("decode_linear", block_m, block_n, cfg["num_warps"], x.dtype), block_k,
+                   cfg["num_stages"])
     return result

@@ -55,8 +55,8 @@ def test_a_launch_past_the_gpus_shared_memory_steps_down_and_is_remembered():
 
 
 def test_a_launch_whose_tile_is_fixed_steps_down_in_stages_only():
-    """``min_tile`` at the tile asked for (the fused decode linears: the grid and split partials are laid out by
-    the column tile): two stages, and past them the refusal itself."""
+    """``min_tile`` at the tile asked for (a kernel whose tile cannot shrink): two stages, and past them the
+    refusal itself."""
     calls = []
 
     def launch(tile, stages):
@@ -75,15 +75,15 @@ class _SmallSharedMemory:
     """A Triton kernel as on a GPU with less shared memory a block than the launch asks for: its first launch is
     refused (``OutOfResources``, before it runs), later ones run the kernel."""
 
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, []
+    def __init__(self, kernel, tile):
+        self.kernel, self.tile, self.launches = kernel, tile, []
 
     def __getattr__(self, name):
         return getattr(self.kernel, name)
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
-            self.launches.append((kwargs["BLOCK_N"], kwargs["num_stages"]))
+            self.launches.append((kwargs[self.tile], kwargs["num_stages"]))
             if len(self.launches) == 1:
                 raise OutOfResources(300 * 1024, 99 * 1024, "shared memory")
             return self.kernel[grid](*args, **kwargs)
@@ -97,7 +97,7 @@ def _mla_decode():
     q, latent = torch.randn(3, 20, 48, generator=g), torch.randn(12, 16, 1, 48, generator=g)
     bt, lens = torch.arange(12, dtype=torch.int32).reshape(3, 4), torch.tensor([60, 17, 33], dtype=torch.int32)
     q, latent, bt, lens = (t.to(DEVICE) for t in (q, latent, bt, lens))
-    return mla_decode, "_mla_split_kernel", lambda: mla_decode.mla_paged_decode(q, latent, bt, lens, 0.2, 32,
+    return mla_decode, "_mla_split_kernel", "BLOCK_N", lambda: mla_decode.mla_paged_decode(q, latent, bt, lens, 0.2, 32,
                                                                                num_splits=2, num_stages=3)
 
 
@@ -109,7 +109,7 @@ def _mla_prefill():
     bt, lens = torch.arange(12, dtype=torch.int32).reshape(2, 6), torch.tensor([70, 30], dtype=torch.int32)
     qsl = torch.tensor([0, 30, 40], dtype=torch.int32)
     q, latent, bt, lens, qsl = (t.to(DEVICE) for t in (q, latent, bt, lens, qsl))
-    return mla_prefill, "_mla_prefill_kernel", lambda: mla_prefill.mla_paged_prefill(
+    return mla_prefill, "_mla_prefill_kernel", "BLOCK_N", lambda: mla_prefill.mla_paged_prefill(
         q, latent, bt, lens, qsl, 0.2, 32, max_query_len=30)
 
 
@@ -122,7 +122,7 @@ def _prefill():
     bt, lens = torch.arange(12, dtype=torch.int32).reshape(2, 6), torch.tensor([70, 30], dtype=torch.int32)
     qsl = torch.tensor([0, 30, 40], dtype=torch.int32)
     q, k, v, bt, lens, qsl = (t.to(DEVICE) for t in (q, k, v, bt, lens, qsl))
-    return prefill_attention, "_prefill_kernel", lambda: prefill_attention.paged_prefill_attention(
+    return prefill_attention, "_prefill_kernel", "BLOCK_N", lambda: prefill_attention.paged_prefill_attention(
         q, k, v, bt, lens, qsl, 0.25, max_query_len=30, num_stages=3)
 
 
@@ -132,8 +132,8 @@ def _decode_linear():
     g = torch.Generator().manual_seed(4)
     x, w = torch.randn(5, 128, generator=g), torch.randn(96, 128, generator=g) / 128**0.5
     x, w = x.to(DEVICE), w.to(DEVICE)
-    return decode_linear, "_decode_linear_kernel", lambda: decode_linear.decode_linear(
-        x, w, launch={"BLOCK_N": 32, "BLOCK_K": 64, "num_stages": 3})
+    return decode_linear, "_decode_linear_kernel", "BLOCK_K", lambda: decode_linear.decode_linear(
+        x, w, launch={"BLOCK_N": 32, "BLOCK_K": 64, "num_stages": 2})
 
 
 @pytest.mark.parametrize("case", [_mla_decode, _mla_prefill, _prefill, _decode_linear])
@@ -141,11 +141,11 @@ def test_each_kernel_wrapper_runs_a_smaller_launch_where_its_own_is_refused(case
     """The MLA decode and prefill kernels, the paged prefill kernel and the fused decode linears, as on a GPU that
     refuses their launch for shared memory: the next smaller launch runs (two stages, or a halved tile where the
     launch has two already), and its output is the one the launch asked for gives where that fits."""
-    module, name, call = case()
+    module, name, tile_name, call = case()
     fitting_launch._FITTED.clear()
     want = call()
     fitting_launch._FITTED.clear()
-    proxy = _SmallSharedMemory(getattr(module, name))
+    proxy = _SmallSharedMemory(getattr(module, name), tile_name)
     monkeypatch.setattr(module, name, proxy)
     got = call()
     fitting_launch._FITTED.clear()
